@@ -1,0 +1,271 @@
+"""BERT encoder in Flax NNX, used functionally.
+
+Parameters are plain nested dicts of arrays (see `realm_jax.model.functional`),
+so a subtree such as the retriever's can be handed to another job. Names
+follow the BERT paper and the released checkpoints closely enough that the
+importers in `realm_jax.checkpoint_import` map them one to one:
+
+  embeddings/{word_embeddings,position_embeddings,token_type_embeddings}
+  embeddings/layer_norm
+  layer_{i}/attention/{query,key,value,output,layer_norm}
+  layer_{i}/{intermediate,output,layer_norm}
+  pooler
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """Sizes and numerics of a BERT encoder.
+
+  Attributes:
+    vocab_size: wordpiece vocabulary size.
+    hidden_size: width of every layer.
+    num_layers: number of transformer layers.
+    num_heads: attention heads; must divide hidden_size.
+    intermediate_size: width of the feed-forward layer.
+    max_position_embeddings: longest sequence the position table covers.
+    type_vocab_size: number of segment ids.
+    hidden_dropout: dropout on embeddings and every residual branch.
+    attention_dropout: dropout on attention probabilities.
+    layer_norm_eps: LayerNorm epsilon (1e-12 in BERT and REALM).
+    gelu_approximate: tanh approximation of GELU (Google BERT, REALM) or the
+      exact erf form (Hugging Face "gelu", e.g. MiniLM).
+    initializer_range: stddev of the truncated-normal initialiser.
+    dtype: compute dtype, "float32" or "bfloat16". Parameters, LayerNorm and
+      softmax stay in float32.
+  """
+
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  intermediate_size: int = 3072
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  hidden_dropout: float = 0.1
+  attention_dropout: float = 0.1
+  layer_norm_eps: float = 1e-12
+  gelu_approximate: bool = True
+  initializer_range: float = 0.02
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                 "intermediate_size", "max_position_embeddings",
+                 "type_vocab_size"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"BertConfig.{name} must be positive, got "
+                         f"{getattr(self, name)}.")
+    if self.hidden_size % self.num_heads:
+      raise ValueError(
+          f"BertConfig.hidden_size={self.hidden_size} is not divisible by "
+          f"num_heads={self.num_heads}; pick a head count that divides it.")
+    for name in ("hidden_dropout", "attention_dropout"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"BertConfig.{name} must be in [0, 1), got "
+                         f"{getattr(self, name)}.")
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"BertConfig.dtype must be one of {sorted(_DTYPES)}, "
+                       f"got {self.dtype!r}.")
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @classmethod
+  def from_hf_config(cls, hf: dict[str, Any], **overrides) -> "BertConfig":
+    """Builds a config from a Hugging Face BERT `config.json` dict."""
+    act = hf.get("hidden_act", "gelu")
+    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+      raise ValueError(f"Unsupported hidden_act {act!r} in the Hugging Face "
+                       "config; realm_jax's BERT supports GELU only.")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+      raise ValueError("Only absolute position embeddings are supported, the "
+                       f"config asks for {hf['position_embedding_type']!r}.")
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 512),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
+        attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        gelu_approximate=act != "gelu",
+        initializer_range=hf.get("initializer_range", 0.02),
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+  """Inverted dropout; the identity when `rng` is None (evaluation)."""
+  if rng is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def _fold(rng: jax.Array | None, i: int) -> jax.Array | None:
+  return None if rng is None else jax.random.fold_in(rng, i)
+
+
+def dense(config: BertConfig, in_features: int, out_features: int, *,
+          rngs: nnx.Rngs) -> nnx.Linear:
+  """A BERT-initialised dense layer computing in the config's dtype."""
+  return nnx.Linear(
+      in_features, out_features,
+      kernel_init=nnx.initializers.truncated_normal(config.initializer_range),
+      dtype=config.compute_dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def layer_norm(features: int, eps: float, *, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  # Always float32: bfloat16 LayerNorm statistics lose too much precision.
+  return nnx.LayerNorm(features, epsilon=eps, dtype=jnp.float32,
+                       param_dtype=jnp.float32, rngs=rngs)
+
+
+class BertEmbeddings(nnx.Module):
+  """Word + position + segment embeddings, LayerNorm, dropout."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    init = nnx.initializers.truncated_normal(config.initializer_range)
+
+    def embed(n):
+      return nnx.Embed(n, config.hidden_size, embedding_init=init,
+                       param_dtype=jnp.float32, rngs=rngs)
+
+    self.word_embeddings = embed(config.vocab_size)
+    self.position_embeddings = embed(config.max_position_embeddings)
+    self.token_type_embeddings = embed(config.type_vocab_size)
+    self.layer_norm = layer_norm(config.hidden_size, config.layer_norm_eps,
+                                 rngs=rngs)
+
+  def __call__(self, token_ids, segment_ids, dropout_rng):
+    seq_len = token_ids.shape[-1]
+    if seq_len > self.config.max_position_embeddings:
+      raise ValueError(
+          f"Sequence length {seq_len} exceeds max_position_embeddings="
+          f"{self.config.max_position_embeddings}.")
+    h = (self.word_embeddings(token_ids)
+         + self.position_embeddings.embedding[...][:seq_len]
+         + self.token_type_embeddings(segment_ids))
+    h = self.layer_norm(h)
+    return dropout(h, self.config.hidden_dropout, dropout_rng)
+
+
+class BertAttention(nnx.Module):
+  """Multi-head self-attention with the output projection and residual."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    h = config.hidden_size
+    self.query = dense(config, h, h, rngs=rngs)
+    self.key = dense(config, h, h, rngs=rngs)
+    self.value = dense(config, h, h, rngs=rngs)
+    self.output = dense(config, h, h, rngs=rngs)
+    self.layer_norm = layer_norm(h, config.layer_norm_eps, rngs=rngs)
+
+  def __call__(self, x, attention_bias, dropout_rng):
+    c = self.config
+    x_in = x.astype(c.compute_dtype)
+    split = lambda t: t.reshape(*t.shape[:-1], c.num_heads, c.head_dim)
+    q, k, v = (split(f(x_in)) for f in (self.query, self.key, self.value))
+    # [batch, heads, query, key]; softmax in float32.
+    scores = jnp.einsum("...qhd,...khd->...hqk", q, k,
+                        preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(c.head_dim)) + attention_bias
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = dropout(probs, c.attention_dropout, _fold(dropout_rng, 0))
+    context = jnp.einsum("...hqk,...khd->...qhd",
+                         probs.astype(c.compute_dtype), v)
+    context = context.reshape(*context.shape[:-2], c.hidden_size)
+    out = dropout(self.output(context), c.hidden_dropout,
+                  _fold(dropout_rng, 1))
+    return self.layer_norm(out.astype(jnp.float32) + x)
+
+
+class BertLayer(nnx.Module):
+  """One transformer layer: attention then the GELU feed-forward block."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.attention = BertAttention(config, rngs=rngs)
+    self.intermediate = dense(config, config.hidden_size,
+                              config.intermediate_size, rngs=rngs)
+    self.output = dense(config, config.intermediate_size, config.hidden_size,
+                        rngs=rngs)
+    self.layer_norm = layer_norm(config.hidden_size, config.layer_norm_eps,
+                                 rngs=rngs)
+
+  def __call__(self, x, attention_bias, dropout_rng):
+    c = self.config
+    x = self.attention(x, attention_bias, _fold(dropout_rng, 0))
+    h = jax.nn.gelu(self.intermediate(x.astype(c.compute_dtype)),
+                    approximate=c.gelu_approximate)
+    h = dropout(self.output(h), c.hidden_dropout, _fold(dropout_rng, 1))
+    return self.layer_norm(h.astype(jnp.float32) + x)
+
+
+class Bert(nnx.Module):
+  """BERT: embeddings, `num_layers` transformer layers and the tanh pooler."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embeddings = BertEmbeddings(config, rngs=rngs)
+    for i in range(config.num_layers):
+      setattr(self, f"layer_{i}", BertLayer(config, rngs=rngs))
+    self.pooler = dense(config, config.hidden_size, config.hidden_size,
+                        rngs=rngs)
+
+  def __call__(
+      self,
+      token_ids: jax.Array,
+      input_mask: jax.Array,
+      segment_ids: jax.Array | None = None,
+      *,
+      dropout_rng: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """Encodes a batch.
+
+    Args:
+      token_ids: int [..., seq] wordpiece ids.
+      input_mask: [..., seq], 1 for real tokens and 0 for padding.
+      segment_ids: int [..., seq] segment ids (zeros if None).
+      dropout_rng: PRNG key enabling dropout; None for deterministic runs.
+
+    Returns:
+      sequence_output: float32 [..., seq, hidden].
+      pooled_output: float32 [..., hidden], tanh(Dense(h_[CLS])).
+    """
+    if segment_ids is None:
+      segment_ids = jnp.zeros_like(token_ids)
+    # Additive mask over keys, broadcast over heads and queries.
+    attention_bias = jnp.where(input_mask[..., None, None, :] > 0, 0.0,
+                               -1e9).astype(jnp.float32)
+    h = self.embeddings(token_ids, segment_ids,
+                        _fold(dropout_rng, self.config.num_layers))
+    for i in range(self.config.num_layers):
+      h = getattr(self, f"layer_{i}")(h, attention_bias,
+                                      _fold(dropout_rng, i))
+    pooled = jnp.tanh(self.pooler(h[..., 0, :].astype(
+        self.config.compute_dtype)).astype(jnp.float32))
+    return h, pooled

@@ -1,0 +1,141 @@
+"""REALM's marginal likelihoods and metrics.
+
+Pre-training (per masked token j, as the released code does):
+  log p(y_j|x) = logsumexp_z [log_softmax_z f(x, z) + log p(y_j|z, x)]
+  loss = -mean over real masks.
+Open-QA fine-tuning:
+  retriever loss = -log sum_{z positive} p(z|x) over the retrieved blocks,
+  reader loss    = -log sum_{(z, s) positive} p(z, s|x) over (block, span),
+each zeroed for an example with no positive.
+
+Pre-training returns SUMS over masks plus the mask count, so a data-parallel
+step can divide by the global count and get exactly the single-device loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite stand-in for -inf inside log-sum-exps: keeps gradients NaN-free when
+# a row has no admissible entry (its result is then discarded).
+_NEG = -1e30
+
+
+def masked_logsumexp(x: jax.Array, mask: jax.Array,
+                     axis=-1) -> tuple[jax.Array, jax.Array]:
+  """log sum exp of the entries where `mask` is true.
+
+  Returns:
+    (value, any): value is finite garbage where no entry is admitted; `any`
+    says where at least one is, so callers can select with jnp.where.
+  """
+  safe = jnp.where(mask, x, _NEG)
+  return jax.nn.logsumexp(safe, axis=axis), jnp.any(mask, axis=axis)
+
+
+def token_log_likelihoods(mlm_logits: jax.Array,
+                          mlm_targets: jax.Array) -> jax.Array:
+  """log p(y_j|z, x): [B, C, M, V] logits, [B, M] targets -> [B, C, M]."""
+  log_probs = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)
+  targets = jnp.broadcast_to(mlm_targets[:, None, :, None],
+                             log_probs.shape[:-1] + (1,))
+  return jnp.take_along_axis(log_probs, targets, axis=-1)[..., 0]
+
+
+def marginal_log_likelihood(retrieval_logits: jax.Array,
+                            token_ll: jax.Array) -> jax.Array:
+  """log p(y_j|x) = logsumexp_z [log p(z|x) + log p(y_j|z, x)] -> [B, M]."""
+  log_p_z = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), axis=-1)
+  return jax.nn.logsumexp(log_p_z[:, :, None] + token_ll, axis=1)
+
+
+def pretraining_loss(
+    retrieval_logits: jax.Array,
+    mlm_logits: jax.Array,
+    mlm_targets: jax.Array,
+    mlm_weights: jax.Array,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """REALM's per-masked-token marginal loss, as sums.
+
+  Args:
+    retrieval_logits: [B, C] f(x, z); candidate 0 is the null document.
+    mlm_logits: [B, C, M, V] reader logits at the masked positions.
+    mlm_targets: int [B, M] original wordpiece ids.
+    mlm_weights: [B, M] 1 for real masks, 0 for padding.
+
+  Returns:
+    loss_sum: -sum_j w_j log p(y_j|x).
+    weight_sum: sum_j w_j (divide loss_sum by its global value).
+    metric_sums: sums over real masks of `marginal_log_likelihood`,
+      `null_log_likelihood` (log p(y_j|null doc, x)), `retrieval_utility`
+      (their difference) and `mlm_correct` (argmax of the marginal predictive
+      distribution equals the target).
+  """
+  weights = mlm_weights.astype(jnp.float32)
+  token_ll = token_log_likelihoods(mlm_logits, mlm_targets)
+  marginal = marginal_log_likelihood(retrieval_logits, token_ll)
+  null_ll = token_ll[:, 0, :]
+  # Marginal predictive distribution over the vocabulary for accuracy.
+  log_p_z = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), -1)
+  log_p_v = jax.nn.logsumexp(
+      log_p_z[:, :, None, None]
+      + jax.nn.log_softmax(mlm_logits.astype(jnp.float32), -1), axis=1)
+  correct = (jnp.argmax(log_p_v, -1) == mlm_targets).astype(jnp.float32)
+  metric_sums = {
+      "marginal_log_likelihood": jnp.sum(marginal * weights),
+      "null_log_likelihood": jnp.sum(null_ll * weights),
+      "retrieval_utility": jnp.sum((marginal - null_ll) * weights),
+      "mlm_correct": jnp.sum(correct * weights),
+  }
+  return -jnp.sum(marginal * weights), jnp.sum(weights), metric_sums
+
+
+def retrieval_utility(retrieval_logits, mlm_logits, mlm_targets,
+                      mlm_weights) -> jax.Array:
+  """Mean over real masks of log p(y|x) - log p(y|null document, x)."""
+  _, weight_sum, sums = pretraining_loss(retrieval_logits, mlm_logits,
+                                         mlm_targets, mlm_weights)
+  return sums["retrieval_utility"] / jnp.maximum(weight_sum, 1.0)
+
+
+def retriever_marginal_loss(retrieval_logits: jax.Array,
+                            positives: jax.Array,
+                            valid: jax.Array | None = None) -> jax.Array:
+  """Open-QA retriever loss per question.
+
+  Args:
+    retrieval_logits: [B, K] scores of the retrieved blocks.
+    positives: bool [B, K], the block's text contains an answer.
+    valid: optional bool [B, K], False for padding blocks.
+
+  Returns:
+    float32 [B]: -log sum_{positive} p(z|x), 0 where no positive.
+  """
+  if valid is None:
+    valid = jnp.ones_like(positives, dtype=bool)
+  logits = retrieval_logits.astype(jnp.float32)
+  log_norm, _ = masked_logsumexp(logits, valid)
+  log_pos, has_pos = masked_logsumexp(logits, positives & valid)
+  return jnp.where(has_pos, log_norm - log_pos, 0.0)
+
+
+def reader_marginal_loss(reader_logits: jax.Array,
+                         positives: jax.Array) -> jax.Array:
+  """Open-QA reader loss per question over (block, span) pairs.
+
+  Args:
+    reader_logits: [B, R, L, W] span scores with the block's retrieval logit
+      added; -inf marks inadmissible spans.
+    positives: bool [B, R, L, W], the span equals an answer.
+
+  Returns:
+    float32 [B]: -log sum_{positive (z, s)} p(z, s|x), 0 where no positive.
+  """
+  batch = reader_logits.shape[0]
+  logits = reader_logits.astype(jnp.float32).reshape(batch, -1)
+  valid = jnp.isfinite(logits)
+  pos = positives.reshape(batch, -1) & valid
+  log_norm, _ = masked_logsumexp(logits, valid)
+  log_pos, has_pos = masked_logsumexp(logits, pos)
+  return jnp.where(has_pos, log_norm - log_pos, 0.0)

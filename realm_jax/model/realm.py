@@ -1,0 +1,354 @@
+"""REALM's retriever p(z|x) and knowledge-augmented encoder (reader) p(y|z,x).
+
+Retriever: Embed(x) = LayerNorm(Dense_128(pool(BERT(x)))) and
+f(x, z) = Embed(x) . Embed(z). The pooling is configurable: REALM's tanh
+pooler over [CLS] for the released checkpoints, mean pooling for
+sentence-embedding initialisations such as MiniLM (see DESIGN.md).
+
+Reader: BERT over `[CLS] x [SEP] z_body [SEP]` with
+- an MLM head (dense + GELU + LayerNorm, output embeddings tied to the word
+  embeddings, plus a bias) evaluated only at the masked positions, and
+- a span head: h -> Dense(2 * 256) split into start/end halves;
+  score(s, e) = w . LayerNorm_1e-3(ReLU(start[s] + end[e])) + b over spans of
+  width 1..max_span_width inside the document tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from realm_jax.model.bert import Bert, BertConfig, dense, layer_norm
+
+POOLINGS = ("pooler", "cls", "mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrieverConfig:
+  """The dual encoder.
+
+  Attributes:
+    bert: the encoder's sizes.
+    projection_size: output size of the Dense + LayerNorm projection (128 in
+      REALM); None for no projection (the pooled vector is the embedding).
+    pooling: "pooler" (REALM: tanh(Dense(h_[CLS]))), "cls" (h_[CLS]) or
+      "mean" (mean of the real tokens' hidden states).
+    normalize: L2-normalise embeddings (sentence-embedding models).
+    share_towers: one BERT for queries and documents (REALM's default);
+      False gives separate query and document towers.
+  """
+
+  bert: BertConfig = BertConfig()
+  projection_size: int | None = 128
+  pooling: str = "pooler"
+  normalize: bool = False
+  share_towers: bool = True
+
+  def __post_init__(self):
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"RetrieverConfig.pooling must be one of {POOLINGS}, "
+                       f"got {self.pooling!r}.")
+    if self.projection_size is not None and self.projection_size <= 0:
+      raise ValueError("RetrieverConfig.projection_size must be positive or "
+                       f"None, got {self.projection_size}.")
+
+  @property
+  def embedding_size(self) -> int:
+    return self.projection_size or self.bert.hidden_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderConfig:
+  """The knowledge-augmented encoder.
+
+  Attributes:
+    bert: the encoder's sizes.
+    mlm_head: build the masked-LM head (pre-training).
+    span_head: build the span-extraction head (open-QA fine-tuning).
+    span_hidden_size: width of each of the start/end halves (256).
+    max_span_width: longest answer span in wordpieces (10).
+    span_layer_norm_eps: epsilon of the span head's LayerNorm (1e-3).
+  """
+
+  bert: BertConfig = BertConfig()
+  mlm_head: bool = True
+  span_head: bool = True
+  span_hidden_size: int = 256
+  max_span_width: int = 10
+  span_layer_norm_eps: float = 1e-3
+
+  def __post_init__(self):
+    if self.max_span_width <= 0 or self.span_hidden_size <= 0:
+      raise ValueError("ReaderConfig.max_span_width and span_hidden_size "
+                       "must be positive.")
+    if not (self.mlm_head or self.span_head):
+      raise ValueError("ReaderConfig needs at least one of mlm_head or "
+                       "span_head.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RealmConfig:
+  retriever: RetrieverConfig = RetrieverConfig()
+  reader: ReaderConfig = ReaderConfig()
+
+
+# ----------------------------------------------------------------------------
+# Retriever
+# ----------------------------------------------------------------------------
+
+
+class Embedder(nnx.Module):
+  """One retrieval tower: BERT -> pooling -> Dense -> LayerNorm."""
+
+  def __init__(self, config: RetrieverConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.bert = Bert(config.bert, rngs=rngs)
+    if config.projection_size:
+      self.projection = dense(config.bert, config.bert.hidden_size,
+                              config.projection_size, rngs=rngs)
+      self.layer_norm = layer_norm(config.projection_size,
+                                   config.bert.layer_norm_eps, rngs=rngs)
+
+  def __call__(self, token_ids, input_mask, segment_ids=None, *,
+               dropout_rng=None) -> jax.Array:
+    """Returns float32 embeddings [..., embedding_size]."""
+    c = self.config
+    sequence, pooled = self.bert(token_ids, input_mask, segment_ids,
+                                 dropout_rng=dropout_rng)
+    if c.pooling == "pooler":
+      x = pooled
+    elif c.pooling == "cls":
+      x = sequence[..., 0, :]
+    else:
+      mask = input_mask[..., None].astype(jnp.float32)
+      x = (sequence * mask).sum(-2) / jnp.maximum(mask.sum(-2), 1e-9)
+    if c.projection_size:
+      x = self.layer_norm(
+          self.projection(x.astype(c.bert.compute_dtype)).astype(jnp.float32))
+    if c.normalize:
+      x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    return x
+
+
+def retrieval_logits(query_embeddings: jax.Array,
+                     document_embeddings: jax.Array) -> jax.Array:
+  """f(x, z): [batch, dim] . [batch, candidates, dim] -> [batch, candidates]."""
+  return jnp.einsum("bd,bcd->bc", query_embeddings, document_embeddings)
+
+
+class Retriever(nnx.Module):
+  """Dual encoder; the document tower is the query tower unless unshared."""
+
+  def __init__(self, config: RetrieverConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.query_embedder = Embedder(config, rngs=rngs)
+    if not config.share_towers:
+      self.document_embedder = Embedder(config, rngs=rngs)
+
+  def embed_queries(self, token_ids, input_mask, segment_ids=None, *,
+                    dropout_rng=None):
+    return self.query_embedder(token_ids, input_mask, segment_ids,
+                               dropout_rng=dropout_rng)
+
+  def embed_documents(self, token_ids, input_mask, segment_ids=None, *,
+                      dropout_rng=None):
+    tower = (self.query_embedder if self.config.share_towers
+             else self.document_embedder)
+    return tower(token_ids, input_mask, segment_ids, dropout_rng=dropout_rng)
+
+  def __call__(self, query_ids, query_mask, candidate_ids, candidate_mask,
+               candidate_segment_ids, *, dropout_rng=None) -> jax.Array:
+    """Scores candidates [batch, candidates, doc_len] for queries [batch, q_len].
+
+    Returns:
+      retrieval_logits: float32 [batch, candidates].
+    """
+    q_rng, d_rng = (None, None) if dropout_rng is None else tuple(
+        jax.random.split(dropout_rng))
+    query = self.embed_queries(query_ids, query_mask, dropout_rng=q_rng)
+    docs = self.embed_documents(candidate_ids, candidate_mask,
+                                candidate_segment_ids, dropout_rng=d_rng)
+    return retrieval_logits(query, docs)
+
+
+# ----------------------------------------------------------------------------
+# Reader
+# ----------------------------------------------------------------------------
+
+
+class MLMHead(nnx.Module):
+  """BERT's masked-LM head with output embeddings tied to the input ones."""
+
+  def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.transform = dense(config, config.hidden_size, config.hidden_size,
+                           rngs=rngs)
+    self.layer_norm = layer_norm(config.hidden_size, config.layer_norm_eps,
+                                 rngs=rngs)
+    self.output_bias = nnx.Param(jnp.zeros((config.vocab_size,), jnp.float32))
+
+  def __call__(self, hidden, word_embeddings) -> jax.Array:
+    c = self.config
+    h = jax.nn.gelu(self.transform(hidden.astype(c.compute_dtype)),
+                    approximate=c.gelu_approximate)
+    h = self.layer_norm(h.astype(jnp.float32))
+    logits = jnp.einsum("...h,vh->...v", h.astype(c.compute_dtype),
+                        word_embeddings.astype(c.compute_dtype),
+                        preferred_element_type=jnp.float32)
+    return logits + self.output_bias[...]
+
+
+def span_mask(seq_len: int, block_start: jax.Array, block_end: jax.Array,
+              max_span_width: int) -> jax.Array:
+  """Which (start, width) spans lie inside the document tokens.
+
+  Args:
+    seq_len: reader sequence length L.
+    block_start: int [...], first document token position.
+    block_end: int [...], last document token position (inclusive; the final
+      [SEP] is excluded by the caller).
+    max_span_width: W.
+
+  Returns:
+    bool [..., L, W]: span (s, w) covers tokens s..s+w and is valid when
+    block_start <= s and s + w <= block_end.
+  """
+  starts = jnp.arange(seq_len)[:, None]
+  ends = starts + jnp.arange(max_span_width)[None, :]
+  bs = jnp.asarray(block_start)[..., None, None]
+  be = jnp.asarray(block_end)[..., None, None]
+  return (starts >= bs) & (ends <= be)
+
+
+class SpanHead(nnx.Module):
+  """ORQA/REALM span scorer over (start, width) pairs."""
+
+  def __init__(self, config: ReaderConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    b = config.bert
+    self.intermediate = dense(b, b.hidden_size, 2 * config.span_hidden_size,
+                              rngs=rngs)
+    self.layer_norm = layer_norm(config.span_hidden_size,
+                                 config.span_layer_norm_eps, rngs=rngs)
+    self.output = dense(b, config.span_hidden_size, 1, rngs=rngs)
+
+  def __call__(self, hidden: jax.Array) -> jax.Array:
+    """Scores every (start, width) span, [..., L, H] -> [..., L, W]."""
+    c = self.config
+    projected = self.intermediate(hidden.astype(c.bert.compute_dtype))
+    start, end = jnp.split(projected.astype(jnp.float32), 2, axis=-1)
+    seq_len = hidden.shape[-2]
+    # end_at[..., s, w, :] = end[..., s + w, :] (zeros past the sequence end;
+    # those spans are masked by `span_mask`).
+    padded = jnp.pad(end, [(0, 0)] * (end.ndim - 2)
+                     + [(0, c.max_span_width - 1), (0, 0)])
+    end_at = jnp.stack(
+        [padded[..., w:w + seq_len, :] for w in range(c.max_span_width)],
+        axis=-2)
+    x = jax.nn.relu(start[..., :, None, :] + end_at)
+    x = self.layer_norm(x)
+    return self.output(x.astype(c.bert.compute_dtype)).astype(
+        jnp.float32)[..., 0]
+
+
+class Reader(nnx.Module):
+  """Knowledge-augmented encoder: BERT + MLM head and/or span head."""
+
+  def __init__(self, config: ReaderConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.bert = Bert(config.bert, rngs=rngs)
+    if config.mlm_head:
+      self.mlm_head = MLMHead(config.bert, rngs=rngs)
+    if config.span_head:
+      self.span_head = SpanHead(config, rngs=rngs)
+
+  def mlm_logits(self, token_ids, input_mask, segment_ids, mlm_positions, *,
+                 dropout_rng=None) -> jax.Array:
+    """MLM logits at the masked positions only.
+
+    Args:
+      token_ids, input_mask, segment_ids: int [..., L] reader inputs.
+      mlm_positions: int [..., M] positions of the masks in each sequence.
+      dropout_rng: PRNG key or None.
+
+    Returns:
+      float32 [..., M, vocab].
+    """
+    if not self.config.mlm_head:
+      raise ValueError("This reader was built without an MLM head "
+                       "(ReaderConfig.mlm_head=False).")
+    hidden, _ = self.bert(token_ids, input_mask, segment_ids,
+                          dropout_rng=dropout_rng)
+    at_masks = jnp.take_along_axis(hidden, mlm_positions[..., None], axis=-2)
+    return self.mlm_head(
+        at_masks, self.bert.embeddings.word_embeddings.embedding[...])
+
+  def span_logits(self, token_ids, input_mask, segment_ids, block_start,
+                  block_end, *, dropout_rng=None) -> jax.Array:
+    """Span scores, -inf outside the document or wider than the maximum.
+
+    Args:
+      token_ids, input_mask, segment_ids: int [..., L] reader inputs.
+      block_start, block_end: int [...], first and last (inclusive) document
+        token positions in the reader input.
+      dropout_rng: PRNG key or None.
+
+    Returns:
+      float32 [..., L, max_span_width]; entry (s, w) scores tokens s..s+w.
+    """
+    if not self.config.span_head:
+      raise ValueError("This reader was built without a span head "
+                       "(ReaderConfig.span_head=False).")
+    hidden, _ = self.bert(token_ids, input_mask, segment_ids,
+                          dropout_rng=dropout_rng)
+    scores = self.span_head(hidden)
+    valid = span_mask(token_ids.shape[-1], block_start, block_end,
+                      self.config.max_span_width)
+    return jnp.where(valid, scores, -jnp.inf)
+
+
+# ----------------------------------------------------------------------------
+# REALM: retriever + reader
+# ----------------------------------------------------------------------------
+
+
+class Realm(nnx.Module):
+  """Both halves of REALM; parameters {"retriever": ..., "reader": ...}."""
+
+  def __init__(self, config: RealmConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.retriever = Retriever(config.retriever, rngs=rngs)
+    self.reader = Reader(config.reader, rngs=rngs)
+
+  def pretraining_logits(self, batch: dict[str, jax.Array], *,
+                         dropout_rng=None) -> tuple[jax.Array, jax.Array]:
+    """Retrieval and MLM logits for a pre-training batch.
+
+    Args:
+      batch: query_ids/query_mask [B, Lq]; candidate_ids/candidate_mask/
+        candidate_segment_ids [B, C, Ld] (retriever inputs of the candidates,
+        null document first); reader_ids/reader_mask/reader_segment_ids
+        [B, C, Lr]; mlm_positions [B, M] (positions in the reader input).
+      dropout_rng: PRNG key or None.
+
+    Returns:
+      retrieval_logits [B, C] and mlm_logits [B, C, M, vocab], float32.
+    """
+    r_rng, m_rng = (None, None) if dropout_rng is None else tuple(
+        jax.random.split(dropout_rng))
+    logits = self.retriever(
+        batch["query_ids"], batch["query_mask"], batch["candidate_ids"],
+        batch["candidate_mask"], batch["candidate_segment_ids"],
+        dropout_rng=r_rng)
+    num_candidates = batch["reader_ids"].shape[1]
+    positions = jnp.broadcast_to(
+        batch["mlm_positions"][:, None, :],
+        (batch["mlm_positions"].shape[0], num_candidates,
+         batch["mlm_positions"].shape[1]))
+    mlm = self.reader.mlm_logits(
+        batch["reader_ids"], batch["reader_mask"],
+        batch["reader_segment_ids"], positions, dropout_rng=m_rng)
+    return logits, mlm

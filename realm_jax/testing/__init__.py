@@ -1,0 +1,1 @@
+"""Small configs and synthetic batches shared by tests, benchmarks and demos."""

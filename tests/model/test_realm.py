@@ -1,0 +1,178 @@
+"""Shapes, options and invariants of the BERT, retriever and reader modules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax.model import functional
+from realm_jax.model.bert import Bert, BertConfig
+from realm_jax.model.realm import (Embedder, Reader, ReaderConfig, Realm,
+                                   Retriever, RetrieverConfig, span_mask)
+from realm_jax.testing import tiny
+
+
+def test_bert_config_errors_say_what_to_fix():
+  with pytest.raises(ValueError, match="not divisible by num_heads"):
+    BertConfig(hidden_size=30, num_heads=4)
+  with pytest.raises(ValueError, match="dtype"):
+    BertConfig(dtype="float16")
+  with pytest.raises(ValueError, match="pooling"):
+    RetrieverConfig(pooling="max")
+
+
+def test_bert_padding_does_not_change_real_tokens():
+  cfg = tiny.tiny_bert()
+  g, params = functional.init(lambda r: Bert(cfg, rngs=r), 0)
+  model = functional.bind(g, params)
+  ids = jnp.array([[2, 7, 9, 11, 0, 0]])
+  mask = jnp.array([[1, 1, 1, 1, 0, 0]])
+  h, pooled = model(ids, mask)
+  h2, pooled2 = model(ids[:, :4], mask[:, :4])
+  np.testing.assert_allclose(h[:, :4], h2, atol=1e-5)
+  np.testing.assert_allclose(pooled, pooled2, atol=1e-5)
+
+
+def test_dropout_is_active_only_with_a_key():
+  cfg = tiny.tiny_bert(hidden_dropout=0.5, attention_dropout=0.5)
+  g, params = functional.init(lambda r: Bert(cfg, rngs=r), 0)
+  model = functional.bind(g, params)
+  ids = jnp.array([[2, 7, 9, 11]])
+  mask = jnp.ones_like(ids)
+  a, _ = model(ids, mask)
+  b, _ = model(ids, mask)
+  c, _ = model(ids, mask, dropout_rng=jax.random.key(1))
+  np.testing.assert_array_equal(a, b)
+  assert np.abs(np.asarray(a - c)).max() > 1e-3
+
+
+@pytest.mark.parametrize("pooling", ["pooler", "cls", "mean"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_embedder_pooling_options(pooling, normalize):
+  cfg = RetrieverConfig(bert=tiny.tiny_bert(), projection_size=None,
+                        pooling=pooling, normalize=normalize)
+  g, params = functional.init(lambda r: Embedder(cfg, rngs=r), 0)
+  model = functional.bind(g, params)
+  ids = jnp.array([[2, 7, 9, 0], [3, 4, 0, 0]])
+  mask = (ids > 0).astype(jnp.int32)
+  emb = model(ids, mask)
+  seq, pooled = functional.bind(g, params).bert(ids, mask)
+  if pooling == "pooler":
+    want = pooled
+  elif pooling == "cls":
+    want = seq[:, 0]
+  else:
+    want = np.stack([seq[0, :3].mean(0), seq[1, :2].mean(0)])
+  if normalize:
+    want = want / np.linalg.norm(want, axis=-1, keepdims=True)
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(emb, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_retriever_scores_are_inner_products(share):
+  cfg = RetrieverConfig(bert=tiny.tiny_bert(), projection_size=16,
+                        share_towers=share)
+  g, params = functional.init(lambda r: Retriever(cfg, rngs=r), 0)
+  assert ("document_embedder" in params) == (not share)
+  model = functional.bind(g, params)
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.integers(5, 90, size=(2, 6)))
+  d = jnp.asarray(rng.integers(5, 90, size=(2, 3, 8)))
+  seg = jnp.zeros_like(d)
+  logits = model(q, jnp.ones_like(q), d, jnp.ones_like(d), seg)
+  assert logits.shape == (2, 3)
+  qe = model.embed_queries(q, jnp.ones_like(q))
+  de = model.embed_documents(d, jnp.ones_like(d), seg)
+  np.testing.assert_allclose(logits, np.einsum("bd,bcd->bc", qe, de),
+                             rtol=1e-5, atol=1e-5)
+  # Shared towers embed a text identically as query or document.
+  same = np.allclose(qe[0], model.embed_documents(q, jnp.ones_like(q))[0],
+                     atol=1e-6)
+  assert same == share
+
+
+def test_span_scores_finite_only_inside_document_and_width():
+  cfg = ReaderConfig(bert=tiny.tiny_bert(), span_hidden_size=8,
+                     max_span_width=3, mlm_head=False)
+  g, params = functional.init(lambda r: Reader(cfg, rngs=r), 0)
+  model = functional.bind(g, params)
+  ids = jnp.asarray(np.random.default_rng(0).integers(5, 90, size=(2, 12)))
+  block_start = jnp.array([4, 6])
+  block_end = jnp.array([9, 10])  # Inclusive; [SEP] at end + 1.
+  scores = np.asarray(model.span_logits(ids, jnp.ones_like(ids),
+                                        jnp.zeros_like(ids), block_start,
+                                        block_end))
+  assert scores.shape == (2, 12, 3)
+  for b in range(2):
+    for s in range(12):
+      for w in range(3):
+        inside = block_start[b] <= s and s + w <= block_end[b]
+        assert np.isfinite(scores[b, s, w]) == inside, (b, s, w)
+
+
+def test_span_head_matches_a_direct_formula():
+  cfg = ReaderConfig(bert=tiny.tiny_bert(), span_hidden_size=8,
+                     max_span_width=4, mlm_head=False)
+  g, params = functional.init(lambda r: Reader(cfg, rngs=r), 3)
+  head = functional.bind(g, params).span_head
+  hidden = np.random.default_rng(1).normal(size=(9, 32)).astype(np.float32)
+  scores = np.asarray(head(jnp.asarray(hidden)))
+  p = params["span_head"]
+  proj = hidden @ np.asarray(p["intermediate"]["kernel"]) + np.asarray(
+      p["intermediate"]["bias"])
+  start, end = proj[:, :8], proj[:, 8:]
+  for s in range(9):
+    for w in range(4):
+      if s + w >= 9:
+        continue
+      x = np.maximum(start[s] + end[s + w], 0)
+      x = (x - x.mean()) / np.sqrt(x.var() + 1e-3)
+      x = x * np.asarray(p["layer_norm"]["scale"]) + np.asarray(
+          p["layer_norm"]["bias"])
+      want = x @ np.asarray(p["output"]["kernel"])[:, 0] + np.asarray(
+          p["output"]["bias"])[0]
+      np.testing.assert_allclose(scores[s, w], want, rtol=1e-4, atol=1e-5)
+
+
+def test_span_mask_function():
+  m = np.asarray(span_mask(6, jnp.array(2), jnp.array(4), 2))
+  want = np.zeros((6, 2), bool)
+  want[2, :] = want[3, :] = True
+  want[4, 0] = True
+  np.testing.assert_array_equal(m, want)
+
+
+def test_mlm_logits_tied_to_word_embeddings_at_masked_positions():
+  cfg = ReaderConfig(bert=tiny.tiny_bert(), span_head=False)
+  g, params = functional.init(lambda r: Reader(cfg, rngs=r), 0)
+  model = functional.bind(g, params)
+  ids = jnp.asarray(np.random.default_rng(0).integers(5, 90, size=(2, 10)))
+  positions = jnp.array([[1, 4], [2, 3]])
+  logits = model.mlm_logits(ids, jnp.ones_like(ids), jnp.zeros_like(ids),
+                            positions)
+  assert logits.shape == (2, 2, 97)
+  hidden, _ = model.bert(ids, jnp.ones_like(ids), jnp.zeros_like(ids))
+  full = model.mlm_head(hidden, params["bert"]["embeddings"][
+      "word_embeddings"]["embedding"])
+  np.testing.assert_allclose(logits[0, 1], full[0, 4], rtol=1e-5, atol=1e-5)
+  assert "decoder" not in params["mlm_head"]  # Tied: no separate matrix.
+
+
+def test_bfloat16_compute_runs_and_stays_close():
+  rng = np.random.default_rng(0)
+  batch = tiny.random_pretraining_batch(rng, batch=2)
+  outs = []
+  for dtype in ("float32", "bfloat16"):
+    cfg = tiny.tiny_realm()
+    bert = tiny.tiny_bert(dtype=dtype)
+    cfg = type(cfg)(
+        retriever=RetrieverConfig(bert=bert, projection_size=16),
+        reader=ReaderConfig(bert=bert, span_hidden_size=8, max_span_width=4))
+    g, params = functional.init(lambda r, c=cfg: Realm(c, rngs=r), 0)
+    rl, ml = functional.bind(g, params).pretraining_logits(batch)
+    assert rl.dtype == jnp.float32 and ml.dtype == jnp.float32
+    outs.append((np.asarray(rl), np.asarray(ml)))
+  np.testing.assert_allclose(outs[0][1], outs[1][1], atol=0.1)
+  # Parameters stay float32 whatever the compute dtype.
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
