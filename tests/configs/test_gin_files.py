@@ -1,0 +1,40 @@
+"""Every gin file parses and builds what it says."""
+
+import glob
+import os
+
+import gin
+import pytest
+
+from realm_jax.model import realm
+
+GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
+GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
+                             recursive=True))
+
+EXPECTED_MODELS = {  # file -> (hidden, layers, heads, embedding size)
+    "tiny.gin": (32, 2, 4, 128),
+    "minilm_l6.gin": (384, 6, 12, 384),
+    "bert_base.gin": (768, 12, 12, 128),
+    "bert_large.gin": (1024, 24, 16, 128),
+}
+
+
+def test_there_are_gin_files():
+  assert {os.path.basename(f) for f in GIN_FILES} >= set(EXPECTED_MODELS)
+
+
+@pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)
+def test_gin_file_parses(path):
+  gin.clear_config()
+  try:
+    gin.parse_config_file(path)
+    name = os.path.basename(path)
+    if name in EXPECTED_MODELS:
+      config = gin.get_configurable(realm.RealmConfig)()
+      b = config.retriever.bert
+      assert (b.hidden_size, b.num_layers, b.num_heads,
+              config.retriever.embedding_size) == EXPECTED_MODELS[name]
+      assert config.reader.bert == b
+  finally:
+    gin.clear_config()
