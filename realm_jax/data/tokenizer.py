@@ -69,18 +69,17 @@ class Tokenizer:
     return len(self.vocab)
 
   @functools.cached_property
-  def _tf_tokenizer(self):
+  def tf_tokenizer(self):
+    """The tensorflow_text tokenizer (for tf.data graphs); flat outputs."""
     # Imported lazily: TensorFlow is slow to import and only the tokenizer
-    # needs it.
+    # needs it. FastBertTokenizer (not BertTokenizer): its offsets index the
+    # INPUT bytes even when lower-casing / accent stripping changes lengths
+    # ("Héllo" is 6 bytes), which salient-span masking relies on.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import tensorflow_text as tf_text  # pylint: disable=g-import-not-at-top
-    table = tf.lookup.StaticVocabularyTable(
-        tf.lookup.KeyValueTensorInitializer(
-            self.vocab, tf.range(len(self.vocab), dtype=tf.int64)),
-        num_oov_buckets=1)
-    return tf_text.BertTokenizer(
-        table, lower_case=self.lower_case, token_out_type=tf.int64,
-        unknown_token=UNK)
+    return tf_text.FastBertTokenizer(
+        vocab=self.vocab, token_out_type=tf.int64, unknown_token=UNK,
+        lower_case_nfd_strip_accents=self.lower_case)
 
   def tokenize_with_offsets(
       self, texts: Sequence[str]
@@ -96,15 +95,12 @@ class Tokenizer:
     """
     if not texts:
       return []
-    ids, starts, limits = self._tf_tokenizer.tokenize_with_offsets(list(texts))
-    ids = ids.merge_dims(-2, -1)
-    starts = starts.merge_dims(-2, -1)
-    limits = limits.merge_dims(-2, -1)
-    return [
-        (np.asarray(i, np.int64), np.asarray(s, np.int64),
-         np.asarray(l, np.int64))
-        for i, s, l in zip(ids.to_list(), starts.to_list(), limits.to_list())
-    ]
+    ids, starts, limits = self.tf_tokenizer.tokenize_with_offsets(list(texts))
+    splits = ids.row_splits.numpy()
+    flat = [x.flat_values.numpy().astype(np.int64)
+            for x in (ids, starts, limits)]
+    return [tuple(f[a:b] for f in flat)
+            for a, b in zip(splits[:-1], splits[1:])]
 
   def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
     """Wordpiece ids (int64 numpy arrays), one array per text."""

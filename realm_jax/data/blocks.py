@@ -1,0 +1,982 @@
+"""Blocks of the knowledge corpus Z and the memory-mapped block store.
+
+A block is a run of consecutive sentences of one article whose retriever
+input `[CLS] title [SEP] body [SEP]` has at most `max_block_len` (288)
+wordpieces. `pack_blocks` packs sentences greedily in article order; a
+sentence that does not fit in the current block starts a new one, and a
+sentence longer than a whole block is cut into block-sized chunks (at word
+starts where possible), never dropped. `pack_orqa_blocks` turns the released
+ORQA/REALM `blocks.tfr` + `titles.tfr` into blocks one-for-one (block i =
+record i, so the released `block_emb` row i pairs with it).
+
+`write_block_store` streams blocks into a directory of `.npy` files that
+`BlockStore` opens with `mmap_mode="r"`: 13M blocks are ~16 GB of arrays on
+disk and almost nothing in RAM. Block ids are 0..N-1 in corpus order; the
+manifest's `fingerprint` (sha256 over every array) is what index manifests
+record to refuse embeddings of another corpus.
+
+Layout of a store directory (`N` blocks, `D` documents, flat arrays with
+`*_offsets` of length N+1 or D+1):
+
+  body_ids.npy int32, body_offsets.npy int64          wordpieces of the bodies
+  sentence_starts.npy int32, sentence_offsets.npy    token offset of each
+                                                      sentence in its body
+  text_bytes.npy uint8, text_offsets.npy int64       UTF-8 body text
+  doc_index.npy int32 [N], doc_hash.npy int64 [N]    article of each block
+  title_ids.npy int32, title_offsets.npy int64       wordpieces of the titles
+  title_bytes.npy uint8, title_byte_offsets.npy      UTF-8 titles
+  doc_block_offsets.npy int64 [D+1]                  blocks of each article
+  manifest.json, report.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import unicodedata
+from typing import Any, Iterable, Iterator, Sequence
+
+from absl import logging
+import numpy as np
+
+from realm_jax.data import wikipedia
+from realm_jax.data.tokenizer import Tokenizer
+
+DEFAULT_MAX_BLOCK_LEN = 288
+FORMAT_VERSION = 1
+# Special tokens around a block: [CLS] title [SEP] body [SEP].
+NUM_SPECIAL_TOKENS = 3
+
+
+def title_hash(title: str) -> int:
+  """Stable 63-bit hash of an article title (NFC-normalised).
+
+  Identifies the article a block came from, so that the query's own article
+  can be excluded from its retrieval candidates. blake2b rather than
+  Python's `hash`, which is salted per process.
+
+  Args:
+    title: the article title.
+
+  Returns:
+    A non-negative int that fits in int64.
+  """
+  digest = hashlib.blake2b(
+      unicodedata.normalize("NFC", title).encode("utf-8"),
+      digest_size=8).digest()
+  return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """One block of the knowledge corpus.
+
+  Attributes:
+    doc_index: index of its article among the articles of the corpus.
+    title: the article title.
+    title_ids: wordpieces of the title.
+    text: the exact span of the article text the block covers.
+    body_ids: wordpieces of `text`.
+    sentence_starts: token offset in `body_ids` where each sentence (or
+      chunk of a long sentence) starts; the first is 0.
+  """
+  doc_index: int
+  title: str
+  title_ids: np.ndarray
+  text: str
+  body_ids: np.ndarray
+  sentence_starts: np.ndarray
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer offsets -> character offsets.
+# -----------------------------------------------------------------------------
+
+
+class _CharOffsets:
+  """Maps the tokenizer's byte offsets to character offsets of its input.
+
+  tensorflow_text's BertTokenizer with lower_case reports offsets into its
+  NORMALISED text (case-folded NFKC, NFD, accents stripped, control
+  characters turned into spaces), not into the input: "Héllo" gives "hello"
+  at bytes [0, 5) although "Héllo" is 6 bytes; FastBertTokenizer reports
+  offsets into the input. Which convention the tokenizer follows is probed
+  once. For normalised offsets, the normalised length of every input
+  character (computed with the same TF ops, cached) maps them back:
+  normalisation works character by character in practice, and a
+  whole-string check catches the rare text where it does not.
+  """
+
+  def __init__(self, tokenizer: Tokenizer):
+    self._lower_case = tokenizer.lower_case
+    self._lengths: dict[str, int] = {}
+    # "Ü" is 2 bytes of input but 1 byte ("u") once normalised.
+    (_, starts, _), = tokenizer.tokenize_with_offsets(["\u00dc a"])
+    self._input_offsets = int(starts[-1]) == 3
+
+  def _normalize(self, texts: Sequence[str]) -> list[bytes]:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow_text as tf_text  # pylint: disable=g-import-not-at-top
+    x = tf.constant(list(texts), dtype=tf.string)
+    if self._lower_case:
+      x = tf_text.case_fold_utf8(x)
+      x = tf_text.normalize_utf8(x, "NFD")
+      x = tf.strings.regex_replace(x, r"\p{Mn}", "")
+    x = tf.strings.regex_replace(x, r"\p{Cc}|\p{Cf}", " ")
+    return list(x.numpy())
+
+  def char_offsets(self, text: str, byte_offsets: np.ndarray
+                   ) -> tuple[np.ndarray, bool]:
+    """Character index holding each byte offset of the tokenizer.
+
+    Args:
+      text: the text given to the tokenizer.
+      byte_offsets: byte offsets as the tokenizer reported them.
+
+    Returns:
+      (char_offsets, exact); exact is False when the character-wise mapping
+      disagrees with the normalised length of the whole text (then the
+      offsets are approximate but still monotonic and inside the text).
+    """
+    byte_offsets = np.asarray(byte_offsets, np.int64)
+    if text.isascii():
+      # One byte per character, before and after normalisation.
+      return np.minimum(byte_offsets, len(text)), True
+    if self._input_offsets:
+      code_points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+      lengths = (1 + (code_points >= 0x80) + (code_points >= 0x800) +
+                 (code_points >= 0x10000)).astype(np.int64)
+      return np.searchsorted(np.cumsum(lengths), byte_offsets,
+                             side="right"), True
+    missing = sorted({c for c in text if c >= "\x80"} - self._lengths.keys())
+    if missing:
+      for c, normalized in zip(missing, self._normalize(missing)):
+        self._lengths[c] = len(normalized)
+    lengths = np.fromiter(
+        (1 if c < "\x80" else self._lengths[c] for c in text), np.int64,
+        count=len(text))
+    ends = np.cumsum(lengths)
+    exact = int(ends[-1]) == len(self._normalize([text])[0])
+    return np.searchsorted(ends, byte_offsets, side="right"), exact
+
+
+# -----------------------------------------------------------------------------
+# Packing articles into blocks.
+# -----------------------------------------------------------------------------
+
+
+def _continuation_mask(tokenizer: Tokenizer) -> np.ndarray:
+  return np.array([piece.startswith("##") for piece in tokenizer.vocab])
+
+
+def _chunk_bounds(ids: np.ndarray, budget: int,
+                  is_continuation: np.ndarray) -> list[int]:
+  """Token indices where chunks of at most `budget` tokens start.
+
+  Cuts at the last word start that fits, so words stay whole unless one word
+  alone is longer than a block.
+  """
+  starts, start, n = [0], 0, len(ids)
+  while n - start > budget:
+    end = start + budget
+    word_starts = np.flatnonzero(~is_continuation[ids[start + 1:end + 1]])
+    cut = start + 1 + int(word_starts[-1]) if len(word_starts) else end
+    starts.append(cut)
+    start = cut
+  return starts
+
+
+class _Packer:
+  """Greedy packing of one article's sentences into blocks."""
+
+  def __init__(self, tokenizer: Tokenizer, max_block_len: int,
+               report: wikipedia.Report):
+    self.tokenizer = tokenizer
+    self.max_block_len = max_block_len
+    self.report = report
+    self.is_continuation = _continuation_mask(tokenizer)
+    self.char_offsets = _CharOffsets(tokenizer)
+
+  def pack(self, doc_index: int, document: wikipedia.Document,
+           title_ids: np.ndarray, sentences: list[tuple[int, int]],
+           sentence_ids: list[np.ndarray]) -> list[Block]:
+    budget = self.max_block_len - NUM_SPECIAL_TOKENS - len(title_ids)
+    blocks: list[Block] = []
+    # Pieces of the block being filled: (char_start, char_end, ids).
+    pieces: list[tuple[int, int, np.ndarray]] = []
+    used = 0
+
+    def flush():
+      nonlocal pieces, used
+      if pieces:
+        lengths = [len(ids) for _, _, ids in pieces]
+        starts = np.cumsum([0] + lengths[:-1])[np.array(lengths) > 0]
+        blocks.append(Block(
+            doc_index=doc_index, title=document.title, title_ids=title_ids,
+            text=document.text[pieces[0][0]:pieces[-1][1]],
+            body_ids=np.concatenate([ids for _, _, ids in pieces]).astype(
+                np.int32),
+            sentence_starts=starts.astype(np.int32)))
+      pieces, used = [], 0
+
+    for (start, end), ids in zip(sentences, sentence_ids):
+      if used + len(ids) <= budget:
+        pieces.append((start, end, ids))
+        used += len(ids)
+        continue
+      flush()
+      if len(ids) <= budget:
+        pieces, used = [(start, end, ids)], len(ids)
+        continue
+      chunks = self._split_long_sentence(document, start, end, ids, budget)
+      for chunk in chunks[:-1]:
+        pieces, used = [chunk], len(chunk[2])
+        flush()
+      # The last chunk stays open so that the next sentences can join it.
+      pieces, used = [chunks[-1]], len(chunks[-1][2])
+    flush()
+    self.report.keep("blocks", len(blocks))
+    self.report.keep("sentences", len(sentences))
+    self.report.keep("body_tokens", sum(len(b.body_ids) for b in blocks))
+    return blocks
+
+  def _split_long_sentence(self, document, start, end, ids, budget):
+    """Cuts a sentence longer than a block into block-sized chunks."""
+    self.report.note("long_sentence_split", f"'{document.title}'",
+                     f"{len(ids)} wordpieces > budget {budget}")
+    token_starts = _chunk_bounds(ids, budget, self.is_continuation)
+    sentence = document.text[start:end]
+    (_, byte_starts, _), = self.tokenizer.tokenize_with_offsets([sentence])
+    chars, exact = self.char_offsets.char_offsets(
+        sentence, byte_starts[token_starts[1:]])
+    if not exact:
+      self.report.note("approximate_chunk_offsets", f"'{document.title}'")
+    chars = np.minimum(np.maximum.accumulate(chars), len(sentence))
+    char_bounds = [start] + [start + int(c) for c in chars] + [end]
+    token_bounds = token_starts + [len(ids)]
+    chunks = []
+    for k in range(len(token_starts)):
+      chunk_start, chunk_end = char_bounds[k], char_bounds[k + 1]
+      # The whitespace between two chunks belongs to neither.
+      while chunk_start < chunk_end and document.text[chunk_start].isspace():
+        chunk_start += 1
+      while chunk_end > chunk_start and document.text[chunk_end - 1].isspace():
+        chunk_end -= 1
+      chunks.append((chunk_start, chunk_end,
+                     ids[token_bounds[k]:token_bounds[k + 1]]))
+    return chunks
+
+
+def pack_blocks(
+    documents: Iterable[wikipedia.Document],
+    tokenizer: Tokenizer,
+    *,
+    max_block_len: int = DEFAULT_MAX_BLOCK_LEN,
+    report: wikipedia.Report | None = None,
+    batch_sentences: int = 8192,
+) -> Iterator[Block]:
+  """Splits documents into sentences and packs them greedily into blocks.
+
+  Each block satisfies 3 + len(title_ids) + len(body_ids) <= max_block_len.
+  The blocks of an article cover all of its text, in order. Articles whose
+  title alone leaves no room for a body are skipped
+  (`title_leaves_no_room`), as are articles without a single wordpiece
+  (`no_tokens`).
+
+  Args:
+    documents: articles in corpus order.
+    tokenizer: the WordPiece tokenizer.
+    max_block_len: wordpieces per retriever input, special tokens included.
+    report: receives counts (blocks, sentences, skips, long sentences split).
+    batch_sentences: sentences tokenized per tokenizer call (the tokenizer is
+      much faster on batches).
+
+  Yields:
+    Blocks in corpus order; `doc_index` counts the articles that produced
+    blocks, from 0.
+  """
+  report = report if report is not None else wikipedia.Report()
+  packer = _Packer(tokenizer, max_block_len, report)
+  doc_index = 0
+  documents = iter(documents)
+  while True:
+    batch = []
+    num_sentences = 0
+    for document in documents:
+      sentences = wikipedia.split_sentences(document.text)
+      batch.append((document, sentences))
+      num_sentences += len(sentences) + 1
+      if num_sentences >= batch_sentences:
+        break
+    if not batch:
+      return
+    texts = []
+    for document, sentences in batch:
+      texts.append(document.title)
+      texts.extend(document.text[s:e] for s, e in sentences)
+    ids = iter(tokenizer.tokenize(texts))
+    for document, sentences in batch:
+      title_ids = next(ids).astype(np.int32)
+      sentence_ids = list(itertools.islice(ids, len(sentences)))
+      where = f"'{document.title}'"
+      if NUM_SPECIAL_TOKENS + len(title_ids) >= max_block_len:
+        report.skip("title_leaves_no_room", where,
+                    f"{len(title_ids)} title wordpieces, max_block_len "
+                    f"{max_block_len}")
+        continue
+      if not any(len(x) for x in sentence_ids):
+        report.skip("no_tokens", where)
+        continue
+      report.keep("documents")
+      yield from packer.pack(doc_index, document, title_ids, sentences,
+                             sentence_ids)
+      doc_index += 1
+
+
+# -----------------------------------------------------------------------------
+# The released ORQA / REALM corpus (blocks.tfr + titles.tfr).
+# -----------------------------------------------------------------------------
+
+
+def read_orqa_blocks(
+    blocks_tfr: str,
+    titles_tfr: str,
+    report: wikipedia.Report | None = None,
+) -> Iterator[tuple[str, str]]:
+  """Reads the released block and title TFRecord files in lockstep.
+
+  Each record is one UTF-8 string. Record i of both files is block i, so no
+  record is ever skipped: invalid UTF-8 is decoded with replacement
+  characters and counted (`invalid_utf8_replaced`).
+
+  Args:
+    blocks_tfr: TFRecord file of block texts.
+    titles_tfr: TFRecord file of their titles.
+    report: receives the notes.
+
+  Yields:
+    (title, block_text) pairs in record order.
+
+  Raises:
+    FileNotFoundError: if a file is missing.
+    wikipedia.CorruptDumpError: if a file is corrupt or the two files hold
+      different numbers of records.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  report = report if report is not None else wikipedia.Report()
+  for path in (blocks_tfr, titles_tfr):
+    if not tf.io.gfile.exists(path):
+      raise FileNotFoundError(f"ORQA corpus file {path} does not exist.")
+
+  def records(path):
+    dataset = tf.data.TFRecordDataset(path, buffer_size=1 << 22).batch(4096)
+    try:
+      for batch in dataset.as_numpy_iterator():
+        yield from batch
+    except tf.errors.DataLossError as e:
+      raise wikipedia.CorruptDumpError(
+          f"{path}: corrupt or truncated TFRecord file ({e.message}); "
+          "re-download it.") from e
+
+  def decode(raw: bytes, where: str) -> str:
+    try:
+      return raw.decode("utf-8")
+    except UnicodeDecodeError:
+      report.note("invalid_utf8_replaced", where)
+      return raw.decode("utf-8", errors="replace")
+
+  missing = object()
+  for i, (text, title) in enumerate(itertools.zip_longest(
+      records(blocks_tfr), records(titles_tfr), fillvalue=missing)):
+    if text is missing or title is missing:
+      short = blocks_tfr if text is missing else titles_tfr
+      raise wikipedia.CorruptDumpError(
+          f"{short} ends at record {i} but {blocks_tfr} and {titles_tfr} "
+          "must have one record per block; use the two files of the same "
+          "release.")
+    yield (decode(title, f"{titles_tfr}: record {i}"),
+           decode(text, f"{blocks_tfr}: record {i}"))
+
+
+def pack_orqa_blocks(
+    records: Iterable[tuple[str, str]],
+    tokenizer: Tokenizer,
+    *,
+    max_block_len: int = DEFAULT_MAX_BLOCK_LEN,
+    report: wikipedia.Report | None = None,
+    batch_size: int = 4096,
+) -> Iterator[Block]:
+  """Turns released (title, block_text) records into blocks one-for-one.
+
+  Records are not re-packed, so block i is record i. A body that does not
+  fit is truncated to the budget (`block_truncated`; the block text is cut
+  where its last kept wordpiece ends) and a title that leaves no room for a
+  body is truncated to leave one wordpiece (`title_truncated`). Consecutive
+  records with the same title are one article.
+
+  Args:
+    records: (title, text) pairs, e.g. from `read_orqa_blocks`.
+    tokenizer: the WordPiece tokenizer.
+    max_block_len: wordpieces per retriever input, special tokens included.
+    report: receives the counts.
+    batch_size: records tokenized per tokenizer call.
+
+  Yields:
+    One block per record.
+  """
+  report = report if report is not None else wikipedia.Report()
+  char_offsets = _CharOffsets(tokenizer)
+  doc_index, last_title, record_index = -1, None, -1
+  records = iter(records)
+  while batch := list(itertools.islice(records, batch_size)):
+    texts, spans = [], []
+    for title, text in batch:
+      sentences = wikipedia.split_sentences(text)
+      spans.append(sentences)
+      texts.append(title)
+      texts.extend(text[s:e] for s, e in sentences)
+    ids = iter(tokenizer.tokenize(texts))
+    for (title, text), sentences in zip(batch, spans):
+      title_ids = next(ids).astype(np.int32)
+      sentence_ids = list(itertools.islice(ids, len(sentences)))
+      record_index += 1
+      if title != last_title:
+        doc_index, last_title = doc_index + 1, title
+        report.keep("documents")
+      where = f"record {record_index} '{title[:80]}'"
+      if NUM_SPECIAL_TOKENS + len(title_ids) >= max_block_len:
+        report.note("title_truncated", where)
+        title_ids = title_ids[:max_block_len - NUM_SPECIAL_TOKENS - 1]
+      budget = max_block_len - NUM_SPECIAL_TOKENS - len(title_ids)
+      lengths = np.array([len(x) for x in sentence_ids], np.int64)
+      starts = np.cumsum(np.concatenate([[0], lengths[:-1]])).astype(np.int64)
+      body_ids = (np.concatenate(sentence_ids) if sentence_ids else
+                  np.zeros([0], np.int64)).astype(np.int32)
+      if len(body_ids) > budget:
+        report.note("block_truncated", where,
+                    f"{len(body_ids)} wordpieces > budget {budget}")
+        text = _truncate_text(text, sentences, starts, budget, tokenizer,
+                              char_offsets, report, where)
+        body_ids = body_ids[:budget]
+      keep = (lengths > 0) & (starts < len(body_ids))
+      report.keep("blocks")
+      report.keep("sentences", int(keep.sum()))
+      report.keep("body_tokens", len(body_ids))
+      yield Block(doc_index=doc_index, title=title, title_ids=title_ids,
+                  text=text, body_ids=body_ids,
+                  sentence_starts=starts[keep].astype(np.int32))
+
+
+def _truncate_text(text, sentences, starts, budget, tokenizer, char_offsets,
+                   report, where) -> str:
+  """The prefix of `text` covered by its first `budget` wordpieces."""
+  k = int(np.searchsorted(starts, budget, side="right")) - 1
+  sentence_start, sentence_end = sentences[k]
+  keep = budget - int(starts[k])  # tokens kept from sentence k
+  if keep == 0:
+    return text[:sentences[k - 1][1]] if k else ""
+  sentence = text[sentence_start:sentence_end]
+  (_, _, limits), = tokenizer.tokenize_with_offsets([sentence])
+  chars, exact = char_offsets.char_offsets(sentence, limits[keep - 1:keep] - 1)
+  if not exact:
+    report.note("approximate_chunk_offsets", where)
+  return text[:sentence_start + int(chars[0]) + 1]
+
+
+# -----------------------------------------------------------------------------
+# Writing the block store.
+# -----------------------------------------------------------------------------
+
+# Order matters: the fingerprint hashes the files in this order.
+_ARRAYS = (
+    ("body_ids", np.int32), ("body_offsets", np.int64),
+    ("sentence_starts", np.int32), ("sentence_offsets", np.int64),
+    ("text_bytes", np.uint8), ("text_offsets", np.int64),
+    ("doc_index", np.int32), ("doc_hash", np.int64),
+    ("title_ids", np.int32), ("title_offsets", np.int64),
+    ("title_bytes", np.uint8), ("title_byte_offsets", np.int64),
+    ("doc_block_offsets", np.int64),
+)
+_HEADER_BYTES = 128
+
+
+def _npy_header(dtype, length: int) -> bytes:
+  """A .npy v1.0 header of fixed size, so it can be rewritten in place."""
+  header = "{'descr': %r, 'fortran_order': False, 'shape': (%d,), }" % (
+      np.dtype(dtype).str, length)
+  header = header.ljust(_HEADER_BYTES - 10 - 1) + "\n"
+  return (b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") +
+          header.encode("latin1"))
+
+
+class _ArrayWriter:
+  """Appends to a 1-D .npy file whose length is known only at the end."""
+
+  def __init__(self, path: str, dtype):
+    self.path, self.dtype, self.length = path, np.dtype(dtype), 0
+    self.sha256 = hashlib.sha256()
+    self._file = open(path, "wb", buffering=1 << 20)
+    self._file.write(_npy_header(self.dtype, 0))
+
+  def append(self, values) -> None:
+    data = np.ascontiguousarray(values, self.dtype)
+    raw = data.tobytes()
+    self._file.write(raw)
+    self.sha256.update(raw)
+    self.length += data.size
+
+  def close(self) -> dict[str, Any]:
+    self._file.seek(0)
+    self._file.write(_npy_header(self.dtype, self.length))
+    self._file.close()
+    return {"dtype": self.dtype.str, "shape": [self.length],
+            "sha256": self.sha256.hexdigest()}
+
+  def abort(self) -> None:
+    self._file.close()
+
+
+def _fingerprint(files: dict[str, dict[str, Any]]) -> str:
+  digest = hashlib.sha256()
+  for name, _ in _ARRAYS:
+    digest.update(f"{name}:{files[name]['dtype']}:{files[name]['sha256']}\n"
+                  .encode())
+  return digest.hexdigest()
+
+
+def _special_ids(vocab_path: str) -> dict[str, int]:
+  with open(vocab_path, encoding="utf-8") as f:
+    index = {line.rstrip("\n"): i for i, line in enumerate(f)}
+  return {"vocab_size": len(index), "pad_id": index["[PAD]"],
+          "unk_id": index["[UNK]"], "cls_id": index["[CLS]"],
+          "sep_id": index["[SEP]"], "mask_id": index["[MASK]"]}
+
+
+def _sha256_file(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def write_block_store(
+    blocks: Iterable[Block],
+    out_dir: str,
+    *,
+    tokenizer_vocab_path: str,
+    source: str,
+    max_block_len: int = DEFAULT_MAX_BLOCK_LEN,
+    overwrite: bool = False,
+    report: wikipedia.Report | None = None,
+    extra_manifest: dict[str, Any] | None = None,
+) -> BlockStore:
+  """Streams blocks into a block store directory.
+
+  Nothing is held in memory but the current block. The store is written to
+  `out_dir + ".tmp-<pid>"` and renamed to `out_dir` only when complete, so a
+  failed or killed write never leaves a store at `out_dir`.
+
+  Args:
+    blocks: blocks in corpus order, `doc_index` 0, 1, 2, ... (consecutive).
+    out_dir: the store directory to create.
+    tokenizer_vocab_path: the vocab.txt the ids come from (its sha256 goes
+      into the manifest).
+    source: what the corpus was built from (a path), for the manifest.
+    max_block_len: the length bound every block must satisfy.
+    overwrite: replace an existing store at `out_dir`.
+    report: if given, its summary is written to `report.json` in the store
+      once `blocks` is exhausted (so it counts the whole build).
+    extra_manifest: more JSON-serialisable manifest entries.
+
+  Returns:
+    The opened store.
+
+  Raises:
+    FileExistsError: if `out_dir` exists and not `overwrite`.
+    ValueError: if a block breaks the length bound or the doc order, or
+      there are no blocks.
+  """
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and not overwrite:
+    raise FileExistsError(
+        f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
+        "replace it or choose another output directory.")
+  tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp_dir, ignore_errors=True)
+  os.makedirs(tmp_dir)
+  writers = {}
+  try:
+    writers = {name: _ArrayWriter(os.path.join(tmp_dir, name + ".npy"), dtype)
+               for name, dtype in _ARRAYS}
+    num_blocks = num_documents = 0
+    total = {"body": 0, "sentences": 0, "text": 0, "title": 0, "title_b": 0}
+    for name in ("body_offsets", "sentence_offsets", "text_offsets",
+                 "title_offsets", "title_byte_offsets", "doc_block_offsets"):
+      writers[name].append([0])
+    for block in blocks:
+      n_body = len(block.body_ids)
+      if NUM_SPECIAL_TOKENS + len(block.title_ids) + n_body > max_block_len:
+        raise ValueError(
+            f"block {num_blocks} ('{block.title}') has {len(block.title_ids)} "
+            f"title and {n_body} body wordpieces: over max_block_len "
+            f"{max_block_len} with the 3 special tokens.")
+      if block.doc_index == num_documents:  # the first block of an article
+        if num_documents:
+          writers["doc_block_offsets"].append([num_blocks])
+        title_bytes = block.title.encode("utf-8")
+        writers["title_ids"].append(block.title_ids)
+        writers["title_bytes"].append(np.frombuffer(title_bytes, np.uint8))
+        total["title"] += len(block.title_ids)
+        total["title_b"] += len(title_bytes)
+        writers["title_offsets"].append([total["title"]])
+        writers["title_byte_offsets"].append([total["title_b"]])
+        num_documents += 1
+        doc_hash = title_hash(block.title)
+      elif block.doc_index != num_documents - 1:
+        raise ValueError(
+            f"block {num_blocks} has doc_index {block.doc_index} after "
+            f"{num_documents - 1}: blocks must come in article order.")
+      text_bytes = block.text.encode("utf-8")
+      writers["body_ids"].append(block.body_ids)
+      writers["sentence_starts"].append(block.sentence_starts)
+      writers["text_bytes"].append(np.frombuffer(text_bytes, np.uint8))
+      total["body"] += n_body
+      total["sentences"] += len(block.sentence_starts)
+      total["text"] += len(text_bytes)
+      writers["body_offsets"].append([total["body"]])
+      writers["sentence_offsets"].append([total["sentences"]])
+      writers["text_offsets"].append([total["text"]])
+      writers["doc_index"].append([block.doc_index])
+      writers["doc_hash"].append([doc_hash])
+      num_blocks += 1
+    if not num_blocks:
+      raise ValueError(
+          f"no blocks to write to {out_dir}: the input held no usable "
+          "article (see the report's skip counts).")
+    writers["doc_block_offsets"].append([num_blocks])
+    files = {name: writer.close() for name, writer in writers.items()}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "num_blocks": num_blocks,
+        "num_documents": num_documents,
+        "max_block_len": max_block_len,
+        "vocab_sha256": _sha256_file(tokenizer_vocab_path),
+        **_special_ids(tokenizer_vocab_path),
+        "source": source,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "fingerprint": _fingerprint(files),
+        "files": files,
+        **(extra_manifest or {}),
+    }
+    with open(os.path.join(tmp_dir, "manifest.json"), "w") as f:
+      json.dump(manifest, f, indent=1)
+    if report is not None:
+      with open(os.path.join(tmp_dir, "report.json"), "w") as f:
+        json.dump(report.summary(), f, indent=1)
+    BlockStore.open(tmp_dir)  # refuse to publish what cannot be read back
+    if os.path.exists(out_dir):
+      old_dir = f"{out_dir}.old-{os.getpid()}"
+      os.rename(out_dir, old_dir)
+      os.rename(tmp_dir, out_dir)
+      shutil.rmtree(old_dir)
+    else:
+      os.rename(tmp_dir, out_dir)
+  except BaseException:
+    for writer in writers.values():
+      writer.abort()
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    raise
+  logging.info("wrote block store %s: %d blocks of %d articles, fingerprint "
+               "%s", out_dir, num_blocks, num_documents,
+               manifest["fingerprint"][:16])
+  return BlockStore.open(out_dir)
+
+
+# -----------------------------------------------------------------------------
+# Reading the block store.
+# -----------------------------------------------------------------------------
+
+
+class BlockStore:
+  """Memory-mapped, read-only view of a block store directory.
+
+  Attributes:
+    path: the directory.
+    manifest: the parsed manifest.json.
+  """
+
+  def __init__(self, path: str, manifest: dict[str, Any],
+               arrays: dict[str, np.ndarray]):
+    self.path = path
+    self.manifest = manifest
+    self._a = arrays
+
+  @classmethod
+  def open(cls, path: str, *, verify: bool = False) -> BlockStore:
+    """Opens a store written by `write_block_store`.
+
+    Args:
+      path: the store directory.
+      verify: also recompute every file's sha256 (reads the whole store).
+
+    Returns:
+      The store; arrays are memory-mapped, not loaded.
+
+    Raises:
+      FileNotFoundError: if the directory, manifest or an array is missing.
+      ValueError: if the manifest or an array is corrupt or inconsistent.
+    """
+    manifest_path = os.path.join(path, "manifest.json")
+    if not os.path.isdir(path):
+      raise FileNotFoundError(
+          f"block store {path} does not exist; build it with "
+          "`python -m realm_jax.data.corpus_job --output_dir=...`.")
+    if not os.path.exists(manifest_path):
+      raise FileNotFoundError(
+          f"{manifest_path} is missing: {path} is not a complete block store "
+          "(an interrupted build?); rebuild it.")
+    try:
+      with open(manifest_path) as f:
+        manifest = json.load(f)
+      files = manifest["files"]
+      num_blocks = int(manifest["num_blocks"])
+      num_documents = int(manifest["num_documents"])
+      int(manifest["cls_id"]), int(manifest["sep_id"]), int(manifest["pad_id"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"{manifest_path} is corrupt ({e!r}); rebuild the "
+                       "block store.") from e
+    if manifest.get("format_version") != FORMAT_VERSION:
+      raise ValueError(
+          f"{manifest_path}: format_version {manifest.get('format_version')} "
+          f"is not {FORMAT_VERSION}; rebuild the store with this version.")
+    arrays = {}
+    for name, dtype in _ARRAYS:
+      file_path = os.path.join(path, name + ".npy")
+      if not os.path.exists(file_path):
+        raise FileNotFoundError(f"{file_path} is missing; rebuild the store.")
+      try:
+        array = np.load(file_path, mmap_mode="r")
+      except (ValueError, OSError) as e:
+        raise ValueError(f"{file_path} is corrupt ({e}); rebuild the "
+                         "store.") from e
+      expected = files.get(name, {})
+      if (array.dtype != np.dtype(dtype) or array.ndim != 1 or
+          list(array.shape) != expected.get("shape")):
+        raise ValueError(
+            f"{file_path} holds {array.dtype}{list(array.shape)}, the "
+            f"manifest says {expected.get('dtype')}{expected.get('shape')}: "
+            "the store is corrupt; rebuild it.")
+      if verify and _sha256_file_data(file_path) != expected.get("sha256"):
+        raise ValueError(f"{file_path}: sha256 differs from the manifest; "
+                         "the store is corrupt; rebuild it.")
+      arrays[name] = array
+    store = cls(path, manifest, arrays)
+    store._check_consistency(num_blocks, num_documents)
+    return store
+
+  def _check_consistency(self, num_blocks: int, num_documents: int) -> None:
+    a = self._a
+    checks = [
+        ("body_offsets", num_blocks + 1, "body_ids"),
+        ("sentence_offsets", num_blocks + 1, "sentence_starts"),
+        ("text_offsets", num_blocks + 1, "text_bytes"),
+        ("title_offsets", num_documents + 1, "title_ids"),
+        ("title_byte_offsets", num_documents + 1, "title_bytes"),
+        ("doc_block_offsets", num_documents + 1, None),
+    ]
+    for offsets, length, flat in checks:
+      ok = len(a[offsets]) == length and (
+          flat is None or int(a[offsets][-1]) == len(a[flat]))
+      if not ok:
+        raise ValueError(
+            f"{self.path}: {offsets}.npy does not match "
+            f"{flat or 'num_documents'} and the manifest's counts; the store "
+            "is corrupt; rebuild it.")
+    if len(a["doc_index"]) != num_blocks or len(a["doc_hash"]) != num_blocks:
+      raise ValueError(f"{self.path}: doc_index/doc_hash do not have "
+                       f"{num_blocks} rows; the store is corrupt.")
+
+  # ---- sizes and identity ----
+
+  def __len__(self) -> int:
+    return len(self._a["doc_index"])
+
+  @property
+  def num_documents(self) -> int:
+    return len(self._a["doc_block_offsets"]) - 1
+
+  @property
+  def fingerprint(self) -> str:
+    return self.manifest["fingerprint"]
+
+  @property
+  def max_block_len(self) -> int:
+    return int(self.manifest["max_block_len"])
+
+  @property
+  def doc_hash(self) -> np.ndarray:
+    """int64 [num_blocks]: `title_hash` of each block's article."""
+    return self._a["doc_hash"]
+
+  @property
+  def doc_indices(self) -> np.ndarray:
+    """int32 [num_blocks]: the article index of each block."""
+    return self._a["doc_index"]
+
+  def check_vocab(self, vocab_path: str) -> None:
+    """Raises ValueError unless the store was tokenized with `vocab_path`."""
+    if _sha256_file(vocab_path) != self.manifest["vocab_sha256"]:
+      raise ValueError(
+          f"{self.path} was tokenized with another vocabulary than "
+          f"{vocab_path}; rebuild the store with this vocab or use the "
+          "matching one.")
+
+  # ---- one block ----
+
+  def _block(self, i: int) -> int:
+    n = len(self)
+    if not -n <= i < n:
+      raise IndexError(f"block {i} is out of range for {n} blocks.")
+    return int(i) % n
+
+  def _slice(self, flat: str, offsets: str, i: int) -> np.ndarray:
+    o = self._a[offsets]
+    return self._a[flat][int(o[i]):int(o[i + 1])]
+
+  def doc_index(self, i: int) -> int:
+    return int(self._a["doc_index"][self._block(i)])
+
+  def text(self, i: int) -> str:
+    return self._slice("text_bytes", "text_offsets",
+                       self._block(i)).tobytes().decode("utf-8")
+
+  def title(self, i: int) -> str:
+    return self._slice("title_bytes", "title_byte_offsets",
+                       self.doc_index(i)).tobytes().decode("utf-8")
+
+  def body_ids(self, i: int) -> np.ndarray:
+    return np.array(self._slice("body_ids", "body_offsets", self._block(i)))
+
+  def title_ids(self, i: int) -> np.ndarray:
+    return np.array(self._slice("title_ids", "title_offsets",
+                                self.doc_index(i)))
+
+  def sentence_starts(self, i: int) -> np.ndarray:
+    return np.array(self._slice("sentence_starts", "sentence_offsets",
+                                self._block(i)))
+
+  def document_blocks(self, doc_index: int) -> range:
+    """Block ids of article `doc_index`."""
+    o = self._a["doc_block_offsets"]
+    return range(int(o[doc_index]), int(o[doc_index + 1]))
+
+  # ---- batches ----
+
+  def _ids(self, block_ids) -> np.ndarray:
+    ids = np.asarray(block_ids, np.int64).reshape(-1)
+    n = len(self)
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+      raise IndexError(f"block ids must be in [0, {n}); got "
+                       f"[{ids.min()}, {ids.max()}].")
+    return ids
+
+  def retriever_inputs(self, block_ids, seq_len: int = DEFAULT_MAX_BLOCK_LEN
+                       ) -> dict[str, np.ndarray]:
+    """Retriever (document tower) inputs `[CLS] title [SEP] body [SEP]`.
+
+    Segment 0 is `[CLS] title [SEP]`, segment 1 is `body [SEP]`. Built
+    with whole-batch numpy gathers (no Python loop over blocks). If
+    `seq_len` is shorter than the stored blocks, the body is truncated
+    first, then the title.
+
+    Args:
+      block_ids: int array [n] of block ids.
+      seq_len: output length (>= 3).
+
+    Returns:
+      {"token_ids", "input_mask", "segment_ids"}: int32 [n, seq_len].
+    """
+    if seq_len < NUM_SPECIAL_TOKENS:
+      raise ValueError(f"seq_len must be >= 3, got {seq_len}.")
+    ids = self._ids(block_ids)
+    docs = self._a["doc_index"][ids].astype(np.int64)
+    title_starts = self._a["title_offsets"][docs]
+    title_lens = self._a["title_offsets"][docs + 1] - title_starts
+    body_starts = self._a["body_offsets"][ids]
+    body_lens = self._a["body_offsets"][ids + 1] - body_starts
+    room = seq_len - NUM_SPECIAL_TOKENS
+    title_lens = np.minimum(title_lens, room)
+    body_lens = np.minimum(body_lens, room - title_lens)
+    n = len(ids)
+    token_ids = np.full([n, seq_len], self.manifest["pad_id"], np.int32)
+    token_ids[:, 0] = self._cls_id
+    rows = np.arange(n)
+    _scatter(token_ids, self._a["title_ids"], title_starts, title_lens, 1)
+    token_ids[rows, title_lens + 1] = self._sep_id
+    _scatter(token_ids, self._a["body_ids"], body_starts, body_lens,
+             title_lens + 2)
+    ends = title_lens + body_lens + NUM_SPECIAL_TOKENS  # exclusive
+    token_ids[rows, ends - 1] = self._sep_id
+    columns = np.arange(seq_len)[None, :]
+    input_mask = (columns < ends[:, None]).astype(np.int32)
+    segment_ids = ((columns >= (title_lens + 2)[:, None]) &
+                   (columns < ends[:, None])).astype(np.int32)
+    return {"token_ids": token_ids, "input_mask": input_mask,
+            "segment_ids": segment_ids}
+
+  def bodies(self, block_ids, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Body wordpieces (no title, no special tokens), zero-padded.
+
+    For the reader input `[CLS] x [SEP] body [SEP]`.
+
+    Args:
+      block_ids: int array [n] of block ids.
+      max_len: columns of the output; longer bodies are truncated.
+
+    Returns:
+      (ids int32 [n, max_len], lengths int32 [n]).
+    """
+    ids = self._ids(block_ids)
+    starts = self._a["body_offsets"][ids]
+    lengths = np.minimum(self._a["body_offsets"][ids + 1] - starts, max_len)
+    out = np.zeros([len(ids), max_len], np.int32)
+    _scatter(out, self._a["body_ids"], starts, lengths, 0)
+    return out, lengths.astype(np.int32)
+
+  @property
+  def _cls_id(self) -> int:
+    return int(self.manifest["cls_id"])
+
+  @property
+  def _sep_id(self) -> int:
+    return int(self.manifest["sep_id"])
+
+
+def _scatter(out: np.ndarray, flat: np.ndarray, starts: np.ndarray,
+             lengths: np.ndarray, columns) -> None:
+  """out[r, columns[r] + j] = flat[starts[r] + j] for j < lengths[r]."""
+  lengths = np.asarray(lengths, np.int64)
+  total = int(lengths.sum())
+  if not total:
+    return
+  rows = np.repeat(np.arange(len(lengths)), lengths)
+  within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  columns = np.broadcast_to(np.asarray(columns, np.int64), lengths.shape)
+  out[rows, np.repeat(columns, lengths) + within] = flat[
+      np.repeat(np.asarray(starts, np.int64), lengths) + within]
+
+
+def _sha256_file_data(path: str) -> str:
+  """sha256 of a .npy file's data (after its header), as the writer hashed."""
+  array = np.load(path, mmap_mode="r")
+  digest = hashlib.sha256()
+  step = 1 << 24
+  for start in range(0, len(array), step):
+    digest.update(np.ascontiguousarray(array[start:start + step]).tobytes())
+  return digest.hexdigest()

@@ -1,0 +1,581 @@
+"""seqio Tasks for REALM pre-training and the ICT warm start.
+
+Tasks (registered by `register_tasks`, parametrised by data paths):
+
+  realm_pretrain_salient        REALM masked queries from an annotated corpus
+  realm_pretrain_random_tokens  ablation: random wordpieces masked
+  realm_pretrain_random_spans   ablation: one random span masked
+  ict                           Inverse Cloze Task pairs from a block store
+
+Pipelines (all seqio preprocessors are tf.data maps):
+
+* REALM: `seqio.TFExampleDataSource` over the annotated TFRecords (our own or
+  REALM's released corpus) -> `annotated_to_sentences`: one element per
+  sentence with at least one salient span; offsets validated in numpy (same
+  rules as `salient_spans.read_annotated`; bad spans/sentences are dropped --
+  use `read_annotated` to count them), sentences tokenized in-graph with
+  tensorflow_text (same vocabulary and settings as `tokenizer.Tokenizer`) ->
+  `mask_sentences`: `examples.realm_query` run through `tf.numpy_function`
+  with a per-element seed from `seqio.map_over_dataset(num_seeds=1)`, so the
+  masks differ from epoch to epoch and are reproducible given the seed passed
+  to `get_dataset`. Sentences without a usable span are filtered out.
+* ICT: `BlockStoreSource` yields block indices (a block store is a memory
+  mapped array, not TFRecords) -> `make_ict_pairs`: `examples.ict_pair` via
+  `tf.numpy_function`, seeded the same way.
+
+Per-host sharding: pass `shard_info=seqio.ShardInfo(index, num_shards)` to
+`get_dataset`. The annotated source shards by file when there are at least
+as many files as shards, else seqio shards the documents (document i goes to
+shard i % num_shards); the block source shards block indices the same way.
+Either way the shards are disjoint and cover the data.
+
+Registration is idempotent: registering a name again with the same spec
+returns the registered task; a different spec raises unless
+`overwrite=True`. Other task modules (e.g. `qa.py`) follow the same rule via
+`add_task`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+from absl import logging
+import numpy as np
+import seqio
+import tensorflow as tf
+
+from realm_jax.data import examples as examples_lib
+from realm_jax.data import salient_spans as salient_spans_lib
+from realm_jax.data import tokenizer as tokenizer_lib
+
+PRETRAIN_TASK_NAMES = {
+    "salient": "realm_pretrain_salient",
+    "random_tokens": "realm_pretrain_random_tokens",
+    "random_spans": "realm_pretrain_random_spans",
+}
+ICT_TASK_NAME = "ict"
+
+# ------------------------------------------------------------- registry ----
+
+# The spec a task was registered with is kept on the task object, as its
+# repr: that survives a reload of this module (seqio's registry is global and
+# outlives it), unlike a module-level dict or the dataclass identity.
+_SPEC_ATTRIBUTE = "realm_jax_spec"
+
+
+def add_task(name: str, spec: Any, build: Callable[[], dict[str, Any]], *,
+             overwrite: bool = False) -> seqio.Task:
+  """Registers a seqio Task once per (name, spec); idempotent.
+
+  Args:
+    name: task name.
+    spec: a description of what the task reads whose repr identifies it (a
+      frozen dataclass); registering the same name and spec again returns the
+      registered task.
+    build: returns the `seqio.TaskRegistry.add` keyword arguments (source,
+      output_features, preprocessors, ...); called only when registering.
+    overwrite: replace a task of this name registered with another spec.
+
+  Returns:
+    The registered task.
+
+  Raises:
+    ValueError: if `name` is registered with another spec and not
+      `overwrite`.
+  """
+  if name in seqio.TaskRegistry.names():
+    existing = seqio.TaskRegistry.get(name)
+    previous = getattr(existing, _SPEC_ATTRIBUTE, None)
+    if previous == repr(spec):
+      return existing
+    if not overwrite:
+      raise ValueError(
+          f"seqio task {name!r} is already registered with "
+          f"{previous or 'a spec unknown to realm_jax.data.tasks'}; pass "
+          f"overwrite=True to replace it with {spec!r}, or use another name.")
+    seqio.TaskRegistry.remove(name)
+  task = seqio.TaskRegistry.add(name, **build())
+  setattr(task, _SPEC_ATTRIBUTE, repr(spec))
+  return task
+
+
+def _feature(dtype: tf.DType, rank: int, vocab_size: int = 0) -> seqio.Feature:
+  # Ids are made by our own tokenizer; the pass-through vocabulary only
+  # records the vocabulary size for seqio's consumers.
+  return seqio.Feature(seqio.PassThroughVocabulary(size=vocab_size),
+                       add_eos=False, dtype=dtype, rank=rank)
+
+
+def _check_sequence_length(sequence_length: Mapping[str, Any] | None,
+                           fixed: Mapping[str, int], task: str) -> None:
+  """Lengths are fixed at registration; refuse a conflicting request."""
+  for key, length in (sequence_length or {}).items():
+    if key in fixed and length is not None and length != fixed[key]:
+      raise ValueError(
+          f"{task}: sequence_length[{key!r}]={length} but the task was "
+          f"registered with {fixed[key]}; register it with that length "
+          "instead (a trimmed query would lose its masks).")
+
+
+# ------------------------------------------------------ REALM pre-train ----
+
+_ANNOTATED_FEATURES = {
+    "title": tf.io.FixedLenFeature([], tf.string, default_value=""),
+    "text": tf.io.FixedLenFeature([], tf.string, default_value=""),
+    "sentence_byte_start": tf.io.RaggedFeature(tf.int64),
+    "sentence_byte_limit": tf.io.RaggedFeature(tf.int64),
+    "span_byte_start": tf.io.RaggedFeature(tf.int64),
+    "span_byte_limit": tf.io.RaggedFeature(tf.int64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainTaskSpec:
+  """What a REALM pre-training task reads and how it masks."""
+  annotated_pattern: tuple[str, ...]
+  vocab_path: str
+  lower_case: bool
+  query_config: examples_lib.RealmQueryConfig
+  shuffle_buffer_size: int | None
+
+
+def _title_hash(title: bytes) -> int:
+  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  return int(blocks.title_hash(title.decode("utf-8", "replace")))
+
+
+def _document_sentences(title, text, ss, sl, ps, pl):
+  """numpy: a raw record -> its sentences that hold at least one span."""
+  doc = salient_spans_lib.validate_document(
+      title, text, ss, sl, ps, pl, [], salient_spans_lib.AnnotationReport())
+  sentences, starts, limits, lengths = [], [], [], []
+  if not isinstance(doc, str):
+    for _, sentence, spans in doc.sentences_with_spans():
+      if spans:
+        sentences.append(sentence)
+        starts.extend(s for s, _ in spans)
+        limits.extend(l for _, l in spans)
+        lengths.append(len(spans))
+  return (np.array(sentences, dtype=object).reshape(-1),
+          np.array(starts, np.int64), np.array(limits, np.int64),
+          np.array(lengths, np.int64), np.int64(_title_hash(title)))
+
+
+@functools.lru_cache(maxsize=None)
+def _bert_tokenizer(vocab_path: str, lower_case: bool):
+  """The tensorflow_text tokenizer of `tokenizer.Tokenizer`, for graphs.
+
+  Built once per vocabulary (building it costs ~1 s); its flat ids and byte
+  offsets into the input are exactly what `Tokenizer.tokenize_with_offsets`
+  returns.
+  """
+  return tokenizer_lib.Tokenizer(vocab_path,
+                                 lower_case=lower_case).tf_tokenizer
+
+
+def annotated_to_sentences(dataset: tf.data.Dataset, *, vocab_path: str,
+                           lower_case: bool = True) -> tf.data.Dataset:
+  """Annotated documents -> tokenized sentences that hold salient spans.
+
+  Args:
+    dataset: parsed annotated records (`_ANNOTATED_FEATURES`).
+    vocab_path: BERT vocab.txt.
+    lower_case: as in `tokenizer.Tokenizer`.
+
+  Returns:
+    Elements {ids, byte_starts, byte_limits: [T] int64 (offsets relative to
+    the sentence), span_byte_starts, span_byte_limits: [P] int64,
+    source_doc_hash: int64}.
+  """
+  bert = _bert_tokenizer(vocab_path, lower_case)
+
+  def per_document(doc):
+    sentences, starts, limits, lengths, doc_hash = tf.numpy_function(
+        _document_sentences,
+        [doc["title"], doc["text"], doc["sentence_byte_start"],
+         doc["sentence_byte_limit"], doc["span_byte_start"],
+         doc["span_byte_limit"]],
+        [tf.string, tf.int64, tf.int64, tf.int64, tf.int64], stateful=False)
+    sentences.set_shape([None])
+    for t in (starts, limits, lengths):
+      t.set_shape([None])
+    doc_hash.set_shape([])
+    ids, piece_starts, piece_limits = bert.tokenize_with_offsets(sentences)
+    n = tf.shape(sentences)[0]
+    return {
+        "ids": ids,
+        "byte_starts": piece_starts,
+        "byte_limits": piece_limits,
+        "span_byte_starts": tf.RaggedTensor.from_row_lengths(starts, lengths),
+        "span_byte_limits": tf.RaggedTensor.from_row_lengths(limits, lengths),
+        "source_doc_hash": tf.fill([n], doc_hash),
+    }
+
+  dataset = dataset.map(per_document, num_parallel_calls=tf.data.AUTOTUNE)
+  # Slices of ragged tensors come out as RaggedTensorSpec(ragged_rank=0);
+  # the identity map turns them into plain [None] tensors.
+  return dataset.unbatch().map(lambda ex: {k: v for k, v in ex.items()})
+
+
+def _realm_query_numpy(ids, starts, limits, span_starts, span_limits,
+                       doc_hash, seed, *, special, config):
+  rng = np.random.default_rng(np.asarray(seed).astype(np.uint32))
+  query = examples_lib.realm_query(
+      ids=ids, byte_starts=starts, byte_limits=limits,
+      spans=list(zip(span_starts.tolist(), span_limits.tolist())),
+      source_doc_hash=int(doc_hash), rng=rng, special=special, config=config)
+  if query is None:
+    return (np.zeros(config.query_length, np.int32),
+            np.zeros(config.query_length, np.int32),
+            np.zeros(config.max_masks, np.int32),
+            np.zeros(config.max_masks, np.int32),
+            np.zeros(config.max_masks, np.float32), False)
+  return (query["query_ids"], query["query_mask"], query["mlm_positions"],
+          query["mlm_targets"], query["mlm_weights"], True)
+
+
+def mask_sentences(dataset: tf.data.Dataset, *,
+                   config: examples_lib.RealmQueryConfig,
+                   special: examples_lib.SpecialIds,
+                   sequence_length: Mapping[str, Any] | None = None,
+                   output_features=None) -> tf.data.Dataset:
+  """Tokenized sentences -> masked REALM queries (`examples.realm_query`).
+
+  Args:
+    dataset: output of `annotated_to_sentences`.
+    config: lengths and masking mode.
+    special: special token ids.
+    sequence_length: optional; must agree with `config` if given.
+    output_features: unused (seqio passes it).
+
+  Returns:
+    Elements with the `examples.REALM_QUERY_FEATURES`; sentences without a
+    usable span are dropped.
+  """
+  del output_features
+  _check_sequence_length(
+      sequence_length,
+      {"query_ids": config.query_length, "query_mask": config.query_length,
+       "mlm_positions": config.max_masks, "mlm_targets": config.max_masks,
+       "mlm_weights": config.max_masks}, "REALM pre-training")
+  fn = functools.partial(_realm_query_numpy, special=special, config=config)
+
+  @seqio.map_over_dataset(num_seeds=1)
+  def mask(ex, seed):
+    outputs = tf.numpy_function(
+        fn, [ex["ids"], ex["byte_starts"], ex["byte_limits"],
+             ex["span_byte_starts"], ex["span_byte_limits"],
+             ex["source_doc_hash"], seed],
+        [tf.int32, tf.int32, tf.int32, tf.int32, tf.float32, tf.bool],
+        stateful=False)
+    shapes = [config.query_length] * 2 + [config.max_masks] * 3 + [None]
+    names = examples_lib.REALM_QUERY_FEATURES[:5] + ("valid",)
+    result = {}
+    for name, value, shape in zip(names, outputs, shapes):
+      value.set_shape([] if shape is None else [shape])
+      result[name] = value
+    result["source_doc_hash"] = ex["source_doc_hash"]
+    return result
+
+  dataset = mask(dataset).filter(lambda ex: ex["valid"])
+  return dataset.map(
+      lambda ex: {k: ex[k] for k in examples_lib.REALM_QUERY_FEATURES})
+
+
+def _compression_reader(patterns: Sequence[str]):
+  gzip = [p.endswith(".gz") for p in patterns]
+  if any(gzip) and not all(gzip):
+    raise ValueError(f"{patterns}: mixing gzip (.gz) and uncompressed "
+                     "annotated files in one task is not supported.")
+  return functools.partial(tf.data.TFRecordDataset,
+                           compression_type="GZIP" if all(gzip) else "")
+
+
+def _realm_output_features(vocab_size: int) -> dict[str, seqio.Feature]:
+  return {
+      "query_ids": _feature(tf.int32, 1, vocab_size),
+      "query_mask": _feature(tf.int32, 1),
+      "mlm_positions": _feature(tf.int32, 1),
+      "mlm_targets": _feature(tf.int32, 1, vocab_size),
+      "mlm_weights": _feature(tf.float32, 1),
+      "source_doc_hash": _feature(tf.int64, 0),
+  }
+
+
+def register_pretrain_task(
+    *,
+    annotated_pattern: str | Sequence[str],
+    masking: str = "salient",
+    name: str | None = None,
+    vocab_path: str | None = None,
+    lower_case: bool = True,
+    query_config: examples_lib.RealmQueryConfig | None = None,
+    shuffle_buffer_size: int | None = 10_000,
+    overwrite: bool = False,
+) -> seqio.Task:
+  """Registers one REALM pre-training task (split "train").
+
+  Args:
+    annotated_pattern: glob pattern(s) of annotated TFRecord files (".gz"
+      ones are read as gzip).
+    masking: "salient", "random_tokens" or "random_spans".
+    name: task name; default `PRETRAIN_TASK_NAMES[masking]`.
+    vocab_path: BERT vocab.txt; default `tokenizer.default_vocab_path()`.
+    lower_case: lower-case before WordPiece (uncased vocabularies).
+    query_config: lengths; its `masking` is replaced by `masking`.
+    shuffle_buffer_size: Task shuffle buffer of queries.
+    overwrite: replace a task of this name registered with another spec.
+
+  Returns:
+    The registered seqio.Task.
+  """
+  patterns = ((annotated_pattern,) if isinstance(annotated_pattern, str)
+              else tuple(annotated_pattern))
+  config = dataclasses.replace(
+      query_config or examples_lib.RealmQueryConfig(), masking=masking)
+  vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
+  name = name or PRETRAIN_TASK_NAMES[masking]
+  spec = PretrainTaskSpec(patterns, vocab_path, lower_case, config,
+                          shuffle_buffer_size)
+
+  def build():
+    tokenizer = tokenizer_lib.Tokenizer(vocab_path, lower_case=lower_case)
+    source = seqio.TFExampleDataSource(
+        {"train": list(patterns)}, _ANNOTATED_FEATURES,
+        reader_cls=_compression_reader(patterns))
+    return dict(
+        source=source,
+        output_features=_realm_output_features(tokenizer.vocab_size),
+        preprocessors=[
+            functools.partial(annotated_to_sentences, vocab_path=vocab_path,
+                              lower_case=lower_case),
+            functools.partial(
+                mask_sentences, config=config,
+                special=examples_lib.SpecialIds.from_tokenizer(tokenizer)),
+        ],
+        shuffle_buffer_size=shuffle_buffer_size)
+
+  return add_task(name, spec, build, overwrite=overwrite)
+
+
+# ------------------------------------------------------------------ ICT ----
+
+
+def _open_block_store(path: str):
+  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  return blocks.BlockStore.open(path)
+
+
+_STORES: dict[str, Any] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _block_store(path: str):
+  """One memory-mapped store per path and process (tf.data threads share)."""
+  with _STORES_LOCK:
+    if path not in _STORES:
+      _STORES[path] = _open_block_store(path)
+    return _STORES[path]
+
+
+class BlockStoreSource(seqio.DataSource):
+  """The block indices 0..N-1 of a block store, as {"block_index": int64}.
+
+  Sharding is arbitrary (index i goes to shard i % num_shards); shuffling
+  is a full shuffle of this shard's indices (int64s are cheap to hold).
+  """
+
+  def __init__(self, block_store: str, splits: Sequence[str] = ("train",)):
+    self._path = block_store
+    super().__init__(splits=splits)
+
+  @property
+  def supports_arbitrary_sharding(self) -> bool:
+    return True
+
+  def list_shards(self, split: str) -> Sequence[str]:
+    return [self._path]
+
+  def num_input_examples(self, split: str) -> int:
+    return len(_block_store(self._path))
+
+  def get_dataset(self, split: str = "train", shuffle: bool = True,
+                  seed: int | None = None,
+                  shard_info: seqio.ShardInfo | None = None, *,
+                  sequence_length=None, use_cached=False,
+                  num_epochs=1) -> tf.data.Dataset:
+    del sequence_length, use_cached, num_epochs
+    if split not in self.splits:
+      raise ValueError(f"split {split!r} is not one of {self.splits}.")
+    ds = tf.data.Dataset.range(len(_block_store(self._path)))
+    if shard_info:
+      ds = ds.shard(shard_info.num_shards, shard_info.index)
+    if shuffle:
+      ds = ds.shuffle(ds.cardinality(), seed=seed)
+    return ds.map(lambda i: {"block_index": i})
+
+
+@dataclasses.dataclass(frozen=True)
+class IctTaskSpec:
+  """What an ICT task reads and how it builds pairs."""
+  block_store: str
+  ict_config: examples_lib.IctConfig
+  special: examples_lib.SpecialIds | None
+  shuffle_buffer_size: int | None
+
+
+def _store_special_ids(store) -> examples_lib.SpecialIds:
+  """[PAD]/[CLS]/[SEP] of the vocabulary the store was tokenized with."""
+  m = store.manifest
+  return examples_lib.SpecialIds(pad_id=int(m["pad_id"]),
+                                 cls_id=int(m["cls_id"]),
+                                 sep_id=int(m["sep_id"]))
+
+
+def _ict_numpy(index, seed, *, path, special, config):
+  store = _block_store(path)
+  special = special or _store_special_ids(store)
+  i = int(index)
+  pair = examples_lib.ict_pair(
+      body_ids=store.body_ids(i), sentence_starts=store.sentence_starts(i),
+      title_ids=store.title_ids(i),
+      rng=np.random.default_rng(np.asarray(seed).astype(np.uint32)),
+      special=special, config=config)
+  if pair is None:
+    q, b = config.query_length, config.block_length
+    zeros = [np.zeros(q, np.int32)] * 3 + [np.zeros(b, np.int32)] * 3
+    return (*zeros, np.int32(0), False)
+  return (*(pair[k] for k in examples_lib.ICT_FEATURES), True)
+
+
+def make_ict_pairs(dataset: tf.data.Dataset, *, block_store: str,
+                   config: examples_lib.IctConfig,
+                   special: examples_lib.SpecialIds | None,
+                   sequence_length: Mapping[str, Any] | None = None,
+                   output_features=None) -> tf.data.Dataset:
+  """Block indices -> ICT (pseudo-query, block) pairs (`examples.ict_pair`).
+
+  Args:
+    dataset: {"block_index": int64} elements (`BlockStoreSource`).
+    block_store: the block store path.
+    config: lengths and removal probability.
+    special: special token ids; None: those in the store's manifest.
+    sequence_length: optional; must agree with `config` if given.
+    output_features: unused (seqio passes it).
+
+  Returns:
+    Elements with `examples.ICT_FEATURES` plus `block_index` (int64; lets a
+    trainer drop duplicate blocks from the in-batch negatives).
+  """
+  del output_features
+  _check_sequence_length(
+      sequence_length,
+      {k: config.query_length for k in examples_lib.ICT_FEATURES[:3]} |
+      {k: config.block_length for k in examples_lib.ICT_FEATURES[3:6]},
+      "ICT")
+  fn = functools.partial(_ict_numpy, path=block_store, special=special,
+                         config=config)
+
+  @seqio.map_over_dataset(num_seeds=1)
+  def pair(ex, seed):
+    outputs = tf.numpy_function(
+        fn, [ex["block_index"], seed], [tf.int32] * 7 + [tf.bool],
+        stateful=False)
+    shapes = [[config.query_length]] * 3 + [[config.block_length]] * 3
+    result = {"block_index": ex["block_index"]}
+    for name, value, shape in zip(
+        examples_lib.ICT_FEATURES + ("valid",), outputs, shapes + [[], []]):
+      value.set_shape(shape)
+      result[name] = value
+    return result
+
+  return pair(dataset).filter(lambda ex: ex["valid"]).map(
+      lambda ex: {k: v for k, v in ex.items() if k != "valid"})
+
+
+def register_ict_task(
+    *,
+    block_store: str,
+    name: str = ICT_TASK_NAME,
+    ict_config: examples_lib.IctConfig | None = None,
+    special: examples_lib.SpecialIds | None = None,
+    shuffle_buffer_size: int | None = 10_000,
+    overwrite: bool = False,
+) -> seqio.Task:
+  """Registers the Inverse Cloze Task over a block store (split "train").
+
+  Args:
+    block_store: path of a `blocks.BlockStore` (opened lazily).
+    name: task name.
+    ict_config: lengths and removal probability (ORQA's by default).
+    special: special token ids; default: those in the store's manifest.
+    shuffle_buffer_size: Task shuffle buffer of pairs.
+    overwrite: replace a task of this name registered with another spec.
+
+  Returns:
+    The registered seqio.Task.
+  """
+  config = ict_config or examples_lib.IctConfig()
+  spec = IctTaskSpec(block_store, config, special, shuffle_buffer_size)
+
+  def build():
+    return dict(
+        source=BlockStoreSource(block_store),
+        output_features=(
+            {k: _feature(tf.int32, 1) for k in examples_lib.ICT_FEATURES[:6]}
+            | {"sentence_removed": _feature(tf.int32, 0),
+               "block_index": _feature(tf.int64, 0)}),
+        preprocessors=[functools.partial(
+            make_ict_pairs, block_store=block_store, config=config,
+            special=special)],
+        shuffle_buffer_size=shuffle_buffer_size)
+
+  return add_task(name, spec, build, overwrite=overwrite)
+
+
+# ------------------------------------------------------------ all tasks ----
+
+
+def register_tasks(
+    *,
+    annotated_pattern: str | Sequence[str] | None = None,
+    block_store: str | None = None,
+    masking_modes: Sequence[str] = examples_lib.MASKING_MODES,
+    vocab_path: str | None = None,
+    query_config: examples_lib.RealmQueryConfig | None = None,
+    ict_config: examples_lib.IctConfig | None = None,
+    overwrite: bool = False,
+) -> list[str]:
+  """Registers the pre-training tasks whose data paths are given.
+
+  Args:
+    annotated_pattern: annotated corpus files -> `realm_pretrain_<masking>`
+      for each of `masking_modes`.
+    block_store: block store path -> `ict` (its special ids come from the
+      store's manifest).
+    masking_modes: which REALM masking tasks to register.
+    vocab_path: BERT vocab.txt; default `tokenizer.default_vocab_path()`.
+    query_config: REALM query lengths.
+    ict_config: ICT lengths and removal probability.
+    overwrite: replace tasks registered with other paths or settings.
+
+  Returns:
+    The names of the registered tasks.
+  """
+  names = []
+  if annotated_pattern is not None:
+    for masking in masking_modes:
+      names.append(register_pretrain_task(
+          annotated_pattern=annotated_pattern, masking=masking,
+          vocab_path=vocab_path, query_config=query_config,
+          overwrite=overwrite).name)
+  if block_store is not None:
+    names.append(register_ict_task(
+        block_store=block_store, ict_config=ict_config,
+        overwrite=overwrite).name)
+  if not names:
+    logging.warning("register_tasks: no data path given, nothing registered.")
+  return names

@@ -1,0 +1,819 @@
+"""Documents of the knowledge corpus Z: Wikipedia dumps, JSONL, sentences.
+
+Three readers yield `Document(title, text)` with plain text whose paragraphs
+are separated by blank lines:
+
+- `iter_wikipedia_dump`: a MediaWiki `*-pages-articles*.xml(.bz2)` export,
+  streamed with `xml.etree.ElementTree.iterparse` (memory stays flat on the
+  full 20 GB dump) and cleaned with mwparserfromhell.
+- `iter_jsonl_documents`: one `{"title": str, "text": str}` object a line
+  (optionally .gz or .bz2), for a user's own corpus.
+- `iter_documents`: picks one of the two from the file name.
+
+Bad input never stops a reader silently: every record kept or skipped is
+counted by reason in a `Report`, and the first few examples of each reason
+are logged with the file and the record (line number or page title). A dump
+that is malformed at the XML level (truncated download, corrupt bz2 stream)
+cannot be resynchronised by an XML parser, so it raises `CorruptDumpError`
+naming the file, the position and the last good page; pass
+`allow_truncated=True` to keep what was read before the damage instead (it is
+counted as `truncated_file`). A page that is well-formed XML but lacks its
+title, namespace or text is skipped and counted as `malformed_page`.
+
+`split_sentences` is a rule-based sentence splitter returning character
+offsets; `realm_jax.data.blocks` packs those sentences into blocks.
+"""
+
+from __future__ import annotations
+
+import bz2
+import collections
+import dataclasses
+import gzip
+import importlib.util
+import itertools
+import json
+import multiprocessing.pool
+import os
+import re
+from typing import Any, IO, Iterator
+import xml.etree.ElementTree as ET
+
+from absl import logging
+import mwparserfromhell
+from mwparserfromhell import nodes
+
+# The embedded default corpus: a real enwiki slice inside the gensim wheel.
+_GENSIM_DUMP = os.path.join(
+    "test", "test_data",
+    "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
+
+# Wikipedia titles are at most 255 UTF-8 bytes; anything longer is not a
+# title (a JSONL file with swapped fields, for example).
+DEFAULT_MAX_TITLE_CHARS = 256
+# The longest English Wikipedia articles have ~1.2M characters of wikitext;
+# beyond 2M it is a dump artefact (or a log file pasted into a JSONL corpus)
+# and mwparserfromhell would spend minutes and gigabytes on it.
+DEFAULT_MAX_ARTICLE_CHARS = 2_000_000
+
+
+# -----------------------------------------------------------------------------
+# Documents and the report.
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  """One article of the knowledge corpus.
+
+  Attributes:
+    title: article title (used in the retriever input and `title_hash`).
+    text: plain text; paragraphs are separated by blank lines.
+  """
+  title: str
+  text: str
+
+
+# Skips that are the normal content of a dump (not bad input): logged at
+# INFO level rather than as warnings.
+_FILTER_REASONS = frozenset({
+    "redirect", "non_article_namespace", "list_or_index_page",
+    "disambiguation",
+})
+
+
+class CorruptDumpError(ValueError):
+  """A dump or corpus file is malformed beyond record-level recovery."""
+
+
+@dataclasses.dataclass
+class Report:
+  """Counts of the records a corpus job kept, skipped and changed, by reason.
+
+  `skip` and `note` log the first `max_examples` occurrences of each reason
+  with where they happened (file and record), so a user can find them.
+
+  Attributes:
+    kept: counts of kept items ("documents", "blocks", "sentences", ...).
+    skipped: counts of skipped records by reason.
+    notes: counts of records kept but changed, by reason (a sentence split
+      across blocks, a block truncated to the budget, ...).
+    examples: the first `max_examples` locations of each skip or note reason.
+    max_examples: how many examples of each reason are logged and kept.
+  """
+  kept: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  skipped: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  notes: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  examples: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  max_examples: int = 3
+
+  def keep(self, what: str = "documents", n: int = 1) -> None:
+    """Counts `n` kept items of kind `what`."""
+    self.kept[what] += n
+
+  def skip(self, reason: str, where: str, detail: str = "") -> None:
+    """Counts one skipped record and logs it if it is among the first few."""
+    self.skipped[reason] += 1
+    self._example(reason, where, detail, self.skipped[reason],
+                  logging.INFO if reason in _FILTER_REASONS else
+                  logging.WARNING, "skipped")
+
+  def note(self, reason: str, where: str, detail: str = "") -> None:
+    """Counts one record that was kept but changed (split, truncated, ...)."""
+    self.notes[reason] += 1
+    self._example(reason, where, detail, self.notes[reason], logging.INFO,
+                  "note")
+
+  def _example(self, reason, where, detail, count, level, kind) -> None:
+    if count > self.max_examples:
+      return
+    message = f"{where}" + (f" ({detail})" if detail else "")
+    self.examples.setdefault(reason, []).append(message)
+    logging.log(level, "%s %s: %s", kind, reason, message)
+    if count == self.max_examples:
+      logging.log(level, "further '%s' records are only counted", reason)
+
+  def summary(self) -> dict[str, Any]:
+    """JSON-serialisable counts and examples."""
+    return {
+        "kept": dict(sorted(self.kept.items())),
+        "skipped": dict(sorted(self.skipped.items())),
+        "notes": dict(sorted(self.notes.items())),
+        "examples": {k: list(v) for k, v in sorted(self.examples.items())},
+    }
+
+  def log_summary(self) -> None:
+    logging.info("corpus report: %s", json.dumps(self.summary()))
+
+
+# -----------------------------------------------------------------------------
+# Wikipedia dump.
+# -----------------------------------------------------------------------------
+
+
+def default_wikipedia_dump() -> str:
+  """Path of the enwiki dump slice shipped in the gensim wheel.
+
+  Found without importing gensim (slow): only its package directory is
+  needed.
+
+  Raises:
+    FileNotFoundError: if gensim is not installed or lacks the file.
+  """
+  spec = importlib.util.find_spec("gensim")
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+        "The default corpus is the Wikipedia dump slice inside the gensim "
+        "wheel; install it with `pip install gensim` or pass the path of a "
+        "*-pages-articles*.xml.bz2 dump or a JSONL file.")
+  path = os.path.join(spec.submodule_search_locations[0], _GENSIM_DUMP)
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"{path} is missing from the installed gensim; reinstall gensim>=4.3 "
+        "or pass the path of a dump.")
+  return path
+
+
+_TITLE_PREFIXES_SKIPPED = ("list of ", "index of ", "outline of ")
+_DISAMBIGUATION_TEMPLATE = re.compile(
+    r"\{\{\s*(?:disambig(?:uation)?|dab|hndis|geodis)\s*[|}]", re.IGNORECASE)
+
+
+def _local(tag: str) -> str:
+  # Dumps carry a versioned namespace ({http://www.mediawiki.org/xml/
+  # export-0.10/}page); match on the local name so every version works.
+  return tag.rsplit("}", 1)[-1]
+
+
+def _open_binary(path: str) -> IO[bytes]:
+  if path.endswith(".bz2"):
+    return bz2.open(path, "rb")
+  if path.endswith(".gz"):
+    return gzip.open(path, "rb")
+  return open(path, "rb")
+
+
+def iter_wikipedia_pages(
+    path: str,
+    report: Report,
+    *,
+    max_article_chars: int = DEFAULT_MAX_ARTICLE_CHARS,
+    max_title_chars: int = DEFAULT_MAX_TITLE_CHARS,
+    allow_truncated: bool = False,
+) -> Iterator[Document]:
+  """Streams the article pages of a dump, with their raw wikitext.
+
+  Keeps main-namespace pages that are not redirects, lists, indexes, outlines
+  or disambiguation pages; the text is still wikitext (see `clean_wikitext`).
+
+  Args:
+    path: a `*-pages-articles*.xml` file, optionally `.bz2` or `.gz`.
+    report: receives the skip counts.
+    max_article_chars: longer wikitext is skipped as `enormous_article`.
+    max_title_chars: longer titles are skipped as `title_too_long`.
+    allow_truncated: on an XML or compression error, stop and count
+      `truncated_file` instead of raising.
+
+  Yields:
+    `Document(title, wikitext)` in dump order.
+
+  Raises:
+    FileNotFoundError: if `path` does not exist.
+    CorruptDumpError: on malformed XML or a corrupt compressed stream (unless
+      `allow_truncated`), naming the file, position and last good page.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"Wikipedia dump {path} does not exist.")
+  last_title = None
+  with _open_binary(path) as stream:
+    context = ET.iterparse(stream, events=("start", "end"))
+    root = None
+    try:
+      for event, element in context:
+        if root is None:
+          root = element
+        if event != "end" or _local(element.tag) != "page":
+          continue
+        page = _read_page(element)
+        # Drop the finished page from the tree: without this the root keeps
+        # every page and memory grows with the dump.
+        element.clear()
+        root.clear()
+        title = page.get("title")
+        where = f"{path}: page '{title}'" if title else (
+            f"{path}: page after '{last_title}'")
+        if title is None or page.get("ns") is None or page.get("bad_ns"):
+          report.skip("malformed_page", where, "missing title or namespace")
+          continue
+        last_title = title
+        if page["ns"] != 0:
+          report.skip("non_article_namespace", where, f"ns={page['ns']}")
+          continue
+        text = page.get("text")
+        if page.get("redirect") or (
+            text and text.lstrip()[:9].lower() == "#redirect"):
+          report.skip("redirect", where)
+          continue
+        lowered = title.lower()
+        if lowered.startswith(_TITLE_PREFIXES_SKIPPED):
+          report.skip("list_or_index_page", where)
+          continue
+        if lowered.endswith("(disambiguation)") or (
+            text and _DISAMBIGUATION_TEMPLATE.search(text)):
+          report.skip("disambiguation", where)
+          continue
+        if document := _check_document(
+            title, text, where, report, max_article_chars=max_article_chars,
+            max_title_chars=max_title_chars):
+          yield document
+    except (ET.ParseError, EOFError, OSError) as e:
+      position = getattr(e, "position", None)
+      at = f" at line {position[0]}, column {position[1]}" if position else ""
+      message = (
+          f"{path}: malformed dump{at} after page '{last_title}': {e}. The "
+          "file is truncated or corrupt; re-download it and check its "
+          "sha1 against the dump's *-sha1sums.txt")
+      if not allow_truncated:
+        raise CorruptDumpError(
+            message + ", or pass allow_truncated=True to keep the pages "
+            "before the damage.") from e
+      report.skip("truncated_file", path, message)
+
+
+def _read_page(page: ET.Element) -> dict[str, Any]:
+  fields: dict[str, Any] = {}
+  for child in page.iter():
+    name = _local(child.tag)
+    if name == "title" and "title" not in fields:
+      fields["title"] = (child.text or "").strip() or None
+    elif name == "ns" and "ns" not in fields:
+      try:
+        fields["ns"] = int((child.text or "").strip())
+      except ValueError:
+        fields["ns"], fields["bad_ns"] = -1, True
+    elif name == "redirect":
+      fields["redirect"] = True
+    elif name == "text":
+      # The last <text> is the newest revision in a multi-revision export.
+      fields["text"] = child.text
+  return fields
+
+
+def _check_document(title, text, where, report, *, max_article_chars,
+                    max_title_chars) -> Document | None:
+  """Applies the checks shared by every reader; counts what it rejects."""
+  if len(title) > max_title_chars:
+    report.skip("title_too_long", where,
+                f"{len(title)} > {max_title_chars} characters")
+    return None
+  if text is None or not text.strip():
+    report.skip("empty_article", where)
+    return None
+  if len(text) > max_article_chars:
+    report.skip("enormous_article", where,
+                f"{len(text)} > {max_article_chars} characters")
+    return None
+  return Document(title=title, text=text)
+
+
+def iter_wikipedia_dump(
+    path: str,
+    report: Report,
+    *,
+    max_article_chars: int = DEFAULT_MAX_ARTICLE_CHARS,
+    max_title_chars: int = DEFAULT_MAX_TITLE_CHARS,
+    allow_truncated: bool = False,
+    pool: multiprocessing.pool.Pool | None = None,
+    window: int = 256,
+) -> Iterator[Document]:
+  """Streams the cleaned articles of a Wikipedia dump.
+
+  Args:
+    path: a `*-pages-articles*.xml` file, optionally `.bz2` or `.gz`.
+    report: receives kept and skipped counts (see `iter_wikipedia_pages`);
+      articles that are empty once cleaned are skipped as `empty_article`.
+    max_article_chars: longer wikitext is skipped as `enormous_article`.
+    max_title_chars: longer titles are skipped as `title_too_long`.
+    allow_truncated: see `iter_wikipedia_pages`.
+    pool: a process pool that runs `clean_wikitext` (the slowest step; about
+      2 MB of wikitext per second per core), or None to clean in this
+      process. Create it with the "spawn" start method when TensorFlow is
+      loaded in this process.
+    window: pages per batch handed to the pool. One batch is cleaned while
+      the previous one is consumed, so memory stays bounded however fast
+      the consumer is.
+
+  Yields:
+    `Document(title, plain_text)` in dump order.
+
+  Raises:
+    CorruptDumpError: see `iter_wikipedia_pages`.
+  """
+  pages = iter_wikipedia_pages(
+      path, report, max_article_chars=max_article_chars,
+      max_title_chars=max_title_chars, allow_truncated=allow_truncated)
+
+  def cleaned(batch, texts):
+    for page, text in zip(batch, texts):
+      if not text:
+        report.skip("empty_article", f"{path}: page '{page.title}'",
+                    "no text left after removing markup")
+        continue
+      report.keep("articles_read")
+      yield Document(title=page.title, text=text)
+
+  if pool is None:
+    for page in pages:
+      yield from cleaned([page], [clean_wikitext(page.text)])
+    return
+  # Pages are read here (so dump errors surface in this process) and cleaned
+  # by the pool one window ahead of the consumer.
+  in_flight = None
+  while True:
+    batch = list(itertools.islice(pages, window))
+    submitted = batch and (batch, pool.map_async(
+        clean_wikitext, [page.text for page in batch], chunksize=4))
+    if in_flight:
+      yield from cleaned(in_flight[0], in_flight[1].get())
+    if not submitted:
+      return
+    in_flight = submitted
+
+
+# -----------------------------------------------------------------------------
+# Markup cleaning.
+# -----------------------------------------------------------------------------
+
+# Sections that hold no prose about the subject.
+_DROPPED_SECTIONS = frozenset({
+    "see also", "references", "external links", "further reading", "notes",
+    "footnotes", "bibliography", "sources", "citations", "notes and references",
+    "references and notes", "works cited",
+})
+# Tags whose content is not prose: citations, tables, formulas, code, media.
+_DROPPED_TAGS = frozenset({
+    "ref", "references", "table", "gallery", "math", "chem", "ce", "timeline",
+    "imagemap", "score", "graph", "mapframe", "maplink", "syntaxhighlight",
+    "source", "pre", "templatedata", "noinclude", "hiero", "categorytree",
+    "inputbox", "indicator",
+})
+# Tags that end a line of text.
+_BREAK_TAGS = frozenset({"li", "dt", "dd", "hr", "p", "div", "blockquote"})
+_DROPPED_LINK_NAMESPACES = frozenset({"file", "image", "category", "media"})
+# Interlanguage links of old dumps: [[de:Anarchismus]], [[zh-min-nan:...]].
+_INTERLANGUAGE = re.compile(r"^(?:[a-z]{2,3}(?:-[a-z]+)*|simple)$")
+# Templates whose text is part of the sentence; every other template
+# (infoboxes, citations, navboxes, maintenance tags) is dropped.
+_TEXT_TEMPLATES = frozenset({
+    "nowrap", "nobr", "small", "smaller", "big", "em", "strong", "nobold",
+    "noitalic", "sic", "not a typo", "lang",
+})
+_DATE_TEMPLATES = frozenset({
+    "birth date", "death date", "birth date and age", "death date and age",
+    "start date", "end date", "start date and age", "dts", "date",
+})
+_CONVERT_JOINERS = frozenset({"-", "–", "to", "and", "or", "x", "by", "+"})
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July",
+           "August", "September", "October", "November", "December")
+
+
+def clean_wikitext(wikitext: str) -> str:
+  """Turns wikitext into plain prose.
+
+  Drops templates (except a few inline ones: `lang`, `nowrap`, `convert`,
+  date templates), references, file/image/category and interlanguage links,
+  tables, formulas, comments, HTML tags (their text is kept), section
+  headings, and the "See also", "References", "External links",
+  "Further reading" and "Notes" sections. Keeps the text of wikilinks and
+  external links. Each remaining line becomes a paragraph: whitespace inside
+  it is collapsed and paragraphs are separated by a blank line.
+
+  Args:
+    wikitext: the `<text>` of a page.
+
+  Returns:
+    The plain text ("" when nothing is left).
+  """
+  parts: list[str] = []
+  _render(mwparserfromhell.parse(wikitext), parts, top_level=True)
+  return _tidy("".join(parts))
+
+
+def _render(wikicode, parts: list[str], top_level: bool = False) -> None:
+  """Appends the plain text of `wikicode`'s nodes to `parts`."""
+  dropping_level = None  # heading level of the section being dropped
+  for node in wikicode.nodes:
+    if isinstance(node, nodes.Heading):
+      if dropping_level is not None and node.level > dropping_level:
+        continue
+      title = _tidy_line(_plain(node.title)).lower().rstrip(":")
+      dropping_level = (
+          node.level if top_level and title in _DROPPED_SECTIONS else None)
+      # The heading text itself is dropped: a one-word "sentence" like
+      # "History" is a poor query or context.
+      parts.append("\n")
+      continue
+    if dropping_level is not None:
+      continue
+    if isinstance(node, nodes.Text):
+      parts.append(node.value)
+    elif isinstance(node, nodes.Wikilink):
+      _render_wikilink(node, parts)
+    elif isinstance(node, nodes.Tag):
+      name = str(node.tag).strip().lower()
+      if name in _DROPPED_TAGS:
+        continue
+      if name in _BREAK_TAGS:
+        parts.append("\n")
+      elif name == "br":
+        parts.append(" ")
+      if node.contents is not None and not node.self_closing:
+        _render(node.contents, parts)
+        if name in _BREAK_TAGS:
+          parts.append("\n")
+    elif isinstance(node, nodes.HTMLEntity):
+      parts.append(node.normalize())
+    elif isinstance(node, nodes.ExternalLink):
+      if node.title is not None:
+        _render(node.title, parts)
+    elif isinstance(node, nodes.Template):
+      _render_template(node, parts)
+    # Comments, arguments ({{{1}}}) and anything else carry no prose.
+
+
+def _plain(wikicode) -> str:
+  parts: list[str] = []
+  _render(wikicode, parts)
+  return "".join(parts)
+
+
+def _render_wikilink(link, parts: list[str]) -> None:
+  target = str(link.title).strip()
+  inline = target.startswith(":")  # [[:Category:X]] is an ordinary link
+  namespace = target.lstrip(":").split(":", 1)[0].strip().lower() if (
+      ":" in target) else ""
+  if not inline and namespace in _DROPPED_LINK_NAMESPACES:
+    return
+  if link.text is not None:
+    _render(link.text, parts)
+  elif not inline and _INTERLANGUAGE.match(namespace):
+    return
+  else:
+    parts.append(_plain(link.title).lstrip(":"))
+
+
+def _param(template, name: str) -> str | None:
+  if template.has(name):
+    return _tidy_line(_plain(template.get(name).value))
+  return None
+
+
+def _render_template(template, parts: list[str]) -> None:
+  name = str(template.name).strip().lower().replace("_", " ")
+  if name in _TEXT_TEMPLATES:
+    text = _param(template, "2" if name == "lang" else "1")
+    if text:
+      parts.append(text)
+  elif name.startswith("lang-"):
+    if text := _param(template, "1"):
+      parts.append(text)
+  elif name in ("convert", "cvt"):
+    values = [_param(template, str(i)) or "" for i in range(1, 5)]
+    if values[1] in _CONVERT_JOINERS:
+      parts.append(" ".join(v for v in values if v))
+    elif values[0]:
+      parts.append(" ".join(v for v in values[:2] if v))
+  elif name in _DATE_TEMPLATES:
+    if date := _render_date([_param(template, str(i)) for i in range(1, 4)]):
+      parts.append(date)
+
+
+def _render_date(values: list[str | None]) -> str | None:
+  """{{birth date|1879|3|14}} -> "14 March 1879" (dates are salient spans)."""
+  year, month, day = values
+  if not year or not year.isdigit():
+    return None
+  if not month or not month.isdigit() or not 1 <= int(month) <= 12:
+    return year
+  if day and day.isdigit():
+    return f"{int(day)} {_MONTHS[int(month) - 1]} {year}"
+  return f"{_MONTHS[int(month) - 1]} {year}"
+
+
+_MAGIC_WORD = re.compile(r"__[A-Z]+__")
+_SPACES = re.compile(r"\s+")
+_EMPTY_PARENTHESES = re.compile(r"\(\s*(?:[,;:]\s*)*\)")
+_LEADING_SEPARATOR = re.compile(r"\(\s*[,;:]\s*")
+_TRAILING_SEPARATOR = re.compile(r"\s*[,;:]\s*\)")
+_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,;:!?]|\.(?!\.))")
+_HAS_WORD = re.compile(r"\w")
+
+
+def _tidy_line(line: str) -> str:
+  line = _SPACES.sub(" ", line).strip()
+  # Removed templates and references leave "()" and "( ; x)" behind, e.g.
+  # "Anarchism ({{IPA}}) is" -> "Anarchism () is".
+  line = _EMPTY_PARENTHESES.sub("", line)
+  line = _LEADING_SEPARATOR.sub("(", line)
+  line = _TRAILING_SEPARATOR.sub(")", line)
+  line = _SPACE_BEFORE_PUNCTUATION.sub(r"\1", line)
+  return _SPACES.sub(" ", line).strip()
+
+
+# mwparserfromhell leaves markup it cannot parse (an unbalanced quote inside a
+# <ref>, a malformed table) as plain text; these remove what is left of it.
+_LEFTOVER_REF = re.compile(
+    r"<ref\b[^>]*?/>|<ref\b[^>]*>.*?</ref\s*>", re.IGNORECASE | re.DOTALL)
+_LEFTOVER_TAG = re.compile(
+    r"</?(?:ref|references|br|small|big|sup|sub|span|div|center|font|b|i|u|s|"
+    r"p|code|blockquote|nowiki|abbr|poem|onlyinclude|includeonly)\b[^>\n]*>",
+    re.IGNORECASE)
+_LEFTOVER_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
+_LEFTOVER_QUOTES = re.compile(r"'{2,}")
+_TABLE_LINE = ("{|", "|", "!")
+
+
+def _tidy(text: str) -> str:
+  text = _LEFTOVER_REF.sub("", _MAGIC_WORD.sub("", text))
+  text = _LEFTOVER_QUOTES.sub("", _LEFTOVER_TAG.sub("", text))
+  text = _LEFTOVER_TEMPLATE.sub("", _LEFTOVER_TEMPLATE.sub("", text))
+  paragraphs = []
+  for line in text.split("\n"):
+    if line.lstrip().startswith(_TABLE_LINE):
+      continue  # a row of a table the parser did not recognise
+    line = _tidy_line(line)
+    # Lines without a single word character are leftovers of markup ("*",
+    # "|}", "()").
+    if _HAS_WORD.search(line):
+      paragraphs.append(line)
+  return "\n\n".join(paragraphs)
+
+
+# -----------------------------------------------------------------------------
+# JSONL documents and dispatch.
+# -----------------------------------------------------------------------------
+
+
+def iter_jsonl_documents(
+    path: str,
+    report: Report,
+    *,
+    max_article_chars: int = DEFAULT_MAX_ARTICLE_CHARS,
+    max_title_chars: int = DEFAULT_MAX_TITLE_CHARS,
+) -> Iterator[Document]:
+  """Streams `{"title": str, "text": str}` lines of a JSONL file.
+
+  Other keys are ignored. Lines that are not valid UTF-8, not JSON, not an
+  object with string "title" and "text", or whose title is empty, are skipped
+  and counted (`invalid_utf8`, `bad_json`, `bad_record`, `empty_title`) with
+  their line number; so are empty, enormous and too-long-titled documents.
+  The text is used as is: blank lines separate paragraphs.
+
+  Args:
+    path: a `.jsonl` file, optionally `.gz` or `.bz2`.
+    report: receives the kept and skipped counts.
+    max_article_chars: longer texts are skipped as `enormous_article`.
+    max_title_chars: longer titles are skipped as `title_too_long`.
+
+  Yields:
+    The documents in file order.
+
+  Raises:
+    FileNotFoundError: if `path` does not exist.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"JSONL corpus {path} does not exist.")
+  with _open_binary(path) as f:
+    for line_number, raw in enumerate(f, start=1):
+      where = f"{path}:{line_number}"
+      if not raw.strip():
+        continue
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        report.skip("invalid_utf8", where, str(e))
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        report.skip("bad_json", where, str(e))
+        continue
+      if not (isinstance(record, dict) and isinstance(record.get("title"), str)
+              and isinstance(record.get("text"), str)):
+        report.skip("bad_record", where,
+                    'expected {"title": str, "text": str}')
+        continue
+      title, text = record["title"].strip(), record["text"]
+      try:
+        # JSON escapes can encode lone surrogates, which are not text.
+        title.encode("utf-8")
+        text.encode("utf-8")
+      except UnicodeEncodeError as e:
+        report.skip("invalid_utf8", where, str(e))
+        continue
+      if not title:
+        report.skip("empty_title", where)
+        continue
+      document = _check_document(
+          title, text, f"{where} '{title[:80]}'", report,
+          max_article_chars=max_article_chars, max_title_chars=max_title_chars)
+      if document:
+        report.keep("articles_read")
+        yield document
+
+
+def is_wikipedia_dump(path: str) -> bool:
+  """Whether `path` names a MediaWiki XML export (by its file name)."""
+  name = os.path.basename(path).lower()
+  for suffix in (".bz2", ".gz"):
+    name = name.removesuffix(suffix)
+  return name.endswith(".xml") or ".xml-p" in name
+
+
+def iter_documents(path: str, report: Report, **kwargs) -> Iterator[Document]:
+  """Streams documents from a Wikipedia dump or a JSONL file.
+
+  Args:
+    path: `*.xml`, `*.xml.bz2`, `*.xml-p<range>.bz2` (a dump) or `*.jsonl`,
+      `*.json`, optionally `.gz`/`.bz2` compressed.
+    report: receives the kept and skipped counts.
+    **kwargs: passed to `iter_wikipedia_dump` or `iter_jsonl_documents`.
+
+  Returns:
+    An iterator of documents.
+
+  Raises:
+    ValueError: if the file name matches neither format.
+  """
+  if is_wikipedia_dump(path):
+    return iter_wikipedia_dump(path, report, **kwargs)
+  name = os.path.basename(path).lower()
+  for suffix in (".bz2", ".gz"):
+    name = name.removesuffix(suffix)
+  if name.endswith((".jsonl", ".json", ".ndjson")):
+    kwargs.pop("allow_truncated", None)
+    kwargs.pop("pool", None)
+    kwargs.pop("window", None)
+    return iter_jsonl_documents(path, report, **kwargs)
+  raise ValueError(
+      f"{path}: unknown corpus format; expected a Wikipedia dump "
+      "(*-pages-articles*.xml[.bz2]) or JSONL lines {\"title\", \"text\"} "
+      "(*.jsonl[.gz]).")
+
+
+# -----------------------------------------------------------------------------
+# Sentence splitting.
+# -----------------------------------------------------------------------------
+
+# Abbreviations that are never the end of a sentence: titles before names and
+# Latin abbreviations before more text.
+_NEVER_FINAL = frozenset({
+    "mr", "mrs", "ms", "messrs", "dr", "prof", "st", "mt", "gen", "col", "lt",
+    "maj", "capt", "cpt", "sgt", "cmdr", "adm", "gov", "sen", "rep", "rev",
+    "hon", "pres", "fr", "msgr", "mme", "mlle", "e.g", "i.e", "cf", "vs",
+    "viz", "approx", "ca", "incl", "esp", "al", "pp", "nos", "nr", "ibid",
+})
+# Abbreviations that are also words or often end a sentence ("... in 300
+# BC. The ...", "... Martin Luther King Jr. He ..."): they end one only when
+# a typical sentence opener follows.
+_MAYBE_FINAL = frozenset({
+    "etc", "inc", "ltd", "co", "corp", "plc", "bc", "ad", "bce", "ce", "am",
+    "pm", "jr", "sr", "no", "vol", "vols", "fig", "figs", "ed", "eds", "ch",
+    "sec", "art", "op", "est", "dept", "univ", "assn", "bros", "lit", "resp",
+    "var", "subsp", "sp", "spp", "ft", "jan", "feb", "mar", "apr", "jun",
+    "jul", "aug", "sep", "sept", "oct", "nov", "dec",
+})
+_SENTENCE_OPENERS = frozenset({
+    "a", "an", "the", "he", "she", "it", "they", "we", "i", "you", "this",
+    "that", "these", "those", "there", "his", "her", "its", "their", "our",
+    "in", "on", "at", "after", "before", "during", "when", "while", "as",
+    "however", "but", "and", "although", "though", "since", "if", "because",
+    "from", "for", "by", "with", "some", "many", "most", "one", "both",
+    "each", "all", "other", "another", "such", "then", "thus", "today",
+    "later", "also", "several", "following", "despite", "according", "under",
+    "until", "what", "who", "which", "where", "why", "how",
+})
+# A run of terminal punctuation, closing quotes/brackets, then whitespace.
+_CANDIDATE = re.compile(r"([.!?…]+)([\"'”’»)\]]*)(?=\s)")
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n\s*")
+_WORD_BEFORE = re.compile(r"[\w.'’-]*$")
+_NEXT_WORD = re.compile(r"\s*[\"'“‘«(\[]*(\w[\w'’-]*)")
+
+
+def split_sentences(text: str) -> list[tuple[int, int]]:
+  """Splits text into sentences by rules.
+
+  A sentence ends at `.`, `!`, `?` or `…` (plus closing quotes or brackets)
+  followed by whitespace and a word that does not start in lower case, except
+  after an abbreviation ("e.g.", "Dr.", "No."), an initial ("J. R. R.
+  Tolkien") or an acronym with inner periods ("U.S."), which end a sentence
+  only before a typical sentence opener ("The", "He", "In", ...). Decimals
+  never split (no whitespace after the point). A blank line (paragraph break)
+  always ends a sentence.
+
+  Args:
+    text: plain text.
+
+  Returns:
+    `(start, end)` character offsets, in order, trimmed of surrounding
+    whitespace; together they cover every non-whitespace character once.
+  """
+  spans: list[tuple[int, int]] = []
+  paragraph_start = 0
+  for match in _PARAGRAPH_BREAK.finditer(text):
+    _split_paragraph(text, paragraph_start, match.start(), spans)
+    paragraph_start = match.end()
+  _split_paragraph(text, paragraph_start, len(text), spans)
+  return spans
+
+
+def _split_paragraph(text: str, start: int, end: int,
+                     spans: list[tuple[int, int]]) -> None:
+  sentence_start = start
+  for match in _CANDIDATE.finditer(text, start, end):
+    if _is_boundary(text, match, end):
+      _append_trimmed(text, sentence_start, match.end(), spans)
+      sentence_start = match.end()
+  _append_trimmed(text, sentence_start, end, spans)
+
+
+def _append_trimmed(text, start, end, spans) -> None:
+  while start < end and text[start].isspace():
+    start += 1
+  while end > start and text[end - 1].isspace():
+    end -= 1
+  if start < end:
+    spans.append((start, end))
+
+
+def _is_boundary(text: str, match: re.Match, end: int) -> bool:
+  next_word = _NEXT_WORD.match(text, match.end(), end)
+  if next_word is None:
+    # Only punctuation or nothing follows: end the sentence here.
+    return True
+  first = next_word.group(1)
+  if first[0].islower():
+    return False
+  if match.group(1) != ".":
+    return True
+  # The look-behind window is bounded: searching from 0 would be quadratic.
+  word = _WORD_BEFORE.search(
+      text, max(0, match.start(1) - 64), match.start(1)).group(0)
+  word = word.lstrip("'’-").lower()
+  if not word or word[-1:] in "'’-":
+    return True
+  opener = first.lower() in _SENTENCE_OPENERS
+  if word in _NEVER_FINAL:
+    return False
+  if word in _MAYBE_FINAL:
+    return opener
+  letters = word.replace(".", "")
+  # Initials ("J.", "R.R.") and acronyms with inner periods ("U.S.",
+  # "U.S.S.R."): a single letter per dot.
+  if "." in word or len(word) == 1:
+    if all(len(piece) == 1 for piece in word.split(".")) and letters.isalpha():
+      return opener
+  return True

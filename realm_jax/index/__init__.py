@@ -1,0 +1,1 @@
+"""Maximum inner product search over block embeddings (`searchers`)."""

@@ -1,0 +1,157 @@
+"""Turning retrieved block ids into REALM pre-training model inputs.
+
+Per query: the searcher's top hits minus the query's own article (no trivial
+retrieval), the first `k` kept, the null document put in front; then the
+retriever inputs of every candidate (`[CLS] title [SEP] body [SEP]`, the null
+document as `[CLS] [SEP] [SEP]`) and the reader inputs
+(`[CLS] x [SEP] body [SEP]`, packed contiguously so the masked positions of
+the query are the same in every candidate's reader input).
+
+Everything is vectorised numpy over the whole batch: this runs on the host
+every training step.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+
+def select_candidates(retrieved_ids: np.ndarray, block_doc_hash: np.ndarray,
+                      source_doc_hash: np.ndarray, k: int) -> np.ndarray:
+  """Drops blocks of the query's own article and keeps the first k.
+
+  Args:
+    retrieved_ids: int [B, R] searcher hits in rank order, R >= k.
+    block_doc_hash: int64 [num_blocks] article hash of every block.
+    source_doc_hash: int64 [B] article hash of each query's sentence.
+    k: candidates to keep (REALM: 7).
+
+  Returns:
+    int64 [B, k] block ids, in rank order.
+
+  Raises:
+    ValueError: if a query has fewer than k hits outside its own article;
+      retrieve more (R) hits.
+  """
+  retrieved_ids = np.asarray(retrieved_ids, np.int64)
+  allowed = block_doc_hash[retrieved_ids] != np.asarray(
+      source_doc_hash, np.int64)[:, None]
+  counts = allowed.sum(1)
+  if (counts < k).any():
+    bad = int(np.argmin(counts))
+    raise ValueError(
+        f"Query {bad} has only {counts[bad]} retrieved blocks outside its own "
+        f"article but needs {k}; search for more than "
+        f"{retrieved_ids.shape[1]} neighbours.")
+  # Stable sort puts allowed hits first, keeping their rank order.
+  order = np.argsort(~allowed, axis=1, kind="stable")[:, :k]
+  return np.take_along_axis(retrieved_ids, order, axis=1)
+
+
+def null_document(seq_len: int, cls_id: int, sep_id: int, pad_id: int = 0
+                  ) -> dict[str, np.ndarray]:
+  """Retriever inputs of the empty document `[CLS] [SEP] [SEP]`."""
+  ids = np.full([seq_len], pad_id, np.int32)
+  ids[:3] = [cls_id, sep_id, sep_id]
+  mask = (np.arange(seq_len) < 3).astype(np.int32)
+  segments = (np.arange(seq_len) == 2).astype(np.int32)
+  return {"token_ids": ids, "input_mask": mask, "segment_ids": segments}
+
+
+def reader_inputs(query_ids: np.ndarray, query_mask: np.ndarray,
+                  bodies: np.ndarray, body_lengths: np.ndarray, *,
+                  seq_len: int, sep_id: int, pad_id: int = 0
+                  ) -> dict[str, np.ndarray]:
+  """`[CLS] x [SEP] body [SEP]` for every (query, candidate) pair.
+
+  Args:
+    query_ids, query_mask: int [B, Lq], `[CLS] x [SEP]` then padding.
+    bodies: int [B, C, Lb] candidate bodies (zero-padded), body_lengths
+      [B, C] (0 for the null document).
+    seq_len: reader length; bodies are truncated to fit.
+    sep_id, pad_id: special ids.
+
+  Returns:
+    {"token_ids", "input_mask", "segment_ids"} int32 [B, C, seq_len];
+    segment 0 covers `[CLS] x [SEP]`, segment 1 `body [SEP]`.
+  """
+  q_len = np.asarray(query_mask).sum(-1).astype(np.int64)          # [B]
+  if (q_len >= seq_len).any():
+    raise ValueError(f"Reader length {seq_len} leaves no room for a "
+                     f"document after queries of {q_len.max()} tokens.")
+  b_len = np.minimum(np.asarray(body_lengths, np.int64),
+                     seq_len - 1 - q_len[:, None])                  # [B, C]
+  cols = np.arange(seq_len)[None, None, :]
+  in_query = cols < q_len[:, None, None]
+  body_pos = cols - q_len[:, None, None]
+  in_body = (body_pos >= 0) & (body_pos < b_len[..., None])
+  final_sep = body_pos == b_len[..., None]
+  q = np.take_along_axis(
+      np.asarray(query_ids), np.minimum(cols[0], query_ids.shape[1] - 1),
+      axis=1)[:, None, :]
+  body = np.take_along_axis(
+      bodies, np.clip(body_pos, 0, bodies.shape[-1] - 1).astype(np.int64)
+      * np.ones_like(b_len[..., None]), axis=2)
+  ids = np.where(in_query, q, np.where(in_body, body, np.where(
+      final_sep, sep_id, pad_id))).astype(np.int32)
+  mask = (in_query | in_body | final_sep).astype(np.int32)
+  segments = (in_body | final_sep).astype(np.int32)
+  return {"token_ids": ids, "input_mask": mask, "segment_ids": segments}
+
+
+def pretraining_batch(queries: Mapping[str, np.ndarray],
+                      candidate_block_ids: np.ndarray, block_store, *,
+                      doc_len: int = 288, reader_len: int = 384
+                      ) -> dict[str, np.ndarray]:
+  """The full model input of one REALM pre-training step.
+
+  Args:
+    queries: stacked REALM queries (see `realm_jax.data.examples`):
+      query_ids/query_mask [B, Lq], mlm_positions/mlm_targets/mlm_weights
+      [B, M].
+    candidate_block_ids: int [B, k] retrieved blocks (source article
+      already dropped, see `select_candidates`).
+    block_store: a `realm_jax.data.blocks.BlockStore`.
+    doc_len: retriever document length (288).
+    reader_len: reader length (384 = 96 + 288).
+
+  Returns:
+    The batch `Realm.pretraining_logits` and `losses.pretraining_loss`
+    take, with C = k + 1 candidates (null document first).
+  """
+  m = block_store.manifest
+  cls_id, sep_id, pad_id = int(m["cls_id"]), int(m["sep_id"]), int(
+      m.get("pad_id", 0))
+  batch, k = candidate_block_ids.shape
+  flat = np.asarray(candidate_block_ids).reshape(-1)
+  docs = block_store.retriever_inputs(flat, doc_len)
+  null = null_document(doc_len, cls_id, sep_id, pad_id)
+
+  def with_null(name):
+    x = docs[name].reshape(batch, k, doc_len)
+    return np.concatenate(
+        [np.broadcast_to(null[name], (batch, 1, doc_len)), x], 1)
+
+  bodies, lengths = block_store.bodies(flat, doc_len)
+  bodies = np.concatenate([np.zeros((batch, 1, doc_len), np.int32),
+                           bodies.reshape(batch, k, doc_len)], 1)
+  lengths = np.concatenate([np.zeros((batch, 1), np.int32),
+                            lengths.reshape(batch, k)], 1)
+  reader = reader_inputs(queries["query_ids"], queries["query_mask"], bodies,
+                         lengths, seq_len=reader_len, sep_id=sep_id,
+                         pad_id=pad_id)
+  return {
+      "query_ids": np.asarray(queries["query_ids"], np.int32),
+      "query_mask": np.asarray(queries["query_mask"], np.int32),
+      "candidate_ids": with_null("token_ids"),
+      "candidate_mask": with_null("input_mask"),
+      "candidate_segment_ids": with_null("segment_ids"),
+      "reader_ids": reader["token_ids"],
+      "reader_mask": reader["input_mask"],
+      "reader_segment_ids": reader["segment_ids"],
+      "mlm_positions": np.asarray(queries["mlm_positions"], np.int32),
+      "mlm_targets": np.asarray(queries["mlm_targets"], np.int32),
+      "mlm_weights": np.asarray(queries["mlm_weights"], np.float32),
+  }

@@ -1,0 +1,154 @@
+"""Tests of realm_jax.data.corpus_job (the corpus job, end to end)."""
+
+import bz2
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from realm_jax.data import blocks
+from realm_jax.data import corpus_job
+from realm_jax.data import wikipedia
+
+
+def _write_jsonl(path, records, extra_lines=()):
+  with open(path, "wb") as f:
+    for record in records:
+      f.write(json.dumps(record).encode() + b"\n")
+    for line in extra_lines:
+      f.write(line + b"\n")
+  return str(path)
+
+
+_RECORDS = [
+    {"title": "Ada Lovelace", "text": "Ada Lovelace was a mathematician. She "
+                                      "wrote about the Analytical Engine.\n\n"
+                                      "She was born in London in 1815."},
+    {"title": "Charles Babbage", "text": "Charles Babbage designed the "
+                                         "Difference Engine. " * 12},
+    {"title": "Analytical Engine", "text": "The Analytical Engine was a "
+                                           "proposed computer."},
+]
+
+
+def test_build_from_jsonl_writes_store_and_report(tmp_path):
+  path = _write_jsonl(tmp_path / "docs.jsonl", _RECORDS,
+                      [b"{broken", b'{"title": "X", "text": "\xff"}'])
+  store, report = corpus_job.build_corpus(
+      input_path=path, output_dir=str(tmp_path / "store"), max_block_len=64)
+  assert store.num_documents == 3
+  assert [store.title(i) for i in store.document_blocks(0)] == [
+      "Ada Lovelace"]
+  assert len(store.document_blocks(1)) > 1  # 12 sentences, 64 wordpieces
+  assert report.skipped == {"bad_json": 1, "invalid_utf8": 1}
+  assert report.kept["blocks"] == len(store)
+  on_disk = json.loads((tmp_path / "store" / "report.json").read_text())
+  assert on_disk == report.summary()
+  assert store.manifest["source"] == os.path.abspath(path)
+  # Same input, same ids and fingerprint.
+  again, _ = corpus_job.build_corpus(
+      input_path=path, output_dir=str(tmp_path / "again"), max_block_len=64)
+  assert again.fingerprint == store.fingerprint
+  np.testing.assert_array_equal(again._a["body_ids"], store._a["body_ids"])
+
+
+def test_build_from_orqa_directory(tmp_path):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  records = [("Ada", "Ada was a mathematician."), ("Ada", "She was born."),
+             ("Babbage", "Babbage built engines.")]
+  for name, column in (("blocks.tfr", 1), ("titles.tfr", 0)):
+    with tf.io.TFRecordWriter(str(tmp_path / name)) as writer:
+      for record in records:
+        writer.write(record[column].encode())
+  store, _ = corpus_job.build_corpus(input_path=str(tmp_path),
+                                     output_dir=str(tmp_path / "store"))
+  assert [(store.title(i), store.text(i)) for i in range(len(store))] == (
+      records)
+  assert store.num_documents == 2
+  limited, _ = corpus_job.build_corpus(
+      input_path=str(tmp_path / "blocks.tfr"), max_documents=2,
+      output_dir=str(tmp_path / "limited"))
+  assert len(limited) == 2
+
+
+def test_gensim_slice_first_articles(tmp_path):
+  """The real embedded dump, first 10 articles (about 3 s here)."""
+  start = time.perf_counter()
+  store, report = corpus_job.build_corpus(
+      output_dir=str(tmp_path / "store"), max_documents=10)
+  seconds = time.perf_counter() - start
+  assert store.num_documents == 10
+  assert report.kept["documents"] == 10
+  assert report.skipped["redirect"] > 0
+  assert store.title(0) == "Anarchism"
+  assert len(store) > 10 * 5
+  inputs = store.retriever_inputs(np.arange(len(store)))
+  assert inputs["input_mask"].sum(axis=1).max() <= 288
+  assert (inputs["input_mask"].sum(axis=1) > 100).mean() > 0.9
+  # Every character of every article is in its blocks.
+  documents = itertools.islice(wikipedia.iter_wikipedia_dump(
+      wikipedia.default_wikipedia_dump(), wikipedia.Report()), 10)
+  for d, document in enumerate(documents):
+    texts = [store.text(i) for i in store.document_blocks(d)]
+    assert store.title(store.document_blocks(d)[0]) == document.title
+    assert re.sub(r"\s", "", "".join(texts)) == re.sub(r"\s", "",
+                                                       document.text)
+  print(f"10 gensim articles -> {len(store)} blocks in {seconds:.1f} s")
+
+
+def _tiny_dump(path, n):
+  pages = "".join(
+      f"<page><title>Page {i}</title><ns>0</ns><revision><text>"
+      f"'''Page {i}''' is about [[topic {i}]].{{{{cite}}}} It has "
+      f"{i} facts.</text></revision></page>" for i in range(n))
+  with bz2.open(path, "wt") as f:
+    f.write(f"<mediawiki>{pages}</mediawiki>")
+  return str(path)
+
+
+def test_parallel_cleaning_gives_the_same_store(tmp_path):
+  dump = _tiny_dump(tmp_path / "dump.xml.bz2", 30)
+  serial, _ = corpus_job.build_corpus(input_path=dump,
+                                      output_dir=str(tmp_path / "serial"))
+  parallel, _ = corpus_job.build_corpus(
+      input_path=dump, output_dir=str(tmp_path / "parallel"), num_workers=2)
+  assert len(serial) == 30
+  assert parallel.fingerprint == serial.fingerprint
+  assert serial.text(7) == "Page 7 is about topic 7. It has 7 facts."
+
+
+def test_bad_arguments(tmp_path):
+  with pytest.raises(ValueError, match="max_block_len=3"):
+    corpus_job.build_corpus(output_dir=str(tmp_path / "s"), max_block_len=3)
+  with pytest.raises(ValueError, match="max_documents=0"):
+    corpus_job.build_corpus(output_dir=str(tmp_path / "s"), max_documents=0)
+  empty = _write_jsonl(tmp_path / "empty.jsonl", [], [b"{bad"])
+  with pytest.raises(ValueError, match="no blocks"):
+    corpus_job.build_corpus(input_path=empty,
+                            output_dir=str(tmp_path / "s"))
+  assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]
+
+
+def test_command_line(tmp_path):
+  path = _write_jsonl(tmp_path / "docs.jsonl", _RECORDS)
+  out = tmp_path / "store"
+  command = [sys.executable, "-m", "realm_jax.data.corpus_job",
+             f"--input_path={path}", f"--output_dir={out}",
+             "--max_block_len=64"]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  result = subprocess.run(command, capture_output=True, text=True, env=env,
+                          cwd=repo, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert blocks.BlockStore.open(str(out)).num_documents == 3
+  # A second run refuses to overwrite, naming the directory.
+  result = subprocess.run(command, capture_output=True, text=True, env=env,
+                          cwd=repo, check=False)
+  assert result.returncode != 0
+  assert "already exists" in result.stderr and str(out) in result.stderr

@@ -1,0 +1,273 @@
+"""Tests of salient-span annotation and the annotated record format."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from realm_jax.data import salient_spans as ss
+
+
+@pytest.fixture(scope="module")
+def nlp():
+  return ss.load_nlp()
+
+
+def span_texts(doc: ss.AnnotatedDocument) -> list[str]:
+  data = doc.text.encode("utf-8")
+  return [data[s:l].decode("utf-8")
+          for s, l in zip(doc.span_byte_starts, doc.span_byte_limits)]
+
+
+# ---------------------------------------------------------------- dates ----
+
+DATE_CASES = [
+    ("He landed on July 20, 1969 at night.", ["July 20, 1969"]),
+    ("He landed on 20 July 1969.", ["20 July 1969"]),
+    ("On the 20th July, 1969 it was hot.", ["20th July, 1969"]),
+    ("It happened in July 1969, twice.", ["July 1969"]),
+    ("It happened in 1969.", ["1969"]),
+    ("Popular in the 1960s and 1970's.", ["1960s", "1970's"]),
+    ("Born on Sept. 3, 2001 in Rome.", ["Sept. 3, 2001"]),
+    ("Every year on July 4 and on 14 July.", ["July 4", "14 July"]),
+    ("The ISO date 1969-07-20 is clear.", ["1969-07-20"]),
+    ("Reigned 1066–1087 in England.", ["1066", "1087"]),
+    ("From 1000 to 2099.", ["1000", "2099"]),
+]
+NOT_DATES = [
+    "Pi is about 3.14 and e 2.718.",
+    "There were 1,000 soldiers and 12,1969 horses.",
+    "A value of 1969.5 was measured.",
+    "It costs $1999 or 1999% more.",
+    "The years 999 and 2100 are out of range.",
+    "Model A1969 and B2000x.",
+]
+
+
+@pytest.mark.parametrize("text,expected", DATE_CASES)
+def test_date_regex_finds_dates(text, expected):
+  assert [text[s:e] for s, e in ss.find_dates(text)] == expected
+
+
+@pytest.mark.parametrize("text", NOT_DATES)
+def test_date_regex_rejects_numbers(text):
+  assert ss.find_dates(text) == []
+
+
+def test_merge_spans_unions_overlaps_and_keeps_touching_apart():
+  merged = ss.merge_spans([(10, 20, "DATE"), (0, 5, "PERSON"),
+                           (12, 30, "EVENT"), (5, 8, "GPE"), (0, 3, "ORG")])
+  # (0,5) absorbs (0,3); (5,8) only touches it; (10,20)+(12,30) -> EVENT
+  # (18 characters beat 10).
+  assert merged == [(0, 5, "PERSON"), (5, 8, "GPE"), (10, 30, "EVENT")]
+  # Deterministic whatever the input order.
+  assert ss.merge_spans(reversed([(10, 20, "DATE"), (12, 30, "EVENT"),
+                                  (0, 5, "PERSON"), (5, 8, "GPE"),
+                                  (0, 3, "ORG")])) == merged
+
+
+# ----------------------------------------------------------- annotation ----
+
+
+def test_spacy_finds_entities_and_regex_finds_dates(nlp):
+  text = ("Barack Obama was born in Honolulu on August 4, 1961. "
+          "He later moved to the United States capital.")
+  doc = ss.annotate_document("Barack Obama", text, nlp)
+  found = dict(zip(span_texts(doc), doc.span_types))
+  assert found["Barack Obama"] == "PERSON"
+  assert found["Honolulu"] == "GPE"
+  assert found["August 4, 1961"] == "DATE"
+  # The leading article is trimmed off entities.
+  assert "United States" in found and "the United States" not in found
+  # Two sentences; every span inside one of them.
+  assert len(doc.sentence_byte_starts) == 2
+  for s, l in zip(doc.span_byte_starts, doc.span_byte_limits):
+    assert any(a <= s and l <= b for a, b in
+               zip(doc.sentence_byte_starts, doc.sentence_byte_limits))
+
+
+def test_offsets_are_utf8_bytes(nlp):
+  text = ("Der Zürichsee liegt bei Zürich in der Schweiz. "
+          "Émile Zola moved to Paris in 1858. Ünïcödé ☃ text follows.")
+  doc = ss.annotate_document("Émile", text, nlp)
+  data = text.encode("utf-8")
+  texts = span_texts(doc)
+  assert "Paris" in texts and "1858" in texts
+  # Byte offsets differ from character offsets here; decoding proves both
+  # edges fall on character boundaries and cover the right text.
+  assert text.index("Paris") != data.index(b"Paris")
+  for s, l, t in zip(doc.span_byte_starts, doc.span_byte_limits, texts):
+    assert data[s:l].decode("utf-8") == t
+  sentences = [data[s:l].decode("utf-8") for s, l in
+               zip(doc.sentence_byte_starts, doc.sentence_byte_limits)]
+  assert sentences[1] == "Émile Zola moved to Paris in 1858."
+
+
+# -------------------------------------------------------- record format ----
+
+
+def _doc(title, text, sentences, spans, types=(), uid=""):
+  b = text.encode("utf-8")
+  def off(sub_list):
+    starts, limits = [], []
+    for sub in sub_list:
+      s = b.index(sub.encode("utf-8"))
+      starts.append(s)
+      limits.append(s + len(sub.encode("utf-8")))
+    return tuple(starts), tuple(limits)
+  ss_, sl = off(sentences)
+  ps, pl = off(spans)
+  return ss.AnnotatedDocument(title, text, ss_, sl, ps, pl, tuple(types), uid)
+
+
+def test_round_trip_with_non_ascii(tmp_path):
+  docs = [
+      _doc("Zürich", "Zürich is in Switzerland. It had 1 ☃ in 1999.",
+           ["Zürich is in Switzerland.", "It had 1 ☃ in 1999."],
+           ["Zürich", "Switzerland", "1999"], ["GPE", "GPE", "DATE"], "7"),
+      _doc("Plain", "Nothing here.", ["Nothing here."], []),
+  ]
+  for name in ("a.tfr.gz", "a.tfr"):
+    path = str(tmp_path / name)
+    assert ss.write_annotated(path, docs) == 2
+    report = ss.AnnotationReport()
+    assert list(ss.read_annotated(path, report=report)) == docs
+    assert report.documents == 2 and report.spans == 3
+    assert not report.skipped
+  # The gzip file really is gzip (REALM's released files are).
+  with open(tmp_path / "a.tfr.gz", "rb") as f:
+    assert f.read(2) == b"\x1f\x8b"
+  assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
+def _raw_record(title, text, ss_, sl, ps, pl):
+  def ints(v):
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=v))
+  feature = {
+      "title": tf.train.Feature(bytes_list=tf.train.BytesList(value=[title])),
+      "sentence_byte_start": ints(ss_), "sentence_byte_limit": ints(sl),
+      "span_byte_start": ints(ps), "span_byte_limit": ints(pl)}
+  if text is not None:
+    feature["text"] = tf.train.Feature(
+        bytes_list=tf.train.BytesList(value=[text]))
+  return tf.train.Example(features=tf.train.Features(
+      feature=feature)).SerializeToString()
+
+
+def test_bad_records_are_counted_or_raise(tmp_path):
+  text = "Bob met Ann. Zoë left.".encode("utf-8")  # 'ë' is bytes 15-16
+  path = str(tmp_path / "bad.tfr.gz")
+  with tf.io.TFRecordWriter(path, "GZIP") as w:
+    # Record 0 is good.
+    w.write(_raw_record(b"T", text, [0, 13], [12, 23], [0, 8], [3, 11]))
+    # Record 1: a span past the end, one across the two sentences, one that
+    # cuts 'ë' in half, and one good span (Zoë).
+    w.write(_raw_record(b"T", text, [0, 13], [12, 23],
+                        [20, 8, 13, 13], [40, 15, 16, 17]))
+    # Record 2: no text at all.
+    w.write(_raw_record(b"T", None, [], [], [], []))
+    # Record 3: a sentence outside the text (and its span goes with it).
+    w.write(_raw_record(b"T", text, [0, 13], [12, 99], [13], [18]))
+  report = ss.AnnotationReport()
+  docs = list(ss.read_annotated(path, report=report))
+  assert len(docs) == 3
+  assert span_texts(docs[0]) == ["Bob", "Ann"]
+  assert span_texts(docs[1]) == ["Zoë"]
+  assert docs[2].sentence_byte_starts == (0,) and docs[2].span_byte_starts == ()
+  assert dict(report.skipped) == {
+      "span_outside_text": 1, "span_not_inside_a_sentence": 2,
+      "span_not_on_char_boundary": 1, "record_without_text": 1,
+      "sentence_outside_text": 1}
+  with pytest.raises(ss.InvalidRecordError, match=r"bad\.tfr\.gz: record 1:"):
+    list(ss.read_annotated(path, strict=True))
+
+
+def test_corrupt_file_names_the_file(tmp_path):
+  path = tmp_path / "corrupt.tfr.gz"
+  path.write_bytes(b"this is not gzip")
+  with pytest.raises(ss.InvalidRecordError, match="corrupt.tfr.gz"):
+    list(ss.read_annotated(str(path)))
+  with pytest.raises(FileNotFoundError, match="nothing-"):
+    list(ss.read_annotated(str(tmp_path / "nothing-*.tfr.gz")))
+
+
+# ------------------------------------------------------------------ job ----
+
+CORPUS = [
+    {"title": "Ada Lovelace", "text": "Ada Lovelace was born in London in "
+     "1815. She worked with Charles Babbage."},
+    {"title": "Alan Turing", "text": "Alan Turing was born on 23 June 1912. "
+     "He studied at King's College, Cambridge."},
+    {"title": "Grace Hopper", "text": "Grace Hopper joined the United States "
+     "Navy in 1943."},
+    {"title": "Kraków", "text": "Kraków is a city in Poland. It was the "
+     "capital until 1596."},
+    {"title": "Empty", "text": "   "},
+]
+
+
+def _write_jsonl(path, docs):
+  with open(path, "w", encoding="utf-8") as f:
+    for d in docs:
+      f.write(json.dumps(d, ensure_ascii=False) + "\n")
+
+
+def test_annotate_corpus_is_resumable(tmp_path):
+  corpus = tmp_path / "corpus.jsonl"
+  _write_jsonl(corpus, CORPUS)
+  out = tmp_path / "out"
+  report = ss.annotate_corpus(input_path=str(corpus), output_dir=str(out),
+                              num_shards=2, num_processes=1)
+  shards = [ss.shard_path(str(out), i, 2) for i in range(2)]
+  assert os.path.basename(shards[1]) == "annotated-00001-of-00002.tfr.gz"
+  by_shard = [[d.title for d in ss.read_annotated(p)] for p in shards]
+  titles = [d["title"] for d in CORPUS]
+  kept = [t for t in titles if t in by_shard[0] + by_shard[1]]
+  # Round-robin over the documents the reader kept.
+  assert by_shard == [kept[0::2], kept[1::2]]
+  assert {"Ada Lovelace", "Alan Turing", "Grace Hopper", "Kraków"} <= set(
+      kept)
+  assert report["documents"] == len(kept)
+  assert report["spans"] > 4 and report["shards_annotated_now"] == 2
+  with open(out / "report.json", encoding="utf-8") as f:
+    assert json.load(f)["sentences"] == report["sentences"]
+  assert not (out / ".staging").exists()
+  assert not [p for p in os.listdir(out) if ".tmp" in p]
+
+  # Restart after losing shard 1: shard 0 is not recomputed.
+  mtime = os.stat(shards[0]).st_mtime_ns
+  os.remove(shards[1])
+  again = ss.annotate_corpus(input_path=str(corpus), output_dir=str(out),
+                             num_shards=2, num_processes=1)
+  assert again["shards_annotated_now"] == 1
+  assert os.stat(shards[0]).st_mtime_ns == mtime
+  assert [d.title for d in ss.read_annotated(shards[1])] == by_shard[1]
+  assert again["spans"] == report["spans"]
+  # Everything done: nothing recomputed, not even the staging.
+  third = ss.annotate_corpus(input_path=str(corpus), output_dir=str(out),
+                             num_shards=2, num_processes=1)
+  assert third["shards_annotated_now"] == 0
+
+
+def test_annotate_corpus_multiprocess_matches_single(tmp_path):
+  corpus = tmp_path / "corpus.jsonl"
+  _write_jsonl(corpus, CORPUS[:4])
+  ss.annotate_corpus(input_path=str(corpus), output_dir=str(tmp_path / "one"),
+                     num_shards=2, num_processes=1)
+  ss.annotate_corpus(input_path=str(corpus), output_dir=str(tmp_path / "two"),
+                     num_shards=2, num_processes=2)
+  for i in range(2):
+    assert (list(ss.read_annotated(ss.shard_path(str(tmp_path / "one"), i, 2)))
+            == list(ss.read_annotated(
+                ss.shard_path(str(tmp_path / "two"), i, 2))))
+
+
+def test_annotated_document_sentences_with_spans():
+  doc = _doc("T", "Bob met Ann. Zoë left.", ["Bob met Ann.", "Zoë left."],
+             ["Bob", "Ann", "Zoë"])
+  got = [(i, s.decode("utf-8"), [s[a:b].decode("utf-8") for a, b in spans])
+         for i, s, spans in doc.sentences_with_spans()]
+  assert got == [(0, "Bob met Ann.", ["Bob", "Ann"]), (1, "Zoë left.", ["Zoë"])]
+  assert np.all(np.diff(doc.span_byte_starts) > 0)

@@ -1,0 +1,94 @@
+"""Retrieved ids -> REALM model inputs, against a per-example loop."""
+
+import numpy as np
+import pytest
+
+from realm_jax.data import blocks, wikipedia
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.training import realm_inputs
+
+ARTICLES = {
+    "Paris": "Paris is the capital of France. It lies on the Seine. "
+             "The city has many museums, including the Louvre.",
+    "Berlin": "Berlin is the capital of Germany. The Wall fell in 1989.",
+    "Tokyo": "Tokyo is the capital of Japan. It hosted the Olympics in 1964 "
+             "and in 2021.",
+    "Nile": "The Nile is a river in Africa. It flows north into the "
+            "Mediterranean Sea.",
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+  tok = Tokenizer()
+  docs = [wikipedia.Document(t, x) for t, x in ARTICLES.items()]
+  # Small blocks so articles span several blocks.
+  return blocks.write_block_store(
+      blocks.pack_blocks(docs, tok, max_block_len=16),
+      str(tmp_path_factory.mktemp("s") / "store"),
+      tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
+
+
+def test_select_candidates_drops_the_source_article_keeping_rank(store):
+  doc_hash = store.doc_hash
+  paris = blocks.title_hash("Paris")
+  n = len(store)
+  ranked = np.array([list(range(n)), list(reversed(range(n)))])
+  out = realm_inputs.select_candidates(ranked, doc_hash,
+                                       np.array([paris, paris]), 3)
+  for row, hits in zip(out, ranked):
+    want = [b for b in hits if doc_hash[b] != paris][:3]
+    np.testing.assert_array_equal(row, want)
+  with pytest.raises(ValueError, match="search for more"):
+    realm_inputs.select_candidates(ranked[:, :2], doc_hash,
+                                   np.array([paris, paris]), 2)
+
+
+def test_pretraining_batch_layout(store):
+  tok = Tokenizer()
+  rng = np.random.default_rng(0)
+  b, lq, k = 2, 12, 3
+  query_ids = np.zeros((b, lq), np.int32)
+  lengths = [7, 10]
+  for i, n in enumerate(lengths):
+    query_ids[i, :n] = [tok.cls_id, *rng.integers(2000, 3000, n - 2),
+                        tok.sep_id]
+  queries = {
+      "query_ids": query_ids,
+      "query_mask": (query_ids > 0).astype(np.int32),
+      "mlm_positions": np.array([[2, 0], [3, 4]], np.int32),
+      "mlm_targets": np.array([[5, 0], [6, 7]], np.int32),
+      "mlm_weights": np.array([[1, 0], [1, 1]], np.float32),
+  }
+  cands = np.array([[0, 3, 5], [1, 2, 4]])
+  batch = realm_inputs.pretraining_batch(queries, cands, store, doc_len=16,
+                                         reader_len=28)
+  assert batch["candidate_ids"].shape == (b, k + 1, 16)
+  assert batch["reader_ids"].shape == (b, k + 1, 28)
+  for i in range(b):
+    q = list(query_ids[i, :lengths[i]])
+    # Null document first: [CLS] [SEP] [SEP] / [CLS] x [SEP] [SEP].
+    assert list(batch["candidate_ids"][i, 0, :3]) == [tok.cls_id, tok.sep_id,
+                                                      tok.sep_id]
+    assert batch["candidate_mask"][i, 0].sum() == 3
+    assert list(batch["reader_ids"][i, 0, :lengths[i] + 1]) == q + [tok.sep_id]
+    assert batch["reader_mask"][i, 0].sum() == lengths[i] + 1
+    for c in range(k):
+      block = cands[i, c]
+      retr = store.retriever_inputs([block], 16)
+      np.testing.assert_array_equal(batch["candidate_ids"][i, c + 1],
+                                    retr["token_ids"][0])
+      body = list(store.body_ids(block))
+      room = 28 - lengths[i] - 1
+      want = q + body[:room] + [tok.sep_id]
+      got = batch["reader_ids"][i, c + 1]
+      assert list(got[:len(want)]) == want
+      assert np.all(got[len(want):] == 0)
+      seg = batch["reader_segment_ids"][i, c + 1]
+      assert seg[:lengths[i]].sum() == 0
+      assert seg[lengths[i]:len(want)].all() and not seg[len(want):].any()
+    # Masked positions point at the same query tokens in every candidate.
+    for c in range(k + 1):
+      np.testing.assert_array_equal(
+          batch["reader_ids"][i, c][queries["mlm_positions"][i]],
+          query_ids[i][queries["mlm_positions"][i]])
