@@ -1,0 +1,279 @@
+"""The index builder job: checkpoint -> embeddings -> MIPS index -> publish.
+
+Runs beside the trainer as its own process (on a pod: its own host job) and
+never blocks it. Loop:
+
+  1. look at the trainer's orbax checkpoint directory; take the NEWEST step
+     newer than the last published index (steps superseded while the
+     builder was busy are skipped);
+  2. restore only the retriever parameters of that step;
+  3. embed every block of the block store (data-parallel), build the
+     searcher, publish `index/<step>/` atomically and move LATEST;
+  4. stop when the trainer's DONE marker is there and nothing newer is
+     left to build.
+
+It resumes after a crash: stale temporaries are removed and the last
+published step is the starting point. One-shot modes embed once from given
+retriever parameters (a checkpoint step, or imported REALM/ORQA weights),
+or publish an imported `block_emb` matrix as it is.
+
+    python -m realm_jax.index.builder --workdir=W --block_store=B \\
+        --gin_file=gin_configs/models/tiny.gin [--one_shot]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from absl import logging
+import numpy as np
+
+from realm_jax.index import embed as embed_lib
+from realm_jax.index import publish, searchers
+from realm_jax.model.realm import RetrieverConfig
+from realm_jax.training import checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class BuilderConfig:
+  """What the builder builds and how.
+
+  Attributes:
+    searcher_kind: "scann" or "exact".
+    searcher_config: kind-specific overrides (see `searchers`).
+    keep: published indices kept.
+    poll_seconds: pause between looks at the checkpoint directory.
+    batch_size_per_device: embedding batch per device.
+    bfloat16: embed in bfloat16.
+  """
+  searcher_kind: str = "scann"
+  searcher_config: tuple[tuple[str, Any], ...] = ()
+  keep: int = 3
+  poll_seconds: float = 5.0
+  batch_size_per_device: int = 16
+  bfloat16: bool = False
+
+  def __post_init__(self):
+    if self.searcher_kind not in ("scann", "exact"):
+      raise ValueError(f"searcher_kind={self.searcher_kind!r}; use 'scann' "
+                       "or 'exact'.")
+    if self.keep < 1 or self.poll_seconds <= 0:
+      raise ValueError("BuilderConfig.keep must be >= 1 and poll_seconds "
+                       "> 0.")
+
+
+def index_root(workdir: str) -> str:
+  return os.path.join(workdir, "index")
+
+
+def finalized_steps(ckpt_dir: str) -> list[int]:
+  """Steps orbax has finished writing (it renames a temp dir into place)."""
+  if not os.path.isdir(ckpt_dir):
+    return []
+  return sorted(int(n) for n in os.listdir(ckpt_dir)
+                if n.isdigit() and os.path.isdir(os.path.join(ckpt_dir, n)))
+
+
+def build_and_publish(*, retriever_params: Any,
+                      retriever_config: RetrieverConfig, store, root: str,
+                      step: int, config: BuilderConfig = BuilderConfig(),
+                      devices=None) -> str:
+  """Embeds the store with `retriever_params` and publishes index `step`."""
+  start = time.time()
+  embeddings, stats = embed_lib.embed_block_store(
+      retriever_params, retriever_config, store,
+      batch_size_per_device=config.batch_size_per_device,
+      bfloat16=config.bfloat16, devices=devices)
+  return publish_embeddings(
+      embeddings=embeddings, store=store, root=root, step=step,
+      config=config, params_sha256=publish.params_checksum(retriever_params),
+      start_time=start, extra={"blocks_per_second":
+                               round(stats.blocks_per_second, 2)})
+
+
+def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
+                       step: int, config: BuilderConfig = BuilderConfig(),
+                       params_sha256: str = "", start_time: float | None
+                       = None, extra: dict[str, Any] | None = None) -> str:
+  """Builds a searcher over given embeddings and publishes it.
+
+  Also the path for an imported `block_emb` (REALM's encoded.ckpt): the
+  rows must pair with the block store's blocks.
+  """
+  if embeddings.shape[0] != len(store):
+    raise ValueError(
+        f"{embeddings.shape[0]} embedding rows but the block store at "
+        f"{store.path if hasattr(store, 'path') else store} has {len(store)} "
+        "blocks; row i must be block i (use the block store built from the "
+        "same corpus).")
+  start_time = start_time or time.time()
+  t = time.time()
+  searcher = searchers.build_searcher(embeddings, config.searcher_kind,
+                                      **dict(config.searcher_config))
+  build = time.time() - t
+  path = publish.publish_index(
+      root, step, embeddings, searcher,
+      corpus_fingerprint=store.fingerprint, params_sha256=params_sha256,
+      build_seconds=time.time() - start_time, keep=config.keep,
+      extra=dict(extra or {}, searcher_build_seconds=round(build, 3)))
+  logging.info("published index %d (%d rows) to %s in %.1f s", step,
+               embeddings.shape[0], path, time.time() - start_time)
+  return path
+
+
+def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
+                config: BuilderConfig = BuilderConfig(),
+                max_indices: int | None = None, timeout: float | None = None,
+                devices=None,
+                on_publish: Callable[[int, str], None] | None = None
+                ) -> list[int]:
+  """Polls the trainer's checkpoints and publishes fresh indices until DONE.
+
+  Args:
+    workdir: the trainer's workdir (checkpoints/ and index/ inside).
+    store: the block store the trainer retrieves from.
+    retriever_config: the trainer's retriever config.
+    config: builder settings.
+    max_indices: stop after publishing this many (tests, one-offs).
+    timeout: stop after this many seconds without DONE.
+    devices: devices to embed on (default: local devices).
+    on_publish: called with (step, path) after each publication.
+
+  Returns:
+    The steps published by this call.
+  """
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  root = index_root(workdir)
+  removed = publish.clean_stale_temporaries(root)
+  if removed:
+    logging.info("removed leftovers of an interrupted publication: %s",
+                 removed)
+  published = publish.published_steps(root)
+  last = published[-1] if published else -1
+  logging.info("index builder: resuming after step %d", last)
+  start, out = time.time(), []
+  while True:
+    steps = [s for s in finalized_steps(ckpt_dir) if s > last]
+    if steps:
+      step = steps[-1]
+      if len(steps) > 1:
+        logging.info("skipping superseded checkpoints %s", steps[:-1])
+      try:
+        params = checkpoints.restore_retriever(ckpt_dir, step)
+      except FileNotFoundError:
+        # Deleted by the trainer's retention between listing and reading.
+        logging.warning("checkpoint %d vanished before it was read", step)
+        continue
+      path = build_and_publish(retriever_params=params,
+                               retriever_config=retriever_config, store=store,
+                               root=root, step=step, config=config,
+                               devices=devices)
+      last = step
+      out.append(step)
+      if on_publish:
+        on_publish(step, path)
+      if max_indices is not None and len(out) >= max_indices:
+        return out
+      continue
+    if checkpoints.is_done(ckpt_dir):
+      logging.info("trainer is done; index builder exits after %s", out)
+      return out
+    if timeout is not None and time.time() - start > timeout:
+      logging.warning("index builder: no DONE marker after %.0f s", timeout)
+      return out
+    time.sleep(config.poll_seconds)
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+def _model_config(gin_files: Sequence[str], bindings: Sequence[str]):
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
+  gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
+  return gin.get_configurable(realm.RealmConfig)()
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  store = blocks.BlockStore.open(f.block_store)
+  config = BuilderConfig(searcher_kind=f.searcher, keep=f.keep,
+                         poll_seconds=f.poll_seconds,
+                         batch_size_per_device=f.batch_size_per_device,
+                         bfloat16=f.bfloat16)
+  root = index_root(f.workdir)
+  if f.block_emb:
+    from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
+    publish_embeddings(embeddings=importers.load_block_emb(f.block_emb),
+                       store=store, root=root, step=f.step, config=config,
+                       params_sha256="imported:" + f.block_emb)
+    return
+  if f.realm_embedder or f.orqa_checkpoint:
+    from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
+    if f.realm_embedder:
+      retriever_config, params = importers.load_realm_embedder(
+          f.realm_embedder)
+    else:
+      realm_config, all_params = importers.load_orqa(f.orqa_checkpoint)
+      retriever_config, params = (realm_config.retriever,
+                                  all_params["retriever"])
+    build_and_publish(retriever_params=params,
+                      retriever_config=retriever_config, store=store,
+                      root=root, step=f.step, config=config)
+    return
+  retriever_config = _model_config(f.gin_file, f.gin_bindings).retriever
+  if f.one_shot:
+    steps = finalized_steps(checkpoints.checkpoint_dir(f.workdir))
+    step = f.step if f.step >= 0 else (steps[-1] if steps else None)
+    if step is None:
+      raise SystemExit(f"No checkpoint under {f.workdir}/checkpoints.")
+    params = checkpoints.restore_retriever(
+        checkpoints.checkpoint_dir(f.workdir), step)
+    build_and_publish(retriever_params=params,
+                      retriever_config=retriever_config, store=store,
+                      root=root, step=step, config=config)
+    return
+  run_builder(workdir=f.workdir, store=store,
+              retriever_config=retriever_config, config=config,
+              timeout=f.timeout_seconds or None)
+
+
+def _define_flags() -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string("workdir", None, "Trainer workdir (checkpoints/, "
+                      "index/).", required=True)
+  flags.DEFINE_string("block_store", None, "Block store directory.",
+                      required=True)
+  flags.DEFINE_multi_string("gin_file", [], "Model gin file(s).")
+  flags.DEFINE_multi_string("gin_bindings", [], "Extra gin bindings.")
+  flags.DEFINE_enum("searcher", "scann", ["scann", "exact"], "MIPS kind.")
+  flags.DEFINE_integer("keep", 3, "Published indices to keep.")
+  flags.DEFINE_float("poll_seconds", 5.0, "Checkpoint polling period.")
+  flags.DEFINE_integer("batch_size_per_device", 16, "Embedding batch.")
+  flags.DEFINE_bool("bfloat16", False, "Embed in bfloat16.")
+  flags.DEFINE_bool("one_shot", False, "Embed one checkpoint and exit.")
+  flags.DEFINE_integer("step", -1, "One-shot: checkpoint step (default "
+                       "newest), or the step to publish imported weights "
+                       "under.")
+  flags.DEFINE_string("realm_embedder", None, "One-shot from REALM's "
+                      "released embedder TF checkpoint.")
+  flags.DEFINE_string("orqa_checkpoint", None, "One-shot from a fine-tuned "
+                      "ORQA TF checkpoint.")
+  flags.DEFINE_string("block_emb", None, "Publish REALM's encoded.ckpt "
+                      "block_emb as is.")
+  flags.DEFINE_float("timeout_seconds", 0.0, "Exit after this long without "
+                     "a DONE marker (0 = never).")
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,119 @@
+"""Embedding the whole block store with the retriever's document tower.
+
+Data-parallel, pmap-style: a `jax.shard_map` over the builder's local
+devices (`data` axis), parameters replicated, each device a slice of every
+batch. On a pod each host embeds its own contiguous share of the rows
+(`process_index` of `process_count`), with no cross-host communication; the
+shares are concatenated in row order. Output row i is block i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from realm_jax.model import functional
+from realm_jax.model.realm import Retriever, RetrieverConfig
+from realm_jax.training import parallel
+
+
+def host_row_range(num_rows: int, process_index: int,
+                   process_count: int) -> tuple[int, int]:
+  """Contiguous share [lo, hi) of the rows for one host."""
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} is not in "
+                     f"[0, {process_count}).")
+  per = -(-num_rows // process_count)
+  return min(num_rows, process_index * per), min(num_rows,
+                                                 (process_index + 1) * per)
+
+
+def make_embed_fn(retriever_config: RetrieverConfig, mesh):
+  """jit(shard_map) document embedding: params, [B, L] inputs -> [B, D]."""
+  graphdef, _ = functional.abstract_init(
+      lambda r: Retriever(retriever_config, rngs=r))
+
+  def per_core(params, token_ids, input_mask, segment_ids):
+    return functional.bind(graphdef, params).embed_documents(
+        token_ids, input_mask, segment_ids)
+
+  data = P(parallel.DATA_AXIS)
+  return jax.jit(jax.shard_map(per_core, mesh=mesh,
+                               in_specs=(P(), data, data, data),
+                               out_specs=data))
+
+
+@dataclasses.dataclass
+class EmbedStats:
+  rows: int
+  seconds: float
+
+  @property
+  def blocks_per_second(self) -> float:
+    return self.rows / max(self.seconds, 1e-9)
+
+
+def embed_block_store(
+    retriever_params: Any,
+    retriever_config: RetrieverConfig,
+    store,
+    *,
+    batch_size_per_device: int = 16,
+    seq_len: int | None = None,
+    bfloat16: bool = False,
+    devices=None,
+    process_index: int = 0,
+    process_count: int = 1,
+    log_every_seconds: float = 10.0,
+) -> tuple[np.ndarray, EmbedStats]:
+  """Embeds this host's share of the blocks.
+
+  Args:
+    retriever_params: the retriever's parameter dict.
+    retriever_config: its config (sizes, pooling, projection).
+    store: a `realm_jax.data.blocks.BlockStore`.
+    batch_size_per_device: blocks per device per step.
+    seq_len: document length (default: the store's max_block_len).
+    bfloat16: compute in bfloat16 (parameters stay float32).
+    devices: devices to use (default: this process's local devices).
+    process_index, process_count: this host's share of the rows.
+    log_every_seconds: progress logging period.
+
+  Returns:
+    (embeddings float32 [rows of this host, dim], stats).
+  """
+  if bfloat16:
+    retriever_config = dataclasses.replace(
+        retriever_config,
+        bert=dataclasses.replace(retriever_config.bert, dtype="bfloat16"))
+  mesh = parallel.make_mesh(devices or jax.local_devices())
+  embed = make_embed_fn(retriever_config, mesh)
+  params = jax.device_put(retriever_params, parallel.replicated(mesh))
+  seq_len = seq_len or store.max_block_len
+  lo, hi = host_row_range(len(store), process_index, process_count)
+  batch = batch_size_per_device * mesh.size
+  out = np.zeros([hi - lo, retriever_config.embedding_size], np.float32)
+  start = last_log = time.time()
+  done = 0
+  for first in range(lo, hi, batch):
+    ids = np.arange(first, min(hi, first + batch))
+    padded = np.pad(ids, (0, batch - len(ids)), mode="edge")
+    inputs = store.retriever_inputs(padded, seq_len)
+    sharding = parallel.data_sharded(mesh)
+    emb = embed(params, *(jax.device_put(inputs[k], sharding) for k in
+                          ("token_ids", "input_mask", "segment_ids")))
+    out[first - lo:first - lo + len(ids)] = np.asarray(emb)[:len(ids)]
+    done += len(ids)
+    now = time.time()
+    if now - last_log >= log_every_seconds or done == hi - lo:
+      last_log = now
+      logging.info("embedded %d/%d blocks (host %d/%d), %.1f blocks/s", done,
+                   hi - lo, process_index, process_count,
+                   done / (now - start))
+  return out, EmbedStats(rows=hi - lo, seconds=time.time() - start)

@@ -1,0 +1,135 @@
+"""Orbax checkpoints of a REALM run, readable piecewise by side jobs.
+
+A checkpoint step holds separate items so the index builder can restore the
+retriever alone, without reading the reader or the optimizer state:
+
+  <workdir>/checkpoints/<step>/{retriever, reader, opt_state, meta}
+
+`meta` is JSON (step, config summary, seeds). The trainer writes a `DONE`
+marker beside the steps when it finishes; side jobs stop on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+DONE_MARKER = "DONE"
+PARAM_ITEMS = ("retriever", "reader")
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(workdir, "checkpoints")
+
+
+class TrainCheckpointer:
+  """Saves and restores {retriever, reader, opt_state, meta} with orbax.
+
+  Keeps `keep` newest steps (>= 5: the index builder reads them while the
+  trainer goes on).
+  """
+
+  def __init__(self, directory: str, *, keep: int = 5,
+               async_save: bool = True):
+    if keep < 1:
+      raise ValueError(f"keep={keep} must be >= 1 (use >= 5 when an index "
+                       "builder reads the checkpoints).")
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True,
+            enable_async_checkpointing=async_save))
+
+  def save(self, step: int, params: dict[str, Any], opt_state: Any,
+           meta: dict[str, Any] | None = None, *, force: bool = False) -> bool:
+    missing = [k for k in PARAM_ITEMS if k not in params]
+    if missing:
+      raise ValueError(f"params lacks {missing}; REALM checkpoints hold "
+                       f"{PARAM_ITEMS}.")
+    return self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            retriever=ocp.args.StandardSave(params["retriever"]),
+            reader=ocp.args.StandardSave(params["reader"]),
+            opt_state=ocp.args.StandardSave(opt_state),
+            meta=ocp.args.JsonSave(dict(meta or {}, step=int(step)))),
+        force=force)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def restore(self, step: int, abstract_params: dict[str, Any],
+              abstract_opt_state: Any) -> tuple[dict, Any, dict]:
+    """Restores everything of `step` into the given structures/shardings."""
+    out = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+            retriever=ocp.args.StandardRestore(abstract_params["retriever"]),
+            reader=ocp.args.StandardRestore(abstract_params["reader"]),
+            opt_state=ocp.args.StandardRestore(abstract_opt_state),
+            meta=ocp.args.JsonRestore()))
+    return ({"retriever": out.retriever, "reader": out.reader},
+            out.opt_state, dict(out.meta))
+
+  def wait_until_finished(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def _item_handlers():
+  return {"retriever": ocp.StandardCheckpointHandler(),
+          "reader": ocp.StandardCheckpointHandler(),
+          "opt_state": ocp.StandardCheckpointHandler(),
+          "meta": ocp.JsonCheckpointHandler()}
+
+
+def restore_retriever(directory: str, step: int,
+                      abstract: Any | None = None) -> Any:
+  """Restores only the retriever parameters of checkpoint `step`.
+
+  Args:
+    directory: the checkpoint directory.
+    step: the step to read.
+    abstract: target tree of `jax.ShapeDtypeStruct` with shardings; default:
+      the saved shapes on this process's first device, whatever topology
+      the trainer had (the builder usually runs on other devices).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  manager = ocp.CheckpointManager(
+      os.path.abspath(directory),
+      options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+      item_handlers=_item_handlers())
+  try:
+    if abstract is None:
+      metadata = manager.item_metadata(step)["retriever"]
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      abstract = jax.tree_util.tree_map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+          metadata)
+    out = manager.restore(step, args=ocp.args.Composite(
+        retriever=ocp.args.StandardRestore(abstract)))
+    return out.retriever
+  finally:
+    manager.close()
+
+
+def write_done_marker(directory: str, final_step: int) -> None:
+  """Tells side jobs the run is over (atomic: temp file + rename)."""
+  os.makedirs(directory, exist_ok=True)
+  tmp = os.path.join(directory, f".{DONE_MARKER}.tmp-{os.getpid()}")
+  with open(tmp, "w") as f:
+    json.dump({"final_step": int(final_step)}, f)
+  os.replace(tmp, os.path.join(directory, DONE_MARKER))
+
+
+def is_done(directory: str) -> bool:
+  return os.path.exists(os.path.join(directory, DONE_MARKER))

@@ -1,0 +1,121 @@
+"""The index builder: data-parallel embedding, polling, resume, DONE."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax.data import blocks, wikipedia
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.index import builder, embed, publish
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm, Retriever
+from realm_jax.testing import tiny
+from realm_jax.training import checkpoints
+
+TEXTS = [
+    ("Alpha", "Alpha is a letter. It comes first in the Greek alphabet."),
+    ("Beta", "Beta is the second letter. It follows alpha."),
+    ("Gamma", "Gamma rays are energetic. They come from nuclei. Gamma is "
+              "also a letter of the Greek alphabet."),
+    ("Delta", "A delta is where a river meets the sea. The Nile has one."),
+]
+CONFIG = tiny.tiny_realm(vocab_size=30522)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+  tok = Tokenizer()
+  docs = [wikipedia.Document(t, x) for t, x in TEXTS]
+  return blocks.write_block_store(
+      blocks.pack_blocks(docs, tok, max_block_len=16),
+      str(tmp_path_factory.mktemp("s") / "store"),
+      tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
+
+
+def _params(seed):
+  return functional.init(lambda r: Realm(CONFIG, rngs=r), seed)[1]
+
+
+def _direct_embeddings(retriever_params, store):
+  graphdef, _ = functional.abstract_init(
+      lambda r: Retriever(CONFIG.retriever, rngs=r))
+  inputs = store.retriever_inputs(np.arange(len(store)), 16)
+  return np.asarray(functional.bind(graphdef, retriever_params)
+                    .embed_documents(inputs["token_ids"],
+                                     inputs["input_mask"],
+                                     inputs["segment_ids"]))
+
+
+def test_data_parallel_embedding_equals_direct_and_host_shares(store):
+  params = _params(0)["retriever"]
+  want = _direct_embeddings(params, store)
+  got, stats = embed.embed_block_store(params, CONFIG.retriever, store,
+                                       batch_size_per_device=1)
+  assert jax.local_device_count() == 8 and len(store) % 8  # Padded batch.
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  assert stats.rows == len(store)
+  shares = [embed.embed_block_store(params, CONFIG.retriever, store,
+                                    batch_size_per_device=2,
+                                    process_index=i, process_count=3)[0]
+            for i in range(3)]
+  np.testing.assert_allclose(np.concatenate(shares), want, atol=2e-5)
+
+
+def _save(ckpt, step, seed):
+  params = _params(seed)
+  ckpt.save(step, params, {"count": np.zeros(())}, {"seed": seed}, force=True)
+  ckpt.wait_until_finished()
+  return params
+
+
+def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
+  workdir = str(tmp_path / "run")
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
+  for step, seed in ((1, 1), (2, 2)):
+    _save(ckpt, step, seed)
+  params3 = _save(ckpt, 3, 3)
+  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05)
+  published = builder.run_builder(workdir=workdir, store=store,
+                                  retriever_config=CONFIG.retriever,
+                                  config=config, max_indices=1)
+  assert published == [3]  # 1 and 2 were superseded before it looked.
+  root = builder.index_root(workdir)
+  index = publish.load_index(root, expect=publish.Expectation(
+      store.fingerprint, len(store), 16))
+  np.testing.assert_allclose(index.embeddings,
+                             _direct_embeddings(params3["retriever"], store),
+                             atol=2e-5)
+  assert index.manifest["params_sha256"] == publish.params_checksum(
+      params3["retriever"])
+
+  # A crash mid-publication leaves a temporary; the restarted builder
+  # removes it, resumes after step 3, builds step 4 and exits on DONE.
+  os.makedirs(os.path.join(root, ".tmp-4-999"))
+  _save(ckpt, 4, 4)
+  checkpoints.write_done_marker(ckpt_dir, 4)
+  published = builder.run_builder(workdir=workdir, store=store,
+                                  retriever_config=CONFIG.retriever,
+                                  config=config, timeout=120)
+  assert published == [4]
+  assert publish.read_latest(root) == 4
+  assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
+  # Nothing new and DONE: returns at once.
+  assert builder.run_builder(workdir=workdir, store=store,
+                             retriever_config=CONFIG.retriever,
+                             config=config, timeout=120) == []
+
+
+def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
+  with pytest.raises(ValueError, match="row i must be block i"):
+    builder.publish_embeddings(embeddings=np.zeros((3, 16), np.float32),
+                               store=store, root=str(tmp_path), step=0)
+  emb = np.random.default_rng(0).normal(size=(len(store), 16)).astype(
+      np.float32)
+  builder.publish_embeddings(
+      embeddings=emb, store=store, root=str(tmp_path), step=0,
+      config=builder.BuilderConfig(searcher_kind="exact"))
+  np.testing.assert_array_equal(publish.load_index(str(tmp_path)).embeddings,
+                                emb)

@@ -1,0 +1,173 @@
+"""Atomic index publication and the trainer-side watcher."""
+
+import json
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from realm_jax.index import publish, searchers
+
+FINGERPRINT = "corpus-abc"
+
+
+def _publish(root, step, rows=50, dim=8, fingerprint=FINGERPRINT, keep=3,
+             seed=None):
+  rng = np.random.default_rng(step if seed is None else seed)
+  emb = rng.normal(size=(rows, dim)).astype(np.float32)
+  searcher = searchers.build_searcher(emb, "exact")
+  publish.publish_index(root, step, emb, searcher,
+                        corpus_fingerprint=fingerprint,
+                        params_sha256=f"p{step}", build_seconds=0.1,
+                        keep=keep)
+  return emb
+
+
+def test_publish_then_load_round_trip(tmp_path):
+  root = str(tmp_path / "index")
+  emb = _publish(root, 7)
+  assert publish.read_latest(root) == 7
+  index = publish.load_index(root, expect=publish.Expectation(
+      FINGERPRINT, 50, 8))
+  assert index.step == 7 and index.manifest["params_sha256"] == "p7"
+  np.testing.assert_array_equal(index.embeddings, emb)
+  ids, _ = index.search(emb[:3], 4)
+  want = np.argsort(-(emb[:3] @ emb.T), axis=1)[:, :4]
+  np.testing.assert_array_equal(ids, want)
+  manifest = index.manifest
+  assert {"step", "rows", "dim", "dtype", "corpus_fingerprint",
+          "params_sha256", "files", "searcher", "build_seconds",
+          "created"} <= set(manifest)
+  assert "embeddings.npy" in manifest["files"]
+
+
+def test_keeps_the_k_newest(tmp_path):
+  root = str(tmp_path / "index")
+  for step in (1, 2, 3, 4, 5):
+    _publish(root, step, keep=2)
+  assert publish.published_steps(root) == [4, 5]
+  assert publish.read_latest(root) == 5
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "fingerprint", "partial",
+                                    "dim"])
+def test_bad_indices_are_refused(tmp_path, damage):
+  root = str(tmp_path / "index")
+  _publish(root, 1)
+  # Polls once when it starts, then only when asked (no race with the
+  # damage done below).
+  watcher = publish.IndexWatcher(
+      root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=3600)
+  assert watcher.wait_for_index(timeout=30).step == 1
+  if damage == "corrupt":
+    _publish(root, 2)
+    path = os.path.join(root, "2", "embeddings.npy")
+    with open(path, "r+b") as f:
+      f.seek(-4, os.SEEK_END)
+      f.write(b"\x00\x01\x02\x03")
+    match = "checksum mismatch"
+  elif damage == "fingerprint":
+    _publish(root, 2, fingerprint="another-corpus")
+    match = "corpus_fingerprint"
+  elif damage == "dim":
+    _publish(root, 2, dim=4)
+    match = "dim is 4"
+  else:
+    os.makedirs(os.path.join(root, "2"))
+    with open(os.path.join(root, "LATEST"), "w") as f:
+      f.write("2\n")
+    match = "partial index"
+  with pytest.raises(publish.IndexRejectedError, match=match):
+    publish.load_index(root, expect=publish.Expectation(FINGERPRINT, 50, 8))
+  # The watcher refuses it too and keeps serving index 1.
+  try:
+    watcher.poll_once()
+    assert match.split()[0] in watcher.rejected[2]
+    assert not watcher.maybe_swap()
+    assert watcher.current_step == 1
+  finally:
+    watcher.close()
+
+
+def _slow_publish(root, started):
+  class SlowSearcher:
+    kind = "exact"
+
+    class config:  # pylint: disable=invalid-name
+      to_dict = staticmethod(lambda: {})
+
+    def save(self, directory):
+      os.makedirs(directory)
+      with open(os.path.join(directory, "half"), "w") as f:
+        f.write("x")
+      started.set()
+      time.sleep(60)
+
+  emb = np.ones((50, 8), np.float32)
+  publish.publish_index(root, 2, emb, SlowSearcher(),
+                        corpus_fingerprint=FINGERPRINT, params_sha256="",
+                        build_seconds=0)
+
+
+def test_a_killed_builder_leaves_nothing_visible(tmp_path):
+  root = str(tmp_path / "index")
+  emb = _publish(root, 1)
+  ctx = multiprocessing.get_context("fork")
+  started = ctx.Event()
+  child = ctx.Process(target=_slow_publish, args=(root, started))
+  child.start()
+  assert started.wait(30)
+  child.kill()  # SIGKILL mid-write.
+  child.join()
+  assert publish.read_latest(root) == 1
+  assert publish.published_steps(root) == [1]
+  np.testing.assert_array_equal(publish.load_index(root).embeddings, emb)
+  leftovers = publish.clean_stale_temporaries(root)
+  assert leftovers and all(n.startswith(".tmp-") for n in leftovers)
+  assert sorted(os.listdir(root)) == ["1", "LATEST"]
+
+
+def test_watcher_swaps_under_a_running_loop(tmp_path):
+  root = str(tmp_path / "index")
+  _publish(root, 10)
+  watcher = publish.IndexWatcher(
+      root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=0.02)
+  try:
+    first = watcher.wait_for_index(timeout=30)
+    assert first.step == 10
+    served = []
+
+    def builder():
+      time.sleep(0.2)
+      _publish(root, 20)
+
+    thread = threading.Thread(target=builder)
+    thread.start()
+    deadline = time.time() + 30
+    train_step = 20
+    while time.time() < deadline:
+      watcher.maybe_swap()  # Between "steps".
+      served.append(watcher.current_step)
+      train_step += 1
+      if watcher.current_step == 20:
+        break
+      time.sleep(0.01)
+    thread.join()
+    assert served[0] == 10 and served[-1] == 20
+    assert watcher.swaps == 2
+    assert watcher.staleness(train_step) == train_step - 20
+  finally:
+    watcher.close()
+
+
+def test_manifest_is_json_with_checksums(tmp_path):
+  root = str(tmp_path / "index")
+  _publish(root, 3)
+  with open(os.path.join(root, "3", "manifest.json")) as f:
+    manifest = json.load(f)
+  for name, meta in manifest["files"].items():
+    assert len(meta["sha256"]) == 64
+    assert os.path.getsize(os.path.join(root, "3", name)) == meta["bytes"]
