@@ -18,7 +18,8 @@ retriever parameters (a checkpoint step, or imported REALM/ORQA weights),
 or publish an imported `block_emb` matrix as it is.
 
     python -m realm_jax.index.builder --workdir=W --block_store=B \\
-        --gin_file=gin_configs/models/tiny.gin [--one_shot]
+        --gin_file=models/tiny.gin --gin_file=runs/index_builder.gin \\
+        [--one_shot]
 """
 
 from __future__ import annotations
@@ -192,29 +193,25 @@ def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
 # ----------------------------------------------------------------------------
 
 
-def _model_config(gin_files: Sequence[str], bindings: Sequence[str]):
+def _job(dry_run: bool) -> None:
   import gin  # pylint: disable=g-import-not-at-top
-  from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
-  gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
-  return gin.get_configurable(realm.RealmConfig)()
-
-
-def main(argv: Sequence[str]) -> None:
-  del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+  # The registered classes live in the imported module, not in __main__.
+  from realm_jax.index import builder as module  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  config = gin.get_configurable(module.BuilderConfig)()
+  if dry_run:
+    print(gin.operative_config_str())
+    return
   store = blocks.BlockStore.open(f.block_store)
-  config = BuilderConfig(searcher_kind=f.searcher, keep=f.keep,
-                         poll_seconds=f.poll_seconds,
-                         batch_size_per_device=f.batch_size_per_device,
-                         bfloat16=f.bfloat16)
   root = index_root(f.workdir)
   if f.block_emb:
     from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
     publish_embeddings(embeddings=importers.load_block_emb(f.block_emb),
-                       store=store, root=root, step=f.step, config=config,
-                       params_sha256="imported:" + f.block_emb)
+                       store=store, root=root, step=max(f.step, 0),
+                       config=config, params_sha256="imported:" + f.block_emb)
     return
   if f.realm_embedder or f.orqa_checkpoint:
     from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
@@ -227,9 +224,9 @@ def main(argv: Sequence[str]) -> None:
                                   all_params["retriever"])
     build_and_publish(retriever_params=params,
                       retriever_config=retriever_config, store=store,
-                      root=root, step=f.step, config=config)
+                      root=root, step=max(f.step, 0), config=config)
     return
-  retriever_config = _model_config(f.gin_file, f.gin_bindings).retriever
+  retriever_config = gin.get_configurable(RealmConfig)().retriever
   if f.one_shot:
     steps = finalized_steps(checkpoints.checkpoint_dir(f.workdir))
     step = f.step if f.step >= 0 else (steps[-1] if steps else None)
@@ -252,17 +249,10 @@ def _define_flags() -> None:
                       "index/).", required=True)
   flags.DEFINE_string("block_store", None, "Block store directory.",
                       required=True)
-  flags.DEFINE_multi_string("gin_file", [], "Model gin file(s).")
-  flags.DEFINE_multi_string("gin_bindings", [], "Extra gin bindings.")
-  flags.DEFINE_enum("searcher", "scann", ["scann", "exact"], "MIPS kind.")
-  flags.DEFINE_integer("keep", 3, "Published indices to keep.")
-  flags.DEFINE_float("poll_seconds", 5.0, "Checkpoint polling period.")
-  flags.DEFINE_integer("batch_size_per_device", 16, "Embedding batch.")
-  flags.DEFINE_bool("bfloat16", False, "Embed in bfloat16.")
   flags.DEFINE_bool("one_shot", False, "Embed one checkpoint and exit.")
   flags.DEFINE_integer("step", -1, "One-shot: checkpoint step (default "
                        "newest), or the step to publish imported weights "
-                       "under.")
+                       "under (default 0).")
   flags.DEFINE_string("realm_embedder", None, "One-shot from REALM's "
                       "released embedder TF checkpoint.")
   flags.DEFINE_string("orqa_checkpoint", None, "One-shot from a fine-tuned "
@@ -274,6 +264,6 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   _define_flags()
-  app.run(main)
+  gin_cli.run(_job)

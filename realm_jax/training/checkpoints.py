@@ -78,6 +78,10 @@ class TrainCheckpointer:
     return ({"retriever": out.retriever, "reader": out.reader},
             out.opt_state, dict(out.meta))
 
+  def restore_params(self, step: int) -> dict[str, Any]:
+    """{retriever, reader} of `step` on this process's first device."""
+    return restore_items(self.directory, step, PARAM_ITEMS)
+
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()
 
@@ -92,16 +96,17 @@ def _item_handlers():
           "meta": ocp.JsonCheckpointHandler()}
 
 
-def restore_retriever(directory: str, step: int,
-                      abstract: Any | None = None) -> Any:
-  """Restores only the retriever parameters of checkpoint `step`.
+def restore_items(directory: str, step: int, names: tuple[str, ...],
+                  abstract: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Restores some items of checkpoint `step`, whatever topology saved it.
 
   Args:
     directory: the checkpoint directory.
     step: the step to read.
-    abstract: target tree of `jax.ShapeDtypeStruct` with shardings; default:
-      the saved shapes on this process's first device, whatever topology
-      the trainer had (the builder usually runs on other devices).
+    names: items to read (e.g. ("retriever",) for the index builder).
+    abstract: optional {name: tree of jax.ShapeDtypeStruct with shardings};
+      default: the saved shapes on this process's first device (side jobs
+      usually run on other devices than the trainer that saved).
   """
   import jax  # pylint: disable=g-import-not-at-top
   manager = ocp.CheckpointManager(
@@ -109,17 +114,31 @@ def restore_retriever(directory: str, step: int,
       options=ocp.CheckpointManagerOptions(read_only=True, create=False),
       item_handlers=_item_handlers())
   try:
-    if abstract is None:
-      metadata = manager.item_metadata(step)["retriever"]
-      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-      abstract = jax.tree_util.tree_map(
-          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-          metadata)
-    out = manager.restore(step, args=ocp.args.Composite(
-        retriever=ocp.args.StandardRestore(abstract)))
-    return out.retriever
+    if step not in manager.all_steps():
+      raise FileNotFoundError(f"No checkpoint step {step} under {directory} "
+                              f"(steps: {list(manager.all_steps())}).")
+    abstract = dict(abstract or {})
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    metadata = manager.item_metadata(step)
+    for name in names:
+      if name not in abstract:
+        abstract[name] = jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                           sharding=device),
+            metadata[name])
+    out = manager.restore(step, args=ocp.args.Composite(**{
+        name: ocp.args.StandardRestore(abstract[name]) for name in names}))
+    return {name: out[name] for name in names}
   finally:
     manager.close()
+
+
+def restore_retriever(directory: str, step: int,
+                      abstract: Any | None = None) -> Any:
+  """Restores only the retriever parameters of checkpoint `step`."""
+  return restore_items(directory, step, ("retriever",),
+                       None if abstract is None else
+                       {"retriever": abstract})["retriever"]
 
 
 def write_done_marker(directory: str, final_step: int) -> None:

@@ -129,7 +129,7 @@ def make_train_step(loss_fn: LossFn, optimizer, mesh: Mesh):
     updates, opt_state = optimizer.update(grads, state["opt_state"],
                                           state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return {"step": state["step"] + 1, "params": params,
             "opt_state": opt_state}, metrics
 

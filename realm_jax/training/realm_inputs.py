@@ -50,7 +50,7 @@ def select_candidates(retrieved_ids: np.ndarray, block_doc_hash: np.ndarray,
   return np.take_along_axis(retrieved_ids, order, axis=1)
 
 
-def null_document(seq_len: int, cls_id: int, sep_id: int, pad_id: int = 0
+def null_document_inputs(seq_len: int, cls_id: int, sep_id: int, pad_id: int = 0
                   ) -> dict[str, np.ndarray]:
   """Retriever inputs of the empty document `[CLS] [SEP] [SEP]`."""
   ids = np.full([seq_len], pad_id, np.int32)
@@ -103,8 +103,8 @@ def reader_inputs(query_ids: np.ndarray, query_mask: np.ndarray,
 
 def pretraining_batch(queries: Mapping[str, np.ndarray],
                       candidate_block_ids: np.ndarray, block_store, *,
-                      doc_len: int = 288, reader_len: int = 384
-                      ) -> dict[str, np.ndarray]:
+                      doc_len: int = 288, reader_len: int = 384,
+                      null_document: bool = True) -> dict[str, np.ndarray]:
   """The full model input of one REALM pre-training step.
 
   Args:
@@ -116,10 +116,13 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
     block_store: a `realm_jax.data.blocks.BlockStore`.
     doc_len: retriever document length (288).
     reader_len: reader length (384 = 96 + 288).
+    null_document: put the empty document first (REALM); without it the
+      candidates are the k retrieved blocks only (an ablation; the
+      "retrieval utility" metric then compares against the top block).
 
   Returns:
     The batch `Realm.pretraining_logits` and `losses.pretraining_loss`
-    take, with C = k + 1 candidates (null document first).
+    take, with C = k + 1 candidates (null document first), or k.
   """
   m = block_store.manifest
   cls_id, sep_id, pad_id = int(m["cls_id"]), int(m["sep_id"]), int(
@@ -127,17 +130,19 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
   batch, k = candidate_block_ids.shape
   flat = np.asarray(candidate_block_ids).reshape(-1)
   docs = block_store.retriever_inputs(flat, doc_len)
-  null = null_document(doc_len, cls_id, sep_id, pad_id)
+  null = null_document_inputs(doc_len, cls_id, sep_id, pad_id)
+
+  n_null = 1 if null_document else 0
 
   def with_null(name):
     x = docs[name].reshape(batch, k, doc_len)
     return np.concatenate(
-        [np.broadcast_to(null[name], (batch, 1, doc_len)), x], 1)
+        [np.broadcast_to(null[name], (batch, n_null, doc_len)), x], 1)
 
   bodies, lengths = block_store.bodies(flat, doc_len)
-  bodies = np.concatenate([np.zeros((batch, 1, doc_len), np.int32),
+  bodies = np.concatenate([np.zeros((batch, n_null, doc_len), np.int32),
                            bodies.reshape(batch, k, doc_len)], 1)
-  lengths = np.concatenate([np.zeros((batch, 1), np.int32),
+  lengths = np.concatenate([np.zeros((batch, n_null), np.int32),
                             lengths.reshape(batch, k)], 1)
   reader = reader_inputs(queries["query_ids"], queries["query_mask"], bodies,
                          lengths, seq_len=reader_len, sep_id=sep_id,

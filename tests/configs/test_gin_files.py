@@ -6,7 +6,10 @@ import os
 import gin
 import pytest
 
+from realm_jax import gin_cli
+from realm_jax.index import builder
 from realm_jax.model import realm
+from realm_jax.training import pretrain
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
@@ -24,12 +27,24 @@ def test_there_are_gin_files():
   assert {os.path.basename(f) for f in GIN_FILES} >= set(EXPECTED_MODELS)
 
 
+# Macros that run files leave %gin.REQUIRED for the user to set.
+REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
+            "ANNOTATED = '/tmp/a'"]
+
+
 @pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)
 def test_gin_file_parses(path):
   gin.clear_config()
   try:
-    gin.parse_config_file(path)
+    gin_cli.parse([path], REQUIRED)
     name = os.path.basename(path)
+    if "/experiments/" in path or "/runs/pretrain" in path:
+      config = gin.get_configurable(pretrain.PretrainConfig)()
+      assert config.workdir == "/tmp/w"
+    if "/experiments/" in path:
+      gin.get_configurable(realm.RealmConfig)()
+    if "/runs/index_builder" in path:
+      assert gin.get_configurable(builder.BuilderConfig)().keep >= 1
     if name in EXPECTED_MODELS:
       config = gin.get_configurable(realm.RealmConfig)()
       b = config.retriever.bert

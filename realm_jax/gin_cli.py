@@ -1,0 +1,54 @@
+"""Gin at the edges: `--gin_file` (repeatable), `--gin.X=Y`, `--dry_run`.
+
+Every job's `__main__` calls `run(job)`; `job(dry_run)` builds its configs
+with `gin.get_configurable(...)()` and runs. `--gin.A.b=V` becomes the
+binding `A.b = V` (t5x's convention); `--gin_bindings` works too.
+Relative gin file paths are looked up in the working directory, then in the
+repository's `gin_configs/`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence
+
+GIN_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "gin_configs")
+
+
+def split_gin_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """Pulls `--gin.X=Y` arguments out of argv (absl can't define them)."""
+  rest, bindings = [], []
+  for arg in argv:
+    if arg.startswith("--gin.") and "=" in arg:
+      key, value = arg[len("--gin."):].split("=", 1)
+      bindings.append(f"{key} = {value}")
+    else:
+      rest.append(arg)
+  return rest, bindings
+
+
+def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
+  """Parses gin files and bindings (gin_configs/ is on the search path)."""
+  import gin  # pylint: disable=g-import-not-at-top
+  gin.add_config_file_search_path(GIN_CONFIGS)
+  gin.add_config_file_search_path(os.getcwd())
+  gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
+
+
+def run(job: Callable[[bool], None]) -> None:
+  """absl entry point: parses gin flags, then calls `job(dry_run)`."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_multi_string("gin_file", [], "Gin config files.")
+  flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings.")
+  flags.DEFINE_bool("dry_run", False, "Print the resolved config and exit.")
+  argv, extra = split_gin_flags(sys.argv)
+
+  def main(args):
+    del args
+    f = flags.FLAGS
+    parse(f.gin_file, list(f.gin_bindings) + extra)
+    job(f.dry_run)
+
+  app.run(main, argv=argv)

@@ -1,0 +1,440 @@
+"""REALM pre-training: salient-span MLM with a retriever and a live index.
+
+One step:
+  query embeddings with the current parameters -> MIPS top (k + margin) of
+  the live (stale) index -> drop blocks of the query's own article -> null
+  document + top k -> gather block tokens from the block store -> a per-core
+  step (`jax.shard_map` over `data`) that re-embeds the candidates with the
+  current parameters (so gradients reach both towers), runs the reader's MLM
+  at the masked positions and takes the per-token marginal loss.
+
+The index is either refreshed by a separate index builder process that
+polls this job's checkpoints (`index_mode="builder"`, the paper's set-up), or
+rebuilt in-process right after a checkpoint every `checkpoint_every` steps
+(`index_mode="inline"`, for small CPU runs and exactly reproducible restarts).
+
+    python -m realm_jax.training.pretrain \\
+        --gin_file=gin_configs/experiments/pretrain_tiny.gin \\
+        --gin.PretrainConfig.workdir="'/tmp/run'"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import signal
+import time
+from typing import Any, Iterable, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import examples as examples_lib
+from realm_jax.data import salient_spans
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.index import builder as builder_lib
+from realm_jax.index import publish
+from realm_jax.model import functional, losses
+from realm_jax.model.realm import Realm, RealmConfig
+from realm_jax.training import checkpoints, parallel, realm_inputs
+from realm_jax.training import init as init_lib
+from realm_jax.training import optimizer as optimizer_lib
+
+INDEX_MODES = ("inline", "builder")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+  """A REALM pre-training run.
+
+  Attributes:
+    workdir: checkpoints/, index/, summaries and the operative config.
+    block_store: the knowledge corpus Z (a block store directory).
+    annotated: REALM annotated records of the pre-training corpus X (a
+      file, glob or comma-separated list of them).
+    init_from: initial weights when the workdir has no checkpoint (see
+      `realm_jax.training.init`).
+    num_train_steps: total steps.
+    batch_size: global batch (queries per step); must divide by devices.
+    learning_rate: peak learning rate (REALM: 3e-5).
+    warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
+    num_candidates: retrieved blocks per query k (REALM: 7), plus the null
+      document when `null_document`.
+    null_document: put the empty document first among the candidates.
+    masking: "salient" (REALM), "random_tokens" or "random_spans".
+    query_length, reader_length: 96 and 384 (= 96 + 288) in REALM.
+    checkpoint_every: checkpoint (and, inline, index refresh) period.
+    keep_checkpoints: orbax retention; >= 5 when a builder reads them.
+    index_mode: "inline" or "builder".
+    searcher: "exact" or "scann" (inline index).
+    index_wait_seconds: builder mode: how long to wait for the first index.
+    log_every: metrics period.
+    seed: everything random derives from it.
+  """
+
+  workdir: str
+  block_store: str
+  annotated: str
+  init_from: str | None = None
+  num_train_steps: int = 1000
+  batch_size: int = 8
+  learning_rate: float = 3e-5
+  warmup_steps: int | None = None
+  num_candidates: int = 7
+  null_document: bool = True
+  masking: str = "salient"
+  query_length: int = 96
+  reader_length: int = 384
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 5
+  index_mode: str = "inline"
+  searcher: str = "exact"
+  index_wait_seconds: float = 600.0
+  log_every: int = 10
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.index_mode not in INDEX_MODES:
+      raise ValueError(f"index_mode={self.index_mode!r}; use one of "
+                       f"{INDEX_MODES}.")
+    if self.batch_size % jax.device_count():
+      raise ValueError(
+          f"batch_size={self.batch_size} does not divide over "
+          f"{jax.device_count()} devices; use a multiple of the device "
+          "count.")
+    if self.index_mode == "builder" and self.keep_checkpoints < 5:
+      raise ValueError("keep_checkpoints must be >= 5 when an index builder "
+                       "reads the checkpoints.")
+    if self.reader_length <= self.query_length:
+      raise ValueError("reader_length must exceed query_length (the reader "
+                       "reads [CLS] x [SEP] body [SEP]).")
+    for name in ("num_train_steps", "num_candidates", "checkpoint_every",
+                 "log_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"PretrainConfig.{name} must be >= 1.")
+
+
+# ----------------------------------------------------------------------------
+# Input: masked queries, deterministic by step
+# ----------------------------------------------------------------------------
+
+
+class QuerySet:
+  """REALM queries held as stacked numpy arrays, batched by step number.
+
+  The batch of step s is a pure function of (seed, s): epoch e = s * B // N
+  uses permutation(seed, e). A restarted run therefore sees exactly the
+  batches it would have seen. Each host keeps its own shard of the queries.
+  """
+
+  def __init__(self, arrays: dict[str, np.ndarray], seed: int):
+    self.arrays = arrays
+    self.size = len(arrays["query_ids"])
+    self.seed = seed
+    if self.size == 0:
+      raise ValueError("No REALM queries: the annotated corpus has no "
+                       "sentence with a usable salient span.")
+
+  @classmethod
+  def from_annotated(cls, pattern: str, tokenizer: Tokenizer, *,
+                     config: examples_lib.RealmQueryConfig, seed: int,
+                     shard_index: int = 0, num_shards: int = 1) -> "QuerySet":
+    paths = [p for p in pattern.split(",") if p]
+    rng = np.random.default_rng([seed, shard_index])
+    queries: list[dict[str, np.ndarray]] = []
+    report = salient_spans.AnnotationReport()
+    for i, doc in enumerate(salient_spans.read_annotated(paths,
+                                                         report=report)):
+      if i % num_shards == shard_index:
+        queries += examples_lib.realm_queries_from_document(
+            doc, tokenizer, rng, config)
+    logging.info("host %d/%d: %d REALM queries (%s masking) from %s",
+                 shard_index, num_shards, len(queries), config.masking,
+                 report.to_dict())
+    if not queries:
+      raise ValueError(f"{pattern}: no REALM queries (no sentence with a "
+                       "usable salient span).")
+    return cls({k: np.stack([q[k] for q in queries]) for k in queries[0]},
+               seed)
+
+  def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
+    first = step * batch_size
+    idx = []
+    while len(idx) < batch_size:
+      epoch, offset = divmod(first + len(idx), self.size)
+      order = np.random.default_rng([self.seed, epoch]).permutation(
+          self.size)
+      idx += list(order[offset:offset + batch_size - len(idx)])
+    return {k: v[np.asarray(idx)] for k, v in self.arrays.items()}
+
+
+# ----------------------------------------------------------------------------
+# The per-core step
+# ----------------------------------------------------------------------------
+
+
+def make_loss_fn(graphdef):
+  def loss_fn(params, batch, dropout_rng):
+    model = functional.bind(graphdef, params)
+    retrieval_logits, mlm_logits = model.pretraining_logits(
+        batch, dropout_rng=dropout_rng)
+    return losses.pretraining_loss(retrieval_logits, mlm_logits,
+                                   batch["mlm_targets"], batch["mlm_weights"])
+  return loss_fn
+
+
+def make_query_embedder(graphdef, mesh):
+  """jit(shard_map) of the query tower over the data axis."""
+  data = jax.sharding.PartitionSpec(parallel.DATA_AXIS)
+
+  def per_core(params, ids, mask):
+    return functional.bind(graphdef, params).retriever.embed_queries(ids,
+                                                                     mask)
+
+  return jax.jit(jax.shard_map(
+      per_core, mesh=mesh,
+      in_specs=(jax.sharding.PartitionSpec(), data, data), out_specs=data))
+
+
+def local_rows(array: jax.Array) -> np.ndarray:
+  """This process's rows of a batch-sharded global array, in order."""
+  shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start)
+  return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+# ----------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------
+
+
+class _Preemption:
+  """Turns SIGTERM into a request to checkpoint and stop between steps."""
+
+  def __init__(self):
+    self.requested = False
+    try:
+      signal.signal(signal.SIGTERM, self._handler)
+    except ValueError:  # Not the main thread (e.g. inside a test runner).
+      pass
+
+  def _handler(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+
+def _write_json(path: str, obj: Any) -> None:
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+def train(*, config: PretrainConfig, model: RealmConfig,
+          operative_config: str = "", stop_after: int | None = None
+          ) -> list[dict[str, float]]:
+  """Runs (or resumes) REALM pre-training.
+
+  Args:
+    config: the run.
+    model: the REALM model config.
+    operative_config: gin's operative config text, saved in the workdir.
+    stop_after: return after this many steps of this call (tests).
+
+  Returns:
+    The logged metrics, one dict per logged step.
+  """
+  is_chief = jax.process_index() == 0
+  os.makedirs(config.workdir, exist_ok=True)
+  if is_chief and operative_config:
+    with open(os.path.join(config.workdir, "operative_config.gin"), "w") as f:
+      f.write(operative_config)
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.create_default_writer(
+      os.path.join(config.workdir, "summaries"), just_logging=not is_chief)
+
+  # -- Data: the knowledge corpus and the masked queries.
+  store = blocks_lib.BlockStore.open(config.block_store)
+  tokenizer = Tokenizer()
+  store.check_vocab(tokenizer.vocab_path)
+  # REALM: masks end before position 94 of 96; shorter queries keep the
+  # same two positions of room.
+  query_config = examples_lib.RealmQueryConfig(
+      query_length=config.query_length,
+      max_masks=min(10, config.query_length - 4),
+      mask_limit=config.query_length - 2, masking=config.masking)
+  queries = QuerySet.from_annotated(
+      config.annotated, tokenizer, config=query_config, seed=config.seed,
+      shard_index=jax.process_index(), num_shards=jax.process_count())
+  margin = int(min(np.bincount(store.doc_indices).max(), len(store) - 1))
+  search_k = min(len(store), config.num_candidates + margin)
+  if search_k - margin < config.num_candidates:
+    raise ValueError(f"The block store has {len(store)} blocks; too few for "
+                     f"{config.num_candidates} candidates outside a query's "
+                     "own article.")
+
+  # -- Model, optimizer, state.
+  mesh = parallel.make_mesh()
+  graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
+                                    config.seed)
+  tx = optimizer_lib.bert_optimizer(
+      learning_rate=config.learning_rate,
+      num_train_steps=config.num_train_steps,
+      warmup_steps=config.warmup_steps)
+  ckpt = checkpoints.TrainCheckpointer(
+      checkpoints.checkpoint_dir(config.workdir),
+      keep=config.keep_checkpoints)
+  start_step = ckpt.latest_step()
+  replicated = parallel.replicated(mesh)
+  if start_step is not None:
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                       sharding=replicated), fresh)
+    abstract_opt = jax.eval_shape(tx.init, fresh)
+    abstract_opt = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=replicated), abstract_opt)
+    params, opt_state, meta = ckpt.restore(start_step, abstract, abstract_opt)
+    logging.info("resumed from %s step %d (%s)", ckpt.directory, start_step,
+                 meta)
+  else:
+    params = init_lib.initial_params(model, fresh, config.init_from)
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+    start_step = 0
+  state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
+                                  replicated),
+           "params": params, "opt_state": opt_state}
+  train_step = parallel.make_train_step(make_loss_fn(graphdef), tx, mesh)
+  embed_queries = make_query_embedder(graphdef, mesh)
+
+  # -- The index: inline refresh, or a watcher on the builder's output.
+  index_root = builder_lib.index_root(config.workdir)
+  expect = publish.Expectation(store.fingerprint, len(store),
+                               model.retriever.embedding_size)
+  builder_config = builder_lib.BuilderConfig(searcher_kind=config.searcher)
+
+  def save(step):
+    ckpt.save(step, state["params"], state["opt_state"],
+              {"seed": config.seed}, force=True)
+
+  def inline_refresh(step):
+    ckpt.wait_until_finished()  # Index s only after checkpoint s is durable.
+    if is_chief:
+      builder_lib.build_and_publish(
+          retriever_params=jax.device_get(state["params"]["retriever"]),
+          retriever_config=model.retriever, store=store, root=index_root,
+          step=step, config=builder_config)
+    return publish.load_index(index_root, step, expect)
+
+  watcher = None
+  if config.index_mode == "builder":
+    if ckpt.latest_step() is None:
+      save(start_step)  # The builder embeds these weights first.
+    watcher = publish.IndexWatcher(index_root, expect)
+    index = watcher.wait_for_index(timeout=config.index_wait_seconds)
+  else:
+    # Inline, index s is always built right after checkpoint s; a resumed
+    # run serves the index of its own step (rebuilt if the previous run died
+    # before publishing it) and so replays the same trajectory.
+    if ckpt.latest_step() is None:
+      save(start_step)
+    if publish.read_latest(index_root) == start_step:
+      index = publish.load_index(index_root, start_step, expect)
+    else:
+      index = inline_refresh(start_step)
+  logging.info("serving index %d at step %d", index.step, start_step)
+
+  # -- The loop.
+  preemption = _Preemption()
+  history, base_rng = [], jax.random.key(config.seed)
+  step, t_last, steps_since_log = start_step, time.time(), 0
+  end = config.num_train_steps if stop_after is None else min(
+      config.num_train_steps, start_step + stop_after)
+  while step < end:
+    if watcher is not None and watcher.maybe_swap():
+      index = watcher.current
+    local = queries.batch(step, config.batch_size // jax.process_count())
+    q = parallel.shard_batch(mesh, {k: local[k] for k in ("query_ids",
+                                                          "query_mask")})
+    q_emb = local_rows(embed_queries(state["params"], q["query_ids"],
+                                     q["query_mask"]))
+    hits, _ = index.search(q_emb, search_k)
+    candidates = realm_inputs.select_candidates(
+        hits, store.doc_hash, local["source_doc_hash"], config.num_candidates)
+    # Never a trivial retrieval: no candidate from the query's own article.
+    if (store.doc_hash[candidates] == local["source_doc_hash"][:, None]).any():
+      raise AssertionError("a query's own article reached its candidates")
+    batch = realm_inputs.pretraining_batch(
+        local, candidates, store, doc_len=store.max_block_len,
+        reader_len=config.reader_length,
+        null_document=config.null_document)
+    state, metrics = train_step(state, parallel.shard_batch(mesh, batch),
+                                base_rng)
+    step += 1
+    steps_since_log += 1
+    if step % config.log_every == 0 or step == end:
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      now = time.time()
+      metrics.update(
+          index_step=index.step, index_staleness=step - index.step,
+          seconds_per_step=(now - t_last) / steps_since_log,
+          examples_per_second=config.batch_size * steps_since_log
+          / (now - t_last))
+      t_last, steps_since_log = now, 0
+      writer.write_scalars(step, metrics)
+      history.append(dict(metrics, step=step))
+      if is_chief:
+        with open(os.path.join(config.workdir, "metrics.jsonl"), "a") as f:
+          f.write(json.dumps(dict(metrics, step=step)) + "\n")
+      logging.info("step %d: loss %.4f utility %.4f mlm_acc %.3f "
+                   "staleness %d, %.2f s/step", step, metrics["loss"],
+                   metrics["retrieval_utility"], metrics["mlm_correct"],
+                   metrics["index_staleness"], metrics["seconds_per_step"])
+    if step % config.checkpoint_every == 0 or step == end or (
+        preemption.requested):
+      save(step)
+      if config.index_mode == "inline" and step < config.num_train_steps:
+        index = inline_refresh(step)
+    if preemption.requested:
+      logging.warning("SIGTERM: checkpointed step %d, exiting.", step)
+      break
+  ckpt.wait_until_finished()
+  if step >= config.num_train_steps and is_chief:
+    checkpoints.write_done_marker(ckpt.directory, step)
+  if watcher is not None:
+    watcher.close()
+  writer.flush()
+  ckpt.close()
+  if is_chief:
+    _write_json(os.path.join(config.workdir, "history.json"), history)
+  return history
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+def _job(dry_run: bool) -> None:
+  import gin  # pylint: disable=g-import-not-at-top
+  # The registered classes live in the imported module, not in __main__.
+  from realm_jax.training import pretrain as module  # pylint: disable=g-import-not-at-top
+  config = gin.get_configurable(module.PretrainConfig)()
+  model = gin.get_configurable(RealmConfig)()
+  if dry_run:
+    print(gin.operative_config_str())
+    print(config)
+    print(model)
+    return
+  module.train(config=config, model=model,
+               operative_config=gin.operative_config_str())
+
+
+if __name__ == "__main__":
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  gin_cli.run(_job)
