@@ -28,7 +28,7 @@ from realm_jax.checkpoint_import.core import Path, Rule
 from realm_jax.model import functional
 from realm_jax.model.bert import Bert, BertConfig
 from realm_jax.model.realm import (Embedder, MLMHead, ReaderConfig,
-                                   RetrieverConfig, SpanHead)
+                                   RetrieverConfig)
 
 Dialect = Literal["tf", "hf"]
 Params = dict[str, Any]

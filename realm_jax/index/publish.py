@@ -288,6 +288,9 @@ class IndexWatcher:
     self._seen: set[int] = set()
     self.rejected: dict[int, str] = {}
     self.swaps = 0
+    # (index step, loaded and verified at, swapped in at), wall-clock.
+    self.swap_log: list[tuple[int, float, float]] = []
+    self._loaded_at: dict[int, float] = {}
     self._stop = threading.Event()
     self._new = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True,
@@ -317,6 +320,7 @@ class IndexWatcher:
       return
     with self._lock:
       self._pending = index
+      self._loaded_at[step] = time.time()
     self._new.set()
     logging.info("Index watcher: index %d loaded and verified.", step)
 
@@ -333,6 +337,9 @@ class IndexWatcher:
       self._current, self._pending = self._pending, None
       self._new.clear()
       self.swaps += 1
+      self.swap_log.append((self._current.step,
+                            self._loaded_at.get(self._current.step, 0.0),
+                            time.time()))
     logging.info("Index watcher: now serving index %d.", self._current.step)
     return True
 

@@ -21,12 +21,9 @@ rebuilt in-process right after a checkpoint every `checkpoint_every` steps
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
-import signal
 import time
-from typing import Any, Iterable, Sequence
 
 from absl import logging
 import jax
@@ -43,6 +40,7 @@ from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.training import checkpoints, parallel, realm_inputs
 from realm_jax.training import init as init_lib
+from realm_jax.training import run_utils
 from realm_jax.training import optimizer as optimizer_lib
 
 INDEX_MODES = ("inline", "builder")
@@ -212,28 +210,6 @@ def local_rows(array: jax.Array) -> np.ndarray:
 # ----------------------------------------------------------------------------
 
 
-class _Preemption:
-  """Turns SIGTERM into a request to checkpoint and stop between steps."""
-
-  def __init__(self):
-    self.requested = False
-    try:
-      signal.signal(signal.SIGTERM, self._handler)
-    except ValueError:  # Not the main thread (e.g. inside a test runner).
-      pass
-
-  def _handler(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-
-def _write_json(path: str, obj: Any) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
-
-
 def train(*, config: PretrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
@@ -350,7 +326,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   logging.info("serving index %d at step %d", index.step, start_step)
 
   # -- The loop.
-  preemption = _Preemption()
+  preemption = run_utils.Preemption()
   history, base_rng = [], jax.random.key(config.seed)
   step, t_last, steps_since_log = start_step, time.time(), 0
   end = config.num_train_steps if stop_after is None else min(
@@ -408,10 +384,14 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     checkpoints.write_done_marker(ckpt.directory, step)
   if watcher is not None:
     watcher.close()
+    if is_chief:
+      run_utils.write_json(os.path.join(config.workdir, "index_swaps.json"),
+                  [{"index_step": s, "loaded_at": l, "swapped_at": w}
+                   for s, l, w in watcher.swap_log])
   writer.flush()
   ckpt.close()
   if is_chief:
-    _write_json(os.path.join(config.workdir, "history.json"), history)
+    run_utils.write_json(os.path.join(config.workdir, "history.json"), history)
   return history
 
 

@@ -8,8 +8,7 @@ from safetensors.numpy import save_file
 from realm_jax.checkpoint_import import core, importers
 from realm_jax.model import functional
 from realm_jax.model.bert import Bert
-from realm_jax.model.realm import (Embedder, Realm, Reader, ReaderConfig,
-                                   RetrieverConfig)
+from realm_jax.model.realm import Realm
 from realm_jax.testing import tiny
 
 NUM_LAYERS = 2

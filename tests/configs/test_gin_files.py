@@ -9,7 +9,7 @@ import pytest
 from realm_jax import gin_cli
 from realm_jax.index import builder
 from realm_jax.model import realm
-from realm_jax.training import pretrain
+from realm_jax.training import ict, pretrain
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
@@ -38,7 +38,10 @@ def test_gin_file_parses(path):
   try:
     gin_cli.parse([path], REQUIRED)
     name = os.path.basename(path)
-    if "/experiments/" in path or "/runs/pretrain" in path:
+    if name.startswith("ict") or "/runs/ict" in path:
+      config = gin.get_configurable(ict.IctTrainConfig)()
+      assert config.workdir == "/tmp/w"
+    elif "/experiments/" in path or "/runs/pretrain" in path:
       config = gin.get_configurable(pretrain.PretrainConfig)()
       assert config.workdir == "/tmp/w"
     if "/experiments/" in path:

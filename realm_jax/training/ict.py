@@ -1,0 +1,501 @@
+"""Inverse Cloze Task (ICT): the retriever's warm start before REALM.
+
+ICT (ORQA, Lee et al. 2019; REALM Sec. 3.4) trains the dual encoder to find
+the block a sentence came from: a random sentence of a block is the
+pseudo-query and, with probability 0.9, it is cut out of the block, so the
+retriever must learn more than word overlap. The negatives are the other
+blocks of the GLOBAL batch: each core embeds its queries and blocks, gathers
+every core's block embeddings and takes a softmax over all B of them.
+
+Only the retriever trains. The reader keeps its initial weights (REALM
+starts its reader from BERT) but is saved in every checkpoint beside the
+retriever, with the same orbax items as pre-training, so that
+
+    REALM pre-training:  init_from = "checkpoint:<ict workdir>/checkpoints"
+    the index builder:   --workdir=<ict workdir> --one_shot
+
+read an ICT run directly.
+
+    python -m realm_jax.training.ict \\
+        --gin_file=experiments/ict_tiny_cpu.gin \\
+        --gin.WORKDIR="'/tmp/ict'" --gin.BLOCK_STORE="'/data/blocks'"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+import numpy as np
+
+from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import examples as examples_lib
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm, RealmConfig, Retriever
+from realm_jax.training import checkpoints, parallel
+from realm_jax.training import init as init_lib
+from realm_jax.training import run_utils
+from realm_jax.training import optimizer as optimizer_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class IctTrainConfig:
+  """An ICT warm-start run.
+
+  Attributes:
+    workdir: checkpoints/, summaries/, metrics.jsonl, the operative config.
+    block_store: the knowledge corpus Z (a block store directory); ICT
+      pairs come from its blocks.
+    init_from: initial weights when the workdir has no checkpoint (see
+      `realm_jax.training.init`), e.g. "minilm" or "tf_bert:<ckpt>"; the
+      reader is saved as it comes from there.
+    num_train_steps: total steps (reference: 100k).
+    batch_size: GLOBAL batch = number of in-batch candidates per query
+      (reference: 4096); must divide by the device count.
+    learning_rate: peak learning rate (reference: 1e-4).
+    warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
+    query_length: wordpieces of `[CLS] sentence [SEP]` (reference: 64).
+    block_length: wordpieces of `[CLS] title [SEP] body [SEP]` (288). Capped
+      at the store's `max_block_len` (longer would only be padding); a
+      shorter length truncates the blocks.
+    remove_probability: chance the query sentence is cut from its block.
+    checkpoint_every: checkpoint period in steps.
+    keep_checkpoints: orbax retention (>= 5 if an index builder reads them).
+    log_every: metrics period in steps.
+    seed: initialisation, block order, sentences and dropout derive from it.
+  """
+
+  workdir: str
+  block_store: str
+  init_from: str | None = None
+  num_train_steps: int = 100_000
+  batch_size: int = 4096
+  learning_rate: float = 1e-4
+  warmup_steps: int | None = None
+  query_length: int = 64
+  block_length: int = 288
+  remove_probability: float = 0.9
+  checkpoint_every: int = 1000
+  keep_checkpoints: int = 5
+  log_every: int = 100
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("workdir", "block_store"):
+      if not getattr(self, name):
+        raise ValueError(f"IctTrainConfig.{name} is empty; set the "
+                         f"{name.upper()} gin macro.")
+    for name in ("num_train_steps", "batch_size", "checkpoint_every",
+                 "keep_checkpoints", "log_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"IctTrainConfig.{name}={getattr(self, name)} must "
+                         "be >= 1.")
+    if self.batch_size % jax.device_count():
+      raise ValueError(
+          f"batch_size={self.batch_size} does not divide over "
+          f"{jax.device_count()} devices; use a multiple of the device "
+          "count.")
+    if self.batch_size < 2:
+      raise ValueError("batch_size must be >= 2: ICT needs in-batch "
+                       "negatives.")
+    if self.learning_rate <= 0:
+      raise ValueError(f"learning_rate={self.learning_rate} must be > 0 "
+                       "(reference ICT: 1e-4).")
+    if self.warmup_steps is not None and self.warmup_steps < 0:
+      raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0, or "
+                       "None for BERT's rule.")
+    # Validates the lengths and the probability with their own messages.
+    self.pair_config()
+
+  def pair_config(self) -> examples_lib.IctConfig:
+    return examples_lib.IctConfig(
+        query_length=self.query_length, block_length=self.block_length,
+        remove_probability=self.remove_probability)
+
+
+# ----------------------------------------------------------------------------
+# Input: ICT pairs from the block store, deterministic by step
+# ----------------------------------------------------------------------------
+
+
+def sentence_counts(store: blocks_lib.BlockStore,
+                    block_ids: np.ndarray) -> np.ndarray:
+  """Number of sentences of each block, as `examples.sentence_bounds` counts.
+
+  Vectorised over the store's flat arrays (13M blocks take seconds, not the
+  minutes of a Python loop); a leading fragment (a sentence begun in the
+  previous block) counts as a sentence.
+
+  Args:
+    store: the block store.
+    block_ids: int [n] block ids.
+
+  Returns:
+    int64 [n]; 0 for an empty body.
+  """
+  def load(name):
+    return np.load(os.path.join(store.path, name + ".npy"), mmap_mode="r")
+
+  body_offsets, sentence_offsets = load("body_offsets"), load(
+      "sentence_offsets")
+  sentence_starts = load("sentence_starts")
+  block_ids = np.asarray(block_ids, np.int64)
+  out = np.zeros(len(block_ids), np.int64)
+  chunk = 1 << 20
+  for lo in range(0, len(block_ids), chunk):
+    ids = block_ids[lo:lo + chunk]
+    lengths = body_offsets[ids + 1] - body_offsets[ids]
+    first, last = sentence_offsets[ids], sentence_offsets[ids + 1]
+    per_block = (last - first).astype(np.int64)
+    owner = np.repeat(np.arange(len(ids)), per_block)
+    within = np.arange(per_block.sum()) - np.repeat(
+        np.cumsum(per_block) - per_block, per_block)
+    starts = sentence_starts[np.repeat(first, per_block) + within]
+    inner = (starts > 0) & (starts < lengths[owner])
+    out[lo:lo + chunk] = (np.bincount(owner[inner], minlength=len(ids)) +
+                          (lengths > 0))
+  return out
+
+
+class IctExamples:
+  """ICT pairs from this host's blocks, batched by step number.
+
+  Host h of H owns blocks h, h + H, h + 2H, ...; of those it uses the blocks
+  with at least two sentences (so the query sentence can be removed), or
+  every non-empty block if there are too few of them. Each epoch is a
+  permutation of the usable blocks, cut into whole batches (the remainder
+  changes every epoch), so a batch never holds a block twice: a duplicate
+  would be a second "correct" block among the in-batch negatives.
+
+  The batch of step s is a pure function of (seed, host, s): a restarted run
+  sees exactly the batches it would have seen.
+  """
+
+  def __init__(self, store: blocks_lib.BlockStore, *,
+               config: examples_lib.IctConfig, batch_size: int, seed: int,
+               shard_index: int = 0, num_shards: int = 1):
+    """Selects the blocks.
+
+    Args:
+      store: the block store.
+      config: query/block lengths and removal probability.
+      batch_size: examples per batch on this host.
+      seed: the run's seed.
+      shard_index, num_shards: this host and the number of hosts.
+
+    Raises:
+      ValueError: when this host has fewer usable blocks than batch_size.
+    """
+    self.store = store
+    self.config = config
+    self.batch_size = batch_size
+    self.seed = seed
+    self.shard_index = shard_index
+    self.special = examples_lib.SpecialIds(
+        pad_id=int(store.manifest["pad_id"]),
+        cls_id=int(store.manifest["cls_id"]),
+        sep_id=int(store.manifest["sep_id"]),
+        mask_id=int(store.manifest.get("mask_id", 103)))
+    shard = np.arange(shard_index, len(store), num_shards, dtype=np.int64)
+    counts = sentence_counts(store, shard)
+    self.block_ids = shard[counts >= 2]
+    if len(self.block_ids) < batch_size:
+      logging.warning(
+          "host %d: only %d blocks with >= 2 sentences for a batch of %d; "
+          "using single-sentence blocks too (their sentence stays in).",
+          shard_index, len(self.block_ids), batch_size)
+      self.block_ids = shard[counts >= 1]
+    if len(self.block_ids) < batch_size:
+      raise ValueError(
+          f"{store.path}: host {shard_index} of {num_shards} has "
+          f"{len(self.block_ids)} non-empty blocks, fewer than its batch of "
+          f"{batch_size} (in-batch negatives need distinct blocks); use a "
+          "smaller batch_size or a bigger corpus.")
+    self.batches_per_epoch = len(self.block_ids) // batch_size
+    self._epoch_order: tuple[int, np.ndarray | None] = (-1, None)
+    logging.info("host %d/%d: ICT over %d of %d blocks, %d batches per "
+                 "epoch", shard_index, num_shards, len(self.block_ids),
+                 len(store), self.batches_per_epoch)
+
+  def block_ids_for_step(self, step: int) -> np.ndarray:
+    """Block ids [batch_size] of this host's batch of step `step`."""
+    epoch, k = divmod(int(step), self.batches_per_epoch)
+    # One permutation per epoch, kept: 13M blocks take ~0.1 s to shuffle.
+    if self._epoch_order[0] != epoch:
+      self._epoch_order = (epoch, np.random.default_rng(
+          [self.seed, self.shard_index, 0, epoch]).permutation(
+              len(self.block_ids)))
+    order = self._epoch_order[1]
+    return self.block_ids[order[k * self.batch_size:
+                                (k + 1) * self.batch_size]]
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """ICT features (`examples.ICT_FEATURES`) of step `step`, stacked."""
+    rng = np.random.default_rng([self.seed, self.shard_index, 1, int(step)])
+    pairs = []
+    for i in self.block_ids_for_step(step):
+      pairs.append(examples_lib.ict_pair(
+          body_ids=self.store.body_ids(i),
+          sentence_starts=self.store.sentence_starts(i),
+          title_ids=self.store.title_ids(i), rng=rng, special=self.special,
+          config=self.config))
+    return {k: np.stack([p[k] for p in pairs])
+            for k in examples_lib.ICT_FEATURES}
+
+
+# ----------------------------------------------------------------------------
+# The per-core loss: in-batch negatives over the global batch
+# ----------------------------------------------------------------------------
+
+
+def ict_loss(retriever: Retriever, batch: dict[str, jax.Array],
+             dropout_rng: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """ICT softmax over every block of the global batch, for one core.
+
+  Must run inside `jax.shard_map` over `parallel.DATA_AXIS` (a 1-device
+  mesh for an unsharded computation). Core c holds b pairs; its query i's
+  correct block is global row c * b + i of the gathered block embeddings.
+  The all_gather's transpose (a reduce-scatter) sends every core's
+  gradient with respect to a block embedding back to the core that
+  computed it, so the document tower gets the gradient of the global loss.
+
+  Args:
+    retriever: the bound retriever.
+    batch: this core's ICT features ([b, query_length], [b, block_length]).
+    dropout_rng: PRNG key or None (no dropout).
+
+  Returns:
+    loss_sum: sum over this core's queries of -log p(correct block | query).
+    weight_sum: b, the number of queries.
+    metric_sums: `accuracy` (the correct block scores highest) and
+      `sentence_removed` (the query sentence was cut from its block).
+  """
+  q_rng, b_rng = (None, None) if dropout_rng is None else tuple(
+      jax.random.split(dropout_rng))
+  query_embeddings = retriever.embed_queries(
+      batch["query_ids"], batch["query_mask"], batch["query_segment_ids"],
+      dropout_rng=q_rng)  # [b, D]
+  block_embeddings = retriever.embed_documents(
+      batch["block_ids"], batch["block_mask"], batch["block_segment_ids"],
+      dropout_rng=b_rng)  # [b, D]
+  global_blocks = jax.lax.all_gather(block_embeddings, parallel.DATA_AXIS,
+                                     tiled=True)  # [B, D]
+  retrieval_logits = jnp.einsum("qd,bd->qb", query_embeddings,
+                                global_blocks)  # [b, B]
+  b = query_embeddings.shape[0]
+  correct = jax.lax.axis_index(parallel.DATA_AXIS) * b + jnp.arange(b)
+  log_probs = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), -1)
+  nll = -jnp.take_along_axis(log_probs, correct[:, None], axis=-1)[:, 0]
+  # Derived from the batch (not a Python constant) so that it varies over
+  # the data axis like the other per-core sums.
+  weights = jnp.ones_like(nll)
+  accuracy = (jnp.argmax(retrieval_logits, -1) == correct).astype(
+      jnp.float32)
+  return nll.sum(), weights.sum(), {
+      "accuracy": accuracy.sum(),
+      "sentence_removed": batch["sentence_removed"].astype(
+          jnp.float32).sum()}
+
+
+def retriever_graphdef(model: RealmConfig):
+  """Graph of a standalone Retriever; its params = Realm params["retriever"]."""
+  graphdef, _ = functional.abstract_init(
+      lambda r: Retriever(model.retriever, rngs=r))
+  return graphdef
+
+
+def make_loss_fn(graphdef):
+  """`parallel.LossFn` over the RETRIEVER's params (the reader is not used)."""
+  def loss_fn(params, batch, dropout_rng):
+    return ict_loss(functional.bind(graphdef, params), batch, dropout_rng)
+  return loss_fn
+
+
+# ----------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------
+
+
+def _check_model(model: RealmConfig, store: blocks_lib.BlockStore,
+                 config: IctTrainConfig, block_length: int) -> None:
+  bert = model.retriever.bert
+  vocab = int(store.manifest.get("vocab_size", 0))
+  if vocab > bert.vocab_size:
+    raise ValueError(
+        f"{store.path} was tokenized with a {vocab}-word vocabulary but the "
+        f"retriever embeds {bert.vocab_size}; use a model config with the "
+        "store's vocabulary.")
+  longest = max(config.query_length, block_length)
+  if longest > bert.max_position_embeddings:
+    raise ValueError(
+        f"ICT sequences of {longest} wordpieces exceed the retriever's "
+        f"max_position_embeddings={bert.max_position_embeddings}; shorten "
+        "query_length/block_length.")
+
+
+def train(*, config: IctTrainConfig, model: RealmConfig,
+          operative_config: str = "", stop_after: int | None = None
+          ) -> list[dict[str, float]]:
+  """Runs (or resumes) ICT training of the retriever.
+
+  Resume precedence: the newest checkpoint in `config.workdir`, else
+  `config.init_from`, else a fresh initialisation.
+
+  Args:
+    config: the run.
+    model: the REALM model config (the reader is carried along unchanged).
+    operative_config: gin's operative config text, saved in the workdir.
+    stop_after: return after this many steps of this call (tests).
+
+  Returns:
+    The logged metrics, one dict per logged step.
+  """
+  is_chief = jax.process_index() == 0
+  os.makedirs(config.workdir, exist_ok=True)
+  if is_chief and operative_config:
+    with open(os.path.join(config.workdir, "operative_config.gin"), "w") as f:
+      f.write(operative_config)
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.create_default_writer(
+      os.path.join(config.workdir, "summaries"), just_logging=not is_chief)
+
+  # -- Data: ICT pairs from this host's blocks.
+  store = blocks_lib.BlockStore.open(config.block_store)
+  block_length = min(config.block_length, store.max_block_len)
+  if config.block_length < store.max_block_len:
+    logging.warning("block_length=%d < the store's max_block_len=%d: ICT "
+                    "sees truncated blocks.", config.block_length,
+                    store.max_block_len)
+  _check_model(model, store, config, block_length)
+  local_batch = config.batch_size // jax.process_count()
+  examples = IctExamples(
+      store, config=dataclasses.replace(config.pair_config(),
+                                        block_length=block_length),
+      batch_size=local_batch, seed=config.seed,
+      shard_index=jax.process_index(), num_shards=jax.process_count())
+
+  # -- Model, optimizer, state. Only the retriever is in the train state;
+  # the reader sits beside it, replicated, and is only ever saved.
+  mesh = parallel.make_mesh()
+  replicated = parallel.replicated(mesh)
+  _, fresh = functional.init(lambda r: Realm(model, rngs=r), config.seed)
+  graphdef = retriever_graphdef(model)
+  tx = optimizer_lib.bert_optimizer(
+      learning_rate=config.learning_rate,
+      num_train_steps=config.num_train_steps,
+      warmup_steps=config.warmup_steps)
+  lr_schedule = optimizer_lib.learning_rate_schedule(
+      learning_rate=config.learning_rate,
+      num_train_steps=config.num_train_steps,
+      warmup_steps=config.warmup_steps)
+  ckpt = checkpoints.TrainCheckpointer(
+      checkpoints.checkpoint_dir(config.workdir),
+      keep=config.keep_checkpoints)
+  start_step = ckpt.latest_step()
+  if start_step is not None:
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                       sharding=replicated), fresh)
+    abstract_opt = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=replicated),
+        jax.eval_shape(tx.init, fresh["retriever"]))
+    params, opt_state, meta = ckpt.restore(start_step, abstract, abstract_opt)
+    logging.info("resumed from %s step %d (%s)", ckpt.directory, start_step,
+                 meta)
+  else:
+    params = jax.device_put(
+        init_lib.initial_params(model, fresh, config.init_from), replicated)
+    opt_state = jax.device_put(tx.init(params["retriever"]), replicated)
+    start_step = 0
+  reader = params["reader"]
+  state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
+                                  replicated),
+           "params": params["retriever"], "opt_state": opt_state}
+  train_step = parallel.make_train_step(make_loss_fn(graphdef), tx, mesh)
+  meta = {"seed": config.seed, "job": "ict",
+          "block_store_fingerprint": store.fingerprint}
+
+  def save(step):
+    ckpt.save(step, {"retriever": state["params"], "reader": reader},
+              state["opt_state"], meta, force=True)
+
+  # -- The loop. Batches are built on the host while the previous step runs
+  # on the devices (dispatch is asynchronous).
+  preemption = run_utils.Preemption()
+  history, base_rng = [], jax.random.key(config.seed)
+  step, t_last, steps_since_log = start_step, time.time(), 0
+  end = config.num_train_steps if stop_after is None else min(
+      config.num_train_steps, start_step + stop_after)
+  while step < end:
+    batch = parallel.shard_batch(mesh, examples.batch(step))
+    state, metrics = train_step(state, batch, base_rng)
+    step += 1
+    steps_since_log += 1
+    if step % config.log_every == 0 or step == end:
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      now = time.time()
+      metrics.update(
+          learning_rate=float(lr_schedule(step - 1)),
+          seconds_per_step=(now - t_last) / steps_since_log,
+          examples_per_second=config.batch_size * steps_since_log
+          / (now - t_last))
+      t_last, steps_since_log = now, 0
+      writer.write_scalars(step, metrics)
+      history.append(dict(metrics, step=step))
+      if is_chief:
+        with open(os.path.join(config.workdir, "metrics.jsonl"), "a") as f:
+          f.write(json.dumps(dict(metrics, step=step)) + "\n")
+      logging.info("step %d: loss %.4f accuracy %.3f (of %d blocks), "
+                   "%.3f s/step, %.1f examples/s", step, metrics["loss"],
+                   metrics["accuracy"], config.batch_size,
+                   metrics["seconds_per_step"],
+                   metrics["examples_per_second"])
+    if step % config.checkpoint_every == 0 or step == end or (
+        preemption.requested):
+      save(step)
+    if preemption.requested:
+      logging.warning("SIGTERM: checkpointed step %d, exiting.", step)
+      break
+  ckpt.wait_until_finished()
+  if step >= config.num_train_steps and is_chief:
+    checkpoints.write_done_marker(ckpt.directory, step)
+  writer.flush()
+  ckpt.close()
+  if is_chief:
+    run_utils.write_json(os.path.join(config.workdir, "history.json"), history)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("ict_train_done")
+  return history
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+def _job(dry_run: bool) -> None:
+  import gin  # pylint: disable=g-import-not-at-top
+  # The registered classes live in the imported module, not in __main__.
+  from realm_jax.training import ict as module  # pylint: disable=g-import-not-at-top
+  config = gin.get_configurable(module.IctTrainConfig)()
+  model = gin.get_configurable(RealmConfig)()
+  if dry_run:
+    print(gin.operative_config_str())
+    print(config)
+    print(model)
+    return
+  module.train(config=config, model=model,
+               operative_config=gin.operative_config_str())
+
+
+if __name__ == "__main__":
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  gin_cli.run(_job)

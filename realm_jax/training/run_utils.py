@@ -1,0 +1,31 @@
+"""Small pieces every training job's loop shares."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+
+class Preemption:
+  """Turns SIGTERM into a request to checkpoint and stop between steps."""
+
+  def __init__(self):
+    self.requested = False
+    try:
+      signal.signal(signal.SIGTERM, self._handler)
+    except ValueError:  # Not the main thread (e.g. inside a test runner).
+      pass
+
+  def _handler(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Writes JSON atomically (temp file + rename)."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
