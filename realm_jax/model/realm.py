@@ -352,3 +352,32 @@ class Realm(nnx.Module):
         batch["reader_ids"], batch["reader_mask"],
         batch["reader_segment_ids"], positions, dropout_rng=m_rng)
     return logits, mlm
+
+  def qa_logits(self, batch: dict[str, jax.Array], *,
+                dropout_rng=None) -> tuple[jax.Array, jax.Array]:
+    """Open-QA scores against a frozen document index.
+
+    Args:
+      batch: question_ids/question_mask [B, Lq]; retrieved_embeddings
+        [B, K, D] (frozen, from the index); retrieved_mask [B, K];
+        reader_ids/reader_mask/reader_segment_ids [B, R, L] for the top R
+        blocks; block_start/block_end [B, R].
+      dropout_rng: PRNG key or None.
+
+    Returns:
+      retrieval_logits [B, K] (-inf where retrieved_mask is False) and
+      reader_logits [B, R, L, W]: span scores plus the block's retrieval
+      logit, -inf for inadmissible spans.
+    """
+    q_rng, r_rng = (None, None) if dropout_rng is None else tuple(
+        jax.random.split(dropout_rng))
+    query = self.retriever.embed_queries(
+        batch["question_ids"], batch["question_mask"], dropout_rng=q_rng)
+    logits = retrieval_logits(query, batch["retrieved_embeddings"])
+    logits = jnp.where(batch["retrieved_mask"], logits, -jnp.inf)
+    spans = self.reader.span_logits(
+        batch["reader_ids"], batch["reader_mask"],
+        batch["reader_segment_ids"], batch["block_start"],
+        batch["block_end"], dropout_rng=r_rng)
+    num_read = batch["reader_ids"].shape[1]
+    return logits, spans + logits[:, :num_read, None, None]

@@ -1,0 +1,181 @@
+"""Open-domain QA inputs: questions -> retrieved blocks -> model batch.
+
+Shared by fine-tuning, evaluation and `ask`. The document index is frozen:
+the retrieval logits are the TRAINABLE query embedding dotted with the
+block embeddings stored in the published index (gathered on the host), so
+the question tower learns without re-embedding thousands of blocks. Blocks
+are pre-tokenized in the block store (no re-tokenisation per question).
+
+Per question (batched over many questions):
+  retrieved_ids [K]            top K blocks of the frozen index (K = 5000 in
+                               the paper), in rank order
+  retrieved_embeddings [K, D]  their frozen embeddings
+  has_answer [K]               an answer's wordpieces occur in the block
+  reader_* [R, L]              `[CLS] question [SEP] body [SEP]` for the top
+                               R = 5 blocks (L = 320 = 32 + 288)
+  block_start/block_end [R]    first / last body position in the reader input
+  gold_spans [R, L, W]         spans (start, width) equal to an answer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from realm_jax.data import qa as qa_lib
+from realm_jax.training import realm_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class QAConfig:
+  """Sizes of the open-QA pipeline (the paper's values by default).
+
+  Attributes:
+    question_length: `[CLS] question [SEP]` wordpieces.
+    num_retrieved: K, blocks the retriever loss marginalises over.
+    num_reader_blocks: R, top blocks the reader reads.
+    reader_length: reader input length (question_length + block length).
+    max_span_width: widest answer span W.
+  """
+  question_length: int = 32
+  num_retrieved: int = 5000
+  num_reader_blocks: int = 5
+  reader_length: int = 320
+  max_span_width: int = 10
+
+  def __post_init__(self):
+    if self.num_reader_blocks > self.num_retrieved:
+      raise ValueError(
+          f"num_reader_blocks={self.num_reader_blocks} exceeds num_retrieved="
+          f"{self.num_retrieved}; the reader reads the top retrieved blocks.")
+    if self.reader_length <= self.question_length:
+      raise ValueError("reader_length must exceed question_length.")
+    for name in ("question_length", "num_retrieved", "num_reader_blocks",
+                 "max_span_width"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"QAConfig.{name} must be >= 1.")
+
+
+def tokenize_questions(tokenizer, questions: Sequence[str], length: int
+                       ) -> dict[str, np.ndarray]:
+  """`[CLS] question [SEP]`, truncated and padded to `length`."""
+  ids = np.full((len(questions), length), tokenizer.pad_id, np.int32)
+  for i, pieces in enumerate(tokenizer.tokenize(list(questions))):
+    pieces = pieces[:length - 2]
+    ids[i, :len(pieces) + 2] = [tokenizer.cls_id, *pieces, tokenizer.sep_id]
+  return {"question_ids": ids,
+          "question_mask": (ids != tokenizer.pad_id).astype(np.int32)}
+
+
+def span_positives(reader_ids: np.ndarray, block_start: np.ndarray,
+                   block_end: np.ndarray,
+                   answer_ids: Sequence[Sequence[np.ndarray]],
+                   max_span_width: int) -> np.ndarray:
+  """bool [B, R, L, W]: (start, width) spans inside the block equal to an
+  answer's wordpieces."""
+  b, r, length = reader_ids.shape
+  cols = np.arange(length)
+  inside = ((cols >= block_start[..., None]) & (cols <= block_end[..., None]))
+  gold = qa_lib.gold_spans_batch(
+      reader_ids.reshape(b * r, length),
+      [answer_ids[i] for i in range(b) for _ in range(r)],
+      max_span_width=max_span_width,
+      token_mask=inside.reshape(b * r, length))
+  out = np.zeros((b * r, length, max_span_width), bool)
+  rows, slots = np.nonzero(gold.starts >= 0)
+  starts = gold.starts[rows, slots]
+  widths = gold.ends[rows, slots] - starts
+  out[rows, starts, widths] = True
+  return out.reshape(b, r, length, max_span_width)
+
+
+def qa_batch(questions: dict[str, np.ndarray], retrieved_ids: np.ndarray,
+             block_embeddings: np.ndarray, store, config: QAConfig, *,
+             answer_ids: Sequence[Sequence[np.ndarray]] | None = None
+             ) -> dict[str, np.ndarray]:
+  """The model batch for questions and their retrieved blocks.
+
+  Args:
+    questions: from `tokenize_questions`.
+    retrieved_ids: int [B, K] block ids in rank order (-1 = none found).
+    block_embeddings: the index's [num_blocks, D] matrix (may be mmap).
+    store: the block store the index was built from.
+    config: sizes.
+    answer_ids: per question, the wordpiece arrays of its answers
+      (`qa.tokenize_answers`); adds `has_answer` and `gold_spans`.
+
+  Returns:
+    Arrays as described in the module docstring, plus `retrieved_mask`.
+  """
+  retrieved_ids = np.asarray(retrieved_ids, np.int64)
+  b, k = retrieved_ids.shape
+  valid = retrieved_ids >= 0
+  safe_ids = np.where(valid, retrieved_ids, 0)
+  r = config.num_reader_blocks
+  top = safe_ids[:, :r].reshape(-1)
+  m = store.manifest
+  sep_id, pad_id = int(m["sep_id"]), int(m.get("pad_id", 0))
+  body_len = config.reader_length - 2
+  bodies, lengths = store.bodies(top, body_len)
+  lengths = np.where(valid[:, :r].reshape(-1), lengths, 0)
+  reader = realm_inputs.reader_inputs(
+      questions["question_ids"], questions["question_mask"],
+      bodies.reshape(b, r, body_len), lengths.reshape(b, r),
+      seq_len=config.reader_length, sep_id=sep_id, pad_id=pad_id)
+  q_len = questions["question_mask"].sum(-1).astype(np.int32)
+  n_body = reader["segment_ids"].sum(-1) - 1  # segment 1 = body + [SEP].
+  block_start = np.broadcast_to(q_len[:, None], (b, r)).astype(np.int32)
+  block_end = (block_start + n_body - 1).astype(np.int32)
+  out = {
+      "question_ids": questions["question_ids"],
+      "question_mask": questions["question_mask"],
+      "retrieved_ids": retrieved_ids,
+      "retrieved_mask": valid,
+      "retrieved_embeddings": np.asarray(block_embeddings[safe_ids.reshape(
+          -1)], np.float32).reshape(b, k, -1),
+      "reader_ids": reader["token_ids"],
+      "reader_mask": reader["input_mask"],
+      "reader_segment_ids": reader["segment_ids"],
+      "block_start": block_start,
+      "block_end": block_end,
+  }
+  if answer_ids is not None:
+    # Token-level has-answer over all K blocks (stored wordpieces).
+    all_bodies, _ = store.bodies(safe_ids.reshape(-1), store.max_block_len)
+    found = qa_lib.gold_spans_batch(
+        all_bodies, [answer_ids[i] for i in range(b) for _ in range(k)],
+        max_span_width=store.max_block_len, max_spans=1).has_answer
+    out["has_answer"] = found.reshape(b, k) & valid
+    out["gold_spans"] = span_positives(
+        reader["token_ids"], block_start, block_end, answer_ids,
+        config.max_span_width)
+  return out
+
+
+@dataclasses.dataclass
+class Prediction:
+  """The best (block, span) of one question."""
+  answer: str
+  score: float
+  block_id: int
+  start: int
+  end: int
+
+
+def decode_predictions(reader_logits: np.ndarray, batch: dict[str, np.ndarray],
+                       tokenizer) -> list[Prediction]:
+  """argmax over (block, span) of reader_logits [B, R, L, W]."""
+  b, r, length, w = reader_logits.shape
+  flat = reader_logits.reshape(b, -1)
+  best = np.argmax(flat, axis=1)
+  out = []
+  for i, j in enumerate(best):
+    block, start, width = np.unravel_index(j, (r, length, w))
+    ids = batch["reader_ids"][i, block, start:start + width + 1]
+    out.append(Prediction(
+        answer=tokenizer.decode(ids), score=float(flat[i, j]),
+        block_id=int(batch["retrieved_ids"][i, block]), start=int(start),
+        end=int(start + width)))
+  return out
