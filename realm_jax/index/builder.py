@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from absl import logging
 import numpy as np
@@ -82,17 +83,49 @@ def build_and_publish(*, retriever_params: Any,
                       retriever_config: RetrieverConfig, store, root: str,
                       step: int, config: BuilderConfig = BuilderConfig(),
                       devices=None) -> str:
-  """Embeds the store with `retriever_params` and publishes index `step`."""
+  """Embeds the store with `retriever_params` and publishes index `step`.
+
+  With several processes (a multi-host builder), each host embeds its
+  contiguous share of the rows on its local devices and writes it to
+  `<root>/.tmp-shards-<step>/`; process 0 assembles the rows in order (the
+  result is identical to a single-process build), builds the searcher and
+  publishes; every process returns the published path.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from realm_jax import distributed  # pylint: disable=g-import-not-at-top
   start = time.time()
+  index, count = jax.process_index(), jax.process_count()
   embeddings, stats = embed_lib.embed_block_store(
       retriever_params, retriever_config, store,
       batch_size_per_device=config.batch_size_per_device,
-      bfloat16=config.bfloat16, devices=devices)
-  return publish_embeddings(
-      embeddings=embeddings, store=store, root=root, step=step,
-      config=config, params_sha256=publish.params_checksum(retriever_params),
-      start_time=start, extra={"blocks_per_second":
-                               round(stats.blocks_per_second, 2)})
+      bfloat16=config.bfloat16, devices=devices, process_index=index,
+      process_count=count)
+  if count > 1:
+    shard_dir = os.path.join(root, f".tmp-shards-{int(step)}")
+    os.makedirs(shard_dir, exist_ok=True)
+    part = os.path.join(shard_dir, f"part-{index:05d}.npy")
+    np.save(part + ".tmp.npy", embeddings)
+    os.replace(part + ".tmp.npy", part)
+    distributed.barrier(f"index-{step}-shards-written")
+    if index == 0:
+      embeddings = np.concatenate([
+          np.load(os.path.join(shard_dir, f"part-{i:05d}.npy"))
+          for i in range(count)])
+  path = publish.step_dir(root, step)
+  if index == 0:
+    path = publish_embeddings(
+        embeddings=embeddings, store=store, root=root, step=step,
+        config=config,
+        params_sha256=publish.params_checksum(retriever_params),
+        start_time=start,
+        extra={"blocks_per_second": round(stats.blocks_per_second * count,
+                                          2), "hosts": count})
+    if count > 1:
+      shutil.rmtree(os.path.join(root, f".tmp-shards-{int(step)}"),
+                    ignore_errors=True)
+  if count > 1:
+    distributed.barrier(f"index-{step}-published")
+  return path
 
 
 def publish_embeddings(*, embeddings: np.ndarray, store, root: str,

@@ -440,7 +440,7 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
     step += 1
     steps_since_log += 1
     if step % config.log_every == 0 or step == end:
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      metrics = {k: float(v) for k, v in parallel.host_copy(metrics).items()}
       now = time.time()
       metrics.update(
           learning_rate=float(lr_schedule(step - 1)),

@@ -67,6 +67,15 @@ def shard_batch(mesh: Mesh, local_batch: Mapping[str, np.ndarray]
   return out
 
 
+def host_copy(tree):
+  """numpy copy of replicated arrays (works when they span several hosts)."""
+  def one(x):
+    if isinstance(x, jax.Array):
+      return np.asarray(x.addressable_data(0))
+    return x
+  return jax.tree_util.tree_map(one, tree)
+
+
 def data_parallel_value_and_grad(loss_fn: LossFn, mesh: Mesh):
   """Builds a per-core gradient function over the `data` axis.
 

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from realm_jax import distributed
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import examples as examples_lib
 from realm_jax.data import salient_spans
@@ -243,9 +244,17 @@ def train(*, config: PretrainConfig, model: RealmConfig,
       query_length=config.query_length,
       max_masks=min(10, config.query_length - 4),
       mask_limit=config.query_length - 2, masking=config.masking)
+  # Every host holds the query set and takes its slice of each step's
+  # global batch: the batches (and so the losses) do not depend on the
+  # number of hosts, and a restart replays them exactly.
+  seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
   queries = QuerySet.from_annotated(
-      config.annotated, tokenizer, config=query_config, seed=config.seed,
-      shard_index=jax.process_index(), num_shards=jax.process_count())
+      config.annotated, tokenizer, config=query_config, seed=seed)
+  per_host = distributed.check_divisible("batch_size", config.batch_size,
+                                         jax.process_count(),
+                                         by_what="hosts")
+  host_rows = slice(jax.process_index() * per_host,
+                    (jax.process_index() + 1) * per_host)
   margin = int(min(np.bincount(store.doc_indices).max(), len(store) - 1))
   search_k = min(len(store), config.num_candidates + margin)
   if search_k - margin < config.num_candidates:
@@ -300,11 +309,11 @@ def train(*, config: PretrainConfig, model: RealmConfig,
 
   def inline_refresh(step):
     ckpt.wait_until_finished()  # Index s only after checkpoint s is durable.
-    if is_chief:
-      builder_lib.build_and_publish(
-          retriever_params=jax.device_get(state["params"]["retriever"]),
-          retriever_config=model.retriever, store=store, root=index_root,
-          step=step, config=builder_config)
+    # Every host embeds its share of the blocks; process 0 publishes.
+    builder_lib.build_and_publish(
+        retriever_params=parallel.host_copy(state["params"]["retriever"]),
+        retriever_config=model.retriever, store=store, root=index_root,
+        step=step, config=builder_config)
     return publish.load_index(index_root, step, expect)
 
   watcher = None
@@ -334,7 +343,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   while step < end:
     if watcher is not None and watcher.maybe_swap():
       index = watcher.current
-    local = queries.batch(step, config.batch_size // jax.process_count())
+    local = {k: v[host_rows] for k, v in
+             queries.batch(step, config.batch_size).items()}
     q = parallel.shard_batch(mesh, {k: local[k] for k in ("query_ids",
                                                           "query_mask")})
     q_emb = local_rows(embed_queries(state["params"], q["query_ids"],
@@ -354,7 +364,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     step += 1
     steps_since_log += 1
     if step % config.log_every == 0 or step == end:
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      metrics = {k: float(v) for k, v in parallel.host_copy(metrics).items()}
       now = time.time()
       metrics.update(
           index_step=index.step, index_staleness=step - index.step,
@@ -371,12 +381,15 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                    "staleness %d, %.2f s/step", step, metrics["loss"],
                    metrics["retrieval_utility"], metrics["mlm_correct"],
                    metrics["index_staleness"], metrics["seconds_per_step"])
-    if step % config.checkpoint_every == 0 or step == end or (
-        preemption.requested):
+    # The stop decision is process 0's, so every host stops at one step.
+    stop = bool(distributed.broadcast_from_chief(
+        np.int32(preemption.requested))) if jax.process_count() > 1 else (
+            preemption.requested)
+    if step % config.checkpoint_every == 0 or step == end or stop:
       save(step)
       if config.index_mode == "inline" and step < config.num_train_steps:
         index = inline_refresh(step)
-    if preemption.requested:
+    if stop:
       logging.warning("SIGTERM: checkpointed step %d, exiting.", step)
       break
   ckpt.wait_until_finished()
@@ -392,6 +405,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   ckpt.close()
   if is_chief:
     run_utils.write_json(os.path.join(config.workdir, "history.json"), history)
+  distributed.barrier("pretrain-exit")
   return history
 
 

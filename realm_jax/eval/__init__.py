@@ -1,0 +1,1 @@
+"""Open-QA evaluation (`qa_eval`): exact match, recall@k, the eval job."""

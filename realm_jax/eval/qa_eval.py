@@ -1,0 +1,479 @@
+"""Open-QA evaluation: exact match, recall@k, reader oracle; the eval job.
+
+Scores a `realm_jax.ask.QAModel` (the answering model shared with `ask`),
+with the metrics of REALM / ORQA (`evaluate`, `aggregate_metrics`):
+  exact_match    prediction == an answer after the reference normaliser
+                 (`qa.exact_match`); regex answers (CuratedTrec) use
+                 `qa.regex_match` (the pattern matches at the prediction's
+                 start)
+  recall@k       an answer string occurs in the TEXT of one of the top-k
+                 retrieved blocks (`qa.has_answer`): the paper's retrieval
+                 recall
+  reader_oracle  the reader could answer: a span of width <= W in the
+                 reader inputs of the top R blocks equals an answer's
+                 wordpieces (regex answers: a pattern occurs in the text of
+                 one of the top R blocks); the reader's ceiling
+Predictions are written as JSONL, one `QAResult.to_json()` per question:
+`{"question", "prediction", "score", "block_id", "evidence": [{block_id,
+rank, title, text, probability (= p(z|x)), retrieval_logit, has_answer}],
+"answers", "correct", "retrieved_ids", "retrieved_has_answer",
+"reader_has_answer"}`.
+
+The eval job (`run_eval_job`) runs beside a trainer: it polls the trainer's
+checkpoint directory, evaluates each new step exactly once (ascending) and
+records it in `<output_dir>/eval_ledger.json` (atomic writes), so that a
+restarted job skips what is done; it stops on the trainer's DONE marker
+once every checkpoint is evaluated. Predictions go to
+`<output_dir>/predictions/step_<step>.jsonl`, metrics to `metrics.jsonl`
+and clu summaries. The index is frozen (fine-tuning's): loaded once.
+
+    python -m realm_jax.eval.qa_eval --workdir=W --block_store=B \\
+        --qa_file=dev.jsonl --gin_file=models/tiny.gin \\
+        --gin_file=runs/eval.gin [--step=N | --init_from=orqa:CKPT]
+
+It is a single-process side job (every host of a pod would evaluate the
+same questions); it splits each batch over all local devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from absl import logging
+import jax
+
+# Evidence is re-exported: evaluation users find the result types here too.
+from realm_jax.ask import Evidence  # pylint: disable=unused-import
+from realm_jax.ask import (QAModel, QAResult, configured, load_qa_index,
+                           load_qa_model)
+from realm_jax.data import qa as qa_lib
+from realm_jax.index import builder as builder_lib
+from realm_jax.index import publish
+from realm_jax.model.realm import RealmConfig
+from realm_jax.training import checkpoints, parallel, qa_inputs, run_utils
+
+DEFAULT_RECALL_KS = (1, 5, 10, 20, 50, 100)
+LEDGER = "eval_ledger.json"
+METRICS_JSONL = "metrics.jsonl"
+
+
+# ----------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------
+
+
+def aggregate_metrics(results: Sequence[QAResult], *,
+                      recall_ks: Sequence[int] = DEFAULT_RECALL_KS
+                      ) -> dict[str, float]:
+  """Evaluation metrics over scored results (a pure function).
+
+  Correctness is recomputed from `prediction`, `answers` and `is_regex`
+  (exact match with the REALM normaliser, or regex match). recall@k uses
+  `retrieved_has_answer[:k]` (a result retrieved to a shallower depth
+  counts what it has: the whole corpus when it is that small).
+
+  Args:
+    results: results with answers.
+    recall_ks: the k of recall@k.
+
+  Returns:
+    {"exact_match", "recall@k"..., "reader_oracle", "num_examples"}; rates
+    are fractions in [0, 1].
+
+  Raises:
+    ValueError: no results, or a result without answers.
+  """
+  if not results:
+    raise ValueError("aggregate_metrics needs at least one result.")
+  for r in results:
+    if r.answers is None or r.retrieved_has_answer is None:
+      raise ValueError(f"Result for {r.question!r} has no answers; predict "
+                       "with answers=... to evaluate.")
+  n = len(results)
+  metrics = {"exact_match": sum(
+      qa_lib.is_correct(r.prediction, r.answers, r.is_regex)
+      for r in results) / n}
+  for k in sorted(set(recall_ks)):
+    metrics[f"recall@{k}"] = sum(
+        any(r.retrieved_has_answer[:k]) for r in results) / n
+  metrics["reader_oracle"] = sum(bool(r.reader_has_answer)
+                                 for r in results) / n
+  metrics["num_examples"] = n
+  return metrics
+
+
+def write_predictions(path: str, results: Sequence[QAResult]) -> None:
+  """JSONL, one `QAResult.to_json()` per line; atomic (temp + rename)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      for r in results:
+        f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+# ----------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------
+
+
+def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
+             recall_ks: Sequence[int] = DEFAULT_RECALL_KS,
+             predictions_path: str | None = None,
+             log_every_batches: int = 10) -> dict[str, float]:
+  """Scores a QA model on examples.
+
+  Args:
+    qa_model: the model.
+    examples: questions with reference answers (regex ones use regex match).
+    recall_ks: the k of recall@k (retrieval is run max(recall_ks) deep).
+    predictions_path: if given, the predictions JSONL (atomic).
+    log_every_batches: progress log period.
+
+  Returns:
+    `aggregate_metrics` plus questions_per_second.
+
+  Raises:
+    ValueError: no examples or a non-positive k.
+  """
+  if not examples:
+    raise ValueError("evaluate needs at least one example.")
+  if not recall_ks or min(recall_ks) < 1:
+    raise ValueError(f"recall_ks={recall_ks} must be positive integers.")
+  chunk = qa_model.batch_size * max(1, log_every_batches)
+  results, start = [], time.time()
+  for lo in range(0, len(examples), chunk):
+    part = examples[lo:lo + chunk]
+    results += qa_model.predict(
+        [e.question for e in part], answers=[e.answers for e in part],
+        is_regex=[e.is_regex for e in part], recall_depth=max(recall_ks))
+    elapsed = time.time() - start
+    logging.info("evaluated %d/%d questions, %.1f questions/s",
+                 len(results), len(examples), len(results) / elapsed)
+  metrics = aggregate_metrics(results, recall_ks=recall_ks)
+  metrics["questions_per_second"] = len(results) / (time.time() - start)
+  if predictions_path:
+    write_predictions(predictions_path, results)
+  return metrics
+
+
+def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
+  """sha256 of the questions and answers (what a ledger was computed on)."""
+  h = hashlib.sha256()
+  for e in examples:
+    h.update(json.dumps([e.question, list(e.answers), e.is_regex]).encode())
+  return h.hexdigest()
+
+
+def predictions_file(output_dir: str, step: int) -> str:
+  return os.path.join(output_dir, "predictions", f"step_{step}.jsonl")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Evaluation settings (gin: runs/eval.gin).
+
+  Attributes:
+    recall_ks: the k of recall@k.
+    batch_size: questions per model call (a multiple of the device count).
+    num_evidence: evidence blocks kept per prediction.
+    poll_seconds: eval job: pause between looks at the checkpoints.
+  """
+  recall_ks: tuple[int, ...] = DEFAULT_RECALL_KS
+  batch_size: int = 8
+  num_evidence: int = 5
+  poll_seconds: float = 30.0
+
+  def __post_init__(self):
+    if not self.recall_ks or min(self.recall_ks) < 1:
+      raise ValueError(f"EvalConfig.recall_ks={self.recall_ks} must be "
+                       "positive integers, e.g. (1, 5, 20, 100).")
+    if self.batch_size < 1 or self.num_evidence < 1 or self.poll_seconds <= 0:
+      raise ValueError("EvalConfig.batch_size and num_evidence must be >= 1 "
+                       "and poll_seconds > 0.")
+
+
+def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
+                        examples: Sequence[qa_lib.QAExample],
+                        output_dir: str, model_config: RealmConfig,
+                        index: publish.PublishedIndex, store,
+                        qa_config: qa_inputs.QAConfig = qa_inputs.QAConfig(),
+                        config: EvalConfig = EvalConfig(), mesh=None,
+                        qa_model: QAModel | None = None
+                        ) -> tuple[dict[str, float], QAModel]:
+  """Evaluates checkpoint `step` (predictions: `predictions_file`).
+
+  Args:
+    checkpoint_dir: a realm_jax checkpoint directory.
+    step: the step; only its retriever and reader items are read.
+    examples: the evaluation set.
+    output_dir: where the predictions go.
+    model_config, index, store, qa_config, mesh: see `QAModel`.
+    config: recall_ks, batch_size, num_evidence.
+    qa_model: a model to reuse (only its parameters are replaced).
+
+  Returns:
+    (metrics with "step" and "eval_seconds", the model of that step).
+
+  Raises:
+    FileNotFoundError: no such step.
+  """
+  start = time.time()
+  params = checkpoints.restore_items(checkpoint_dir, step,
+                                     checkpoints.PARAM_ITEMS)
+  if qa_model is None:
+    qa_model = QAModel(model_config, params, index, store, qa_config,
+                       mesh=mesh, batch_size=config.batch_size,
+                       num_evidence=config.num_evidence, step=step)
+  else:
+    qa_model = qa_model.with_params(params, step)
+  metrics = evaluate(
+      qa_model, examples, recall_ks=config.recall_ks,
+      predictions_path=predictions_file(output_dir, step)
+      if jax.process_index() == 0 else None)
+  return dict(metrics, step=int(step),
+              eval_seconds=round(time.time() - start, 3)), qa_model
+
+
+# ----------------------------------------------------------------------------
+# The eval job
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EvalJobResult:
+  """What one run of the eval job did.
+
+  Attributes:
+    evaluated: steps evaluated by this run, in order.
+    metrics: step -> metrics, for every step in the ledger.
+    stopped: "done" (trainer DONE marker), "timeout", "max_evaluations" or
+      "steps" (the requested steps are evaluated).
+  """
+  evaluated: list[int]
+  metrics: dict[int, dict[str, float]]
+  stopped: str
+
+
+def _read_ledger(path: str, identity: dict[str, Any]) -> dict[str, Any]:
+  if not os.path.exists(path):
+    return {**identity, "steps": {}}
+  try:
+    with open(path) as f:
+      ledger = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is corrupt ({e}); delete it to re-evaluate "
+                     "every checkpoint.") from e
+  for key, value in identity.items():
+    if ledger.get(key) != value:
+      raise ValueError(
+          f"{path} was written for {key}={ledger.get(key)!r}, not {value!r}; "
+          "its results are not comparable. Use another output_dir.")
+  return ledger
+
+
+def run_eval_job(*, checkpoint_dir: str, output_dir: str,
+                 examples: Sequence[qa_lib.QAExample],
+                 model_config: RealmConfig, index: publish.PublishedIndex,
+                 store, qa_config: qa_inputs.QAConfig = qa_inputs.QAConfig(),
+                 config: EvalConfig = EvalConfig(), mesh=None,
+                 steps: Sequence[int] | None = None,
+                 poll_seconds: float | None = None,
+                 timeout: float | None = None,
+                 max_evaluations: int | None = None,
+                 on_evaluated: Callable[[int, dict[str, float]], None]
+                 | None = None) -> EvalJobResult:
+  """Evaluates each new checkpoint once, beside a trainer, until DONE.
+
+  Steps already in `<output_dir>/eval_ledger.json` are never re-evaluated
+  (restarts resume); new steps are taken in ascending order. A step deleted
+  by the trainer's retention before it was read is skipped with a warning.
+
+  Args:
+    checkpoint_dir: the trainer's checkpoint directory.
+    output_dir: ledger, predictions/, metrics.jsonl, summaries/.
+    examples: the evaluation set (its fingerprint is in the ledger).
+    model_config, index, store, qa_config, config, mesh: see
+      `evaluate_checkpoint`.
+    steps: evaluate only these steps (those not in the ledger) and return.
+    poll_seconds: pause between looks (default: config.poll_seconds).
+    timeout: return after this many seconds without a DONE marker.
+    max_evaluations: return after evaluating this many steps.
+    on_evaluated: called with (step, metrics) after each evaluation.
+
+  Returns:
+    An `EvalJobResult`.
+
+  Raises:
+    ValueError: the ledger belongs to another checkpoint directory,
+      evaluation set or index.
+  """
+  is_chief = jax.process_index() == 0
+  os.makedirs(output_dir, exist_ok=True)
+  ledger_path = os.path.join(output_dir, LEDGER)
+  ledger = _read_ledger(ledger_path, {
+      "checkpoint_dir": os.path.abspath(checkpoint_dir),
+      "examples_sha256": examples_fingerprint(examples),
+      "index_step": int(index.step)})
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.create_default_writer(
+      os.path.join(output_dir, "summaries"), just_logging=not is_chief)
+  logging.info("eval job: %d examples, %d steps already in %s",
+               len(examples), len(ledger["steps"]), ledger_path)
+  qa_model, evaluated, start, stopped = None, [], time.time(), "steps"
+  while True:
+    # DONE is read BEFORE listing: the trainer writes it after its last
+    # checkpoint, so a listing made after seeing it is complete.
+    done = steps is None and checkpoints.is_done(checkpoint_dir)
+    wanted = (builder_lib.finalized_steps(checkpoint_dir) if steps is None
+              else sorted(steps))
+    pending = [s for s in wanted if str(s) not in ledger["steps"]]
+    if pending:
+      step = pending[0]
+      try:
+        metrics, qa_model = evaluate_checkpoint(
+            checkpoint_dir=checkpoint_dir, step=step, examples=examples,
+            output_dir=output_dir, model_config=model_config, index=index,
+            store=store, qa_config=qa_config, config=config, mesh=mesh,
+            qa_model=qa_model)
+      except FileNotFoundError:
+        if steps is not None:
+          raise
+        # Deleted by the trainer's retention between listing and reading.
+        logging.warning("checkpoint %d vanished before it was evaluated", step)
+        continue
+      evaluated.append(step)
+      ledger["steps"][str(step)] = {
+          "metrics": metrics, "evaluated_at": time.time(),
+          "predictions": os.path.relpath(predictions_file(output_dir, step),
+                                         output_dir)}
+      if is_chief:
+        run_utils.write_json(ledger_path, ledger)
+        with open(os.path.join(output_dir, METRICS_JSONL), "a") as f:
+          f.write(json.dumps(metrics) + "\n")
+        writer.write_scalars(step, {f"eval/{k}": v for k, v in
+                                    metrics.items() if k != "step"})
+        writer.flush()
+      logging.info("step %d: %s", step, " ".join(
+          f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
+      if on_evaluated:
+        on_evaluated(step, metrics)
+      if max_evaluations is not None and len(evaluated) >= max_evaluations:
+        stopped = "max_evaluations"
+        break
+      continue
+    if steps is not None:
+      break
+    if done:
+      stopped = "done"
+      logging.info("trainer is done; eval job exits after %s", evaluated)
+      break
+    if timeout is not None and time.time() - start > timeout:
+      stopped = "timeout"
+      logging.warning("eval job: no DONE marker after %.0f s", timeout)
+      break
+    time.sleep(config.poll_seconds if poll_seconds is None else poll_seconds)
+  writer.close()
+  return EvalJobResult(
+      evaluated=evaluated, stopped=stopped,
+      metrics={int(s): v["metrics"] for s, v in ledger["steps"].items()})
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+def _job(dry_run: bool) -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  # The registered classes live in the imported module, not in __main__.
+  from realm_jax.eval import qa_eval as module  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  config = configured(module.EvalConfig)
+  qa_config = configured(qa_inputs.QAConfig)
+  model_config = configured(RealmConfig)
+  if dry_run:
+    print(config, qa_config, model_config, sep="\n")
+    return
+  checkpoint_dir = f.checkpoint_dir or (
+      checkpoints.checkpoint_dir(f.workdir) if f.workdir else None)
+  output_dir = f.output_dir or os.path.join(
+      f.workdir or os.path.dirname(os.path.abspath(checkpoint_dir or ".")),
+      "eval")
+  store = blocks.BlockStore.open(f.block_store)
+  examples = qa_lib.read_qa_jsonl(f.qa_file, regex_answers=f.regex_answers)
+  devices = jax.local_devices()
+  kwargs = dict(qa_config=qa_config, batch_size=config.batch_size,
+                num_evidence=config.num_evidence,
+                mesh=parallel.make_mesh(devices) if len(devices) > 1
+                else None)
+  index_step = None if f.index_step < 0 else f.index_step
+  if f.init_from:  # Imported weights: evaluated once.
+    qa_model = load_qa_model(
+        model_config=model_config, store=store, workdir=f.workdir,
+        init_from=f.init_from, index_dir=f.index_dir, index_step=index_step,
+        **kwargs)
+    metrics = module.evaluate(
+        qa_model, examples, recall_ks=config.recall_ks,
+        predictions_path=os.path.join(output_dir, "predictions",
+                                      "init_from.jsonl"))
+    run_utils.write_json(os.path.join(output_dir, "init_from_metrics.json"),
+                         dict(metrics, init_from=f.init_from))
+    print(json.dumps(metrics))
+    return
+  if not checkpoint_dir:
+    raise SystemExit("Give --workdir, --checkpoint_dir or --init_from.")
+  index_dir = f.index_dir or (builder_lib.index_root(f.workdir)
+                              if f.workdir else None)
+  if not index_dir:
+    raise SystemExit("Give --index_dir (or --workdir with an index/).")
+  result = module.run_eval_job(
+      checkpoint_dir=checkpoint_dir, output_dir=output_dir,
+      examples=examples, model_config=model_config,
+      index=load_qa_index(index_dir, store, model_config, index_step),
+      store=store, qa_config=qa_config, config=config, mesh=kwargs["mesh"],
+      steps=None if f.step < 0 else [f.step],
+      timeout=f.timeout_seconds or None)
+  for step in result.evaluated:
+    print(json.dumps(result.metrics[step]))
+
+
+def _define_flags() -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string("workdir", None, "A run's workdir (checkpoints/ and "
+                      "index/ inside).")
+  flags.DEFINE_string("checkpoint_dir", None, "Checkpoint directory "
+                      "(default <workdir>/checkpoints).")
+  flags.DEFINE_string("index_dir", None, "Published index root (default "
+                      "<workdir>/index).")
+  flags.DEFINE_integer("index_step", -1, "Index step (default LATEST).")
+  flags.DEFINE_string("init_from", None, "Evaluate imported weights once "
+                      "(e.g. orqa:<ckpt>, hf_realm:<file>).")
+  flags.DEFINE_string("block_store", None, "Block store directory.",
+                      required=True)
+  flags.DEFINE_string("qa_file", None, "ORQA JSONL evaluation file.",
+                      required=True)
+  flags.DEFINE_bool("regex_answers", False, "Answers are regular "
+                    "expressions (CuratedTrec).")
+  flags.DEFINE_string("output_dir", None, "Default <workdir>/eval.")
+  flags.DEFINE_integer("step", -1, "Evaluate this step only (default: poll "
+                       "and evaluate every new step until DONE).")
+  flags.DEFINE_float("timeout_seconds", 0.0, "Exit after this long without "
+                     "a DONE marker (0 = never).")
+
+
+if __name__ == "__main__":
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  _define_flags()
+  gin_cli.run(_job)
