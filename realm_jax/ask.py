@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 from typing import Any, Sequence
 
@@ -99,7 +100,8 @@ class QAResult:
     is_regex: the answers are regular expressions.
     correct: exact match (regex match) against the answers.
     retrieved_has_answer: per retrieved block, an answer is in its text.
-    reader_has_answer: the reader could select an answer (see module doc).
+    reader_has_answer: the reader could select an answer (the reader
+      oracle of `realm_jax.eval.qa_eval`).
   """
   question: str
   prediction: str
@@ -124,8 +126,6 @@ class QAResult:
 
 def _finite_or_none(x: float) -> float | None:
   return float(x) if math.isfinite(x) else None
-
-
 
 
 # ----------------------------------------------------------------------------
@@ -198,9 +198,39 @@ def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
 
 def load_qa_index(index_dir: str, store, model_config: RealmConfig,
                   step: int | None = None) -> publish.PublishedIndex:
-  """A published index checked against the block store and the model."""
-  return publish.load_index(index_dir, step, publish.Expectation(
+  """A published index checked against the block store and the model.
+
+  Args:
+    index_dir: an index root (`<step>/` + LATEST), or a directory holding
+      one as `index/` (a pre-training workdir), as fine-tuning accepts.
+    store: the block store.
+    model_config: the model (embedding size).
+    step: the index step; None = LATEST.
+
+  Raises:
+    publish.IndexRejectedError: nothing published, corrupt, or built for
+      another corpus or embedding size.
+  """
+  return publish.load_index(_index_root(index_dir), step, publish.Expectation(
       store.fingerprint, len(store), model_config.retriever.embedding_size))
+
+
+def _index_root(index_dir: str) -> str:
+  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
+  return finetune.resolve_index_root(index_dir)
+
+
+def checkpoint_meta(checkpoint_dir: str, step: int) -> dict[str, Any]:
+  """The JSON `meta` item of a checkpoint step ({} if unreadable).
+
+  Fine-tuning records the `index_step` it was trained against there.
+  """
+  try:
+    with open(os.path.join(checkpoint_dir, str(step), "meta",
+                           "metadata")) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
 
 
 class QAModel:
@@ -533,15 +563,28 @@ def load_qa_model(*, model_config: RealmConfig, store,
   if not index_dir:
     raise ValueError("No index: give index_dir (a published index root) or "
                      "a workdir with index/ inside.")
-  index = load_qa_index(index_dir, store, model_config, index_step)
   if init_from:
-    return QAModel.from_init(init_from, model_config=model_config,
-                             index=index, store=store, **kwargs)
+    return QAModel.from_init(
+        init_from, model_config=model_config, store=store,
+        index=load_qa_index(index_dir, store, model_config, index_step),
+        **kwargs)
   if not checkpoint_dir:
     raise ValueError("No weights: give workdir, checkpoint_dir or init_from.")
-  return QAModel.from_checkpoint(checkpoint_dir, step,
-                                 model_config=model_config, index=index,
-                                 store=store, **kwargs)
+  if step is None:
+    steps = builder_lib.finalized_steps(checkpoint_dir)
+    if not steps:
+      raise FileNotFoundError(f"No checkpoint steps under {checkpoint_dir}.")
+    step = steps[-1]
+  if index_step is None:
+    # A fine-tuned query tower belongs with the index it was trained on,
+    # which need not be LATEST any more.
+    index_step = checkpoint_meta(checkpoint_dir, step).get("index_step")
+    if index_step not in publish.published_steps(_index_root(index_dir)):
+      index_step = None
+  return QAModel.from_checkpoint(
+      checkpoint_dir, step, model_config=model_config, store=store,
+      index=load_qa_index(index_dir, store, model_config, index_step),
+      **kwargs)
 
 
 def format_result(result: QAResult, snippet_chars: int = 200) -> str:

@@ -47,10 +47,8 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
-# Evidence is re-exported: evaluation users find the result types here too.
-from realm_jax.ask import Evidence  # pylint: disable=unused-import
-from realm_jax.ask import (QAModel, QAResult, configured, load_qa_index,
-                           load_qa_model)
+from realm_jax.ask import (QAModel, QAResult, checkpoint_meta, configured,
+                           load_qa_index, load_qa_model)
 from realm_jax.data import qa as qa_lib
 from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
@@ -60,6 +58,8 @@ from realm_jax.training import checkpoints, parallel, qa_inputs, run_utils
 DEFAULT_RECALL_KS = (1, 5, 10, 20, 50, 100)
 LEDGER = "eval_ledger.json"
 METRICS_JSONL = "metrics.jsonl"
+# Reads of a listed but unreadable checkpoint before the job moves on.
+_MAX_READ_ATTEMPTS = 3
 
 
 # ----------------------------------------------------------------------------
@@ -231,6 +231,11 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
   start = time.time()
   params = checkpoints.restore_items(checkpoint_dir, step,
                                      checkpoints.PARAM_ITEMS)
+  trained_on = checkpoint_meta(checkpoint_dir, step).get("index_step")
+  if trained_on not in (None, index.step):
+    logging.warning("checkpoint %d was fine-tuned against index %d but is "
+                    "evaluated with index %d (pass its index step).", step,
+                    trained_on, index.step)
   if qa_model is None:
     qa_model = QAModel(model_config, params, index, store, qa_config,
                        mesh=mesh, batch_size=config.batch_size,
@@ -297,7 +302,9 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
 
   Steps already in `<output_dir>/eval_ledger.json` are never re-evaluated
   (restarts resume); new steps are taken in ascending order. A step deleted
-  by the trainer's retention before it was read is skipped with a warning.
+  by the trainer's retention before it was read is skipped with a warning;
+  one listed but unreadable is retried, and given up (for this run) after
+  3 attempts.
 
   Args:
     checkpoint_dir: the trainer's checkpoint directory.
@@ -331,13 +338,15 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
   logging.info("eval job: %d examples, %d steps already in %s",
                len(examples), len(ledger["steps"]), ledger_path)
   qa_model, evaluated, start, stopped = None, [], time.time(), "steps"
+  unreadable: dict[int, int] = {}  # step -> failed reads in this run
   while True:
     # DONE is read BEFORE listing: the trainer writes it after its last
     # checkpoint, so a listing made after seeing it is complete.
     done = steps is None and checkpoints.is_done(checkpoint_dir)
     wanted = (builder_lib.finalized_steps(checkpoint_dir) if steps is None
               else sorted(steps))
-    pending = [s for s in wanted if str(s) not in ledger["steps"]]
+    pending = [s for s in wanted if str(s) not in ledger["steps"]
+               and unreadable.get(s, 0) < _MAX_READ_ATTEMPTS]
     if pending:
       step = pending[0]
       try:
@@ -346,11 +355,20 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
             output_dir=output_dir, model_config=model_config, index=index,
             store=store, qa_config=qa_config, config=config, mesh=mesh,
             qa_model=qa_model)
-      except FileNotFoundError:
+      except FileNotFoundError as e:
         if steps is not None:
           raise
-        # Deleted by the trainer's retention between listing and reading.
-        logging.warning("checkpoint %d vanished before it was evaluated", step)
+        if not os.path.isdir(os.path.join(checkpoint_dir, str(step))):
+          # Deleted by the trainer's retention between listing and reading.
+          logging.warning("checkpoint %d vanished before it was evaluated",
+                          step)
+          continue
+        # Listed but not readable (yet): retry a few times, then move on.
+        unreadable[step] = unreadable.get(step, 0) + 1
+        logging.warning("checkpoint %d is not readable (attempt %d): %s",
+                        step, unreadable[step], e)
+        time.sleep(config.poll_seconds if poll_seconds is None
+                   else poll_seconds)
         continue
       evaluated.append(step)
       ledger["steps"][str(step)] = {

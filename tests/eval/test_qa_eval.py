@@ -1,0 +1,358 @@
+"""Evaluation: metrics by hand, predictions JSONL, the eval job's ledger."""
+
+import dataclasses
+import json
+import os
+import re
+import string
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax import ask as ask_lib
+from realm_jax.checkpoint_import import core
+from realm_jax.data import blocks
+from realm_jax.data import qa as qa_lib
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.eval import qa_eval
+from realm_jax.index import builder
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm
+from realm_jax.testing import corpus, tiny
+from realm_jax.training import checkpoints, parallel, qa_inputs
+
+QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
+                               num_reader_blocks=3, reader_length=48,
+                               max_span_width=4)
+QUESTIONS = [
+    ("Where was Mozart born?", ["Salzburg"]),
+    ("When did the Berlin Wall fall?", ["9 November 1989", "1989"]),
+    ("What is the capital of Japan?", ["Tokyo"]),
+    ("Who explored the Amazon?", ["Francisco de Orellana"]),
+    ("Where was Einstein born?", ["Ulm"]),
+    ("Where was Shakespeare born?", ["Stratford-upon-Avon"]),
+]
+RECALL_KS = (1, 2, 5, 9)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("eval")
+  # One corpus per session: make_tiny_corpus reuses an existing one.
+  store_dir, _ = corpus.make_tiny_corpus(
+      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
+  store = blocks.BlockStore.open(store_dir)
+  # Mean pooling: a random tiny BERT's pooler gives near-identical
+  # embeddings (ties everywhere); mean pooling ranks blocks apart.
+  config = tiny.tiny_realm(vocab_size=30522, pooling="mean")
+  graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  workdir = root / "run"
+  builder.build_and_publish(
+      retriever_params=params["retriever"], retriever_config=config.retriever,
+      store=store, root=str(workdir / "index"), step=0,
+      config=builder.BuilderConfig(searcher_kind="exact"))
+  index = ask_lib.load_qa_index(str(workdir / "index"), store, config)
+  model = ask_lib.QAModel(config, params, index, store, QA_CONFIG,
+                          batch_size=4)
+  return dict(store=store, config=config, params=params, graphdef=graphdef,
+              index=index, model=model, workdir=workdir)
+
+
+def _normalize(s):
+  # Independent of qa.normalize_answer, for the ASCII texts of these tests.
+  s = "".join(c for c in s.lower() if c not in string.punctuation)
+  return " ".join(w for w in s.split() if w not in ("a", "an", "the"))
+
+
+def _spaced(s):
+  return " ".join("".join(" " if c in string.punctuation else c
+                          for c in s.lower()).split())
+
+
+def _contains(text, answer):
+  # has_answer's definition: the answer on token boundaries, with
+  # punctuation deleted (articles dropped) or turned into spaces.
+  return any(f(answer) and f" {f(answer)} " in f" {f(text)} "
+             for f in (_normalize, _spaced))
+
+
+def _result(prediction, answers, flags, reader, is_regex=False, **kw):
+  return ask_lib.QAResult(
+      question="q", prediction=prediction, score=1.0, block_id=0,
+      evidence=[], retrieved_ids=list(range(len(flags or []))),
+      answers=answers, is_regex=is_regex, retrieved_has_answer=flags,
+      reader_has_answer=reader, **kw)
+
+
+def test_aggregate_metrics_on_a_hand_written_table():
+  results = [
+      # Normaliser: article and punctuation dropped -> correct.
+      _result("the Salzburg.", ["Salzburg"], [False, True, False], True),
+      # Extra words -> wrong; a stale `correct` flag is not trusted.
+      _result("Salzburg, Austria", ["Salzburg"], [True, False, False], True,
+              correct=True),
+      # CuratedTrec: the pattern matches at the start -> correct.
+      _result("1989 in Berlin", [r"19[0-9]{2}"], [False, False, False],
+              False, is_regex=True),
+      # ... but not in the middle -> wrong.
+      _result("in 1989", ["1989"], [False, False, True], False,
+              is_regex=True),
+      # Accents are kept by the reference normaliser -> wrong; this result
+      # was retrieved only 2 deep.
+      _result("Z\u00fcrich", ["Zurich"], [False, False], False),
+  ]
+  metrics = qa_eval.aggregate_metrics(results, recall_ks=(1, 2, 3, 10))
+  assert metrics == {
+      "exact_match": 2 / 5,
+      "recall@1": 1 / 5,   # Only row 2 has the answer at rank 1.
+      "recall@2": 2 / 5,   # + row 1.
+      "recall@3": 3 / 5,   # + row 4.
+      "recall@10": 3 / 5,
+      "reader_oracle": 2 / 5,
+      "num_examples": 5,
+  }
+  with pytest.raises(ValueError, match="no answers"):
+    qa_eval.aggregate_metrics([_result("x", None, None, None)])
+  with pytest.raises(ValueError, match="at least one"):
+    qa_eval.aggregate_metrics([])
+
+
+def test_evaluate_against_an_independent_computation(setup, tmp_path):
+  model, store = setup["model"], setup["store"]
+  questions = [q for q, _ in QUESTIONS]
+  first = model.predict(questions)
+  preds = [r.prediction for r in first]
+  assert all(preds), preds
+  # Answers built from the model's own predictions make the expected exact
+  # match known: rows 0 and 1 match after normalisation, row 2 by a regex
+  # at the start, row 3's regex only matches later in the prediction.
+  answers = [a for _, a in QUESTIONS]
+  answers[0] = answers[0] + ["The " + preds[0].upper() + "!"]
+  answers[1] = ["zzz", preds[1] + "."]
+  answers[2] = [re.escape(preds[2][:3])]
+  answers[3] = [re.escape(preds[3][1:]) + "$"]
+  regex = [False, False, True, True, False, False]
+  examples = [qa_lib.QAExample(q, tuple(a), x)
+              for q, a, x in zip(questions, answers, regex)]
+  path = str(tmp_path / "pred.jsonl")
+  metrics = qa_eval.evaluate(model, examples, recall_ks=RECALL_KS,
+                             predictions_path=path)
+
+  expect_correct = [True, True, True, False] + [
+      any(_normalize(preds[i]) == _normalize(a) for a in answers[i])
+      for i in (4, 5)]
+  assert metrics["exact_match"] == pytest.approx(np.mean(expect_correct))
+  assert metrics["num_examples"] == len(QUESTIONS)
+
+  # Retrieval, independently: query tower -> inner products with the index
+  # embeddings -> ranks; has-answer by whole-word search in the raw text.
+  tok = Tokenizer()
+  q = qa_inputs.tokenize_questions(tok, questions, QA_CONFIG.question_length)
+  query = np.asarray(functional.bind(setup["graphdef"], setup["params"])
+                     .retriever.embed_queries(q["question_ids"],
+                                              q["question_mask"]))
+  scores = query @ np.asarray(setup["index"].embeddings).T
+  with open(path) as f:
+    rows = [json.loads(line) for line in f]
+  found = []
+  for i, row in enumerate(rows):
+    ids = row["retrieved_ids"]
+    assert sorted(ids) == list(range(len(store)))  # Recall depth 9 = all.
+    assert np.all(np.diff(scores[i, ids]) <= 1e-5)  # Best first.
+    texts = [store.text(b) for b in ids]
+    if regex[i]:
+      flags = [any(re.search(a, t, re.I) for a in answers[i]) for t in texts]
+    else:
+      flags = [any(_contains(t, a) for a in answers[i]) for t in texts]
+    assert row["retrieved_has_answer"] == flags, (i, texts)
+    found.append(flags)
+  for k in RECALL_KS:
+    assert metrics[f"recall@{k}"] == pytest.approx(
+        np.mean([any(f[:k]) for f in found])), k
+  # Reader oracle: an answer's wordpieces inside a top-3 block's reader
+  # input (text answers), a pattern in a top-3 block's text (regex).
+  oracle = []
+  for i, row in enumerate(rows):
+    if regex[i]:
+      oracle.append(any(found[i][:3]))
+      continue
+    pieces = [list(p) for p in tok.tokenize(answers[i])]
+    room = QA_CONFIG.reader_length - int(q["question_mask"][i].sum()) - 1
+    oracle.append(any(
+        any(list(body[s:s + len(p)]) == p for p in pieces
+            if len(p) <= QA_CONFIG.max_span_width
+            for s in range(len(body)))
+        for body in (store.body_ids(b)[:room] for b in row["retrieved_ids"][
+            :3])))
+  assert metrics["reader_oracle"] == pytest.approx(np.mean(oracle))
+  assert any(oracle) or not any(any(f[:3]) for f in found)
+
+
+def test_predictions_jsonl(setup, tmp_path):
+  model, store = setup["model"], setup["store"]
+  examples = [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS]
+  path = str(tmp_path / "out" / "pred.jsonl")
+  qa_eval.evaluate(model, examples, recall_ks=(1, 5), predictions_path=path)
+  assert os.listdir(tmp_path / "out") == ["pred.jsonl"]  # No temp left.
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  results = model.predict([q for q, _ in QUESTIONS],
+                          answers=[a for _, a in QUESTIONS])
+  assert len(rows) == len(QUESTIONS)
+  for row, (question, answers), result in zip(rows, QUESTIONS, results):
+    assert row["question"] == question and row["answers"] == answers
+    assert row["prediction"] == result.prediction
+    assert row["correct"] == qa_lib.exact_match(row["prediction"], answers)
+    ev = row["evidence"]
+    assert [e["rank"] for e in ev] == list(range(5))  # num_evidence = 5.
+    assert [e["block_id"] for e in ev] == row["retrieved_ids"][:5]
+    for e in ev:
+      assert e["title"] == store.title(e["block_id"])
+      assert e["text"] == store.text(e["block_id"])
+      assert 0.0 <= e["probability"] <= 1.0
+      assert e["has_answer"] == qa_lib.has_answer(e["text"], answers)
+    assert sum(e["probability"] for e in ev) <= 1.0 + 1e-6
+    # The answer is quoted from its block's text.
+    assert row["prediction"] in store.text(row["block_id"])
+
+
+def test_data_parallel_mesh_gives_the_same_answers(setup):
+  mesh = parallel.make_mesh()  # 8 emulated devices.
+  sharded = ask_lib.QAModel(setup["config"], setup["params"], setup["index"],
+                            setup["store"], QA_CONFIG, batch_size=8,
+                            mesh=mesh)
+  questions = [q for q, _ in QUESTIONS] * 2  # 12: one full batch + padding.
+  a = setup["model"].predict(questions)
+  b = sharded.predict(questions)
+  assert [r.prediction for r in a] == [r.prediction for r in b]
+  assert [r.block_id for r in a] == [r.block_id for r in b]
+  np.testing.assert_allclose([r.score for r in a], [r.score for r in b],
+                             rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="multiple"):
+    ask_lib.QAModel(setup["config"], setup["params"], setup["index"],
+                    setup["store"], QA_CONFIG, batch_size=4, mesh=mesh)
+
+
+def test_checkpoint_params_are_fitted_or_refused(setup):
+  params = setup["params"]
+  no_span_head = {"retriever": params["retriever"], "reader": {
+      k: v for k, v in params["reader"].items() if k != "span_head"}}
+  # A pre-trained checkpoint: random span head, recall still computable.
+  model = setup["model"].with_params(no_span_head, step=3)
+  assert model.params_step == 3
+  assert len(model.predict(["Where was Mozart born?"])) == 1
+  with pytest.raises(core.CheckpointMismatchError, match="query_embedder"):
+    setup["model"].with_params({"reader": params["reader"]})
+
+
+def _save(directory, step, params):
+  ckpt = checkpoints.TrainCheckpointer(directory, async_save=False)
+  ckpt.save(step, params, {"count": np.zeros((), np.int32)},
+            {"index_step": 0}, force=True)
+  ckpt.close()
+
+
+def _shift_span_scores(params, delta):
+  # The span head's output bias adds `delta` to every span score, so every
+  # prediction keeps its span and its score moves by exactly `delta`.
+  params = jax.tree_util.tree_map(np.asarray, params)
+  bias = params["reader"]["span_head"]["output"]["bias"]
+  params["reader"]["span_head"]["output"]["bias"] = bias + delta
+  return params
+
+
+def test_eval_job_evaluates_each_checkpoint_once_across_restarts(
+    setup, tmp_path):
+  ckpt_dir, out = str(tmp_path / "checkpoints"), str(tmp_path / "eval")
+  examples = [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS]
+  _save(ckpt_dir, 1, setup["params"])
+  calls = []
+  kwargs = dict(checkpoint_dir=ckpt_dir, output_dir=out, examples=examples,
+                model_config=setup["config"], index=setup["index"],
+                store=setup["store"], qa_config=QA_CONFIG,
+                config=qa_eval.EvalConfig(recall_ks=(1, 5), batch_size=4),
+                poll_seconds=0.05,
+                on_evaluated=lambda step, m: calls.append(step))
+  first = qa_eval.run_eval_job(timeout=0.3, **kwargs)
+  assert first.evaluated == [1] and first.stopped == "timeout"
+  with open(os.path.join(out, qa_eval.LEDGER)) as f:
+    ledger = json.load(f)
+  assert list(ledger["steps"]) == ["1"]
+  stamp = ledger["steps"]["1"]["evaluated_at"]
+
+  # The trainer goes on, then finishes; the eval job is restarted.
+  _save(ckpt_dir, 2, _shift_span_scores(setup["params"], 1.0))
+  checkpoints.write_done_marker(ckpt_dir, 2)
+  second = qa_eval.run_eval_job(timeout=60, **kwargs)
+  assert second.evaluated == [2] and second.stopped == "done"
+  assert calls == [1, 2]  # Step 1 was not evaluated again.
+  with open(os.path.join(out, qa_eval.LEDGER)) as f:
+    ledger = json.load(f)
+  assert sorted(ledger["steps"]) == ["1", "2"]
+  assert ledger["steps"]["1"]["evaluated_at"] == stamp
+  assert set(second.metrics) == {1, 2}
+  with open(os.path.join(out, qa_eval.METRICS_JSONL)) as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2]
+  # Step 2 really was evaluated with step 2's parameters.
+  steps = {}
+  for step in (1, 2):
+    with open(qa_eval.predictions_file(out, step)) as f:
+      steps[step] = [json.loads(line) for line in f]
+  assert [r["prediction"] for r in steps[1]] == [r["prediction"]
+                                                 for r in steps[2]]
+  np.testing.assert_allclose([r["score"] + 1.0 for r in steps[1]],
+                             [r["score"] for r in steps[2]], atol=1e-4)
+
+  # Restarted after DONE with nothing new: stops at once.
+  third = qa_eval.run_eval_job(timeout=60, **kwargs)
+  assert third.evaluated == [] and third.stopped == "done"
+  assert calls == [1, 2]
+  # A ledger is tied to its evaluation set.
+  with pytest.raises(ValueError, match="examples_sha256"):
+    qa_eval.run_eval_job(**dict(kwargs, examples=examples[:2]))
+
+
+def test_eval_cli_one_step(setup, tmp_path):
+  # The real command line on a workdir: checkpoints/ and index/ inside.
+  workdir = setup["workdir"]
+  ckpt_dir = str(workdir / "checkpoints")
+  if not os.path.exists(os.path.join(ckpt_dir, "5")):
+    _save(ckpt_dir, 5, setup["params"])
+  qa_file = tmp_path / "dev.jsonl"
+  qa_file.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
+                             for q, a in QUESTIONS) + "not json\n")
+  c, b = setup["config"], setup["config"].retriever.bert
+  # models/tiny.gin, resized to the fixture's model.
+  bindings = [f"--gin.BertConfig.{f.name}={getattr(b, f.name)!r}"
+              for f in dataclasses.fields(b)] + [
+              "--gin.RetrieverConfig.projection_size=16",
+              "--gin.RetrieverConfig.pooling='mean'",
+              "--gin.ReaderConfig.span_hidden_size=8",
+              "--gin.ReaderConfig.max_span_width=4",
+              "--gin.QAConfig.question_length=16",
+              "--gin.QAConfig.num_retrieved=6",
+              "--gin.QAConfig.num_reader_blocks=3",
+              "--gin.QAConfig.reader_length=48",
+              "--gin.EvalConfig.recall_ks=(1,5)",
+              "--gin.EvalConfig.batch_size=8"]
+  assert c.retriever.projection_size == 16
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.eval.qa_eval",
+       f"--workdir={workdir}", f"--block_store={setup['store'].path}",
+       f"--qa_file={qa_file}", "--step=5", f"--output_dir={tmp_path / 'ev'}",
+       "--gin_file=models/tiny.gin", "--gin_file=runs/eval.gin", *bindings],
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = json.loads(proc.stdout.strip().splitlines()[-1])
+  expected = qa_eval.evaluate(
+      setup["model"], [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS],
+      recall_ks=(1, 5))
+  assert printed["step"] == 5 and printed["num_examples"] == len(QUESTIONS)
+  for key in ("exact_match", "recall@1", "recall@5", "reader_oracle"):
+    assert printed[key] == pytest.approx(expected[key]), key
+  with open(tmp_path / "ev" / qa_eval.LEDGER) as f:
+    assert list(json.load(f)["steps"]) == ["5"]

@@ -1,0 +1,181 @@
+"""Asking questions: answers with evidence and p(z|x), Python API and CLI."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax import ask as ask_lib
+from realm_jax.data import blocks
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.index import builder
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm
+from realm_jax.testing import corpus, tiny
+from realm_jax.training import checkpoints, qa_inputs
+
+QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
+                               num_reader_blocks=3, reader_length=48,
+                               max_span_width=4)
+QUESTIONS = ["Where was Mozart born?", "When did the Berlin Wall fall?",
+             "What is the capital of Japan?", "Who explored the Amazon?",
+             "Where was Einstein born?", "Where was Shakespeare born?"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("ask")
+  # One corpus per session: make_tiny_corpus reuses an existing one.
+  store_dir, _ = corpus.make_tiny_corpus(
+      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
+  store = blocks.BlockStore.open(store_dir)
+  # Mean pooling ranks the blocks apart (a random pooler does not).
+  config = tiny.tiny_realm(vocab_size=30522, pooling="mean")
+  graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  workdir = root / "run"
+  builder.build_and_publish(
+      retriever_params=params["retriever"], retriever_config=config.retriever,
+      store=store, root=str(workdir / "index"), step=0,
+      config=builder.BuilderConfig(searcher_kind="exact"))
+  ckpt = checkpoints.TrainCheckpointer(str(workdir / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(1, params, {"count": np.zeros((), np.int32)}, {"index_step": 0},
+            force=True)
+  ckpt.close()
+  model = ask_lib.load_qa_model(model_config=config, store=store,
+                                workdir=str(workdir), qa_config=QA_CONFIG,
+                                batch_size=4)
+  return dict(store=store, config=config, params=params, graphdef=graphdef,
+              model=model, workdir=workdir)
+
+
+def _retrieval_logits(setup, question, ids):
+  """f(x, z) for the given blocks, computed outside QAModel."""
+  if "queries" not in setup:
+    q = qa_inputs.tokenize_questions(Tokenizer(), QUESTIONS,
+                                     QA_CONFIG.question_length)
+    setup["queries"] = np.asarray(
+        functional.bind(setup["graphdef"], setup["params"])
+        .retriever.embed_queries(q["question_ids"], q["question_mask"]))
+  query = setup["queries"][QUESTIONS.index(question)]
+  return np.asarray(setup["model"].index.embeddings)[ids] @ query
+
+
+def test_ask_returns_the_answer_with_its_evidence(setup):
+  model, store = setup["model"], setup["store"]
+  assert model.params_step == 1 and model.index.step == 0
+  for question in QUESTIONS:
+    result = ask_lib.ask(question, model, top_k=3)
+    assert result.question == question and result.prediction
+    probs = np.array([e.probability for e in result.evidence])
+    assert np.all(probs >= 0) and np.all(probs <= 1)
+    assert probs.sum() <= 1 + 1e-6
+    ids = [e.block_id for e in result.evidence]
+    assert result.block_id in ids
+    # The answer is quoted from the block it came from.
+    assert result.prediction in store.text(result.block_id)
+    for e in result.evidence:
+      assert e.title == store.title(e.block_id)
+      assert e.text == store.text(e.block_id)
+    # p(z|x): softmax over all K = 6 retrieved blocks, best first.
+    logits = _retrieval_logits(setup, question, result.retrieved_ids[:6])
+    assert result.retrieved_ids[:3] == ids[:3]
+    np.testing.assert_allclose([e.retrieval_logit for e in result.evidence],
+                               logits[:3], rtol=1e-4, atol=1e-4)
+    p = np.exp(logits - logits.max())
+    np.testing.assert_allclose(probs, (p / p.sum())[:3], atol=1e-5)
+    assert np.all(np.diff(logits) <= 1e-5)
+
+
+def test_the_answer_block_is_shown_even_beyond_top_k(setup):
+  # Shrinking (and flipping) the query LayerNorm scales the retrieval
+  # logits (the frozen index is unchanged): the span scores then decide
+  # which of the top 3 blocks answers, often not the first one.
+  results = []
+  for scale in (-0.01, 0.01, -1.0):
+    params = jax.tree_util.tree_map(np.asarray, setup["params"])
+    ln = params["retriever"]["query_embedder"]["layer_norm"]
+    ln["scale"] = ln["scale"] * scale
+    results += setup["model"].with_params(params).predict(QUESTIONS,
+                                                          num_evidence=1)
+  beyond = [r for r in results if r.block_id != r.retrieved_ids[0]]
+  assert beyond, "every answer came from the top block; change the scales"
+  for r in results:
+    ranks = [e.rank for e in r.evidence]
+    assert ranks[0] == 0
+    if r in beyond:
+      assert len(ranks) == 2 and r.evidence[1].block_id == r.block_id
+      assert ranks[1] == r.retrieved_ids.index(r.block_id) > 0
+    else:
+      assert len(ranks) == 1
+    assert sum(e.probability for e in r.evidence) <= 1 + 1e-6
+
+
+def test_loading_paths_agree(setup):
+  ckpt_dir = str(setup["workdir"] / "checkpoints")
+  kwargs = dict(model_config=setup["config"], store=setup["store"],
+                qa_config=QA_CONFIG, batch_size=4)
+  from_init = ask_lib.load_qa_model(
+      init_from=f"checkpoint:{ckpt_dir}@1",
+      index_dir=str(setup["workdir"]), **kwargs)  # A dir holding index/.
+  a = setup["model"].predict(QUESTIONS)
+  b = from_init.predict(QUESTIONS)
+  assert [r.prediction for r in a] == [r.prediction for r in b]
+  np.testing.assert_allclose([r.score for r in a], [r.score for r in b],
+                             rtol=1e-5)
+  with pytest.raises(ValueError, match="No weights"):
+    ask_lib.load_qa_model(index_dir=str(setup["workdir"] / "index"),
+                          **kwargs)
+  with pytest.raises(FileNotFoundError):
+    ask_lib.load_qa_model(checkpoint_dir=ckpt_dir, step=7,
+                          index_dir=str(setup["workdir"] / "index"), **kwargs)
+
+
+def test_format_result(setup):
+  result = ask_lib.ask(QUESTIONS[0], setup["model"], top_k=2)
+  text = ask_lib.format_result(result, snippet_chars=40)
+  assert f"A: {result.prediction}" in text
+  for e in result.evidence:
+    assert f"p(z|x)={e.probability:.3f}" in text and f"[{e.title}]" in text
+  assert "<- answer" in text
+  assert all(len(line) < 50 for line in text.splitlines()
+             if line.startswith("      "))
+
+
+def test_cli_json(setup):
+  b = setup["config"].retriever.bert
+  # models/tiny.gin, resized to the fixture's model.
+  bindings = [f"--gin.BertConfig.{f.name}={getattr(b, f.name)!r}"
+              for f in dataclasses.fields(b)] + [
+                  "--gin.RetrieverConfig.projection_size=16",
+                  "--gin.RetrieverConfig.pooling='mean'",
+                  "--gin.ReaderConfig.span_hidden_size=8",
+                  "--gin.ReaderConfig.max_span_width=4"] + [
+                      f"--gin.QAConfig.{f.name}={getattr(QA_CONFIG, f.name)}"
+                      for f in dataclasses.fields(QA_CONFIG)]
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.ask",
+       f"--workdir={setup['workdir']}",
+       f"--block_store={setup['store'].path}", "--gin_file=models/tiny.gin",
+       "--gin_file=runs/eval.gin", *bindings, "--json", "--top_k=2",
+       QUESTIONS[0], QUESTIONS[4]],
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(line) for line in proc.stdout.splitlines()
+          if line.startswith("{")]
+  assert [r["question"] for r in rows] == [QUESTIONS[0], QUESTIONS[4]]
+  for row in rows:
+    want = ask_lib.ask(row["question"], setup["model"], top_k=2)
+    assert row["prediction"] == want.prediction
+    assert row["block_id"] == want.block_id
+    assert [e["block_id"] for e in row["evidence"]] == [
+        e.block_id for e in want.evidence]
+    np.testing.assert_allclose(
+        [e["probability"] for e in row["evidence"]],
+        [e.probability for e in want.evidence], atol=1e-5)
