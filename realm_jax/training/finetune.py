@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from realm_jax import distributed
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
@@ -187,18 +188,17 @@ class FinetuneConfig:
 class QuestionSet:
   """Tokenized training questions and their answers, batched by step.
 
-  The order is `pretrain.QuerySet`'s: the batch of step s is a pure function
-  of (seed, s), so a resumed run sees the batches it would have seen. Each
-  host keeps its own shard of the questions.
+  The order is `pretrain.QuerySet`'s: the global batch of step s is a pure
+  function of (seed, s), so a resumed run sees the batches it would have
+  seen. Every host holds all questions and takes its slice of each global
+  batch, so the batches do not depend on the number of hosts.
   """
 
   def __init__(self, examples: Sequence[qa_lib.QAExample], tokenizer, *,
-               question_length: int, seed: int, shard_index: int = 0,
-               num_shards: int = 1):
-    mine = [e for i, e in enumerate(examples) if i % num_shards == shard_index]
+               question_length: int, seed: int):
+    mine = list(examples)
     if not mine:
-      raise ValueError(f"Host {shard_index} of {num_shards} got no training "
-                       f"question (there are {len(examples)}).")
+      raise ValueError("No training question.")
     self.examples = mine
     q = qa_inputs.tokenize_questions(tokenizer, [e.question for e in mine],
                                      question_length)
@@ -219,10 +219,16 @@ class QuestionSet:
   def __len__(self) -> int:
     return len(self.examples)
 
-  def batch(self, step: int, batch_size: int
+  def batch(self, step: int, batch_size: int, rows: slice = slice(None)
             ) -> tuple[dict[str, np.ndarray], list[int]]:
-    """(question_ids/question_mask, example indices) of `step`."""
-    b = self._order.batch(step, batch_size)
+    """(question_ids/question_mask, example indices) of `step`.
+
+    Args:
+      step: the train step.
+      batch_size: the global batch size.
+      rows: this host's slice of the global batch.
+    """
+    b = {k: v[rows] for k, v in self._order.batch(step, batch_size).items()}
     return ({"question_ids": b["query_ids"],
              "question_mask": b["query_mask"]},
             [int(i) for i in b["example_index"]])
@@ -369,7 +375,9 @@ def qa_loss(retrieval_logits: jax.Array, reader_logits: jax.Array,
   top1 = jnp.argmax(retrieval_logits, axis=-1)
   top1_has_answer = jnp.take_along_axis(positives, top1[:, None],
                                         axis=-1)[:, 0]
-  f32 = lambda x: jnp.sum(x.astype(jnp.float32))
+  def f32(x):
+    return jnp.sum(x.astype(jnp.float32))
+
   metric_sums = {
       "retriever_loss": f32(retriever),
       "reader_loss": f32(reader),
@@ -496,10 +504,17 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
   if not examples:
     raise ValueError(f"{config.train_jsonl}: no usable question "
                      f"({report.malformed} malformed lines).")
-  questions = QuestionSet(
-      examples, tokenizer, question_length=config.question_length,
-      seed=config.seed, shard_index=jax.process_index(),
-      num_shards=jax.process_count())
+  # Every host holds all questions and takes its slice of each step's
+  # global batch: batches do not depend on the number of hosts, and a
+  # restart replays them exactly.
+  seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
+  questions = QuestionSet(examples, tokenizer,
+                          question_length=config.question_length, seed=seed)
+  per_host = distributed.check_divisible("batch_size", config.batch_size,
+                                         jax.process_count(),
+                                         by_what="hosts")
+  host_rows = slice(jax.process_index() * per_host,
+                    (jax.process_index() + 1) * per_host)
   num_steps = config.total_steps(len(examples))
   logging.info(
       "fine-tuning on %d questions (%d malformed lines skipped), %d steps "
@@ -519,7 +534,7 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
 
   # -- Model, optimizer, state.
   mesh = parallel.make_mesh()
-  _, fresh = functional.init(lambda r: Realm(model, rngs=r), config.seed)
+  _, fresh = functional.init(lambda r: Realm(model, rngs=r), seed)
   tx, train_step, embed_queries = _step_functions(
       model, mesh, config.learning_rate, num_steps, config.warmup_steps)
   ckpt = checkpoints.TrainCheckpointer(
@@ -528,9 +543,11 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
   start_step = ckpt.latest_step()
   replicated = parallel.replicated(mesh)
   if start_step is not None:
-    as_abstract = lambda tree: jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                       sharding=replicated), tree)
+    def as_abstract(tree):
+      return jax.tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                         sharding=replicated), tree)
+
     params, opt_state, meta = ckpt.restore(
         start_step, as_abstract(fresh),
         as_abstract(jax.eval_shape(tx.init, fresh)))
@@ -551,19 +568,19 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
 
   def save(step):
     ckpt.save(step, state["params"], state["opt_state"],
-              {"seed": config.seed, "index_step": index.step,
+              {"seed": seed, "index_step": index.step,
                "corpus_fingerprint": store.fingerprint}, force=True)
 
   # -- The loop.
   preemption = run_utils.Preemption()
-  history, base_rng = [], jax.random.key(config.seed)
-  local_batch = config.batch_size // jax.process_count()
+  history, base_rng = [], jax.random.key(seed)
   step, t_last, steps_since_log, input_seconds = start_step, time.time(), 0, 0.
   end = num_steps if stop_after is None else min(num_steps,
                                                  start_step + stop_after)
   while step < end:
     t_input = time.time()
-    local, example_index = questions.batch(step, local_batch)
+    local, example_index = questions.batch(step, config.batch_size,
+                                           host_rows)
     q = parallel.shard_batch(mesh, local)
     q_emb = pretrain.local_rows(embed_queries(
         state["params"], q["question_ids"], q["question_mask"]))
@@ -579,7 +596,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
     step += 1
     steps_since_log += 1
     if step % config.log_every == 0 or step == end:
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      metrics = {k: float(v) for k, v in
+                 parallel.host_copy(metrics).items()}
       now = time.time()
       metrics.update(
           index_step=index.step,
@@ -600,10 +618,13 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
           metrics["loss"], metrics["retriever_loss"], metrics["reader_loss"],
           metrics["has_positive_in_top_k"], metrics["has_gold_span_in_top_r"],
           metrics["reader_span_correct"], metrics["examples_per_second"])
-    if step % config.checkpoint_every == 0 or step == end or (
-        preemption.requested):
+    # The stop decision is process 0's, so every host stops at one step.
+    stop = bool(distributed.broadcast_from_chief(
+        np.int32(preemption.requested))) if jax.process_count() > 1 else (
+            preemption.requested)
+    if step % config.checkpoint_every == 0 or step == end or stop:
       save(step)
-    if preemption.requested:
+    if stop:
       logging.warning("SIGTERM: checkpointed step %d, exiting.", step)
       break
   ckpt.wait_until_finished()
@@ -619,6 +640,7 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
       with open(path) as f:
         earlier = [h for h in json.load(f) if h["step"] <= start_step]
     run_utils.write_json(path, earlier + history)
+  distributed.barrier("finetune-exit")
   return history
 
 

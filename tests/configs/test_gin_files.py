@@ -9,7 +9,7 @@ import pytest
 from realm_jax import gin_cli
 from realm_jax.index import builder
 from realm_jax.model import realm
-from realm_jax.training import ict, pretrain
+from realm_jax.training import finetune, ict, pretrain
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
@@ -29,7 +29,8 @@ def test_there_are_gin_files():
 
 # Macros that run files leave %gin.REQUIRED for the user to set.
 REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
-            "ANNOTATED = '/tmp/a'"]
+            "ANNOTATED = '/tmp/a'", "TRAIN_JSONL = '/tmp/q.jsonl'",
+            "INDEX_DIR = '/tmp/i'", "INIT_FROM = 'scratch'"]
 
 
 @pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)
@@ -38,7 +39,10 @@ def test_gin_file_parses(path):
   try:
     gin_cli.parse([path], REQUIRED)
     name = os.path.basename(path)
-    if name.startswith("ict") or "/runs/ict" in path:
+    if name.startswith("finetune"):
+      config = gin.get_configurable(finetune.FinetuneConfig)()
+      assert config.workdir == "/tmp/w"
+    elif name.startswith("ict") or "/runs/ict" in path:
       config = gin.get_configurable(ict.IctTrainConfig)()
       assert config.workdir == "/tmp/w"
     elif "/experiments/" in path or "/runs/pretrain" in path:
