@@ -306,6 +306,9 @@ def test_bad_configs_and_directories(tmp_path):
   with pytest.raises(ValueError, match="num_leaves=50 exceeds the 40 rows"):
     searchers.ScannSearcher.build(np.ones((40, 2), np.float32),
                                   searchers.ScannConfig(num_leaves=50))
+  with pytest.raises(ValueError, match="dims_per_block=4 exceeds the "
+                     "embedding dim 3"):
+    searchers.ScannConfig(dims_per_block=4).resolve(20_000, 3)
   with pytest.raises(ValueError, match="num_shards=5 exceeds the 4 rows"):
     searchers.build_searcher(np.ones((4, 2), np.float32), kind="exact",
                              num_shards=5)
@@ -332,7 +335,7 @@ def test_benchmark_runs_at_ci_size():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   results = module.run_benchmark(num_rows=12_000, dim=16, num_queries=64,
-                                 repeats=1, sweep=True)
+                                 repeats=1, min_seconds=0.0, sweep=True)
   names = [r["name"] for r in results]
   assert names[:4] == ["exact_numpy", "exact_jax", "scann_default",
                        "scann_orqa"]
