@@ -115,7 +115,7 @@ def _slow_publish(root, started):
 def test_a_killed_builder_leaves_nothing_visible(tmp_path):
   root = str(tmp_path / "index")
   emb = _publish(root, 1)
-  ctx = multiprocessing.get_context("fork")
+  ctx = multiprocessing.get_context("spawn")  # fork + JAX threads can deadlock
   started = ctx.Event()
   child = ctx.Process(target=_slow_publish, args=(root, started))
   child.start()
