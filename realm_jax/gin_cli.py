@@ -37,6 +37,33 @@ def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
   gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
 
 
+def training_job(module_name: str, config_class: str
+                 ) -> Callable[[bool], None]:
+  """The `job(dry_run)` of a trainer module with `train(config, model, ...)`.
+
+  Builds `module.<config_class>` and `RealmConfig` from gin. The classes are
+  looked up in the imported module (not `__main__`, where `python -m` runs
+  a second copy that gin has not registered).
+  """
+
+  def job(dry_run: bool) -> None:
+    import importlib  # pylint: disable=g-import-not-at-top
+    import gin  # pylint: disable=g-import-not-at-top
+    from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+    module = importlib.import_module(module_name)
+    config = gin.get_configurable(getattr(module, config_class))()
+    model = gin.get_configurable(RealmConfig)()
+    if dry_run:
+      print(gin.operative_config_str())
+      print(config)
+      print(model)
+      return
+    module.train(config=config, model=model,
+                 operative_config=gin.operative_config_str())
+
+  return job
+
+
 def run(job: Callable[[bool], None]) -> None:
   """absl entry point: parses gin flags, then calls `job(dry_run)`."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top

@@ -409,26 +409,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   return history
 
 
-# ----------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------
-
-
-def _job(dry_run: bool) -> None:
-  import gin  # pylint: disable=g-import-not-at-top
-  # The registered classes live in the imported module, not in __main__.
-  from realm_jax.training import pretrain as module  # pylint: disable=g-import-not-at-top
-  config = gin.get_configurable(module.PretrainConfig)()
-  model = gin.get_configurable(RealmConfig)()
-  if dry_run:
-    print(gin.operative_config_str())
-    print(config)
-    print(model)
-    return
-  module.train(config=config, model=model,
-               operative_config=gin.operative_config_str())
-
-
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(_job)
+  gin_cli.run(gin_cli.training_job("realm_jax.training.pretrain",
+                                   "PretrainConfig"))
