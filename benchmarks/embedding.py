@@ -209,6 +209,7 @@ def numpy_peaks(min_seconds: float) -> dict[str, dict[str, float]]:
 def _retriever(model: str, dtype: str):
   """(RetrieverConfig, params) of a benchmark model's retriever."""
   import dataclasses  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
   from realm_jax.checkpoint_import import importers
   from realm_jax.data import tokenizer
   from realm_jax.model import bert as bert_lib
@@ -223,7 +224,6 @@ def _retriever(model: str, dtype: str):
     params = {"query_embedder": {"bert": imported["bert"]}}
     _, expected = functional.abstract_init(
         lambda r: realm.Retriever(config, rngs=r))
-    import jax  # pylint: disable=g-import-not-at-top
     if (jax.tree_util.tree_structure(expected)
         != jax.tree_util.tree_structure(params)):
       raise ValueError("MiniLM parameter tree does not match the Retriever.")
