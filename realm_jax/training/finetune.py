@@ -524,13 +524,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
       index.manifest["rows"], config.index_dir, config.num_retrieved,
       config.num_reader_blocks)
 
-  os.makedirs(config.workdir, exist_ok=True)
-  if is_chief and operative_config:
-    with open(os.path.join(config.workdir, "operative_config.gin"), "w") as f:
-      f.write(operative_config)
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  writer = metric_writers.create_default_writer(
-      os.path.join(config.workdir, "summaries"), just_logging=not is_chief)
+  writer = run_utils.start_run(config.workdir, operative_config,
+                               is_chief=is_chief)
 
   # -- Model, optimizer, state.
   mesh = parallel.make_mesh()

@@ -358,13 +358,8 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
     The logged metrics, one dict per logged step.
   """
   is_chief = jax.process_index() == 0
-  os.makedirs(config.workdir, exist_ok=True)
-  if is_chief and operative_config:
-    with open(os.path.join(config.workdir, "operative_config.gin"), "w") as f:
-      f.write(operative_config)
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  writer = metric_writers.create_default_writer(
-      os.path.join(config.workdir, "summaries"), just_logging=not is_chief)
+  writer = run_utils.start_run(config.workdir, operative_config,
+                               is_chief=is_chief)
 
   # -- Data: ICT pairs from this host's blocks.
   store = blocks_lib.BlockStore.open(config.block_store)

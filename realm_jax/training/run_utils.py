@@ -29,3 +29,18 @@ def write_json(path: str, obj: Any) -> None:
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=1)
   os.replace(tmp, path)
+
+
+def start_run(workdir: str, operative_config: str, *, is_chief: bool):
+  """Creates the workdir, saves the operative gin config, returns a writer.
+
+  Only process 0 writes the config and TensorBoard summaries; the others
+  get a logging-only writer.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  if is_chief and operative_config:
+    with open(os.path.join(workdir, "operative_config.gin"), "w") as f:
+      f.write(operative_config)
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  return metric_writers.create_default_writer(
+      os.path.join(workdir, "summaries"), just_logging=not is_chief)
