@@ -41,6 +41,8 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["realm_jax", "realm_jax.*"]),
+    # The demo's QA set (realm_jax.data.demo_qa.path) is read at run time.
+    package_data={"realm_jax.data.demo_qa": ["*.jsonl"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require={
