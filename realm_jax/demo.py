@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+import jax
 from realm_jax import ask as ask_lib
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import corpus_job, demo_qa, salient_spans, wikipedia
@@ -85,12 +86,12 @@ class DemoConfig:
   workdir: str = "/tmp/realm_demo"
   num_documents: int = 16
   max_block_len: int = 128
-  train_steps: int = 6
+  train_steps: int = 12
   batch_size: int = 4
   num_candidates: int = 3
-  checkpoint_every: int = 3
+  checkpoint_every: int = 4
   searcher: str = "scann"
-  finetune_steps: int = 24
+  finetune_steps: int = 32
   finetune_batch_size: int = 8
   finetune_learning_rate: float = 1e-4
   num_retrieved: int = 64
@@ -211,6 +212,11 @@ def _round(metrics: dict[str, float]) -> dict[str, float]:
 def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   """Runs the stages; returns the final summary."""
   t0 = time.time()
+  # Global batches must divide over the devices (e.g. 8 emulated ones).
+  n = jax.device_count()
+  config = dataclasses.replace(
+      config, batch_size=-(-config.batch_size // n) * n,
+      finetune_batch_size=-(-config.finetune_batch_size // n) * n)
   os.makedirs(config.workdir, exist_ok=True)
   # Runs start afresh (the corpus and its annotation are reused).
   for name in ("pretrain", "finetune", "eval"):
