@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import sys
 from typing import Any, Sequence
 
@@ -39,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from realm_jax import io_utils
 from realm_jax.checkpoint_import import core
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
@@ -226,10 +226,10 @@ def checkpoint_meta(checkpoint_dir: str, step: int) -> dict[str, Any]:
   Fine-tuning records the `index_step` it was trained against there.
   """
   try:
-    with open(os.path.join(checkpoint_dir, str(step), "meta",
-                           "metadata")) as f:
-      return json.load(f)
-  except (OSError, ValueError):
+    return json.loads(io_utils.read_text(io_utils.join(
+        checkpoint_dir, str(step), "meta", "metadata")))
+  except Exception:  # pylint: disable=broad-except
+    # Missing or unreadable on any filesystem (gs:// raises tf.errors).
     return {}
 
 

@@ -44,6 +44,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from absl import logging
 import numpy as np
 
+from realm_jax import io_utils
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
@@ -707,23 +708,39 @@ class BlockStore:
   """Memory-mapped, read-only view of a block store directory.
 
   Attributes:
-    path: the directory.
+    path: the directory as given (local, or remote such as gs://...).
+    local_path: the local directory whose files are mapped: `path`, or its
+      copy in the local cache.
     manifest: the parsed manifest.json.
   """
 
   def __init__(self, path: str, manifest: dict[str, Any],
-               arrays: dict[str, np.ndarray]):
+               arrays: dict[str, np.ndarray], local_path: str | None = None):
     self.path = path
+    self.local_path = path if local_path is None else local_path
     self.manifest = manifest
     self._a = arrays
 
   @classmethod
-  def open(cls, path: str, *, verify: bool = False) -> BlockStore:
+  def open(cls, path: io_utils.PathLike, *, verify: bool = False,
+           cache: bool | None = None,
+           cache_dir: io_utils.PathLike | None = None) -> BlockStore:
     """Opens a store written by `write_block_store`.
 
+    A file that is not on a local disk (gs://...) cannot be memory-mapped,
+    so a remote store is first copied, once per host, into the local cache
+    directory `<cache_dir>/blocks-<fingerprint>` (default cache:
+    `io_utils.cache_root()`, i.e. $REALM_JAX_CACHE_DIR or
+    <tempdir>/realm_jax_cache) and the copy is mapped. The fingerprint is
+    the store's content hash, so a cached copy is reused until the store
+    changes. For speed, copy stores to each host's disk yourself.
+
     Args:
-      path: the store directory.
+      path: the store directory (local, or remote).
       verify: also recompute every file's sha256 (reads the whole store).
+      cache: copy into the local cache first; default: iff `path` is not
+        local (True also helps with a slow network mount).
+      cache_dir: the cache directory (default `io_utils.cache_root()`).
 
     Returns:
       The store; arrays are memory-mapped, not loaded.
@@ -732,6 +749,16 @@ class BlockStore:
       FileNotFoundError: if the directory, manifest or an array is missing.
       ValueError: if the manifest or an array is corrupt or inconsistent.
     """
+    source = os.fspath(path)
+    if cache is None:
+      cache = not io_utils.is_local(source)
+    if cache:
+      path = _cached_store(source, cache_dir)
+    elif not io_utils.is_local(source):
+      raise ValueError(f"block store {source} is not on a local disk and "
+                       "cannot be memory-mapped; open it with cache=True "
+                       "(the default) or copy it to a local disk.")
+    path = os.fspath(path)
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isdir(path):
       raise FileNotFoundError(
@@ -776,7 +803,7 @@ class BlockStore:
         raise ValueError(f"{file_path}: sha256 differs from the manifest; "
                          "the store is corrupt; rebuild it.")
       arrays[name] = array
-    store = cls(path, manifest, arrays)
+    store = cls(source, manifest, arrays, local_path=path)
     store._check_consistency(num_blocks, num_documents)
     return store
 
@@ -978,6 +1005,30 @@ def _scatter(out: np.ndarray, flat: np.ndarray, starts: np.ndarray,
   columns = np.broadcast_to(np.asarray(columns, np.int64), lengths.shape)
   out[rows, np.repeat(columns, lengths) + within] = flat[
       np.repeat(np.asarray(starts, np.int64), lengths) + within]
+
+
+def _cached_store(source: str, cache_dir: io_utils.PathLike | None) -> str:
+  """The local cache copy of the store at `source` (see `BlockStore.open`)."""
+  manifest_path = io_utils.as_path(source) / "manifest.json"
+  if not manifest_path.exists():
+    raise FileNotFoundError(
+        f"{manifest_path} is missing: {source} is not a complete block "
+        "store; build it with `python -m realm_jax.data.corpus_job "
+        "--output_dir=...`.")
+  text = manifest_path.read_text()
+  try:
+    fingerprint = str(json.loads(text)["fingerprint"])
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f"{manifest_path} is corrupt ({e!r}); rebuild the "
+                     "block store.") from e
+  # The content fingerprint, and the manifest's own hash (its metadata).
+  key = "blocks-{}-{}".format(
+      "".join(c for c in fingerprint if c.isalnum())[:32],
+      hashlib.sha256(text.encode()).hexdigest()[:12])
+  local = io_utils.local_copy(source, key, cache_dir=cache_dir)
+  logging.info("block store %s is mapped from its local copy %s", source,
+               local)
+  return local
 
 
 def _sha256_file_data(path: str) -> str:

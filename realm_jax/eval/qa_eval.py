@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
+from realm_jax import io_utils
 from realm_jax.ask import (QAModel, QAResult, checkpoint_meta, configured,
                            load_qa_index, load_qa_model)
 from realm_jax.data import qa as qa_lib
@@ -107,19 +108,11 @@ def aggregate_metrics(results: Sequence[QAResult], *,
   return metrics
 
 
-def write_predictions(path: str, results: Sequence[QAResult]) -> None:
-  """JSONL, one `QAResult.to_json()` per line; atomic (temp + rename)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp-{os.getpid()}"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      for r in results:
-        f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+def write_predictions(path: io_utils.PathLike,
+                      results: Sequence[QAResult]) -> None:
+  """JSONL, one `QAResult.to_json()` per line; atomic (local or gs://)."""
+  io_utils.atomic_write_text(path, "".join(
+      json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in results))
 
 
 # ----------------------------------------------------------------------------
@@ -176,7 +169,7 @@ def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
 
 
 def predictions_file(output_dir: str, step: int) -> str:
-  return os.path.join(output_dir, "predictions", f"step_{step}.jsonl")
+  return io_utils.join(output_dir, "predictions", f"step_{step}.jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,11 +264,10 @@ class EvalJobResult:
 
 
 def _read_ledger(path: str, identity: dict[str, Any]) -> dict[str, Any]:
-  if not os.path.exists(path):
+  if not io_utils.as_path(path).exists():
     return {**identity, "steps": {}}
   try:
-    with open(path) as f:
-      ledger = json.load(f)
+    ledger = json.loads(io_utils.read_text(path))
   except json.JSONDecodeError as e:
     raise ValueError(f"{path} is corrupt ({e}); delete it to re-evaluate "
                      "every checkpoint.") from e
@@ -326,15 +318,15 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
       evaluation set or index.
   """
   is_chief = jax.process_index() == 0
-  os.makedirs(output_dir, exist_ok=True)
-  ledger_path = os.path.join(output_dir, LEDGER)
+  io_utils.makedirs(output_dir)
+  ledger_path = io_utils.join(output_dir, LEDGER)
   ledger = _read_ledger(ledger_path, {
-      "checkpoint_dir": os.path.abspath(checkpoint_dir),
+      "checkpoint_dir": io_utils.absolute(checkpoint_dir),
       "examples_sha256": examples_fingerprint(examples),
       "index_step": int(index.step)})
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   writer = metric_writers.create_default_writer(
-      os.path.join(output_dir, "summaries"), just_logging=not is_chief)
+      io_utils.join(output_dir, "summaries"), just_logging=not is_chief)
   logging.info("eval job: %d examples, %d steps already in %s",
                len(examples), len(ledger["steps"]), ledger_path)
   qa_model, evaluated, start, stopped = None, [], time.time(), "steps"
@@ -358,7 +350,7 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
       except FileNotFoundError as e:
         if steps is not None:
           raise
-        if not os.path.isdir(os.path.join(checkpoint_dir, str(step))):
+        if not io_utils.as_path(checkpoint_dir).joinpath(str(step)).is_dir():
           # Deleted by the trainer's retention between listing and reading.
           logging.warning("checkpoint %d vanished before it was evaluated",
                           step)
@@ -373,12 +365,12 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
       evaluated.append(step)
       ledger["steps"][str(step)] = {
           "metrics": metrics, "evaluated_at": time.time(),
-          "predictions": os.path.relpath(predictions_file(output_dir, step),
-                                         output_dir)}
+          "predictions": os.path.join("predictions",
+                                      f"step_{step}.jsonl")}
       if is_chief:
         run_utils.write_json(ledger_path, ledger)
-        with open(os.path.join(output_dir, METRICS_JSONL), "a") as f:
-          f.write(json.dumps(metrics) + "\n")
+        run_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL),
+                               metrics)
         writer.write_scalars(step, {f"eval/{k}": v for k, v in
                                     metrics.items() if k != "step"})
         writer.flush()
@@ -426,8 +418,9 @@ def _job(dry_run: bool) -> None:
     return
   checkpoint_dir = f.checkpoint_dir or (
       checkpoints.checkpoint_dir(f.workdir) if f.workdir else None)
-  output_dir = f.output_dir or os.path.join(
-      f.workdir or os.path.dirname(os.path.abspath(checkpoint_dir or ".")),
+  output_dir = f.output_dir or io_utils.join(
+      f.workdir or os.fspath(io_utils.as_path(io_utils.absolute(
+          checkpoint_dir or ".")).parent),
       "eval")
   store = blocks.BlockStore.open(f.block_store)
   examples = qa_lib.read_qa_jsonl(f.qa_file, regex_answers=f.regex_answers)
@@ -444,9 +437,9 @@ def _job(dry_run: bool) -> None:
         **kwargs)
     metrics = module.evaluate(
         qa_model, examples, recall_ks=config.recall_ks,
-        predictions_path=os.path.join(output_dir, "predictions",
-                                      "init_from.jsonl"))
-    run_utils.write_json(os.path.join(output_dir, "init_from_metrics.json"),
+        predictions_path=io_utils.join(output_dir, "predictions",
+                                       "init_from.jsonl"))
+    run_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"),
                          dict(metrics, init_from=f.init_from))
     print(json.dumps(metrics))
     return

@@ -15,7 +15,8 @@ never blocks it. Loop:
 It resumes after a crash: stale temporaries are removed and the last
 published step is the starting point. One-shot modes embed once from given
 retriever parameters (a checkpoint step, or imported REALM/ORQA weights),
-or publish an imported `block_emb` matrix as it is.
+or publish an imported `block_emb` matrix as it is. The workdir may be
+local or `gs://` (paths go through `realm_jax.io_utils`).
 
     python -m realm_jax.index.builder --workdir=W --block_store=B \\
         --gin_file=models/tiny.gin --gin_file=runs/index_builder.gin \\
@@ -25,14 +26,14 @@ or publish an imported `block_emb` matrix as it is.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
+import io
 import time
 from typing import Any, Callable
 
 from absl import logging
 import numpy as np
 
+from realm_jax import io_utils
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, searchers
 from realm_jax.model.realm import RetrieverConfig
@@ -67,16 +68,23 @@ class BuilderConfig:
                        "> 0.")
 
 
-def index_root(workdir: str) -> str:
-  return os.path.join(workdir, "index")
+def index_root(workdir: io_utils.PathLike) -> str:
+  return io_utils.join(workdir, "index")
 
 
-def finalized_steps(ckpt_dir: str) -> list[int]:
-  """Steps orbax has finished writing (it renames a temp dir into place)."""
-  if not os.path.isdir(ckpt_dir):
+def finalized_steps(ckpt_dir: io_utils.PathLike) -> list[int]:
+  """Steps orbax has finished writing.
+
+  Locally orbax renames a temp dir into place; on GCS it writes the step
+  directory in place and marks it complete with a commit file, so the
+  check is orbax's own.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  directory = io_utils.as_path(ckpt_dir)
+  if not directory.is_dir():
     return []
-  return sorted(int(n) for n in os.listdir(ckpt_dir)
-                if n.isdigit() and os.path.isdir(os.path.join(ckpt_dir, n)))
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and ocp.step.is_path_finalized(p))
 
 
 def build_and_publish(*, retriever_params: Any,
@@ -100,17 +108,20 @@ def build_and_publish(*, retriever_params: Any,
       batch_size_per_device=config.batch_size_per_device,
       bfloat16=config.bfloat16, devices=devices, process_index=index,
       process_count=count)
+  shard_dir = io_utils.join(root, f".tmp-shards-{int(step)}")
   if count > 1:
-    shard_dir = os.path.join(root, f".tmp-shards-{int(step)}")
-    os.makedirs(shard_dir, exist_ok=True)
-    part = os.path.join(shard_dir, f"part-{index:05d}.npy")
-    np.save(part + ".tmp.npy", embeddings)
-    os.replace(part + ".tmp.npy", part)
+    buffer = io.BytesIO()
+    np.save(buffer, embeddings)
+    io_utils.atomic_write_bytes(
+        io_utils.join(shard_dir, f"part-{index:05d}.npy"), buffer.getvalue())
     distributed.barrier(f"index-{step}-shards-written")
     if index == 0:
-      embeddings = np.concatenate([
-          np.load(os.path.join(shard_dir, f"part-{i:05d}.npy"))
-          for i in range(count)])
+      parts = []
+      for i in range(count):
+        with io_utils.as_path(shard_dir).joinpath(
+            f"part-{i:05d}.npy").open("rb") as f:
+          parts.append(np.load(f))
+      embeddings = np.concatenate(parts)
   path = publish.step_dir(root, step)
   if index == 0:
     path = publish_embeddings(
@@ -121,8 +132,7 @@ def build_and_publish(*, retriever_params: Any,
         extra={"blocks_per_second": round(stats.blocks_per_second * count,
                                           2), "hosts": count})
     if count > 1:
-      shutil.rmtree(os.path.join(root, f".tmp-shards-{int(step)}"),
-                    ignore_errors=True)
+      io_utils.remove(shard_dir)
   if count > 1:
     distributed.barrier(f"index-{step}-published")
   return path
@@ -179,12 +189,18 @@ def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
   Returns:
     The steps published by this call.
   """
+  import jax  # pylint: disable=g-import-not-at-top
+  from realm_jax import distributed  # pylint: disable=g-import-not-at-top
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
   root = index_root(workdir)
-  removed = publish.clean_stale_temporaries(root)
-  if removed:
-    logging.info("removed leftovers of an interrupted publication: %s",
-                 removed)
+  # Process 0 alone, before anyone writes: another host's fresh shard files
+  # must not be taken for leftovers.
+  if jax.process_index() == 0:
+    removed = publish.clean_stale_temporaries(root)
+    if removed:
+      logging.info("removed leftovers of an interrupted publication: %s",
+                   removed)
+  distributed.barrier("index-builder-cleaned")
   published = publish.published_steps(root)
   last = published[-1] if published else -1
   logging.info("index builder: resuming after step %d", last)

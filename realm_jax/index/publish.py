@@ -1,19 +1,28 @@
-"""Atomic publication of MIPS indices and the trainer-side index watcher.
+"""Publication of MIPS indices (local or gs://) and the index watcher.
 
-Layout under an index root (usually `<workdir>/index`):
+Layout under an index root (usually `<workdir>/index`, local or `gs://`):
 
   <step>/manifest.json     step, rows, dim, dtype, corpus fingerprint,
                            parameter checksum, file checksums, searcher
                            config, build time
   <step>/embeddings.npy    [rows, dim]; row i = block i of the block store
   <step>/searcher/         the serialized searcher
-  LATEST                   the step of the newest complete index
+  LATEST                   the step of the newest published index
 
-Publication writes everything to `.tmp-<step>-<pid>/`, verifies it, renames
-it to `<step>/` and only then replaces LATEST (write + rename), so a reader
-never sees a partial index; the K newest indices are kept. Readers verify
-the manifest against what they expect (fingerprint, rows, dim) and the file
-checksums, and refuse anything else.
+The commit point is LATEST alone, because object stores (GCS) have no
+atomic directory rename: publication writes the files into `<step>/`
+(manifest.json last, after the checksums were verified), and only then
+replaces LATEST (local disk: temp file + rename; GCS: one object upload,
+which is atomic). Readers trust only the step LATEST names and verify its
+manifest and file checksums, so a publisher killed mid-write leaves a
+directory nobody reads (`clean_stale_temporaries` removes it). Re-publishing
+the step LATEST names first moves LATEST back, so the directory is never
+rewritten while published. The K newest indices are kept.
+
+On a remote root the index is built in a local staging directory (ScaNN
+serializes to local files) and uploaded; a reader copies it once into a
+local cache (`io_utils.local_copy`, keyed by the manifest) because the
+embeddings are memory-mapped, and verifies the copy.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -30,11 +39,18 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
+from realm_jax import io_utils
+
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
 SEARCHER_DIR = "searcher"
 _TMP_PREFIX = ".tmp-"
+# Local cached copies of remote indices kept per index root (the live one
+# and the previous; an evicted copy stays readable by whoever mapped it).
+_CACHED_INDICES = 2
+
+PathLike = io_utils.PathLike
 
 
 class IndexRejectedError(ValueError):
@@ -55,66 +71,113 @@ def params_checksum(tree: Any) -> str:
   return h.hexdigest()
 
 
-def _sha256(path: str) -> str:
+def _sha256(path) -> str:
   h = hashlib.sha256()
-  with open(path, "rb") as f:
+  with io_utils.as_path(path).open("rb") as f:
     for chunk in iter(lambda: f.read(1 << 22), b""):
       h.update(chunk)
   return h.hexdigest()
 
 
-def _file_checksums(directory: str) -> dict[str, dict[str, Any]]:
+def _files(directory: PathLike) -> dict[str, Any]:
+  """{relative POSIX path: epath.Path} of the files under `directory`."""
   out = {}
-  for root, _, files in os.walk(directory):
-    for name in sorted(files):
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, directory)
-      if rel == MANIFEST:
-        continue
-      out[rel] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
+
+  def visit(path, rel):
+    for child in io_utils.listdir(path):
+      name = f"{rel}{child.name}"
+      if child.is_dir():
+        visit(child, name + "/")
+      else:
+        out[name] = child
+
+  visit(io_utils.as_path(directory), "")
   return out
 
 
-def step_dir(index_root: str, step: int) -> str:
-  return os.path.join(index_root, str(int(step)))
+def _file_checksums(directory: PathLike, *, hashes: bool = True
+                    ) -> dict[str, dict[str, Any]]:
+  out = {}
+  for rel, path in sorted(_files(directory).items()):
+    if rel == MANIFEST:
+      continue
+    out[rel] = {"bytes": int(path.stat().length)}
+    if hashes:
+      out[rel]["sha256"] = _sha256(path)
+  return out
 
 
-def read_latest(index_root: str) -> int | None:
+def step_dir(index_root: PathLike, step: int) -> str:
+  return io_utils.join(index_root, str(int(step)))
+
+
+def read_latest(index_root: PathLike) -> int | None:
   """The step LATEST points at, or None if nothing is published yet."""
+  path = io_utils.as_path(index_root) / LATEST
   try:
-    with open(os.path.join(index_root, LATEST)) as f:
-      return int(f.read().strip())
-  except FileNotFoundError:
+    if not path.exists():
+      return None
+    return int(path.read_text().strip())
+  except FileNotFoundError:  # Removed between the two calls.
     return None
   except ValueError as e:
-    raise IndexRejectedError(
-        f"{os.path.join(index_root, LATEST)} is not a step number: {e}") from e
+    raise IndexRejectedError(f"{path} is not a step number: {e}") from e
 
 
-def published_steps(index_root: str) -> list[int]:
-  if not os.path.isdir(index_root):
+def _complete_steps(index_root: PathLike) -> list[int]:
+  """Step directories holding a manifest (written last by a publisher)."""
+  root = io_utils.as_path(index_root)
+  if not root.is_dir():
     return []
-  return sorted(int(n) for n in os.listdir(index_root) if n.isdigit())
+  return sorted(int(p.name) for p in root.iterdir()
+                if p.name.isdigit() and (p / MANIFEST).exists())
 
 
-def _write_latest(index_root: str, step: int) -> None:
-  tmp = os.path.join(index_root, f"{_TMP_PREFIX}{LATEST}-{os.getpid()}")
-  with open(tmp, "w") as f:
-    f.write(f"{int(step)}\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(index_root, LATEST))
+def published_steps(index_root: PathLike) -> list[int]:
+  """Complete indices up to LATEST (a newer one was never published)."""
+  latest = read_latest(index_root)
+  if latest is None:
+    return []
+  return [s for s in _complete_steps(index_root) if s <= latest]
 
 
-def clean_stale_temporaries(index_root: str) -> list[str]:
-  """Removes leftovers of a builder that died mid-publication."""
+def _write_latest(index_root: PathLike, step: int | None) -> None:
+  """Moves the commit point; None removes it (nothing published)."""
+  path = io_utils.as_path(index_root) / LATEST
+  if step is None:
+    path.unlink(missing_ok=True)
+  else:
+    io_utils.atomic_write_text(path, f"{int(step)}\n")
+
+
+def _remove_index_dir(directory: PathLike) -> None:
+  """Deletes an index, manifest first: on GCS a tree is removed object by
+  object, and a half-deleted index must not look complete."""
+  path = io_utils.as_path(directory)
+  (path / MANIFEST).unlink(missing_ok=True)
+  io_utils.remove(path)
+
+
+def clean_stale_temporaries(index_root: PathLike) -> list[str]:
+  """Removes leftovers of a builder that died mid-publication.
+
+  That is temporaries (`.tmp-*`) and step directories LATEST never named:
+  incomplete ones and any newer than LATEST. Call it only while no
+  publisher runs (the builder does, when it starts).
+  """
+  root = io_utils.as_path(index_root)
+  if not root.is_dir():
+    return []
+  latest = read_latest(root)
+  complete = set(_complete_steps(root))
   removed = []
-  if os.path.isdir(index_root):
-    for name in os.listdir(index_root):
-      if name.startswith(_TMP_PREFIX):
-        path = os.path.join(index_root, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        removed.append(name)
+  for path in sorted(root.iterdir(), key=lambda p: p.name):
+    name = path.name
+    stale = name.startswith(_TMP_PREFIX) or (name.isdigit() and (
+        int(name) not in complete or latest is None or int(name) > latest))
+    if stale:
+      _remove_index_dir(path) if name.isdigit() else io_utils.remove(path)
+      removed.append(name)
   return removed
 
 
@@ -126,17 +189,22 @@ class Expectation:
   dim: int | None = None
 
 
-def verify_index(directory: str, expect: Expectation = Expectation(), *,
-                 checksums: bool = True) -> dict[str, Any]:
+def verify_index(directory: PathLike, expect: Expectation = Expectation(),
+                 *, checksums: bool = True) -> dict[str, Any]:
   """Checks a published index directory; returns its manifest.
+
+  Args:
+    directory: the index directory (local or remote).
+    expect: what the reader requires.
+    checksums: also check the file list and every file's sha256 (reads
+      every file).
 
   Raises:
     IndexRejectedError: naming the directory and what is wrong.
   """
-  manifest_path = os.path.join(directory, MANIFEST)
+  manifest_path = io_utils.as_path(directory) / MANIFEST
   try:
-    with open(manifest_path) as f:
-      manifest = json.load(f)
+    manifest = json.loads(manifest_path.read_text())
   except FileNotFoundError as e:
     raise IndexRejectedError(f"{directory}: no {MANIFEST} (partial index?)"
                              ) from e
@@ -150,27 +218,33 @@ def verify_index(directory: str, expect: Expectation = Expectation(), *,
           f"expects {want!r}; the index was built for another corpus or "
           "model. Rebuild it against this block store.")
   if checksums:
-    files = manifest.get("files", {})
-    actual = _file_checksums(directory)
-    if set(files) != set(actual):
-      raise IndexRejectedError(
-          f"{directory}: files {sorted(set(files) ^ set(actual))} differ "
-          "from the manifest.")
-    for name, meta in files.items():
-      if actual[name]["sha256"] != meta["sha256"]:
-        raise IndexRejectedError(
-            f"{directory}/{name}: checksum mismatch (corrupt file).")
+    _check_files(directory, manifest, hashes=True)
   return manifest
 
 
-def publish_index(index_root: str, step: int, embeddings: np.ndarray,
+def _check_files(directory: PathLike, manifest: dict[str, Any], *,
+                 hashes: bool) -> None:
+  files = manifest.get("files", {})
+  actual = _file_checksums(directory, hashes=hashes)
+  if set(files) != set(actual):
+    raise IndexRejectedError(
+        f"{directory}: files {sorted(set(files) ^ set(actual))} differ "
+        "from the manifest.")
+  for name, meta in files.items():
+    if actual[name]["bytes"] != meta["bytes"] or (
+        hashes and actual[name]["sha256"] != meta["sha256"]):
+      raise IndexRejectedError(
+          f"{directory}/{name}: checksum mismatch (corrupt file).")
+
+
+def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
                   searcher, *, corpus_fingerprint: str, params_sha256: str,
                   build_seconds: float, keep: int = 3,
                   extra: dict[str, Any] | None = None) -> str:
-  """Writes, verifies and atomically publishes the index of `step`.
+  """Writes and verifies the index of `step`, then publishes it (LATEST).
 
   Args:
-    index_root: the index root directory.
+    index_root: the index root directory (local, or remote as gs://...).
     step: the trainer step whose retriever parameters were embedded.
     embeddings: [rows, dim] block embeddings, row i = block i.
     searcher: a `realm_jax.index.searchers` searcher over `embeddings`.
@@ -185,16 +259,25 @@ def publish_index(index_root: str, step: int, embeddings: np.ndarray,
   """
   if keep < 1:
     raise ValueError(f"keep={keep} must be >= 1.")
-  os.makedirs(index_root, exist_ok=True)
-  final = step_dir(index_root, step)
-  tmp = os.path.join(index_root, f"{_TMP_PREFIX}{int(step)}-{os.getpid()}")
-  if os.path.exists(tmp):
-    shutil.rmtree(tmp)
-  os.makedirs(tmp)
+  root = io_utils.as_path(index_root)
+  root.mkdir(parents=True, exist_ok=True)
+  final = io_utils.as_path(step_dir(root, step))
+  if read_latest(root) == int(step):
+    # Re-publishing the live step: unpublish it before touching its files.
+    older = [s for s in published_steps(root) if s < int(step)]
+    _write_latest(root, older[-1] if older else None)
+  if final.exists():  # Leftovers of an attempt that never reached LATEST.
+    _remove_index_dir(final)
+  local = io_utils.is_local(final)
+  # ScaNN serializes to local files: a remote index is staged locally,
+  # checked there, and uploaded.
+  stage = os.fspath(final) if local else tempfile.mkdtemp(
+      prefix=f"realm_jax_publish-{int(step)}-")
+  os.makedirs(stage, exist_ok=True)
   try:
-    np.save(os.path.join(tmp, EMBEDDINGS),
+    np.save(os.path.join(stage, EMBEDDINGS),
             np.ascontiguousarray(embeddings))
-    searcher.save(os.path.join(tmp, SEARCHER_DIR))
+    searcher.save(os.path.join(stage, SEARCHER_DIR))
     manifest = {
         "step": int(step),
         "rows": int(embeddings.shape[0]),
@@ -206,24 +289,32 @@ def publish_index(index_root: str, step: int, embeddings: np.ndarray,
                      "config": searcher.config.to_dict()},
         "build_seconds": round(float(build_seconds), 3),
         "created": time.time(),
-        "files": _file_checksums(tmp),
+        "files": _file_checksums(stage),
         **(extra or {}),
     }
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-      json.dump(manifest, f, indent=1)
-    verify_index(tmp, Expectation(corpus_fingerprint, manifest["rows"],
-                                  manifest["dim"]))
-    if os.path.exists(final):  # A previous attempt got this far; replace.
-      shutil.rmtree(final)
-    os.rename(tmp, final)
+    manifest_text = json.dumps(manifest, indent=1)
+    if local:
+      io_utils.atomic_write_text(os.path.join(stage, MANIFEST),
+                                 manifest_text)
+      verify_index(stage, Expectation(corpus_fingerprint, manifest["rows"],
+                                      manifest["dim"]))
+    else:
+      io_utils.copy_tree(stage, final)
+      # The manifest goes last: a directory without one is incomplete.
+      io_utils.atomic_write_text(final / MANIFEST, manifest_text)
+      # Uploads are checksummed by the client; listing and sizes are cheap.
+      _check_files(final, manifest, hashes=False)
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_index_dir(final)
     raise
-  _write_latest(index_root, step)
-  for old in published_steps(index_root)[:-keep]:
+  finally:
+    if not local:
+      io_utils.remove(stage)
+  _write_latest(root, step)
+  for old in published_steps(root)[:-keep]:
     if old != step:
-      shutil.rmtree(step_dir(index_root, old), ignore_errors=True)
-  return final
+      _remove_index_dir(step_dir(root, old))
+  return os.fspath(final)
 
 
 @dataclasses.dataclass
@@ -238,10 +329,43 @@ class PublishedIndex:
     return self.searcher.search_batched(queries, k)
 
 
-def load_index(index_root: str, step: int | None = None,
+def _cache_key_prefix(index_root: PathLike) -> str:
+  root = io_utils.absolute(index_root)
+  return f"index-{hashlib.sha256(root.encode()).hexdigest()[:12]}-"
+
+
+def _cached_copy(index_root: PathLike, step: int, manifest: dict[str, Any],
+                 cache_dir: PathLike | None) -> str:
+  """A local copy of a remote index (made once per published manifest).
+
+  Older copies of the same root are evicted, keeping the newest
+  `_CACHED_INDICES`; a reader still mapping an evicted file keeps reading
+  it (POSIX unlink semantics).
+  """
+  prefix = _cache_key_prefix(index_root)
+  digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
+  key = f"{prefix}{int(step)}-{digest.hexdigest()[:12]}"
+  path = io_utils.local_copy(step_dir(index_root, step), key,
+                             cache_dir=cache_dir)
+  cache = os.path.dirname(path)
+  entries = [n for n in os.listdir(cache)
+             if n.startswith(prefix) and n != key]
+  entries.sort(key=lambda n: (int(n[len(prefix):].split("-")[0]),
+                              os.path.getmtime(os.path.join(cache, n))))
+  for name in entries[:max(0, len(entries) - (_CACHED_INDICES - 1))]:
+    io_utils.remove(os.path.join(cache, name))
+  return path
+
+
+def load_index(index_root: PathLike, step: int | None = None,
                expect: Expectation = Expectation(), *,
-               checksums: bool = True) -> PublishedIndex:
+               checksums: bool = True,
+               cache_dir: PathLike | None = None) -> PublishedIndex:
   """Loads and verifies index `step` (default: LATEST).
+
+  A remote index (gs://...) is copied once into a local cache directory
+  (`cache_dir`, default `io_utils.cache_root()`), since its embeddings are
+  memory-mapped and ScaNN reads local files; the copy is verified.
 
   Raises:
     IndexRejectedError: nothing published, or the index fails verification.
@@ -253,13 +377,30 @@ def load_index(index_root: str, step: int | None = None,
       raise IndexRejectedError(f"{index_root}: no {LATEST} (nothing "
                                "published yet).")
   directory = step_dir(index_root, step)
-  manifest = verify_index(directory, expect, checksums=checksums)
-  embeddings = np.load(os.path.join(directory, EMBEDDINGS), mmap_mode="r")
+  if io_utils.is_local(directory):
+    local = directory
+    manifest = verify_index(directory, expect, checksums=checksums)
+  else:
+    # The manifest alone first: a mismatched index is refused uncopied.
+    remote_manifest = verify_index(directory, expect, checksums=False)
+    try:
+      local = _cached_copy(index_root, step, remote_manifest, cache_dir)
+    except FileNotFoundError as e:
+      raise IndexRejectedError(f"{directory}: vanished while being copied "
+                               f"({e}).") from e
+    try:
+      manifest = verify_index(local, expect, checksums=checksums)
+      if not checksums:
+        _check_files(local, manifest, hashes=False)
+    except IndexRejectedError as e:
+      io_utils.remove(local)  # Copied mid-rewrite, or corrupt: drop it.
+      raise IndexRejectedError(f"{directory} (local copy): {e}") from e
+  embeddings = np.load(os.path.join(local, EMBEDDINGS), mmap_mode="r")
   if embeddings.shape != (manifest["rows"], manifest["dim"]):
     raise IndexRejectedError(f"{directory}: embeddings {embeddings.shape} "
                              "do not match the manifest.")
   try:
-    searcher = searchers.load_searcher(os.path.join(directory, SEARCHER_DIR))
+    searcher = searchers.load_searcher(os.path.join(local, SEARCHER_DIR))
   except Exception as e:
     raise IndexRejectedError(f"{directory}: searcher unreadable: {e}") from e
   return PublishedIndex(step=int(step), manifest=manifest,
@@ -275,7 +416,8 @@ class IndexWatcher:
   old one stays live and the reason is logged (once per step).
   """
 
-  def __init__(self, index_root: str, expect: Expectation = Expectation(), *,
+  def __init__(self, index_root: PathLike,
+               expect: Expectation = Expectation(), *,
                poll_seconds: float = 2.0,
                loader: Callable[..., PublishedIndex] = load_index):
     self.index_root = index_root
@@ -318,6 +460,13 @@ class IndexWatcher:
       logging.warning("Index watcher: refusing index %d, keeping %s: %s",
                       step, self.current_step, e)
       return
+    except Exception as e:  # pylint: disable=broad-except
+      # Another filesystem error (e.g. tf.errors from GCS): maybe transient,
+      # so the step is tried again at the next poll.
+      self._seen.discard(step)
+      logging.warning("Index watcher: could not load index %d (%r); will "
+                      "retry.", step, e)
+      return
     with self._lock:
       self._pending = index
       self._loaded_at[step] = time.time()
@@ -326,7 +475,11 @@ class IndexWatcher:
 
   def _run(self) -> None:
     while not self._stop.is_set():
-      self.poll_once()
+      try:
+        self.poll_once()
+      except Exception as e:  # pylint: disable=broad-except
+        # A flaky filesystem (reading LATEST on GCS) must not end the thread.
+        logging.warning("Index watcher: poll failed (%r); retrying.", e)
       self._stop.wait(self.poll_seconds)
 
   def maybe_swap(self) -> bool:

@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from realm_jax import io_utils
+
 FORMAT_VERSION = 1
 METADATA_FILE = "searcher.json"
 _EMBEDDINGS_FILE = "embeddings.npy"
@@ -508,8 +510,9 @@ class Searcher(abc.ABC):
     existing `directory` is replaced.
 
     Args:
-      directory: destination path.
+      directory: destination path on a local disk.
     """
+    _require_local(directory)
     directory = os.path.abspath(directory)
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
@@ -572,6 +575,16 @@ class Searcher(abc.ABC):
             f" config={self.config})")
 
 
+def _require_local(directory: str) -> None:
+  """Searchers are local files (ScaNN serializes to them, data is mapped)."""
+  if not io_utils.is_local(directory):
+    raise ValueError(
+        f"{directory}: searchers are saved to and loaded from local "
+        "directories; for a gs:// index use realm_jax.index.publish "
+        "(publish_index stages it locally and uploads, load_index copies it "
+        "to a local cache).")
+
+
 def read_metadata(directory: str) -> dict[str, Any]:
   """Reads and checks `searcher.json` of a saved searcher.
 
@@ -584,6 +597,7 @@ def read_metadata(directory: str) -> dict[str, Any]:
   Raises:
     ValueError: the file is missing, unreadable or of another format.
   """
+  _require_local(directory)
   path = os.path.join(directory, METADATA_FILE)
   if not os.path.isfile(path):
     raise ValueError(

@@ -6,23 +6,25 @@ retriever alone, without reading the reader or the optimizer state:
   <workdir>/checkpoints/<step>/{retriever, reader, opt_state, meta}
 
 `meta` is JSON (step, config summary, seeds). The trainer writes a `DONE`
-marker beside the steps when it finishes; side jobs stop on it.
+marker beside the steps when it finishes; side jobs stop on it. Directories
+may be local or `gs://` (orbax and `realm_jax.io_utils` take both).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import orbax.checkpoint as ocp
+
+from realm_jax import io_utils
 
 DONE_MARKER = "DONE"
 PARAM_ITEMS = ("retriever", "reader")
 
 
-def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(workdir, "checkpoints")
+def checkpoint_dir(workdir: io_utils.PathLike) -> str:
+  return io_utils.join(workdir, "checkpoints")
 
 
 class TrainCheckpointer:
@@ -32,12 +34,12 @@ class TrainCheckpointer:
   trainer goes on).
   """
 
-  def __init__(self, directory: str, *, keep: int = 5,
+  def __init__(self, directory: io_utils.PathLike, *, keep: int = 5,
                async_save: bool = True):
     if keep < 1:
       raise ValueError(f"keep={keep} must be >= 1 (use >= 5 when an index "
                        "builder reads the checkpoints).")
-    self.directory = os.path.abspath(directory)
+    self.directory = io_utils.absolute(directory)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -96,7 +98,8 @@ def _item_handlers():
           "meta": ocp.JsonCheckpointHandler()}
 
 
-def restore_items(directory: str, step: int, names: tuple[str, ...],
+def restore_items(directory: io_utils.PathLike, step: int,
+                  names: tuple[str, ...],
                   abstract: dict[str, Any] | None = None) -> dict[str, Any]:
   """Restores some items of checkpoint `step`, whatever topology saved it.
 
@@ -110,7 +113,7 @@ def restore_items(directory: str, step: int, names: tuple[str, ...],
   """
   import jax  # pylint: disable=g-import-not-at-top
   manager = ocp.CheckpointManager(
-      os.path.abspath(directory),
+      io_utils.absolute(directory),
       options=ocp.CheckpointManagerOptions(read_only=True, create=False),
       item_handlers=_item_handlers())
   try:
@@ -133,7 +136,7 @@ def restore_items(directory: str, step: int, names: tuple[str, ...],
     manager.close()
 
 
-def restore_retriever(directory: str, step: int,
+def restore_retriever(directory: io_utils.PathLike, step: int,
                       abstract: Any | None = None) -> Any:
   """Restores only the retriever parameters of checkpoint `step`."""
   return restore_items(directory, step, ("retriever",),
@@ -141,14 +144,11 @@ def restore_retriever(directory: str, step: int,
                        {"retriever": abstract})["retriever"]
 
 
-def write_done_marker(directory: str, final_step: int) -> None:
-  """Tells side jobs the run is over (atomic: temp file + rename)."""
-  os.makedirs(directory, exist_ok=True)
-  tmp = os.path.join(directory, f".{DONE_MARKER}.tmp-{os.getpid()}")
-  with open(tmp, "w") as f:
-    json.dump({"final_step": int(final_step)}, f)
-  os.replace(tmp, os.path.join(directory, DONE_MARKER))
+def write_done_marker(directory: io_utils.PathLike, final_step: int) -> None:
+  """Tells side jobs the run is over (an atomic write)."""
+  io_utils.atomic_write_text(io_utils.join(directory, DONE_MARKER),
+                             json.dumps({"final_step": int(final_step)}))
 
 
-def is_done(directory: str) -> bool:
-  return os.path.exists(os.path.join(directory, DONE_MARKER))
+def is_done(directory: io_utils.PathLike) -> bool:
+  return io_utils.as_path(directory).joinpath(DONE_MARKER).exists()

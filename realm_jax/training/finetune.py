@@ -50,7 +50,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import re
 import time
 from typing import Sequence
@@ -61,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from realm_jax import distributed
+from realm_jax import distributed, io_utils
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
@@ -300,7 +299,7 @@ def answers_for_batch(questions: QuestionSet, example_index: Sequence[int],
 
 def resolve_index_root(index_dir: str) -> str:
   """`index_dir`, or `index_dir/index` when only that has a LATEST."""
-  nested = os.path.join(index_dir, "index")
+  nested = io_utils.join(index_dir, "index")
   if (publish.read_latest(index_dir) is None
       and publish.read_latest(nested) is not None):
     return nested
@@ -605,8 +604,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
       writer.write_scalars(step, metrics)
       history.append(dict(metrics, step=step))
       if is_chief:
-        with open(os.path.join(config.workdir, "metrics.jsonl"), "a") as f:
-          f.write(json.dumps(dict(metrics, step=step)) + "\n")
+        run_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
+                               dict(metrics, step=step))
       logging.info(
           "step %d: loss %.4f (retriever %.4f reader %.4f) positive@K %.2f "
           "span@R %.2f span_correct %.2f, %.1f questions/s", step,
@@ -629,11 +628,11 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
   ckpt.close()
   if is_chief:
     # Appended across restarts, so it holds the whole run.
-    path = os.path.join(config.workdir, "history.json")
+    path = io_utils.join(config.workdir, "history.json")
     earlier = []
-    if os.path.exists(path):
-      with open(path) as f:
-        earlier = [h for h in json.load(f) if h["step"] <= start_step]
+    if io_utils.as_path(path).exists():
+      earlier = [h for h in json.loads(io_utils.read_text(path))
+                 if h["step"] <= start_step]
     run_utils.write_json(path, earlier + history)
   distributed.barrier("finetune-exit")
   return history

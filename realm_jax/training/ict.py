@@ -24,7 +24,6 @@ read an ICT run directly.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 
+from realm_jax import io_utils
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import examples as examples_lib
 from realm_jax.model import functional
@@ -140,7 +140,9 @@ def sentence_counts(store: blocks_lib.BlockStore,
     int64 [n]; 0 for an empty body.
   """
   def load(name):
-    return np.load(os.path.join(store.path, name + ".npy"), mmap_mode="r")
+    # The store's local files (a gs:// store is read from its local copy).
+    return np.load(os.path.join(store.local_path, name + ".npy"),
+                   mmap_mode="r")
 
   body_offsets, sentence_offsets = load("body_offsets"), load(
       "sentence_offsets")
@@ -446,8 +448,8 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
       writer.write_scalars(step, metrics)
       history.append(dict(metrics, step=step))
       if is_chief:
-        with open(os.path.join(config.workdir, "metrics.jsonl"), "a") as f:
-          f.write(json.dumps(dict(metrics, step=step)) + "\n")
+        run_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
+                               dict(metrics, step=step))
       logging.info("step %d: loss %.4f accuracy %.3f (of %d blocks), "
                    "%.3f s/step, %.1f examples/s", step, metrics["loss"],
                    metrics["accuracy"], config.batch_size,
@@ -465,7 +467,8 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
   writer.flush()
   ckpt.close()
   if is_chief:
-    run_utils.write_json(os.path.join(config.workdir, "history.json"), history)
+    run_utils.write_json(io_utils.join(config.workdir, "history.json"),
+                         history)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("ict_train_done")
   return history

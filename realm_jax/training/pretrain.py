@@ -21,8 +21,6 @@ rebuilt in-process right after a checkpoint every `checkpoint_every` steps
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 
 from absl import logging
@@ -30,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax import distributed
+from realm_jax import distributed, io_utils
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import examples as examples_lib
 from realm_jax.data import salient_spans
@@ -370,8 +368,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
       writer.write_scalars(step, metrics)
       history.append(dict(metrics, step=step))
       if is_chief:
-        with open(os.path.join(config.workdir, "metrics.jsonl"), "a") as f:
-          f.write(json.dumps(dict(metrics, step=step)) + "\n")
+        run_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
+                               dict(metrics, step=step))
       logging.info("step %d: loss %.4f utility %.4f mlm_acc %.3f "
                    "staleness %d, %.2f s/step", step, metrics["loss"],
                    metrics["retrieval_utility"], metrics["mlm_correct"],
@@ -393,13 +391,14 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   if watcher is not None:
     watcher.close()
     if is_chief:
-      run_utils.write_json(os.path.join(config.workdir, "index_swaps.json"),
+      run_utils.write_json(io_utils.join(config.workdir, "index_swaps.json"),
                   [{"index_step": s, "loaded_at": l, "swapped_at": w}
                    for s, l, w in watcher.swap_log])
   writer.flush()
   ckpt.close()
   if is_chief:
-    run_utils.write_json(os.path.join(config.workdir, "history.json"), history)
+    run_utils.write_json(io_utils.join(config.workdir, "history.json"),
+                         history)
   distributed.barrier("pretrain-exit")
   return history
 

@@ -1,11 +1,15 @@
-"""Small pieces every training job's loop shares."""
+"""Small pieces every training job's loop shares.
+
+Workdir paths may be local or `gs://`: files go through `realm_jax.io_utils`.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 from typing import Any
+
+from realm_jax import io_utils
 
 
 class Preemption:
@@ -23,24 +27,28 @@ class Preemption:
     self.requested = True
 
 
-def write_json(path: str, obj: Any) -> None:
-  """Writes JSON atomically (temp file + rename)."""
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
+def write_json(path: io_utils.PathLike, obj: Any) -> None:
+  """Writes JSON atomically (local: temp file + rename; GCS: one upload)."""
+  io_utils.atomic_write_text(path, json.dumps(obj, indent=1))
 
 
-def start_run(workdir: str, operative_config: str, *, is_chief: bool):
+def append_jsonl(path: io_utils.PathLike, record: dict[str, Any]) -> None:
+  """Appends one JSON line (on GCS: rewrites the small file; no appends)."""
+  io_utils.append_text(path, json.dumps(record) + "\n")
+
+
+def start_run(workdir: io_utils.PathLike, operative_config: str, *,
+              is_chief: bool):
   """Creates the workdir, saves the operative gin config, returns a writer.
 
   Only process 0 writes the config and TensorBoard summaries; the others
   get a logging-only writer.
   """
-  os.makedirs(workdir, exist_ok=True)
+  io_utils.makedirs(workdir)
   if is_chief and operative_config:
-    with open(os.path.join(workdir, "operative_config.gin"), "w") as f:
-      f.write(operative_config)
+    io_utils.atomic_write_text(io_utils.join(workdir, "operative_config.gin"),
+                               operative_config)
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  # TensorBoard's writer opens gs:// itself (tf.io.gfile).
   return metric_writers.create_default_writer(
-      os.path.join(workdir, "summaries"), just_logging=not is_chief)
+      io_utils.join(workdir, "summaries"), just_logging=not is_chief)

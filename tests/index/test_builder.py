@@ -2,6 +2,7 @@
 
 import os
 
+from etils import epath
 import jax
 import numpy as np
 import pytest
@@ -91,12 +92,18 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
   assert index.manifest["params_sha256"] == publish.params_checksum(
       params3["retriever"])
 
-  # A crash mid-publication leaves a temporary; the restarted builder
-  # removes it, resumes after step 3, builds step 4 and exits on DONE.
+  # A crash mid-publication leaves a temporary and a step directory
+  # without manifest; the restarted builder (given an epath.Path workdir
+  # this time) removes them, resumes after step 3, builds step 4 and exits
+  # on DONE.
   os.makedirs(os.path.join(root, ".tmp-4-999"))
+  os.makedirs(os.path.join(root, "4"))
+  with open(os.path.join(root, "4", publish.EMBEDDINGS), "w") as f:
+    f.write("half")
+  assert publish.published_steps(root) == [3]
   _save(ckpt, 4, 4)
   checkpoints.write_done_marker(ckpt_dir, 4)
-  published = builder.run_builder(workdir=workdir, store=store,
+  published = builder.run_builder(workdir=epath.Path(workdir), store=store,
                                   retriever_config=CONFIG.retriever,
                                   config=config, timeout=120)
   assert published == [4]

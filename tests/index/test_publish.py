@@ -125,9 +125,12 @@ def test_a_killed_builder_leaves_nothing_visible(tmp_path):
   assert publish.read_latest(root) == 1
   assert publish.published_steps(root) == [1]
   np.testing.assert_array_equal(publish.load_index(root).embeddings, emb)
-  leftovers = publish.clean_stale_temporaries(root)
-  assert leftovers and all(n.startswith(".tmp-") for n in leftovers)
+  # The half-written step directory was never named by LATEST.
+  assert sorted(os.listdir(root)) == ["1", "2", "LATEST"]
+  assert publish.clean_stale_temporaries(root) == ["2"]
   assert sorted(os.listdir(root)) == ["1", "LATEST"]
+  _publish(root, 2)  # A restarted builder publishes the step again.
+  assert publish.published_steps(root) == [1, 2]
 
 
 def test_watcher_swaps_under_a_running_loop(tmp_path):
@@ -171,3 +174,23 @@ def test_manifest_is_json_with_checksums(tmp_path):
   for name, meta in manifest["files"].items():
     assert len(meta["sha256"]) == 64
     assert os.path.getsize(os.path.join(root, "3", name)) == meta["bytes"]
+
+
+def test_watcher_retries_after_a_filesystem_error(tmp_path):
+  root = str(tmp_path / "index")
+  _publish(root, 4)
+  failures = []
+
+  def flaky_loader(*args):
+    if not failures:  # E.g. a tf.errors.UnavailableError from GCS.
+      failures.append(1)
+      raise RuntimeError("transient")
+    return publish.load_index(*args)
+
+  watcher = publish.IndexWatcher(root, poll_seconds=0.02,
+                                 loader=flaky_loader)
+  try:
+    assert watcher.wait_for_index(timeout=30).step == 4
+    assert failures == [1] and not watcher.rejected
+  finally:
+    watcher.close()

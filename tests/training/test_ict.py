@@ -1,5 +1,6 @@
 """Inverse Cloze Task warm start: the global in-batch loss, inputs, the job."""
 
+import dataclasses
 import json
 import math
 import os
@@ -7,17 +8,18 @@ import subprocess
 import sys
 
 import chex
+from etils import epath
 import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax import gin_cli
+from realm_jax import gin_cli, io_utils
 from realm_jax.data import blocks, examples
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, Retriever
-from realm_jax.testing import corpus, tiny
+from realm_jax.testing import corpus, ram_fs, tiny
 from realm_jax.training import checkpoints, ict, parallel
 from realm_jax.training import init as init_lib
 
@@ -112,7 +114,7 @@ def test_global_in_batch_loss_and_grads_equal_one_device_and_plain_jax():
 # ----------------------------------------------------------------------------
 
 
-def test_sentence_counts_match_sentence_bounds(store_dir):
+def test_sentence_counts_match_sentence_bounds(store_dir, tmp_path):
   store = blocks.BlockStore.open(store_dir)
   ids = np.arange(len(store))
   want = [len(examples.sentence_bounds(len(store.body_ids(i)),
@@ -120,6 +122,13 @@ def test_sentence_counts_match_sentence_bounds(store_dir):
           for i in ids]
   np.testing.assert_array_equal(ict.sentence_counts(store, ids), want)
   assert min(want) == 1 and max(want) >= 3  # The corpus has both kinds.
+  # A store on a non-local filesystem is read from its local cache copy.
+  ram_fs.register()
+  remote = ram_fs.unique_root("store")
+  io_utils.copy_tree(store_dir, remote)
+  cached = blocks.BlockStore.open(remote, cache_dir=tmp_path)
+  assert cached.local_path.startswith(str(tmp_path))
+  np.testing.assert_array_equal(ict.sentence_counts(cached, ids), want)
 
 
 def test_examples_are_a_pure_function_of_step_distinct_and_sharded(
@@ -203,7 +212,10 @@ def ict_run(tmp_path_factory, store_dir):
                     stop_after=FIRST_CALL)
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
   stopped_done = checkpoints.is_done(ckpt_dir)
-  second = ict.train(config=config, model=model, operative_config=operative)
+  # The resumed run gets its workdir as an epath.Path (gs:// paths are).
+  second = ict.train(
+      config=dataclasses.replace(config, workdir=epath.Path(workdir)),
+      model=model, operative_config=operative)
   return workdir, config, model, first, second, stopped_done
 
 

@@ -1,0 +1,242 @@
+"""Work-directory I/O that works on local disks and on `gs://` alike.
+
+Jobs write and read their workdir, index and checkpoints through these
+helpers (built on `etils.epath`, which reaches GCS through tf.io.gfile)
+instead of `os`, `shutil` and `open`, so a workdir may be
+`gs://bucket/run` on a Cloud TPU pod and a plain directory in tests.
+
+What differs between the two kinds of storage, and how it is handled:
+  * Atomic files: on a local disk a file is written to a temporary sibling
+    and renamed over the target (readers see the old or the new file). An
+    object store has no rename, but a single-object upload is atomic (the
+    object appears whole when the upload completes), so it is written in
+    place.
+  * Appends: objects cannot be appended to; `append_text` rewrites the
+    whole object (log files are small).
+  * Memory maps: `np.load(mmap_mode=...)` needs a local file; `local_copy`
+    copies a remote file or directory once into a local cache directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Union
+
+from etils import epath
+
+PathLike = Union[str, os.PathLike]
+
+CACHE_ENV = "REALM_JAX_CACHE_DIR"
+_CHUNK = 1 << 24
+
+
+def as_path(path: PathLike) -> epath.Path:
+  """`path` as an epath.Path (gs://... -> a GCS path, else a local one)."""
+  return epath.Path(path)
+
+
+def is_local(path: PathLike) -> bool:
+  """True for a path on this machine's filesystem (no `scheme://` prefix)."""
+  return "://" not in os.fspath(path)
+
+
+def absolute(path: PathLike) -> str:
+  """An absolute local path, or a remote path as it is (never `cwd/gs:/`)."""
+  return os.path.abspath(path) if is_local(path) else os.fspath(
+      as_path(path))
+
+
+def join(path: PathLike, *parts: str) -> str:
+  """`os.path.join` for local and remote paths; returns a string."""
+  return os.fspath(as_path(path).joinpath(*parts))
+
+
+def makedirs(path: PathLike) -> None:
+  as_path(path).mkdir(parents=True, exist_ok=True)
+
+
+def read_text(path: PathLike) -> str:
+  return as_path(path).read_text()
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+  """Writes `path` so that readers see the old or the new content, whole.
+
+  Local: a temporary sibling `.tmp-<name>-<pid>` (fsynced) renamed over
+  `path`. Remote: one upload, which object stores commit atomically. The
+  parent directory is created if needed.
+  """
+  target = as_path(path)
+  target.parent.mkdir(parents=True, exist_ok=True)
+  if not is_local(target):
+    target.write_bytes(data)
+    return
+  tmp = os.path.join(os.path.dirname(os.fspath(target)),
+                     f".tmp-{target.name}-{os.getpid()}")
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, target)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def atomic_write_text(path: PathLike, text: str) -> None:
+  """`atomic_write_bytes` of UTF-8 text."""
+  atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def append_text(path: PathLike, text: str) -> None:
+  """Appends `text` to `path` (created if missing).
+
+  Local files are opened for append. Objects cannot be appended to, so a
+  remote file is read and rewritten whole (one atomic upload); meant for
+  logs of a few MB such as metrics.jsonl.
+  """
+  target = as_path(path)
+  if is_local(target):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "a", encoding="utf-8") as f:
+      f.write(text)
+    return
+  old = target.read_bytes() if target.exists() else b""
+  atomic_write_bytes(target, old + text.encode("utf-8"))
+
+
+def listdir(path: PathLike) -> list[epath.Path]:
+  """The children of directory `path`, sorted by name.
+
+  Raises:
+    FileNotFoundError: `path` is not a directory (TensorFlow's filesystems
+      raise their own NotFoundError, which is not an OSError).
+  """
+  directory = as_path(path)
+  try:
+    return sorted(directory.iterdir(), key=lambda p: p.name)
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(e, FileNotFoundError) or not directory.is_dir():
+      raise FileNotFoundError(f"{directory} is not a directory: {e}") from e
+    raise
+
+
+def remove(path: PathLike) -> None:
+  """Removes a file or a directory tree; a missing path is fine."""
+  target = as_path(path)
+  if target.is_dir():
+    target.rmtree(missing_ok=True)
+  elif target.exists():
+    target.unlink(missing_ok=True)
+
+
+def copy_file(src: PathLike, dst: PathLike) -> None:
+  """Streams one file from `src` to `dst` (any mix of local and remote)."""
+  with as_path(src).open("rb") as r, as_path(dst).open("wb") as w:
+    shutil.copyfileobj(r, w, _CHUNK)
+
+
+def copy_tree(src: PathLike, dst: PathLike, *,
+              skip: tuple[str, ...] = ()) -> None:
+  """Copies the files under directory `src` to `dst` (created as needed).
+
+  Args:
+    src: the source directory.
+    dst: the destination directory.
+    skip: paths relative to `src` (POSIX separators) not to copy.
+  """
+  src, dst = as_path(src), as_path(dst)
+  dst.mkdir(parents=True, exist_ok=True)
+  for child in listdir(src):
+    if child.name in skip:
+      continue
+    if child.is_dir():
+      copy_tree(child, dst / child.name, skip=tuple(
+          s.split("/", 1)[1] for s in skip
+          if s.startswith(child.name + "/")))
+    else:
+      copy_file(child, dst / child.name)
+
+
+def cache_root() -> str:
+  """Where remote files are copied to be memory-mapped.
+
+  `$REALM_JAX_CACHE_DIR`, else `<tempdir>/realm_jax_cache` (on a TPU VM:
+  /tmp, the boot disk; set the variable to use a larger local disk).
+  """
+  return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(),
+                                                   "realm_jax_cache")
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _remove_dead_temporaries(root: str, key: str) -> None:
+  """Removes `.<key>.tmp-<pid>` copies of processes that died mid-copy."""
+  prefix = f".{key}.tmp-"
+  for name in os.listdir(root):
+    pid = name[len(prefix):]
+    if name.startswith(prefix) and pid.isdigit() and not _pid_alive(
+        int(pid)):
+      path = os.path.join(root, name)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def local_copy(path: PathLike, key: str, *,
+               cache_dir: PathLike | None = None) -> str:
+  """A local copy of file or directory `path`, made once under `key`.
+
+  The copy goes to `<cache_dir>/.<key>.tmp-<pid>` and is renamed to
+  `<cache_dir>/<key>` when complete, so a copy that exists is whole;
+  processes on one host share it (a loser of a race drops its own copy).
+  `key` must change whenever the content does (e.g. a content
+  fingerprint): an existing copy is returned without looking at `path`.
+
+  Args:
+    path: a remote (or local) file or directory.
+    key: the cache entry's name.
+    cache_dir: the cache directory (default `cache_root()`).
+
+  Returns:
+    The local path of the copy.
+  """
+  if not key or "/" in key or key.startswith("."):
+    raise ValueError(f"cache key {key!r} must be a plain file name.")
+  root = os.fspath(cache_dir) if cache_dir is not None else cache_root()
+  dest = os.path.join(root, key)
+  if os.path.exists(dest):
+    return dest
+  os.makedirs(root, exist_ok=True)
+  _remove_dead_temporaries(root, key)
+  tmp = os.path.join(root, f".{key}.tmp-{os.getpid()}")
+  if os.path.isdir(tmp):
+    shutil.rmtree(tmp)
+  src = as_path(path)
+  try:
+    if src.is_dir():
+      copy_tree(src, tmp)
+    else:
+      copy_file(src, tmp)
+    try:
+      os.rename(tmp, dest)
+    except OSError:
+      if not os.path.exists(dest):
+        raise
+      # Another process finished the same copy first; use it.
+  finally:
+    if os.path.isdir(tmp):
+      shutil.rmtree(tmp)
+    elif os.path.exists(tmp):
+      os.remove(tmp)
+  return dest
