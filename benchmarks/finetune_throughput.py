@@ -15,6 +15,10 @@ and after, since other jobs may share the CPU):
     re-tokenise the text of its K retrieved blocks with the WordPiece
     tokenizer. That re-tokenisation is measured for real, on the blocks the
     index returned, with the same tensorflow_text tokenizer;
+  - `has_answer`: the has-answer test of one batch (B x K blocks) by a full
+    wordpiece scan vs the token-signature prefilter the trainer uses
+    (`realm_jax.data.signatures`), with the share of blocks the filter
+    passes to the exact check (both give the same positives, checked);
   - `speedup`: batched questions/s over our batch 1 and over the
     reference-style batch 1, plus `host_only_projection`: the same ratio
     counting host work only (our input pipeline, the reference's
@@ -53,8 +57,11 @@ def build_store(cache_dir: str) -> str:
   from realm_jax.data import blocks, wikipedia  # pylint: disable=g-import-not-at-top
   from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
   path = os.path.join(cache_dir, "wiki_x3_288")
-  if os.path.exists(path):
-    return path
+  manifest = os.path.join(path, "manifest.json")
+  if os.path.exists(manifest):
+    with open(manifest) as f:
+      if "signatures" in json.load(f):  # Else: written before signatures.
+        return path
   tok = Tokenizer()
   docs = list(wikipedia.iter_documents(wikipedia.default_wikipedia_dump(),
                                        wikipedia.Report()))
@@ -64,7 +71,7 @@ def build_store(cache_dir: str) -> str:
   blocks.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=288), path,
       tokenizer_vocab_path=tok.vocab_path, source="gensim slice x3",
-      max_block_len=288)
+      max_block_len=288, overwrite=True)
   return path
 
 
@@ -154,6 +161,48 @@ def retokenize_seconds(store, index_dir: str, k: int, reps: int) -> float:
   return float(np.median(times))
 
 
+def has_answer_seconds(store, qa_path: str, batch: int, k: int, reps: int
+                       ) -> dict[str, float]:
+  """The has-answer test of one batch: full scan vs signature prefilter."""
+  from realm_jax.data import qa as qa_lib  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import signatures  # pylint: disable=g-import-not-at-top
+  from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+  tok = Tokenizer()
+  with open(qa_path) as f:
+    rows = [json.loads(line) for line in f][:batch]
+  answers = [qa_lib.tokenize_answers(tok, r["answer"]) for r in rows]
+  rng = np.random.default_rng(2)
+  ids = np.stack([rng.permutation(len(store))[:k] for _ in rows])
+  _ = store.signatures  # Mapped (or computed) once per store, not per step.
+
+  def full_scan():
+    bodies, _ = store.bodies(ids.reshape(-1), store.max_block_len)
+    return qa_lib.gold_spans_batch(
+        bodies, [a for a in answers for _ in range(k)],
+        max_span_width=store.max_block_len, max_spans=1).has_answer.reshape(
+            ids.shape)
+
+  def prefiltered():
+    return qa_inputs.has_answer(store, ids, answers)
+
+  out = {}
+  for name, fn in (("full_scan", full_scan), ("signature_prefilter",
+                                              prefiltered)):
+    times = []
+    for _ in range(reps):
+      start = time.perf_counter()
+      result = fn()
+      times.append(time.perf_counter() - start)
+    out[name] = float(np.median(times))
+    out[name + "_positives"] = int(result.sum())
+  candidates = np.stack([signatures.may_contain(
+      store.signatures[ids[i]], signatures.of_answers(answers[i]))
+                         for i in range(len(rows))])
+  out["candidate_share"] = float(candidates.mean())
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--configs", default="tiny,minilm")
@@ -192,6 +241,15 @@ def main():
     emit(kind="reference_retokenize", config=name, num_retrieved=k,
          seconds_per_question=round(retok, 4),
          blocks_per_second=round(k / retok, 1))
+    checks = has_answer_seconds(store, qa_path, batched, k, reps=3)
+    if checks["full_scan_positives"] != checks["signature_prefilter_positives"]:
+      raise AssertionError(f"prefiltered has-answer differs: {checks}")
+    emit(kind="has_answer", config=name, batch_size=batched, num_retrieved=k,
+         full_scan_seconds=round(checks["full_scan"], 4),
+         signature_prefilter_seconds=round(checks["signature_prefilter"], 4),
+         speedup=round(checks["full_scan"] / checks["signature_prefilter"], 2),
+         candidate_share=round(checks["candidate_share"], 4),
+         positives=checks["full_scan_positives"])
     results, host = {}, {}
     for batch in (1, batched):
       seconds, input_seconds, positives = run_trainer(

@@ -26,6 +26,8 @@ Layout of a store directory (`N` blocks, `D` documents, flat arrays with
   title_ids.npy int32, title_offsets.npy int64       wordpieces of the titles
   title_bytes.npy uint8, title_byte_offsets.npy      UTF-8 titles
   doc_block_offsets.npy int64 [D+1]                  blocks of each article
+  body_signatures.npy uint64 [N, 16]                 hashed wordpiece sets
+                                                     (`signatures`)
   manifest.json, report.json
 """
 
@@ -45,6 +47,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax import io_utils
+from realm_jax.data import signatures as token_signatures
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
@@ -662,6 +665,9 @@ def write_block_store(
           "article (see the report's skip counts).")
     writers["doc_block_offsets"].append([num_blocks])
     files = {name: writer.close() for name, writer in writers.items()}
+    signature_entry = token_signatures.write(
+        tmp_dir, np.load(os.path.join(tmp_dir, "body_ids.npy"), mmap_mode="r"),
+        np.load(os.path.join(tmp_dir, "body_offsets.npy")))
     manifest = {
         "format_version": FORMAT_VERSION,
         "num_blocks": num_blocks,
@@ -673,6 +679,7 @@ def write_block_store(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "fingerprint": _fingerprint(files),
         "files": files,
+        "signatures": signature_entry,
         **(extra_manifest or {}),
     }
     with open(os.path.join(tmp_dir, "manifest.json"), "w") as f:
@@ -720,6 +727,7 @@ class BlockStore:
     self.local_path = path if local_path is None else local_path
     self.manifest = manifest
     self._a = arrays
+    self._signatures = None
 
   @classmethod
   def open(cls, path: io_utils.PathLike, *, verify: bool = False,
@@ -855,6 +863,14 @@ class BlockStore:
   def doc_indices(self) -> np.ndarray:
     """int32 [num_blocks]: the article index of each block."""
     return self._a["doc_index"]
+
+  @property
+  def signatures(self) -> np.ndarray:
+    """uint64 [num_blocks, 16]: token signatures of the bodies (see
+    `realm_jax.data.signatures`), memory-mapped or computed once."""
+    if self._signatures is None:
+      self._signatures = token_signatures.load(self)
+    return self._signatures
 
   def check_vocab(self, vocab_path: str) -> None:
     """Raises ValueError unless the store was tokenized with `vocab_path`."""

@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from realm_jax.data import qa as qa_lib
+from realm_jax.data import signatures
 from realm_jax.training import realm_inputs
 
 
@@ -142,16 +143,42 @@ def qa_batch(questions: dict[str, np.ndarray], retrieved_ids: np.ndarray,
       "block_end": block_end,
   }
   if answer_ids is not None:
-    # Token-level has-answer over all K blocks (stored wordpieces).
-    all_bodies, _ = store.bodies(safe_ids.reshape(-1), store.max_block_len)
-    found = qa_lib.gold_spans_batch(
-        all_bodies, [answer_ids[i] for i in range(b) for _ in range(k)],
-        max_span_width=store.max_block_len, max_spans=1).has_answer
-    out["has_answer"] = found.reshape(b, k) & valid
+    out["has_answer"] = has_answer(store, safe_ids, answer_ids) & valid
     out["gold_spans"] = span_positives(
         reader["token_ids"], block_start, block_end, answer_ids,
         config.max_span_width)
   return out
+
+
+def has_answer(store, block_ids: np.ndarray,
+               answer_ids: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
+  """bool [B, K]: block_ids[i, j]'s body contains an answer of question i.
+
+  Token level (the stored wordpieces), exact: the blocks' token signatures
+  rule out most of the K blocks (`signatures.may_contain`, no false
+  negatives) and the wordpiece match runs on the candidates only, instead
+  of on all B x K x 288 stored pieces.
+
+  Args:
+    store: the block store.
+    block_ids: int [B, K] valid block ids.
+    answer_ids: per question, the wordpiece arrays of its answers.
+  """
+  b, k = block_ids.shape
+  block_signatures = store.signatures
+  candidates = np.zeros((b, k), bool)
+  for i in range(b):
+    if len(answer_ids[i]):
+      candidates[i] = signatures.may_contain(
+          block_signatures[block_ids[i]], signatures.of_answers(answer_ids[i]))
+  rows, cols = np.nonzero(candidates)
+  found = np.zeros((b, k), bool)
+  if rows.size:
+    bodies, _ = store.bodies(block_ids[rows, cols], store.max_block_len)
+    found[rows, cols] = qa_lib.gold_spans_batch(
+        bodies, [answer_ids[i] for i in rows],
+        max_span_width=store.max_block_len, max_spans=1).has_answer
+  return found
 
 
 @dataclasses.dataclass
