@@ -9,7 +9,10 @@ Prints one JSON line per measurement (and the machine's load average before
 and after, since other jobs may share the CPU):
 
   - `ours`: questions/s of our trainer at that batch size (median step time
-    after compilation; host input work and the device step both included);
+    after compilation; host input work and the device step both included),
+    split into host seconds (batching, MIPS, has-answer, reader inputs) and
+    device seconds (the train step plus the query tower's forward pass for
+    retrieval, also reported on its own as `query_embedding`);
   - `reference_style_batch_1`: our batch-1 step PLUS what the reference
     design (ORQA / REALM fine-tuning, batch 1) does per question on top:
     re-tokenise the text of its K retrieved blocks with the WordPiece
@@ -138,6 +141,8 @@ def run_trainer(*, model, store_dir, index_dir, qa_path, batch_size, k,
   timed = history[2:-1] or history[2:]  # The last step also checkpoints.
   return (float(np.median([h["seconds_per_step"] for h in timed])),
           float(np.median([h["input_seconds_per_step"] for h in timed])),
+          float(np.median([h["query_embedding_seconds_per_step"]
+                           for h in timed])),
           float(np.mean([h["has_positive_in_top_k"] for h in history])))
 
 
@@ -252,7 +257,7 @@ def main():
          positives=checks["full_scan_positives"])
     results, host = {}, {}
     for batch in (1, batched):
-      seconds, input_seconds, positives = run_trainer(
+      seconds, input_seconds, query_seconds, positives = run_trainer(
           model=model, store_dir=store_dir, index_dir=index_dir,
           qa_path=qa_path, batch_size=batch, k=k, steps=args.steps,
           workdir=os.path.join(args.cache_dir, f"run_{name}_{batch}"))
@@ -264,6 +269,8 @@ def main():
            host_input_seconds_per_step=round(input_seconds, 4),
            questions_per_second=round(batch / seconds, 3),
            host_seconds_per_question=round(input_seconds / batch, 4),
+           query_embedding_seconds_per_question=round(query_seconds / batch,
+                                                      4),
            device_seconds_per_question=round((seconds - input_seconds)
                                              / batch, 4),
            share_with_positive=round(positives, 3))

@@ -568,16 +568,25 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
   # -- The loop.
   preemption = run_utils.Preemption()
   history, base_rng = [], jax.random.key(seed)
-  step, t_last, steps_since_log, input_seconds = start_step, time.time(), 0, 0.
+  step, t_last, steps_since_log = start_step, time.time(), 0
+  # Host input work, and the query tower's forward pass (a device
+  # computation the input needs), timed apart.
+  input_seconds = query_seconds = 0.
   end = num_steps if stop_after is None else min(num_steps,
                                                  start_step + stop_after)
   while step < end:
+    # The next batch's retrieval needs the updated query tower anyway; wait
+    # here so that the input timings below do not include the last step.
+    jax.block_until_ready(state["params"])
     t_input = time.time()
     local, example_index = questions.batch(step, config.batch_size,
                                            host_rows)
     q = parallel.shard_batch(mesh, local)
+    t_query = time.time()
     q_emb = pretrain.local_rows(embed_queries(
         state["params"], q["question_ids"], q["question_mask"]))
+    t_query = time.time() - t_query
+    query_seconds += t_query
     retrieved_ids, _ = index.search(q_emb, config.num_retrieved)
     answer_ids = answers_for_batch(questions, example_index, retrieved_ids,
                                    store, tokenizer)
@@ -585,7 +594,7 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
                                qa_config, answer_ids=answer_ids)
     device_batch = parallel.shard_batch(
         mesh, {k: batch[k] for k in DEVICE_FEATURES})
-    input_seconds += time.time() - t_input
+    input_seconds += time.time() - t_input - t_query
     state, metrics = train_step(state, device_batch, base_rng)
     step += 1
     steps_since_log += 1
@@ -598,9 +607,11 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
           epoch=step * config.batch_size / len(examples),
           seconds_per_step=(now - t_last) / steps_since_log,
           input_seconds_per_step=input_seconds / steps_since_log,
+          query_embedding_seconds_per_step=query_seconds / steps_since_log,
           examples_per_second=config.batch_size * steps_since_log
           / (now - t_last))
-      t_last, steps_since_log, input_seconds = now, 0, 0.
+      t_last, steps_since_log = now, 0
+      input_seconds = query_seconds = 0.
       writer.write_scalars(step, metrics)
       history.append(dict(metrics, step=step))
       if is_chief:
