@@ -44,6 +44,12 @@ class BertConfig:
     initializer_range: stddev of the truncated-normal initialiser.
     dtype: compute dtype, "float32" or "bfloat16". Parameters, LayerNorm and
       softmax stay in float32.
+    remat: recompute each layer's activations in the backward pass instead
+      of keeping them (`nnx.remat`, i.e. `jax.checkpoint`, per layer): the
+      same values and gradients, ~1/3 more compute, the activation memory
+      of one layer instead of all on GPU and TPU (BERT-base fine-tuning at
+      R = 5 x 320, REALM pre-training at large batches). XLA:CPU drops the
+      recomputation again, so on CPU it changes nothing.
   """
 
   vocab_size: int = 30522
@@ -59,6 +65,7 @@ class BertConfig:
   gelu_approximate: bool = True
   initializer_range: float = 0.02
   dtype: str = "float32"
+  remat: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -225,6 +232,11 @@ class BertLayer(nnx.Module):
     return self.layer_norm(h.astype(jnp.float32) + x)
 
 
+@nnx.remat
+def _remat_layer(layer: BertLayer, x, attention_bias, dropout_rng):
+  return layer(x, attention_bias, dropout_rng)
+
+
 class Bert(nnx.Module):
   """BERT: embeddings, `num_layers` transformer layers and the tanh pooler."""
 
@@ -264,8 +276,11 @@ class Bert(nnx.Module):
     h = self.embeddings(token_ids, segment_ids,
                         _fold(dropout_rng, self.config.num_layers))
     for i in range(self.config.num_layers):
-      h = getattr(self, f"layer_{i}")(h, attention_bias,
-                                      _fold(dropout_rng, i))
+      layer = getattr(self, f"layer_{i}")
+      if self.config.remat:
+        h = _remat_layer(layer, h, attention_bias, _fold(dropout_rng, i))
+      else:
+        h = layer(h, attention_bias, _fold(dropout_rng, i))
     pooled = jnp.tanh(self.pooler(h[..., 0, :].astype(
         self.config.compute_dtype)).astype(jnp.float32))
     return h, pooled
