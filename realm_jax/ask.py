@@ -673,5 +673,6 @@ def main(argv: Sequence[str]) -> None:
 if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  gin_cli.default_xla_flags()
   _define_flags()
   app.run(main, argv=gin_cli.split_gin_flags(sys.argv)[0])

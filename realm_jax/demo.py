@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import os
 
+from realm_jax import gin_cli
+
 # Faster XLA CPU dots on jax 0.10 (see BUILD.md); set before JAX starts.
-if "--xla_cpu_experimental_ynn_fusion_type" not in os.environ.get(
-    "XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_experimental_ynn_fusion_type=")
+gin_cli.default_xla_flags()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position

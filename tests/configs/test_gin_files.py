@@ -60,3 +60,37 @@ def test_gin_file_parses(path):
       assert config.reader.bert == b
   finally:
     gin.clear_config()
+
+
+def test_default_xla_flags_adds_the_cpu_flag_once_and_respects_the_user(
+    monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  gin_cli.default_xla_flags()
+  gin_cli.default_xla_flags()
+  assert os.environ["XLA_FLAGS"].split() == [
+      "--xla_force_host_platform_device_count=8", gin_cli.CPU_XLA_FLAG]
+  monkeypatch.setenv("XLA_FLAGS",
+                     "--xla_cpu_experimental_ynn_fusion_type=dot")
+  gin_cli.default_xla_flags()
+  assert os.environ["XLA_FLAGS"] == (
+      "--xla_cpu_experimental_ynn_fusion_type=dot")
+  monkeypatch.delenv("XLA_FLAGS")
+  gin_cli.default_xla_flags()
+  assert os.environ["XLA_FLAGS"] == gin_cli.CPU_XLA_FLAG
+
+
+def test_importing_the_jobs_does_not_start_jax():
+  """The flags only take effect if no job module starts JAX on import."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = (
+      "import realm_jax.training.pretrain, realm_jax.training.ict, "
+      "realm_jax.training.finetune, realm_jax.index.builder, "
+      "realm_jax.eval.qa_eval, realm_jax.ask, realm_jax.demo\n"
+      "from jax._src import xla_bridge\n"
+      "assert not xla_bridge.backends_are_initialized()\n"
+      "import os; print(os.environ['XLA_FLAGS'])\n")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True, timeout=300)
+  assert gin_cli.CPU_XLA_FLAG in out.stdout  # realm_jax.demo sets it.
