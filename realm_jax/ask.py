@@ -12,7 +12,7 @@ their `block_emb` published by `python -m realm_jax.index.builder
 --block_emb=...`).
 
     python -m realm_jax.ask --workdir=W --block_store=B \\
-        --gin_file=models/tiny.gin "Where was Mozart born?"
+        --gin_file=experiments/eval_tiny_cpu.gin "Where was Mozart born?"
     python -m realm_jax.ask --init_from=orqa:CKPT --index_dir=I \\
         --block_store=B --gin_file=models/bert_base.gin --json "..."
 

@@ -9,6 +9,7 @@ repository's `gin_configs/`.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Callable, Sequence
@@ -47,12 +48,27 @@ def split_gin_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   return rest, bindings
 
 
+class _NoGinProbeErrors(logging.Filter):
+  """Drops gin's "Path not found" errors, logged for each search-path prefix
+  it probes before the one holding the file (a missing file still raises)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.msg == "Path not found: %s" and
+                record.pathname.endswith("resource_reader.py"))
+
+
 def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
   """Parses gin files and bindings (gin_configs/ is on the search path)."""
   import gin  # pylint: disable=g-import-not-at-top
   gin.add_config_file_search_path(GIN_CONFIGS)
   gin.add_config_file_search_path(os.getcwd())
-  gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
+  probe_filter = _NoGinProbeErrors()
+  logger = logging.getLogger()  # gin logs through the root logger.
+  logger.addFilter(probe_filter)
+  try:
+    gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
+  finally:
+    logger.removeFilter(probe_filter)
 
 
 def training_job(module_name: str, config_class: str

@@ -28,8 +28,8 @@ once every checkpoint is evaluated. Predictions go to
 and clu summaries. The index is frozen (fine-tuning's): loaded once.
 
     python -m realm_jax.eval.qa_eval --workdir=W --block_store=B \\
-        --qa_file=dev.jsonl --gin_file=models/tiny.gin \\
-        --gin_file=runs/eval.gin [--step=N | --init_from=orqa:CKPT]
+        --qa_file=dev.jsonl --gin_file=experiments/eval_tiny_cpu.gin \\
+        [--step=N | --init_from=orqa:CKPT]
 
 It is a single-process side job (every host of a pod would evaluate the
 same questions); it splits each batch over all local devices.

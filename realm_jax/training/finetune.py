@@ -39,7 +39,7 @@ becomes a literal answer string, whose wordpieces then mark the has-answer
 blocks and the gold spans like any other answer.
 
     python -m realm_jax.training.finetune \\
-        --gin_file=gin_configs/experiments/finetune_tiny_cpu.gin \\
+        --gin_file=experiments/finetune_tiny_cpu.gin \\
         --gin.WORKDIR="'/tmp/ft'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
         --gin.TRAIN_JSONL="'/tmp/qa.jsonl'" --gin.INDEX_DIR="'/tmp/index'"
 """

@@ -22,7 +22,8 @@ moments plus int32 step counters, safe under `jax.jit`, `shard_map` and orbax.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,28 +204,39 @@ def _is_decayed(path: tuple[Any, ...]) -> bool:
   return not (names and _BIAS_MARKER in names[-1])
 
 
-def decay_mask(params: Any) -> Any:
+def decay_mask(params: Any, unused: Sequence[tuple[str, ...]] = ()) -> Any:
   """Which parameters get weight decay: not LayerNorm, not biases.
 
   A leaf is excluded when any key on its path contains "layer_norm" (or
   "layernorm"), case-insensitively, or when its own key contains "bias"
-  ("bias", "output_bias"). Kernels and embeddings are decayed.
+  ("bias", "output_bias"), or when its path starts with one of `unused`.
+  Kernels and embeddings are decayed.
 
   Args:
     params: parameter pytree (nested dicts; arrays or ShapeDtypeStructs).
+    unused: key-path prefixes never decayed (see `bert_optimizer`).
 
   Returns:
     A pytree of Python bools with the structure of `params`.
   """
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: _is_decayed(path), params)
+  prefixes = [tuple(p) for p in unused]
+
+  def decayed(path, _):
+    keys = tuple(_key_name(k) for k in path)
+    if any(keys[:len(p)] == p for p in prefixes):
+      return False
+    return _is_decayed(path)
+
+  return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def bert_optimizer(*, learning_rate: float, num_train_steps: int,
                    warmup_steps: int | None = None,
                    weight_decay: float = 0.01, beta1: float = 0.9,
                    beta2: float = 0.999, epsilon: float = 1e-6,
-                   clip_norm: float = 1.0) -> optax.GradientTransformation:
+                   clip_norm: float = 1.0,
+                   unused: Sequence[tuple[str, ...]] = ()
+                   ) -> optax.GradientTransformation:
   """BERT's AdamWeightDecayOptimizer with its gradient clipping and schedule.
 
   Per step, on gradients `g` and parameters `p`:
@@ -245,6 +257,10 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
     beta2: Adam second-moment decay.
     epsilon: Adam epsilon, added outside the square root.
     clip_norm: gradients are clipped to this global norm first.
+    unused: key-path prefixes of subtrees the loss never reads, e.g.
+      `(("reader", "span_head"),)` in pre-training. Their gradients are
+      zero, so Adam leaves them alone; excluding them from weight decay
+      too keeps them exactly as initialised or loaded.
 
   Returns:
     An optax GradientTransformation (a chain; its state is a tuple).
@@ -267,6 +283,7 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
   return optax.chain(
       optax.clip_by_global_norm(clip_norm),
       scale_by_adam_without_bias_correction(beta1, beta2, epsilon),
-      optax.add_decayed_weights(weight_decay, mask=decay_mask),
+      optax.add_decayed_weights(
+          weight_decay, mask=functools.partial(decay_mask, unused=unused)),
       optax.scale_by_learning_rate(schedule),
   )

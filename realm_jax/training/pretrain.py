@@ -14,8 +14,9 @@ rebuilt in-process right after a checkpoint every `checkpoint_every` steps
 (`index_mode="inline"`, for small CPU runs and exactly reproducible restarts).
 
     python -m realm_jax.training.pretrain \\
-        --gin_file=gin_configs/experiments/pretrain_tiny.gin \\
-        --gin.PretrainConfig.workdir="'/tmp/run'"
+        --gin_file=experiments/pretrain_tiny_cpu.gin \\
+        --gin.WORKDIR="'/tmp/run'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
+        --gin.ANNOTATED="'/tmp/annotated/*.tfr.gz'"
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from realm_jax.training import run_utils
 from realm_jax.training import optimizer as optimizer_lib
 
 INDEX_MODES = ("inline", "builder")
+# Parameters the masked-LM loss never reads (a reader built with the span
+# head for later fine-tuning): no weight decay, so they stay as initialised.
+UNUSED_BY_PRETRAINING = (("reader", "span_head"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +266,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   tx = optimizer_lib.bert_optimizer(
       learning_rate=config.learning_rate,
       num_train_steps=config.num_train_steps,
-      warmup_steps=config.warmup_steps)
+      warmup_steps=config.warmup_steps, unused=UNUSED_BY_PRETRAINING)
   ckpt = checkpoints.TrainCheckpointer(
       checkpoints.checkpoint_dir(config.workdir),
       keep=config.keep_checkpoints)

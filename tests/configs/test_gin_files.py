@@ -7,9 +7,10 @@ import gin
 import pytest
 
 from realm_jax import gin_cli
+from realm_jax.eval import qa_eval
 from realm_jax.index import builder
 from realm_jax.model import realm
-from realm_jax.training import finetune, ict, pretrain
+from realm_jax.training import finetune, ict, pretrain, qa_inputs
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
@@ -42,6 +43,20 @@ def test_gin_file_parses(path):
     if name.startswith("finetune"):
       config = gin.get_configurable(finetune.FinetuneConfig)()
       assert config.workdir == "/tmp/w"
+    elif name.startswith("eval") or "/runs/eval" in path:
+      config = gin.get_configurable(qa_eval.EvalConfig)()
+      assert config.recall_ks
+      qa = gin.get_configurable(qa_inputs.QAConfig)()
+      if name == "eval_tiny_cpu.gin":  # Must be fine-tuning's sizes.
+        gin.clear_config()
+        gin_cli.parse(["experiments/finetune_tiny_cpu.gin"], REQUIRED)
+        ft = gin.get_configurable(finetune.FinetuneConfig)()
+        assert (qa.question_length, qa.reader_length,
+                qa.num_reader_blocks) == (ft.question_length,
+                                          ft.reader_length,
+                                          ft.num_reader_blocks)
+        gin.clear_config()
+        gin_cli.parse([path], REQUIRED)
     elif name.startswith("ict") or "/runs/ict" in path:
       config = gin.get_configurable(ict.IctTrainConfig)()
       assert config.workdir == "/tmp/w"
@@ -94,3 +109,16 @@ def test_importing_the_jobs_does_not_start_jax():
   out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                        capture_output=True, text=True, timeout=300)
   assert gin_cli.CPU_XLA_FLAG in out.stdout  # realm_jax.demo sets it.
+
+
+def test_parse_does_not_log_gin_search_path_probes(caplog):
+  gin.clear_config()
+  try:
+    with caplog.at_level("INFO"):
+      gin_cli.parse(["experiments/eval_tiny_cpu.gin"], REQUIRED)
+  finally:
+    gin.clear_config()
+  assert not [r for r in caplog.records if "Path not found" in r.getMessage()]
+  with pytest.raises(IOError, match="nonexistent.gin"):
+    gin_cli.parse(["experiments/nonexistent.gin"], [])
+  gin.clear_config()

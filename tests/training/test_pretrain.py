@@ -13,6 +13,7 @@ import sys
 import time
 
 import gin
+import jax
 import numpy as np
 import pytest
 
@@ -76,6 +77,21 @@ def test_loss_decreases_and_metrics_are_logged(reference_run):
     assert 0 < h["index_staleness"] <= 2
   assert checkpoints.is_done(checkpoints.checkpoint_dir(workdir))
   assert len(_losses(workdir)) == STEPS
+
+
+def test_the_unused_span_head_is_not_decayed(reference_run):
+  workdir, _ = reference_run
+  directory = checkpoints.checkpoint_dir(workdir)
+  first, last = (checkpoints.restore_items(directory, step,
+                                           checkpoints.PARAM_ITEMS)
+                 for step in (0, STEPS))
+  assert "span_head" in last["reader"]
+  for a, b in zip(jax.tree.leaves(first["reader"]["span_head"]),
+                  jax.tree.leaves(last["reader"]["span_head"])):
+    np.testing.assert_array_equal(a, b)
+  # What the loss reads did train.
+  assert not np.array_equal(first["reader"]["bert"]["layer_0"]["output"][
+      "kernel"], last["reader"]["bert"]["layer_0"]["output"]["kernel"])
 
 
 def _pretrain_cmd(bindings, *gin_files):
