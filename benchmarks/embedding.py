@@ -240,7 +240,7 @@ def _retriever(model: str, dtype: str):
 def jax_worker(spec: dict[str, Any]) -> None:
   """Times the document tower for each (model, dtype) of `spec`."""
   import jax  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import blocks
+  from realm_jax.data import block_store
   from realm_jax.index import embed as embed_lib
   from realm_jax.training import parallel
 
@@ -249,7 +249,7 @@ def jax_worker(spec: dict[str, Any]) -> None:
     raise RuntimeError(f"wanted {spec['devices']} devices, have {devices}")
   mesh = parallel.make_mesh(devices)
   sharding = parallel.data_sharded(mesh)
-  store = blocks.BlockStore.open(spec["block_store"])
+  store = block_store.BlockStore.open(spec["block_store"])
   common = {"xla_flags": os.environ.get("XLA_FLAGS", ""),
             "devices": len(devices), "batch": BATCH, "seq_len": SEQ_LEN,
             "jax": jax.__version__}
@@ -446,14 +446,14 @@ def run_benchmark(*, models: Sequence[str], torch_python: str | None,
                   numpy_min_seconds: float, max_load: float,
                   max_wait_s: float) -> None:
   """Runs every measurement and prints the JSON lines."""
-  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   from realm_jax.data import corpus_job
   from realm_jax.data import tokenizer
 
   load, waited = _wait_for_load(max_load, max_wait_s)
   work = tempfile.mkdtemp(prefix="embedding_bench_")
   if block_store_dir and os.path.exists(block_store_dir):
-    store = blocks.BlockStore.open(block_store_dir)
+    store = block_store.BlockStore.open(block_store_dir)
   else:
     store, _ = corpus_job.build_corpus(
         output_dir=block_store_dir or os.path.join(work, "store"),

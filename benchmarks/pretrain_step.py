@@ -151,13 +151,13 @@ def main():
     code = ("import numpy as np, sys\n"
             "sys.path.insert(0, %r)\n"
             "from benchmarks.pretrain_step import build\n"
-            "from realm_jax.data import blocks\n"
+            "from realm_jax.data import block_store\n"
             "from realm_jax.index import embed\n"
             "from realm_jax.model import functional\n"
             "from realm_jax.model.realm import Retriever\n"
             "cfg = build('minilm').retriever\n"
             "p = functional.init(lambda r: Retriever(cfg, rngs=r), 0)[1]\n"
-            "s = blocks.BlockStore.open(%r)\n"
+            "s = block_store.BlockStore.open(%r)\n"
             "while True: embed.embed_block_store(p, cfg, s)\n"
             % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                store))

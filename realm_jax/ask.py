@@ -644,7 +644,7 @@ def _define_flags() -> None:
 def main(argv: Sequence[str]) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   questions = list(f.question) + list(argv[1:])
   if not questions:
@@ -655,7 +655,7 @@ def main(argv: Sequence[str]) -> None:
   gin_cli.parse(f.gin_file, list(f.gin_bindings) + bindings)
   model_config = configured(RealmConfig)
   qa_config = configured(qa_inputs.QAConfig)
-  store = blocks.BlockStore.open(f.block_store)
+  store = block_store.BlockStore.open(f.block_store)
   model = load_qa_model(
       model_config=model_config, store=store, workdir=f.workdir,
       checkpoint_dir=f.checkpoint_dir,

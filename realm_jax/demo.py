@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import jax
 from realm_jax import ask as ask_lib
-from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import block_store
 from realm_jax.data import corpus_job, demo_qa, salient_spans, wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_eval
@@ -223,7 +223,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
 
   store_dir = os.path.join(config.workdir, "blocks")
   if os.path.exists(os.path.join(store_dir, "manifest.json")):
-    store = blocks_lib.BlockStore.open(store_dir)
+    store = block_store.BlockStore.open(store_dir)
   else:
     store, _ = corpus_job.build_corpus(
         output_dir=store_dir, max_documents=config.num_documents,

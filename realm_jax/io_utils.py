@@ -162,6 +162,22 @@ def copy_tree(src: PathLike, dst: PathLike, *,
       copy_file(child, dst / child.name)
 
 
+def replace_local_dir(tmp_dir: str, directory: str) -> None:
+  """Moves the finished local directory `tmp_dir` to `directory`.
+
+  An existing `directory` is renamed aside first and deleted only after the
+  new one is in place, so a crash leaves either the old or the new tree
+  under `directory` (plus, at worst, a `.old-<pid>` sibling), never a mix.
+  """
+  if not os.path.exists(directory):
+    os.rename(tmp_dir, directory)
+    return
+  old_dir = f"{directory}.old-{os.getpid()}"
+  os.rename(directory, old_dir)
+  os.rename(tmp_dir, directory)
+  shutil.rmtree(old_dir)
+
+
 def cache_root() -> str:
   """Where remote files are copied to be memory-mapped.
 

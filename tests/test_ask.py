@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from realm_jax import ask as ask_lib
-from realm_jax.data import blocks
+from realm_jax.data import block_store
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder
 from realm_jax.model import functional
@@ -33,7 +33,7 @@ def setup(tmp_path_factory):
   # One corpus per session: make_tiny_corpus reuses an existing one.
   store_dir, _ = corpus.make_tiny_corpus(
       str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   # Mean pooling ranks the blocks apart (a random pooler does not).
   config = tiny.tiny_realm(vocab_size=30522, pooling="mean")
   graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from realm_jax import io_utils
-from realm_jax.data import blocks, wikipedia
+from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish, searchers
 from realm_jax.testing import ram_fs
@@ -48,6 +48,21 @@ def test_local_helpers(tmp_path, as_epath):
   assert io_utils.is_local(target) and io_utils.is_local("rel/dir")
   assert io_utils.absolute("rel") == os.path.abspath("rel")
   assert io_utils.join(wrap(tmp_path), "x", "y") == str(tmp_path / "x" / "y")
+
+
+def test_replace_local_dir(tmp_path):
+  dest = str(tmp_path / "out")
+  for version in ("one", "two"):
+    tmp = str(tmp_path / f"tmp-{version}")
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "v"), "w") as f:
+      f.write(version)
+    io_utils.replace_local_dir(tmp, dest)
+    with open(os.path.join(dest, "v")) as f:
+      assert f.read() == version
+    assert not os.path.exists(tmp)
+  # The old tree is gone, not left beside the new one.
+  assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
 def test_remote_paths_stay_remote():
@@ -208,18 +223,18 @@ def store_dir(tmp_path_factory):
   docs = [wikipedia.Document("Alpha", "Alpha is a letter. It comes first."),
           wikipedia.Document("Beta", "Beta is the second letter.")]
   path = str(tmp_path_factory.mktemp("s") / "store")
-  blocks.write_block_store(
+  block_store.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16), path,
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
   return path
 
 
 def test_block_store_remote_cache(store_dir, tmp_path):
-  direct = blocks.BlockStore.open(store_dir)
+  direct = block_store.BlockStore.open(store_dir)
   assert direct.local_path == store_dir
   cache = tmp_path / "cache"
   # cache=True takes the remote path on a local store.
-  cached = blocks.BlockStore.open(store_dir, cache=True, cache_dir=cache)
+  cached = block_store.BlockStore.open(store_dir, cache=True, cache_dir=cache)
   assert cached.path == store_dir
   assert os.path.dirname(cached.local_path) == str(cache)
   assert cached.doc_hash.filename.startswith(cached.local_path)
@@ -228,20 +243,20 @@ def test_block_store_remote_cache(store_dir, tmp_path):
   # A store on a non-local filesystem is copied by default.
   remote = _ram("store")
   io_utils.copy_tree(store_dir, remote)
-  store = blocks.BlockStore.open(remote, cache_dir=tmp_path / "c2",
+  store = block_store.BlockStore.open(remote, cache_dir=tmp_path / "c2",
                                  verify=True)
   assert store.path == remote and store.fingerprint == direct.fingerprint
   assert store.local_path.startswith(str(tmp_path / "c2"))
   assert store.text(0) == direct.text(0)
   with pytest.raises(ValueError, match="cannot be memory-mapped"):
-    blocks.BlockStore.open(remote, cache=False)
+    block_store.BlockStore.open(remote, cache=False)
   with pytest.raises(FileNotFoundError, match="not a complete block store"):
-    blocks.BlockStore.open(_ram("nothing"), cache_dir=tmp_path)
+    block_store.BlockStore.open(_ram("nothing"), cache_dir=tmp_path)
 
 
 @pytest.mark.parametrize("root_kind", ["str", "epath", "ram"])
 def test_builder_publishes_to_any_root(store_dir, tmp_path, root_kind):
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   root = {"str": str(tmp_path / "i"), "epath": epath.Path(tmp_path / "i"),
           "ram": _ram("i")}[root_kind]
   emb = np.random.default_rng(0).normal(size=(len(store), 4)).astype(

@@ -30,6 +30,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from realm_jax.data import block_store
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
@@ -81,7 +82,7 @@ def build_corpus(
     num_workers: int = 1,
     overwrite: bool = False,
     log_every: int = 1000,
-) -> tuple[blocks_lib.BlockStore, wikipedia.Report]:
+) -> tuple[block_store.BlockStore, wikipedia.Report]:
   """Builds a block store from a dump, a JSONL file or the ORQA corpus.
 
   Args:
@@ -151,7 +152,7 @@ def build_corpus(
         documents = itertools.islice(documents, max_documents)
       blocks = blocks_lib.pack_blocks(
           documents, tokenizer, max_block_len=max_block_len, report=report)
-    store = blocks_lib.write_block_store(
+    store = block_store.write_block_store(
         _log_progress(blocks, log_every, start), output_dir,
         tokenizer_vocab_path=tokenizer.vocab_path,
         source=os.path.abspath(input_path), max_block_len=max_block_len,

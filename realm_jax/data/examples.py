@@ -317,7 +317,7 @@ def format_block(title_ids: np.ndarray, body_ids: np.ndarray,
                  special: SpecialIds, length: int) -> tuple[np.ndarray, ...]:
   """`[CLS] title [SEP] body [SEP]` -> (ids, mask, segment_ids), int32.
 
-  Truncates like `blocks.BlockStore.retriever_inputs` (the body first, then
+  Truncates like `block_store.BlockStore.retriever_inputs` (the body first, then
   the title), so ICT trains on the inputs the index will embed.
   """
   title = np.asarray(title_ids)[:length - 3]

@@ -16,7 +16,7 @@ With 1024 bits and ~150 distinct wordpieces per 288-piece block, a random
 single-piece answer passes the filter of ~14% of blocks, a two-piece one
 ~2%.
 
-Stores written by `blocks.write_block_store` carry the signatures as
+Stores written by `block_store.write_block_store` carry the signatures as
 `body_signatures.npy` (uint64 [num_blocks, 16], listed under the manifest's
 "signatures" entry, outside the content fingerprint: they are derived from
 `body_ids`). Older stores get them computed in memory on first use.
@@ -105,7 +105,7 @@ def write(store_dir: str, body_ids: np.ndarray, body_offsets: np.ndarray
 
 
 def load(store) -> np.ndarray:
-  """The signatures of a `blocks.BlockStore` (memory-mapped when written).
+  """The signatures of a `block_store.BlockStore` (memory-mapped when written).
 
   Raises:
     ValueError: if the manifest lists a signature file that is missing or

@@ -365,8 +365,8 @@ def register_pretrain_task(
 
 
 def _open_block_store(path: str):
-  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
-  return blocks.BlockStore.open(path)
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  return block_store.BlockStore.open(path)
 
 
 _STORES: dict[str, Any] = {}
@@ -508,7 +508,7 @@ def register_ict_task(
   """Registers the Inverse Cloze Task over a block store (split "train").
 
   Args:
-    block_store: path of a `blocks.BlockStore` (opened lazily).
+    block_store: path of a `block_store.BlockStore` (opened lazily).
     name: task name.
     ict_config: lengths and removal probability (ORQA's by default).
     special: special token ids; default: those in the store's manifest.

@@ -406,7 +406,7 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
 
 def _job(dry_run: bool) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.eval import qa_eval as module  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
@@ -422,7 +422,7 @@ def _job(dry_run: bool) -> None:
       f.workdir or os.fspath(io_utils.as_path(io_utils.absolute(
           checkpoint_dir or ".")).parent),
       "eval")
-  store = blocks.BlockStore.open(f.block_store)
+  store = block_store.BlockStore.open(f.block_store)
   examples = qa_lib.read_qa_jsonl(f.qa_file, regex_answers=f.regex_answers)
   devices = jax.local_devices()
   kwargs = dict(qa_config=qa_config, batch_size=config.batch_size,

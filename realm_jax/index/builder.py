@@ -245,7 +245,7 @@ def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
 def _job(dry_run: bool) -> None:
   import gin  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.index import builder as module  # pylint: disable=g-import-not-at-top
@@ -254,7 +254,7 @@ def _job(dry_run: bool) -> None:
   if dry_run:
     print(gin.operative_config_str())
     return
-  store = blocks.BlockStore.open(f.block_store)
+  store = block_store.BlockStore.open(f.block_store)
   root = index_root(f.workdir)
   if f.block_emb:
     from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top

@@ -77,7 +77,7 @@ def embed_block_store(
   Args:
     retriever_params: the retriever's parameter dict.
     retriever_config: its config (sizes, pooling, projection).
-    store: a `realm_jax.data.blocks.BlockStore`.
+    store: a `realm_jax.data.block_store.BlockStore`.
     batch_size_per_device: blocks per device per step.
     seq_len: document length (default: the store's max_block_len).
     bfloat16: compute in bfloat16 (parameters stay float32).

@@ -223,13 +223,7 @@ class Searcher(abc.ABC):
       }
       with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
         json.dump(metadata, f, indent=1)
-      if os.path.exists(directory):
-        old_dir = f"{tmp_dir}.old"
-        os.rename(directory, old_dir)
-        os.rename(tmp_dir, directory)
-        shutil.rmtree(old_dir)
-      else:
-        os.rename(tmp_dir, directory)
+      io_utils.replace_local_dir(tmp_dir, directory)
     except BaseException:
       shutil.rmtree(tmp_dir, ignore_errors=True)
       raise

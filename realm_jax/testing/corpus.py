@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from realm_jax.data import blocks, salient_spans, wikipedia
+from realm_jax.data import block_store, blocks, salient_spans, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
 ARTICLES = [
@@ -43,7 +43,7 @@ def make_tiny_corpus(directory: str, *, max_block_len: int = 32,
           for i in range(copies) for t, x in ARTICLES]
   store_dir = os.path.join(directory, "blocks")
   if not os.path.exists(store_dir):
-    blocks.write_block_store(
+    block_store.write_block_store(
         blocks.pack_blocks(docs, tok, max_block_len=max_block_len), store_dir,
         tokenizer_vocab_path=tok.vocab_path, source="tiny test corpus",
         max_block_len=max_block_len)

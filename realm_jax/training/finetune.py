@@ -61,7 +61,7 @@ import numpy as np
 import optax
 
 from realm_jax import distributed, io_utils
-from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import publish
@@ -491,7 +491,7 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
   is_chief = jax.process_index() == 0
 
   # -- Data: the frozen index over the knowledge corpus, the questions.
-  store = blocks_lib.BlockStore.open(config.block_store)
+  store = block_store.BlockStore.open(config.block_store)
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
   index = load_frozen_index(config.index_dir, store, model,

@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from realm_jax import io_utils
-from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
@@ -124,7 +124,7 @@ class IctTrainConfig:
 # ----------------------------------------------------------------------------
 
 
-def sentence_counts(store: blocks_lib.BlockStore,
+def sentence_counts(store: block_store.BlockStore,
                     block_ids: np.ndarray) -> np.ndarray:
   """Number of sentences of each block, as `examples.sentence_bounds` counts.
 
@@ -179,7 +179,7 @@ class IctExamples:
   sees exactly the batches it would have seen.
   """
 
-  def __init__(self, store: blocks_lib.BlockStore, *,
+  def __init__(self, store: block_store.BlockStore, *,
                config: examples_lib.IctConfig, batch_size: int, seed: int,
                shard_index: int = 0, num_shards: int = 1):
     """Selects the blocks.
@@ -325,7 +325,7 @@ def make_loss_fn(graphdef):
 # ----------------------------------------------------------------------------
 
 
-def _check_model(model: RealmConfig, store: blocks_lib.BlockStore,
+def _check_model(model: RealmConfig, store: block_store.BlockStore,
                  config: IctTrainConfig, block_length: int) -> None:
   bert = model.retriever.bert
   vocab = int(store.manifest.get("vocab_size", 0))
@@ -364,7 +364,7 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
                                is_chief=is_chief)
 
   # -- Data: ICT pairs from this host's blocks.
-  store = blocks_lib.BlockStore.open(config.block_store)
+  store = block_store.BlockStore.open(config.block_store)
   block_length = min(config.block_length, store.max_block_len)
   if config.block_length < store.max_block_len:
     logging.warning("block_length=%d < the store's max_block_len=%d: ICT "

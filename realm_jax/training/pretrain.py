@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from realm_jax import distributed, io_utils
-from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.data import salient_spans
 from realm_jax.data.tokenizer import Tokenizer
@@ -232,7 +232,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                                is_chief=is_chief)
 
   # -- Data: the knowledge corpus and the masked queries.
-  store = blocks_lib.BlockStore.open(config.block_store)
+  store = block_store.BlockStore.open(config.block_store)
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
   # REALM: masks end before position 94 of 96; shorter queries keep the

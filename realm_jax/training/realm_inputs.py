@@ -113,7 +113,7 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
       [B, M].
     candidate_block_ids: int [B, k] retrieved blocks (source article
       already dropped, see `select_candidates`).
-    block_store: a `realm_jax.data.blocks.BlockStore`.
+    block_store: a `realm_jax.data.block_store.BlockStore`.
     doc_len: retriever document length (288).
     reader_len: reader length (384 = 96 + 288).
     null_document: put the empty document first (REALM); without it the

@@ -9,7 +9,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from realm_jax.data import blocks
+from realm_jax.data import block_store, blocks
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
@@ -180,7 +180,7 @@ def test_title_hash():
 
 
 def _write(documents, tokenizer, out_dir, max_block_len=64, **kwargs):
-  return blocks.write_block_store(
+  return block_store.write_block_store(
       blocks.pack_blocks(documents, tokenizer, max_block_len=max_block_len),
       str(out_dir), tokenizer_vocab_path=tokenizer.vocab_path,
       source="test", max_block_len=max_block_len, **kwargs)
@@ -281,12 +281,12 @@ def test_failed_write_leaves_no_store(tokenizer, tmp_path):
 
   out = tmp_path / "store"
   with pytest.raises(RuntimeError, match="killed"):
-    blocks.write_block_store(failing(), str(out),
+    block_store.write_block_store(failing(), str(out),
                              tokenizer_vocab_path=tokenizer.vocab_path,
                              source="test", max_block_len=64)
   assert os.listdir(tmp_path) == []
   with pytest.raises(FileNotFoundError, match=re.escape(str(out))):
-    blocks.BlockStore.open(str(out))
+    block_store.BlockStore.open(str(out))
 
 
 def test_overwrite_rules(tokenizer, tmp_path):
@@ -294,7 +294,7 @@ def test_overwrite_rules(tokenizer, tmp_path):
   first = _write(_documents()[:2], tokenizer, out)
   with pytest.raises(FileExistsError, match="overwrite"):
     _write(_documents(), tokenizer, out)
-  assert blocks.BlockStore.open(str(out)).fingerprint == first.fingerprint
+  assert block_store.BlockStore.open(str(out)).fingerprint == first.fingerprint
   second = _write(_documents(), tokenizer, out, overwrite=True)
   assert second.fingerprint != first.fingerprint
   assert sorted(os.listdir(tmp_path)) == ["store"]
@@ -304,11 +304,11 @@ def test_writer_rejects_bad_blocks(tokenizer, tmp_path):
   too_long = blocks.Block(0, "T", np.array([1]), "x", np.arange(10),
                           np.array([0]))
   with pytest.raises(ValueError, match="over max_block_len 8"):
-    blocks.write_block_store([too_long], str(tmp_path / "s"),
+    block_store.write_block_store([too_long], str(tmp_path / "s"),
                              tokenizer_vocab_path=tokenizer.vocab_path,
                              source="t", max_block_len=8)
   with pytest.raises(ValueError, match="no blocks"):
-    blocks.write_block_store([], str(tmp_path / "s"),
+    block_store.write_block_store([], str(tmp_path / "s"),
                              tokenizer_vocab_path=tokenizer.vocab_path,
                              source="t")
   assert os.listdir(tmp_path) == []
@@ -322,29 +322,29 @@ def test_corrupt_store_errors_name_the_path(tokenizer, tmp_path):
 
   manifest_path.write_text(manifest[:40])
   with pytest.raises(ValueError, match=re.escape(str(manifest_path))):
-    blocks.BlockStore.open(str(out))
+    block_store.BlockStore.open(str(out))
   manifest_path.write_text(manifest)
 
   body = out / "body_ids.npy"
   data = body.read_bytes()
   body.write_bytes(data[:-8])  # truncated array file
   with pytest.raises(ValueError, match=re.escape(str(body))):
-    blocks.BlockStore.open(str(out))
+    block_store.BlockStore.open(str(out))
   flipped = bytearray(data)
   flipped[-1] ^= 1
   body.write_bytes(bytes(flipped))
-  blocks.BlockStore.open(str(out))  # sizes fine: only verify can tell
+  block_store.BlockStore.open(str(out))  # sizes fine: only verify can tell
   with pytest.raises(ValueError, match="sha256"):
-    blocks.BlockStore.open(str(out), verify=True)
+    block_store.BlockStore.open(str(out), verify=True)
   body.write_bytes(data)
-  assert len(blocks.BlockStore.open(str(out), verify=True)) > 0
+  assert len(block_store.BlockStore.open(str(out), verify=True)) > 0
 
   os.remove(out / "title_ids.npy")
   with pytest.raises(FileNotFoundError, match="title_ids.npy"):
-    blocks.BlockStore.open(str(out))
+    block_store.BlockStore.open(str(out))
   os.remove(manifest_path)
   with pytest.raises(FileNotFoundError, match="manifest.json"):
-    blocks.BlockStore.open(str(out))
+    block_store.BlockStore.open(str(out))
 
 
 def test_manifest_contents(tokenizer, tmp_path):
@@ -406,7 +406,7 @@ def test_orqa_round_trip(tokenizer, tmp_path):
   assert len(packed[3].text) < len(records[3][1])
   assert len(packed[4].text) < len(records[4][1])
   assert report.notes == {"block_truncated": 2}
-  store = blocks.write_block_store(
+  store = block_store.write_block_store(
       iter(packed), str(tmp_path / "store"),
       tokenizer_vocab_path=tokenizer.vocab_path, source=blocks_tfr,
       max_block_len=64)

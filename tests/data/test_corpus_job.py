@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from realm_jax.data import blocks
+from realm_jax.data import block_store
 from realm_jax.data import corpus_job
 from realm_jax.data import wikipedia
 
@@ -146,7 +146,7 @@ def test_command_line(tmp_path):
   result = subprocess.run(command, capture_output=True, text=True, env=env,
                           cwd=repo, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
-  assert blocks.BlockStore.open(str(out)).num_documents == 3
+  assert block_store.BlockStore.open(str(out)).num_documents == 3
   # A second run refuses to overwrite, naming the directory.
   result = subprocess.run(command, capture_output=True, text=True, env=env,
                           cwd=repo, check=False)

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from realm_jax.data import blocks
+from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data import signatures
 from realm_jax.data.tokenizer import Tokenizer
@@ -81,7 +81,7 @@ def test_filter_has_no_false_negatives_and_rejects_most_blocks():
 
 
 def test_store_carries_signatures_outside_the_fingerprint(store_dir, tmp_path):
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   entry = store.manifest["signatures"]
   assert entry["file"] == signatures.FILE_NAME
   assert entry["bits"] == signatures.SIGNATURE_BITS
@@ -99,7 +99,7 @@ def test_store_carries_signatures_outside_the_fingerprint(store_dir, tmp_path):
   del manifest["signatures"]
   with open(os.path.join(old_dir, "manifest.json"), "w") as f:
     json.dump(manifest, f)
-  old = blocks.BlockStore.open(old_dir)
+  old = block_store.BlockStore.open(old_dir)
   assert old.fingerprint == store.fingerprint
   assert not isinstance(old.signatures, np.memmap)
   np.testing.assert_array_equal(old.signatures, expected)
@@ -111,14 +111,14 @@ def test_corrupt_signature_file_is_named(store_dir, tmp_path):
   path = os.path.join(bad_dir, signatures.FILE_NAME)
   np.save(path, np.zeros((3, 16), np.uint64))
   with pytest.raises(ValueError, match="body_signatures.npy holds"):
-    _ = blocks.BlockStore.open(bad_dir).signatures
+    _ = block_store.BlockStore.open(bad_dir).signatures
   os.remove(path)
   with pytest.raises(ValueError, match="body_signatures.npy.*cannot be read"):
-    _ = blocks.BlockStore.open(bad_dir).signatures
+    _ = block_store.BlockStore.open(bad_dir).signatures
 
 
 def test_prefiltered_has_answer_equals_the_full_scan(store_dir):
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   tok = Tokenizer()
   rng = np.random.default_rng(2)
   n = len(store)

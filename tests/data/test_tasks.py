@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import seqio
 
-from realm_jax.data import blocks
+from realm_jax.data import block_store, blocks
 from realm_jax.data import examples as ex
 from realm_jax.data import salient_spans as ss
 from realm_jax.data import tasks
@@ -173,23 +173,23 @@ def test_registration_is_idempotent(annotated_files, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def block_store(tmp_path_factory, tok):
+def store_path(tmp_path_factory, tok):
   docs = [wikipedia.Document(
       title=f"Article {k}",
       text=" ".join(f"Sentence {j} of article {k} is about topic {k * j}."
                     for j in range(40))) for k in range(4)]
   path = str(tmp_path_factory.mktemp("store") / "blocks")
-  blocks.write_block_store(
+  block_store.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=64), path,
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=64)
   return path
 
 
-def test_ict_task_pairs_and_sharding(block_store):
-  tasks.register_ict_task(block_store=block_store,
+def test_ict_task_pairs_and_sharding(store_path):
+  tasks.register_ict_task(block_store=store_path,
                           ict_config=ex.IctConfig(block_length=64),
                           overwrite=True)
-  store = blocks.BlockStore.open(block_store)
+  store = block_store.BlockStore.open(store_path)
   n = len(store)
   assert n >= 10
   items = _items("ict")

@@ -14,7 +14,7 @@ import pytest
 
 from realm_jax import ask as ask_lib
 from realm_jax.checkpoint_import import core
-from realm_jax.data import blocks
+from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval
@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
   # One corpus per session: make_tiny_corpus reuses an existing one.
   store_dir, _ = corpus.make_tiny_corpus(
       str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   # Mean pooling: a random tiny BERT's pooler gives near-identical
   # embeddings (ties everywhere); mean pooling ranks blocks apart.
   config = tiny.tiny_realm(vocab_size=30522, pooling="mean")

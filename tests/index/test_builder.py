@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.data import blocks, wikipedia
+from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, embed, publish
 from realm_jax.model import functional
@@ -29,7 +29,7 @@ CONFIG = tiny.tiny_realm(vocab_size=30522)
 def store(tmp_path_factory):
   tok = Tokenizer()
   docs = [wikipedia.Document(t, x) for t, x in TEXTS]
-  return blocks.write_block_store(
+  return block_store.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16),
       str(tmp_path_factory.mktemp("s") / "store"),
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)

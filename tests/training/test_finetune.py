@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from realm_jax import gin_cli
-from realm_jax.data import blocks, wikipedia
+from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish
@@ -54,7 +54,7 @@ def setup(tmp_path_factory):
     for q, a in QA:
       f.write(json.dumps({"question": q, "answer": a}) + "\n")
   _, model = _configs(str(root / "unused"), store_dir, qa_path, "unused")
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   _, params = functional.init(lambda r: Realm(model, rngs=r), 0)
   index_root = str(root / "index")
   builder.build_and_publish(
@@ -70,7 +70,7 @@ def _write_store(directory, max_block_len):
   salient-span annotation fine-tuning does not need)."""
   tok = Tokenizer()
   docs = [wikipedia.Document(t, x) for t, x in corpus.ARTICLES]
-  blocks.write_block_store(
+  block_store.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=max_block_len), directory,
       tokenizer_vocab_path=tok.vocab_path, source="tiny test corpus",
       max_block_len=max_block_len)
@@ -236,7 +236,7 @@ def test_index_of_another_corpus_or_size_is_refused(setup, tmp_path):
   other_store = _write_store(str(tmp_path / "other"), max_block_len=24)
   store = setup["store"]
   other_root = str(tmp_path / "other_index")
-  other = blocks.BlockStore.open(other_store)
+  other = block_store.BlockStore.open(other_store)
   builder.publish_embeddings(
       embeddings=np.random.default_rng(0).normal(
           size=(len(other), 128)).astype(np.float32),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from realm_jax import gin_cli, io_utils
-from realm_jax.data import blocks, examples
+from realm_jax.data import block_store, examples
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, Retriever
 from realm_jax.testing import corpus, ram_fs, tiny
@@ -115,7 +115,7 @@ def test_global_in_batch_loss_and_grads_equal_one_device_and_plain_jax():
 
 
 def test_sentence_counts_match_sentence_bounds(store_dir, tmp_path):
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   ids = np.arange(len(store))
   want = [len(examples.sentence_bounds(len(store.body_ids(i)),
                                        store.sentence_starts(i)))
@@ -126,14 +126,14 @@ def test_sentence_counts_match_sentence_bounds(store_dir, tmp_path):
   ram_fs.register()
   remote = ram_fs.unique_root("store")
   io_utils.copy_tree(store_dir, remote)
-  cached = blocks.BlockStore.open(remote, cache_dir=tmp_path)
+  cached = block_store.BlockStore.open(remote, cache_dir=tmp_path)
   assert cached.local_path.startswith(str(tmp_path))
   np.testing.assert_array_equal(ict.sentence_counts(cached, ids), want)
 
 
 def test_examples_are_a_pure_function_of_step_distinct_and_sharded(
     store_dir):
-  store = blocks.BlockStore.open(store_dir)
+  store = block_store.BlockStore.open(store_dir)
   config = examples.IctConfig(query_length=16, block_length=32)
   make = lambda **kw: ict.IctExamples(store, config=config, seed=3, **kw)
   a, b = make(batch_size=8), make(batch_size=8)

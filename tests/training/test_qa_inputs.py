@@ -6,7 +6,7 @@ import pytest
 
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.data import blocks
+from realm_jax.data import block_store
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
@@ -20,7 +20,7 @@ CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
   store_dir, _ = corpus.make_tiny_corpus(str(tmp_path_factory.mktemp("c")))
-  return blocks.BlockStore.open(store_dir)
+  return block_store.BlockStore.open(store_dir)
 
 
 def test_batch_layout_has_answer_and_gold_spans(store):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from realm_jax.data import blocks, wikipedia
+from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.training import realm_inputs
 
@@ -23,7 +23,7 @@ def store(tmp_path_factory):
   tok = Tokenizer()
   docs = [wikipedia.Document(t, x) for t, x in ARTICLES.items()]
   # Small blocks so articles span several blocks.
-  return blocks.write_block_store(
+  return block_store.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16),
       str(tmp_path_factory.mktemp("s") / "store"),
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)

@@ -1,0 +1,604 @@
+"""The memory-mapped block store: the corpus Z on disk.
+
+`write_block_store` streams blocks (`blocks.Block`) into a directory of
+`.npy` files that `BlockStore` opens with `mmap_mode="r"`: 13M blocks are
+~16 GB of arrays on disk and almost nothing in RAM. Block ids are 0..N-1 in
+corpus order; the manifest's `fingerprint` (sha256 over every array) is what
+index manifests record to refuse embeddings of another corpus.
+
+Layout of a store directory (`N` blocks, `D` documents, flat arrays with
+`*_offsets` of length N+1 or D+1):
+
+  body_ids.npy int32, body_offsets.npy int64          wordpieces of the bodies
+  sentence_starts.npy int32, sentence_offsets.npy    token offset of each
+                                                      sentence in its body
+  text_bytes.npy uint8, text_offsets.npy int64       UTF-8 body text
+  doc_index.npy int32 [N], doc_hash.npy int64 [N]    article of each block
+  title_ids.npy int32, title_offsets.npy int64       wordpieces of the titles
+  title_bytes.npy uint8, title_byte_offsets.npy      UTF-8 titles
+  doc_block_offsets.npy int64 [D+1]                  blocks of each article
+  body_signatures.npy uint64 [N, 16]                 hashed wordpiece sets
+                                                     (`signatures`)
+  manifest.json, report.json
+
+A store on remote storage (gs://...) is copied once into the local cache
+and mapped from there (`BlockStore.open`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+from typing import Any, Iterable
+
+from absl import logging
+import numpy as np
+
+from realm_jax import io_utils
+from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import signatures as token_signatures
+from realm_jax.data import wikipedia
+
+FORMAT_VERSION = 1
+# -----------------------------------------------------------------------------
+# Writing the block store.
+# -----------------------------------------------------------------------------
+
+# Order matters: the fingerprint hashes the files in this order.
+_ARRAYS = (
+    ("body_ids", np.int32), ("body_offsets", np.int64),
+    ("sentence_starts", np.int32), ("sentence_offsets", np.int64),
+    ("text_bytes", np.uint8), ("text_offsets", np.int64),
+    ("doc_index", np.int32), ("doc_hash", np.int64),
+    ("title_ids", np.int32), ("title_offsets", np.int64),
+    ("title_bytes", np.uint8), ("title_byte_offsets", np.int64),
+    ("doc_block_offsets", np.int64),
+)
+_HEADER_BYTES = 128
+
+
+def _npy_header(dtype, length: int) -> bytes:
+  """A .npy v1.0 header of fixed size, so it can be rewritten in place."""
+  header = "{'descr': %r, 'fortran_order': False, 'shape': (%d,), }" % (
+      np.dtype(dtype).str, length)
+  header = header.ljust(_HEADER_BYTES - 10 - 1) + "\n"
+  return (b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") +
+          header.encode("latin1"))
+
+
+class _ArrayWriter:
+  """Appends to a 1-D .npy file whose length is known only at the end."""
+
+  def __init__(self, path: str, dtype):
+    self.path, self.dtype, self.length = path, np.dtype(dtype), 0
+    self.sha256 = hashlib.sha256()
+    self._file = open(path, "wb", buffering=1 << 20)
+    self._file.write(_npy_header(self.dtype, 0))
+
+  def append(self, values) -> None:
+    data = np.ascontiguousarray(values, self.dtype)
+    raw = data.tobytes()
+    self._file.write(raw)
+    self.sha256.update(raw)
+    self.length += data.size
+
+  def close(self) -> dict[str, Any]:
+    self._file.seek(0)
+    self._file.write(_npy_header(self.dtype, self.length))
+    self._file.close()
+    return {"dtype": self.dtype.str, "shape": [self.length],
+            "sha256": self.sha256.hexdigest()}
+
+  def abort(self) -> None:
+    self._file.close()
+
+
+def _fingerprint(files: dict[str, dict[str, Any]]) -> str:
+  digest = hashlib.sha256()
+  for name, _ in _ARRAYS:
+    digest.update(f"{name}:{files[name]['dtype']}:{files[name]['sha256']}\n"
+                  .encode())
+  return digest.hexdigest()
+
+
+def _special_ids(vocab_path: str) -> dict[str, int]:
+  with open(vocab_path, encoding="utf-8") as f:
+    index = {line.rstrip("\n"): i for i, line in enumerate(f)}
+  return {"vocab_size": len(index), "pad_id": index["[PAD]"],
+          "unk_id": index["[UNK]"], "cls_id": index["[CLS]"],
+          "sep_id": index["[SEP]"], "mask_id": index["[MASK]"]}
+
+
+def _sha256_file(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def write_block_store(
+    blocks: Iterable[blocks_lib.Block],
+    out_dir: str,
+    *,
+    tokenizer_vocab_path: str,
+    source: str,
+    max_block_len: int = blocks_lib.DEFAULT_MAX_BLOCK_LEN,
+    overwrite: bool = False,
+    report: wikipedia.Report | None = None,
+    extra_manifest: dict[str, Any] | None = None,
+) -> BlockStore:
+  """Streams blocks into a block store directory.
+
+  Nothing is held in memory but the current block. The store is written to
+  `out_dir + ".tmp-<pid>"` and renamed to `out_dir` only when complete, so a
+  failed or killed write never leaves a store at `out_dir`.
+
+  Args:
+    blocks: blocks in corpus order, `doc_index` 0, 1, 2, ... (consecutive).
+    out_dir: the store directory to create.
+    tokenizer_vocab_path: the vocab.txt the ids come from (its sha256 goes
+      into the manifest).
+    source: what the corpus was built from (a path), for the manifest.
+    max_block_len: the length bound every block must satisfy.
+    overwrite: replace an existing store at `out_dir`.
+    report: if given, its summary is written to `report.json` in the store
+      once `blocks` is exhausted (so it counts the whole build).
+    extra_manifest: more JSON-serialisable manifest entries.
+
+  Returns:
+    The opened store.
+
+  Raises:
+    FileExistsError: if `out_dir` exists and not `overwrite`.
+    ValueError: if a block breaks the length bound or the doc order, or
+      there are no blocks.
+  """
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and not overwrite:
+    raise FileExistsError(
+        f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
+        "replace it or choose another output directory.")
+  tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp_dir, ignore_errors=True)
+  os.makedirs(tmp_dir)
+  writers = {}
+  try:
+    writers = {name: _ArrayWriter(os.path.join(tmp_dir, name + ".npy"), dtype)
+               for name, dtype in _ARRAYS}
+    num_blocks = num_documents = 0
+    total = {"body": 0, "sentences": 0, "text": 0, "title": 0, "title_b": 0}
+    for name in ("body_offsets", "sentence_offsets", "text_offsets",
+                 "title_offsets", "title_byte_offsets", "doc_block_offsets"):
+      writers[name].append([0])
+    for block in blocks:
+      n_body = len(block.body_ids)
+      special = blocks_lib.NUM_SPECIAL_TOKENS
+      if special + len(block.title_ids) + n_body > max_block_len:
+        raise ValueError(
+            f"block {num_blocks} ('{block.title}') has {len(block.title_ids)} "
+            f"title and {n_body} body wordpieces: over max_block_len "
+            f"{max_block_len} with the 3 special tokens.")
+      if block.doc_index == num_documents:  # the first block of an article
+        if num_documents:
+          writers["doc_block_offsets"].append([num_blocks])
+        title_bytes = block.title.encode("utf-8")
+        writers["title_ids"].append(block.title_ids)
+        writers["title_bytes"].append(np.frombuffer(title_bytes, np.uint8))
+        total["title"] += len(block.title_ids)
+        total["title_b"] += len(title_bytes)
+        writers["title_offsets"].append([total["title"]])
+        writers["title_byte_offsets"].append([total["title_b"]])
+        num_documents += 1
+        doc_hash = blocks_lib.title_hash(block.title)
+      elif block.doc_index != num_documents - 1:
+        raise ValueError(
+            f"block {num_blocks} has doc_index {block.doc_index} after "
+            f"{num_documents - 1}: blocks must come in article order.")
+      text_bytes = block.text.encode("utf-8")
+      writers["body_ids"].append(block.body_ids)
+      writers["sentence_starts"].append(block.sentence_starts)
+      writers["text_bytes"].append(np.frombuffer(text_bytes, np.uint8))
+      total["body"] += n_body
+      total["sentences"] += len(block.sentence_starts)
+      total["text"] += len(text_bytes)
+      writers["body_offsets"].append([total["body"]])
+      writers["sentence_offsets"].append([total["sentences"]])
+      writers["text_offsets"].append([total["text"]])
+      writers["doc_index"].append([block.doc_index])
+      writers["doc_hash"].append([doc_hash])
+      num_blocks += 1
+    if not num_blocks:
+      raise ValueError(
+          f"no blocks to write to {out_dir}: the input held no usable "
+          "article (see the report's skip counts).")
+    writers["doc_block_offsets"].append([num_blocks])
+    files = {name: writer.close() for name, writer in writers.items()}
+    signature_entry = token_signatures.write(
+        tmp_dir, np.load(os.path.join(tmp_dir, "body_ids.npy"), mmap_mode="r"),
+        np.load(os.path.join(tmp_dir, "body_offsets.npy")))
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "num_blocks": num_blocks,
+        "num_documents": num_documents,
+        "max_block_len": max_block_len,
+        "vocab_sha256": _sha256_file(tokenizer_vocab_path),
+        **_special_ids(tokenizer_vocab_path),
+        "source": source,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "fingerprint": _fingerprint(files),
+        "files": files,
+        "signatures": signature_entry,
+        **(extra_manifest or {}),
+    }
+    with open(os.path.join(tmp_dir, "manifest.json"), "w") as f:
+      json.dump(manifest, f, indent=1)
+    if report is not None:
+      with open(os.path.join(tmp_dir, "report.json"), "w") as f:
+        json.dump(report.summary(), f, indent=1)
+    BlockStore.open(tmp_dir)  # refuse to publish what cannot be read back
+    io_utils.replace_local_dir(tmp_dir, out_dir)
+  except BaseException:
+    for writer in writers.values():
+      writer.abort()
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    raise
+  logging.info("wrote block store %s: %d blocks of %d articles, fingerprint "
+               "%s", out_dir, num_blocks, num_documents,
+               manifest["fingerprint"][:16])
+  return BlockStore.open(out_dir)
+
+
+# -----------------------------------------------------------------------------
+# Reading the block store.
+# -----------------------------------------------------------------------------
+
+
+class BlockStore:
+  """Memory-mapped, read-only view of a block store directory.
+
+  Attributes:
+    path: the directory as given (local, or remote such as gs://...).
+    local_path: the local directory whose files are mapped: `path`, or its
+      copy in the local cache.
+    manifest: the parsed manifest.json.
+  """
+
+  def __init__(self, path: str, manifest: dict[str, Any],
+               arrays: dict[str, np.ndarray], local_path: str | None = None):
+    self.path = path
+    self.local_path = path if local_path is None else local_path
+    self.manifest = manifest
+    self._a = arrays
+    self._signatures = None
+
+  @classmethod
+  def open(cls, path: io_utils.PathLike, *, verify: bool = False,
+           cache: bool | None = None,
+           cache_dir: io_utils.PathLike | None = None) -> BlockStore:
+    """Opens a store written by `write_block_store`.
+
+    A file that is not on a local disk (gs://...) cannot be memory-mapped,
+    so a remote store is first copied, once per host, into the local cache
+    directory `<cache_dir>/blocks-<fingerprint>` (default cache:
+    `io_utils.cache_root()`, i.e. $REALM_JAX_CACHE_DIR or
+    <tempdir>/realm_jax_cache) and the copy is mapped. The fingerprint is
+    the store's content hash, so a cached copy is reused until the store
+    changes. For speed, copy stores to each host's disk yourself.
+
+    Args:
+      path: the store directory (local, or remote).
+      verify: also recompute every file's sha256 (reads the whole store).
+      cache: copy into the local cache first; default: iff `path` is not
+        local (True also helps with a slow network mount).
+      cache_dir: the cache directory (default `io_utils.cache_root()`).
+
+    Returns:
+      The store; arrays are memory-mapped, not loaded.
+
+    Raises:
+      FileNotFoundError: if the directory, manifest or an array is missing.
+      ValueError: if the manifest or an array is corrupt or inconsistent.
+    """
+    source = os.fspath(path)
+    if cache is None:
+      cache = not io_utils.is_local(source)
+    if cache:
+      path = _cached_store(source, cache_dir)
+    elif not io_utils.is_local(source):
+      raise ValueError(f"block store {source} is not on a local disk and "
+                       "cannot be memory-mapped; open it with cache=True "
+                       "(the default) or copy it to a local disk.")
+    path = os.fspath(path)
+    manifest_path = os.path.join(path, "manifest.json")
+    if not os.path.isdir(path):
+      raise FileNotFoundError(
+          f"block store {path} does not exist; build it with "
+          "`python -m realm_jax.data.corpus_job --output_dir=...`.")
+    if not os.path.exists(manifest_path):
+      raise FileNotFoundError(
+          f"{manifest_path} is missing: {path} is not a complete block store "
+          "(an interrupted build?); rebuild it.")
+    try:
+      with open(manifest_path) as f:
+        manifest = json.load(f)
+      files = manifest["files"]
+      num_blocks = int(manifest["num_blocks"])
+      num_documents = int(manifest["num_documents"])
+      int(manifest["cls_id"]), int(manifest["sep_id"]), int(manifest["pad_id"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"{manifest_path} is corrupt ({e!r}); rebuild the "
+                       "block store.") from e
+    if manifest.get("format_version") != FORMAT_VERSION:
+      raise ValueError(
+          f"{manifest_path}: format_version {manifest.get('format_version')} "
+          f"is not {FORMAT_VERSION}; rebuild the store with this version.")
+    arrays = {}
+    for name, dtype in _ARRAYS:
+      file_path = os.path.join(path, name + ".npy")
+      if not os.path.exists(file_path):
+        raise FileNotFoundError(f"{file_path} is missing; rebuild the store.")
+      try:
+        array = np.load(file_path, mmap_mode="r")
+      except (ValueError, OSError) as e:
+        raise ValueError(f"{file_path} is corrupt ({e}); rebuild the "
+                         "store.") from e
+      expected = files.get(name, {})
+      if (array.dtype != np.dtype(dtype) or array.ndim != 1 or
+          list(array.shape) != expected.get("shape")):
+        raise ValueError(
+            f"{file_path} holds {array.dtype}{list(array.shape)}, the "
+            f"manifest says {expected.get('dtype')}{expected.get('shape')}: "
+            "the store is corrupt; rebuild it.")
+      if verify and _sha256_file_data(file_path) != expected.get("sha256"):
+        raise ValueError(f"{file_path}: sha256 differs from the manifest; "
+                         "the store is corrupt; rebuild it.")
+      arrays[name] = array
+    store = cls(source, manifest, arrays, local_path=path)
+    store._check_consistency(num_blocks, num_documents)
+    return store
+
+  def _check_consistency(self, num_blocks: int, num_documents: int) -> None:
+    a = self._a
+    checks = [
+        ("body_offsets", num_blocks + 1, "body_ids"),
+        ("sentence_offsets", num_blocks + 1, "sentence_starts"),
+        ("text_offsets", num_blocks + 1, "text_bytes"),
+        ("title_offsets", num_documents + 1, "title_ids"),
+        ("title_byte_offsets", num_documents + 1, "title_bytes"),
+        ("doc_block_offsets", num_documents + 1, None),
+    ]
+    for offsets, length, flat in checks:
+      ok = len(a[offsets]) == length and (
+          flat is None or int(a[offsets][-1]) == len(a[flat]))
+      if not ok:
+        raise ValueError(
+            f"{self.path}: {offsets}.npy does not match "
+            f"{flat or 'num_documents'} and the manifest's counts; the store "
+            "is corrupt; rebuild it.")
+    if len(a["doc_index"]) != num_blocks or len(a["doc_hash"]) != num_blocks:
+      raise ValueError(f"{self.path}: doc_index/doc_hash do not have "
+                       f"{num_blocks} rows; the store is corrupt.")
+
+  # ---- sizes and identity ----
+
+  def __len__(self) -> int:
+    return len(self._a["doc_index"])
+
+  @property
+  def num_documents(self) -> int:
+    return len(self._a["doc_block_offsets"]) - 1
+
+  @property
+  def fingerprint(self) -> str:
+    return self.manifest["fingerprint"]
+
+  @property
+  def max_block_len(self) -> int:
+    return int(self.manifest["max_block_len"])
+
+  @property
+  def doc_hash(self) -> np.ndarray:
+    """int64 [num_blocks]: `title_hash` of each block's article."""
+    return self._a["doc_hash"]
+
+  @property
+  def doc_indices(self) -> np.ndarray:
+    """int32 [num_blocks]: the article index of each block."""
+    return self._a["doc_index"]
+
+  @property
+  def signatures(self) -> np.ndarray:
+    """uint64 [num_blocks, 16]: token signatures of the bodies (see
+    `realm_jax.data.signatures`), memory-mapped or computed once."""
+    if self._signatures is None:
+      self._signatures = token_signatures.load(self)
+    return self._signatures
+
+  def check_vocab(self, vocab_path: str) -> None:
+    """Raises ValueError unless the store was tokenized with `vocab_path`."""
+    if _sha256_file(vocab_path) != self.manifest["vocab_sha256"]:
+      raise ValueError(
+          f"{self.path} was tokenized with another vocabulary than "
+          f"{vocab_path}; rebuild the store with this vocab or use the "
+          "matching one.")
+
+  # ---- one block ----
+
+  def _block(self, i: int) -> int:
+    n = len(self)
+    if not -n <= i < n:
+      raise IndexError(f"block {i} is out of range for {n} blocks.")
+    return int(i) % n
+
+  def _slice(self, flat: str, offsets: str, i: int) -> np.ndarray:
+    o = self._a[offsets]
+    return self._a[flat][int(o[i]):int(o[i + 1])]
+
+  def doc_index(self, i: int) -> int:
+    return int(self._a["doc_index"][self._block(i)])
+
+  def text(self, i: int) -> str:
+    return self._slice("text_bytes", "text_offsets",
+                       self._block(i)).tobytes().decode("utf-8")
+
+  def title(self, i: int) -> str:
+    return self._slice("title_bytes", "title_byte_offsets",
+                       self.doc_index(i)).tobytes().decode("utf-8")
+
+  def body_ids(self, i: int) -> np.ndarray:
+    return np.array(self._slice("body_ids", "body_offsets", self._block(i)))
+
+  def title_ids(self, i: int) -> np.ndarray:
+    return np.array(self._slice("title_ids", "title_offsets",
+                                self.doc_index(i)))
+
+  def sentence_starts(self, i: int) -> np.ndarray:
+    return np.array(self._slice("sentence_starts", "sentence_offsets",
+                                self._block(i)))
+
+  def document_blocks(self, doc_index: int) -> range:
+    """Block ids of article `doc_index`."""
+    o = self._a["doc_block_offsets"]
+    return range(int(o[doc_index]), int(o[doc_index + 1]))
+
+  # ---- batches ----
+
+  def _ids(self, block_ids) -> np.ndarray:
+    ids = np.asarray(block_ids, np.int64).reshape(-1)
+    n = len(self)
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+      raise IndexError(f"block ids must be in [0, {n}); got "
+                       f"[{ids.min()}, {ids.max()}].")
+    return ids
+
+  def retriever_inputs(self, block_ids,
+                       seq_len: int = blocks_lib.DEFAULT_MAX_BLOCK_LEN
+                       ) -> dict[str, np.ndarray]:
+    """Retriever (document tower) inputs `[CLS] title [SEP] body [SEP]`.
+
+    Segment 0 is `[CLS] title [SEP]`, segment 1 is `body [SEP]`. Built
+    with whole-batch numpy gathers (no Python loop over blocks). If
+    `seq_len` is shorter than the stored blocks, the body is truncated
+    first, then the title.
+
+    Args:
+      block_ids: int array [n] of block ids.
+      seq_len: output length (>= 3).
+
+    Returns:
+      {"token_ids", "input_mask", "segment_ids"}: int32 [n, seq_len].
+    """
+    if seq_len < blocks_lib.NUM_SPECIAL_TOKENS:
+      raise ValueError(f"seq_len must be >= 3, got {seq_len}.")
+    ids = self._ids(block_ids)
+    docs = self._a["doc_index"][ids].astype(np.int64)
+    title_starts = self._a["title_offsets"][docs]
+    title_lens = self._a["title_offsets"][docs + 1] - title_starts
+    body_starts = self._a["body_offsets"][ids]
+    body_lens = self._a["body_offsets"][ids + 1] - body_starts
+    room = seq_len - blocks_lib.NUM_SPECIAL_TOKENS
+    title_lens = np.minimum(title_lens, room)
+    body_lens = np.minimum(body_lens, room - title_lens)
+    n = len(ids)
+    token_ids = np.full([n, seq_len], self.manifest["pad_id"], np.int32)
+    token_ids[:, 0] = self._cls_id
+    rows = np.arange(n)
+    _scatter(token_ids, self._a["title_ids"], title_starts, title_lens, 1)
+    token_ids[rows, title_lens + 1] = self._sep_id
+    _scatter(token_ids, self._a["body_ids"], body_starts, body_lens,
+             title_lens + 2)
+    ends = title_lens + body_lens + blocks_lib.NUM_SPECIAL_TOKENS  # exclusive
+    token_ids[rows, ends - 1] = self._sep_id
+    columns = np.arange(seq_len)[None, :]
+    input_mask = (columns < ends[:, None]).astype(np.int32)
+    segment_ids = ((columns >= (title_lens + 2)[:, None]) &
+                   (columns < ends[:, None])).astype(np.int32)
+    return {"token_ids": token_ids, "input_mask": input_mask,
+            "segment_ids": segment_ids}
+
+  def bodies(self, block_ids, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Body wordpieces (no title, no special tokens), zero-padded.
+
+    For the reader input `[CLS] x [SEP] body [SEP]`.
+
+    Args:
+      block_ids: int array [n] of block ids.
+      max_len: columns of the output; longer bodies are truncated.
+
+    Returns:
+      (ids int32 [n, max_len], lengths int32 [n]).
+    """
+    ids = self._ids(block_ids)
+    starts = self._a["body_offsets"][ids]
+    lengths = np.minimum(self._a["body_offsets"][ids + 1] - starts, max_len)
+    flat = self._a["body_ids"]
+    if not len(ids) or not len(flat):
+      return np.zeros([len(ids), max_len], np.int32), lengths.astype(np.int32)
+    # One [n, max_len] window gather, then the tails are zeroed: 2.7x faster
+    # than scattering the ragged rows (fine-tuning reads B x K bodies).
+    columns = np.arange(max_len)
+    window = starts[:, None] + columns
+    np.minimum(window, len(flat) - 1, out=window)
+    out = np.asarray(flat[window], np.int32)
+    out[columns >= lengths[:, None]] = 0
+    return out, lengths.astype(np.int32)
+
+  @property
+  def _cls_id(self) -> int:
+    return int(self.manifest["cls_id"])
+
+  @property
+  def _sep_id(self) -> int:
+    return int(self.manifest["sep_id"])
+
+
+def _scatter(out: np.ndarray, flat: np.ndarray, starts: np.ndarray,
+             lengths: np.ndarray, columns) -> None:
+  """out[r, columns[r] + j] = flat[starts[r] + j] for j < lengths[r]."""
+  lengths = np.asarray(lengths, np.int64)
+  total = int(lengths.sum())
+  if not total:
+    return
+  rows = np.repeat(np.arange(len(lengths)), lengths)
+  within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  columns = np.broadcast_to(np.asarray(columns, np.int64), lengths.shape)
+  out[rows, np.repeat(columns, lengths) + within] = flat[
+      np.repeat(np.asarray(starts, np.int64), lengths) + within]
+
+
+def _cached_store(source: str, cache_dir: io_utils.PathLike | None) -> str:
+  """The local cache copy of the store at `source` (see `BlockStore.open`)."""
+  manifest_path = io_utils.as_path(source) / "manifest.json"
+  if not manifest_path.exists():
+    raise FileNotFoundError(
+        f"{manifest_path} is missing: {source} is not a complete block "
+        "store; build it with `python -m realm_jax.data.corpus_job "
+        "--output_dir=...`.")
+  text = manifest_path.read_text()
+  try:
+    fingerprint = str(json.loads(text)["fingerprint"])
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f"{manifest_path} is corrupt ({e!r}); rebuild the "
+                     "block store.") from e
+  # The content fingerprint, and the manifest's own hash (its metadata).
+  key = "blocks-{}-{}".format(
+      "".join(c for c in fingerprint if c.isalnum())[:32],
+      hashlib.sha256(text.encode()).hexdigest()[:12])
+  local = io_utils.local_copy(source, key, cache_dir=cache_dir)
+  logging.info("block store %s is mapped from its local copy %s", source,
+               local)
+  return local
+
+
+def _sha256_file_data(path: str) -> str:
+  """sha256 of a .npy file's data (after its header), as the writer hashed."""
+  array = np.load(path, mmap_mode="r")
+  digest = hashlib.sha256()
+  step = 1 << 24
+  for start in range(0, len(array), step):
+    digest.update(np.ascontiguousarray(array[start:start + step]).tobytes())
+  return digest.hexdigest()
