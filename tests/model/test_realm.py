@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from realm_jax.model import functional
+from realm_jax.model import realm as realm_lib
 from realm_jax.model.bert import Bert, BertConfig
 from realm_jax.model.realm import (Embedder, Reader, ReaderConfig, Realm,
                                    Retriever, RetrieverConfig, span_mask)
@@ -133,6 +134,64 @@ def test_span_head_matches_a_direct_formula():
       want = x @ np.asarray(p["output"]["kernel"])[:, 0] + np.asarray(
           p["output"]["bias"])[0]
       np.testing.assert_allclose(scores[s, w], want, rtol=1e-4, atol=1e-5)
+
+
+def _naive_span_scores(p, hidden, max_span_width, eps):
+  """The span head as ORQA writes it: build x [..., L, W, H], LayerNorm it."""
+  proj = hidden @ p["intermediate"]["kernel"] + p["intermediate"]["bias"]
+  start, end = jnp.split(proj, 2, axis=-1)
+  seq_len = hidden.shape[-2]
+  padded = jnp.pad(end, [(0, 0)] * (end.ndim - 2)
+                   + [(0, max_span_width - 1), (0, 0)])
+  end_at = jnp.stack([padded[..., w:w + seq_len, :]
+                      for w in range(max_span_width)], axis=-2)
+  x = jax.nn.relu(start[..., :, None, :] + end_at)
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+  x = (x - mean) / jnp.sqrt(var + eps)
+  x = x * p["layer_norm"]["scale"] + p["layer_norm"]["bias"]
+  return (x @ p["output"]["kernel"])[..., 0] + p["output"]["bias"][0]
+
+
+@pytest.mark.parametrize("row_at_a_time", [True, False],
+                         ids=["cpu_rows", "whole_batch"])
+def test_span_head_values_and_gradients_match_the_naive_head(
+    row_at_a_time, monkeypatch):
+  # The fused head (feature sums, custom VJP) against the head that builds
+  # the [..., L, W, H] tensor, with non-trivial LayerNorm and output
+  # parameters, two leading dims, and gradients w.r.t. every parameter and
+  # the hidden states; rows one at a time (CPU) and the whole batch at once
+  # (accelerators).
+  monkeypatch.setattr(realm_lib, "_one_row_at_a_time",
+                      lambda: row_at_a_time)
+  cfg = ReaderConfig(bert=tiny.tiny_bert(), span_hidden_size=16,
+                     max_span_width=5, mlm_head=False)
+  g, params = functional.init(lambda r: Reader(cfg, rngs=r), 3)
+  rng = np.random.default_rng(2)
+  head_params = jax.tree_util.tree_map(
+      lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32) * 0.5,
+      params["span_head"])
+  hidden = jnp.asarray(rng.normal(size=(2, 3, 11, 32)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=(2, 3, 11, 5)), jnp.float32)
+
+  def fused(p, h):
+    model = functional.bind(g, {**params, "span_head": p})
+    return model.span_head(h)
+
+  def naive(p, h):
+    return _naive_span_scores(p, h, 5, 1e-3)
+
+  np.testing.assert_allclose(fused(head_params, hidden),
+                             naive(head_params, hidden), rtol=1e-4,
+                             atol=1e-4)
+  grads = []
+  for fn in (fused, naive):
+    loss = lambda p, h, fn=fn: jnp.sum(weights * jnp.tanh(fn(p, h)))
+    grads.append(jax.jit(jax.grad(loss, argnums=(0, 1)))(head_params,
+                                                         hidden))
+  for got, want in zip(jax.tree_util.tree_leaves(grads[0]),
+                       jax.tree_util.tree_leaves(grads[1])):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_span_mask_function():

@@ -1,0 +1,166 @@
+r"""The reader's span head: the fused head vs the naive one, side by side.
+
+The span head scores every (start, width) span with
+Dense_1(LayerNorm(ReLU(start[s] + end[s + w]))). The naive way (ORQA's)
+builds that hidden vector for every span, a [..., L, W, 256] tensor, and
+autodiff keeps it (and its normalised copy) for the backward pass.
+`realm_jax.model.realm.SpanHead` instead computes three feature sums per
+span (`span_feature_sums`, a custom VJP that recomputes x in the backward
+pass), from which LayerNorm + Dense_1 follow exactly.
+
+For each shape, one JSON line per implementation with the median seconds
+of the jitted forward pass and of forward + backward (gradient w.r.t. the
+head's parameters and its input hidden states), and XLA's compiled
+temporary buffer size for forward + backward (`memory_analysis`), then a
+`comparison` line (speed-up and memory ratio) after checking that both give
+the same scores and gradients.
+
+Shapes (hidden states [B, R, L, H] in, reader length L, W = 10, 256):
+  tiny_b16      the fine-tuning benchmark's tiny reader: B 16, R 5, L 320,
+                H 32;
+  minilm_b8     MiniLM-L6 at batch 8: B 8, R 5, L 320, H 384;
+  bert_base_b1  REALM's fine-tuning (batch 1, BERT-base): B 1, R 5, L 288,
+                H 768.
+
+    XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= \
+        python benchmarks/span_head.py [--shapes=tiny_b16,minilm_b8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+SHAPES = {
+    "tiny_b16": (16, 5, 320, 32),
+    "minilm_b8": (8, 5, 320, 384),
+    "bert_base_b1": (1, 5, 288, 768),
+}
+
+
+def emit(**record):
+  record["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+  print(json.dumps(record), flush=True)
+
+
+def naive_scores(p, hidden, max_span_width: int, eps: float):
+  """The span head as ORQA writes it: x [..., L, W, H], then LayerNorm."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  proj = hidden @ p["intermediate"]["kernel"] + p["intermediate"]["bias"]
+  start, end = jnp.split(proj, 2, axis=-1)
+  seq_len = hidden.shape[-2]
+  padded = jnp.pad(end, [(0, 0)] * (end.ndim - 2)
+                   + [(0, max_span_width - 1), (0, 0)])
+  end_at = jnp.stack([padded[..., w:w + seq_len, :]
+                      for w in range(max_span_width)], axis=-2)
+  x = jax.nn.relu(start[..., :, None, :] + end_at)
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.maximum(
+      jnp.mean(jnp.square(x), axis=-1, keepdims=True) - jnp.square(mean), 0.)
+  x = (x - mean) * jax.lax.rsqrt(var + eps)
+  x = x * p["layer_norm"]["scale"] + p["layer_norm"]["bias"]
+  return (x @ p["output"]["kernel"])[..., 0] + p["output"]["bias"][0]
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(fn(*args))  # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def run_shape(name: str, repeats: int) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.bert import BertConfig  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import Reader, ReaderConfig  # pylint: disable=g-import-not-at-top
+
+  b, r, seq_len, h = SHAPES[name]
+  bert = BertConfig(hidden_size=h, num_layers=1, num_heads=4,
+                    intermediate_size=4 * h)
+  cfg = ReaderConfig(bert=bert, mlm_head=False)
+  graphdef, params = functional.init(lambda rngs: Reader(cfg, rngs=rngs), 0)
+  rng = np.random.default_rng(0)
+  head = jax.tree_util.tree_map(
+      lambda x: jnp.asarray(x + 0.1 * rng.normal(size=x.shape), jnp.float32),
+      params["span_head"])
+  hidden = jnp.asarray(rng.normal(size=(b, r, seq_len, h)), jnp.float32)
+  weights = jnp.asarray(
+      rng.normal(size=(b, r, seq_len, cfg.max_span_width)), jnp.float32)
+
+  def fused(p, x):
+    return functional.bind(graphdef, {**params, "span_head": p}).span_head(x)
+
+  def naive(p, x):
+    return naive_scores(p, x, cfg.max_span_width, cfg.span_layer_norm_eps)
+
+  results = {}
+  for impl, fn in (("naive", naive), ("fused", fused)):
+    forward = jax.jit(fn)
+    grad = jax.jit(jax.grad(
+        lambda p, x, fn=fn: jnp.sum(weights * jnp.tanh(fn(p, x))),
+        argnums=(0, 1)))
+    memory = grad.lower(head, hidden).compile().memory_analysis()
+    temp = getattr(memory, "temp_size_in_bytes", None)
+    record = dict(
+        shape=name, impl=impl, batch=b, blocks=r, reader_length=seq_len,
+        hidden=h, span_hidden=cfg.span_hidden_size,
+        max_span_width=cfg.max_span_width,
+        forward_s=round(median_seconds(forward, head, hidden,
+                                       repeats=repeats), 5),
+        forward_backward_s=round(median_seconds(grad, head, hidden,
+                                                repeats=repeats), 5),
+        forward_backward_temp_mb=None if temp is None else round(
+            temp / 2**20, 1))
+    results[impl] = (record, forward(head, hidden), grad(head, hidden))
+    emit(kind="span_head", **record)
+
+  (naive_rec, naive_out, naive_grad), (fused_rec, fused_out, fused_grad) = (
+      results["naive"], results["fused"])
+  scale = float(jnp.max(jnp.abs(naive_out)))
+  out_err = float(jnp.max(jnp.abs(naive_out - fused_out))) / scale
+  grad_err = max(
+      float(jnp.max(jnp.abs(a - c)) / (jnp.max(jnp.abs(a)) + 1e-30))
+      for a, c in zip(jax.tree_util.tree_leaves(naive_grad),
+                      jax.tree_util.tree_leaves(fused_grad)))
+  if out_err > 1e-4 or grad_err > 1e-4:
+    raise AssertionError(f"{name}: fused and naive heads disagree "
+                         f"(scores {out_err:.2e}, gradients {grad_err:.2e}).")
+  emit(kind="comparison", shape=name,
+       forward_speedup=round(naive_rec["forward_s"] / fused_rec["forward_s"],
+                             2),
+       forward_backward_speedup=round(
+           naive_rec["forward_backward_s"] / fused_rec["forward_backward_s"],
+           2),
+       temp_memory_ratio=None if not fused_rec["forward_backward_temp_mb"]
+       else round(naive_rec["forward_backward_temp_mb"]
+                  / fused_rec["forward_backward_temp_mb"], 1),
+       max_relative_score_difference=float(f"{out_err:.2e}"),
+       max_relative_gradient_difference=float(f"{grad_err:.2e}"))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shapes", default=",".join(SHAPES))
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  emit(kind="load", loadavg=os.getloadavg())
+  for name in args.shapes.split(","):
+    if name not in SHAPES:
+      raise SystemExit(f"unknown shape {name!r}; choose from {list(SHAPES)}")
+    run_shape(name, args.repeats)
+  emit(kind="load", loadavg=os.getloadavg())
+
+
+if __name__ == "__main__":
+  main()
