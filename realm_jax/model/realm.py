@@ -240,8 +240,8 @@ def _shift_down(x: jax.Array, w: int) -> jax.Array:
   return jnp.pad(x[..., :-w, :], pad)
 
 
-def _sums_one_block(start, end, weight, max_span_width):
-  """`span_feature_sums` for start, end [..., L, H] (no chunking)."""
+def _span_sums(start, end, weight, max_span_width):
+  """`span_feature_sums` of start, end [rows, L, H] in one pass."""
   sums = [], [], []
   for w in range(max_span_width):
     x = jax.nn.relu(start + _shift_up(end, w))
@@ -251,7 +251,8 @@ def _sums_one_block(start, end, weight, max_span_width):
   return tuple(jnp.stack(parts, axis=-1) for parts in sums)
 
 
-def _sums_one_block_vjp(start, end, weight, g1, g2, g3, max_span_width):
+def _span_sums_vjp(start, end, weight, g1, g2, g3, max_span_width):
+  """Gradients of `_span_sums` given the sums' cotangents g1, g2, g3."""
   d_start = jnp.zeros_like(start)
   d_end = jnp.zeros_like(end)
   d_weight = jnp.zeros_like(weight)
@@ -299,9 +300,10 @@ def span_feature_sums(start: jax.Array, end: jax.Array, weight: jax.Array,
   sum_h weight_h x_h), each float32 [..., L, W]: all the span head needs
   (LayerNorm's mean and variance, then its dot with the output weights).
   The naive head builds x, a [..., L, W, 256] tensor, and keeps it (and its
-  normalised copy) for the backward pass; here the blocks are processed a
-  few at a time (`lax.map`), so each width's x stays in cache, and the
-  backward pass recomputes x the same way instead of storing it.
+  normalised copy) for the backward pass; here each width's x is reduced
+  as soon as it is made (on CPU one block at a time, so it stays in cache;
+  see `_map_blocks`), and the backward pass recomputes it the same way
+  instead of storing it.
 
   Args:
     start, end: float32 [..., L, H], the two halves of the span projection.
@@ -313,7 +315,7 @@ def span_feature_sums(start: jax.Array, end: jax.Array, weight: jax.Array,
 
 def _span_feature_sums_fwd(start, end, weight, max_span_width):
   sums = _map_blocks(
-      lambda s, e: _sums_one_block(s, e, weight, max_span_width), start, end)
+      lambda s, e: _span_sums(s, e, weight, max_span_width), start, end)
   out = tuple(x.reshape(start.shape[:-1] + (max_span_width,)) for x in sums)
   return out, (start, end, weight)
 
@@ -321,7 +323,7 @@ def _span_feature_sums_fwd(start, end, weight, max_span_width):
 def _span_feature_sums_bwd(max_span_width, residuals, cotangents):
   start, end, weight = residuals
   d_start, d_end, d_weight = _map_blocks(
-      lambda s, e, g1, g2, g3: _sums_one_block_vjp(
+      lambda s, e, g1, g2, g3: _span_sums_vjp(
           s, e, weight, g1, g2, g3, max_span_width),
       start, end, *cotangents)
   # d_weight is one [H] per row on CPU (lax.map), one in all otherwise.
