@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from realm_jax.model import bert as bert_lib
 from realm_jax.model import functional
 from realm_jax.model import realm as realm_lib
 from realm_jax.model.bert import Bert, BertConfig
@@ -45,6 +46,27 @@ def test_dropout_is_active_only_with_a_key():
   c, _ = model(ids, mask, dropout_rng=jax.random.key(1))
   np.testing.assert_array_equal(a, b)
   assert np.abs(np.asarray(a - c)).max() > 1e-3
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_rate_scale_and_keys(rate):
+  x = jnp.ones((1001, 999))  # an odd size: one 16-bit half is left over
+  y = np.asarray(jax.jit(lambda k: bert_lib.dropout(x, rate, k))(
+      jax.random.key(3)))
+  dropped = np.mean(y == 0)
+  # Binomial standard deviation is <= 0.0005 here; allow 5 of them.
+  assert abs(dropped - rate) < 0.0025, dropped
+  kept = y[y != 0]
+  # Scaled by exactly the inverse of the mask's (quantised) probability.
+  keep_prob = round((1 - rate) * 65536) / 65536
+  np.testing.assert_array_equal(kept, np.float32(1 / keep_prob))
+  assert abs(np.mean(y) - 1.0) < 0.005
+  # Neighbours (the two halves of one random word) are independent, and
+  # another key gives another mask.
+  z = (y == 0).reshape(-1).astype(np.float64)
+  assert abs(np.corrcoef(z[:-1:2], z[1::2])[0, 1]) < 0.01
+  other = np.asarray(bert_lib.dropout(x, rate, jax.random.key(4)))
+  assert 0.5 * rate < np.mean((y == 0) != (other == 0))
 
 
 @pytest.mark.parametrize("pooling", ["pooler", "cls", "mean"])

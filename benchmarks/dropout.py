@@ -1,0 +1,133 @@
+r"""Dropout masks: 16-bit halves of random words vs `jax.random.bernoulli`.
+
+`realm_jax.model.bert.dropout` draws its keep mask with `keep_mask`, two
+elements per 32-bit random word. This benchmark runs, side by side in one
+process, that mask and `jax.random.bernoulli` (one word per element, what
+the code used before):
+
+  mask     the attention-probability dropout of one layer, [B*R, heads,
+           L, L] for the fine-tuning reader (tiny at batch 16, MiniLM at
+           batch 8; R 5, L 320): median seconds of the jitted
+           `jnp.where(mask, x * scale, 0)`;
+  reader   forward + backward of the reader's BERT over the same blocks
+           with dropout on, with each mask, and with dropout off (the
+           floor): median seconds per step.
+
+Prints one JSON line per measurement and a `comparison` line per shape.
+
+    XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= \
+        python benchmarks/dropout.py [--configs=tiny,minilm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+CONFIGS = {
+    # name: (batch, hidden, layers, heads, intermediate)
+    "tiny": (16, 32, 2, 4, 64),
+    "minilm": (8, 384, 6, 12, 1536),
+}
+READER_BLOCKS, READER_LENGTH = 5, 320
+
+
+def emit(**record):
+  record["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+  print(json.dumps(record), flush=True)
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(fn(*args))  # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def bernoulli_dropout(x, rate, rng):
+  """The previous implementation: one 32-bit word per element."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if rng is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def run_config(name: str, repeats: int) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import bert as bert_lib  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+
+  batch, hidden, layers, heads, intermediate = CONFIGS[name]
+  rows = batch * READER_BLOCKS
+  key = jax.random.key(0)
+  probs = jnp.full((rows, heads, READER_LENGTH, READER_LENGTH),
+                   1.0 / READER_LENGTH, jnp.float32)
+  masks = {"bernoulli": bernoulli_dropout, "halves16": bert_lib.dropout}
+  mask_s = {}
+  for impl, fn in masks.items():
+    mask_s[impl] = median_seconds(jax.jit(lambda x, k, fn=fn: fn(x, 0.1, k)),
+                                  probs, key, repeats=repeats)
+    emit(kind="mask", config=name, impl=impl, shape=list(probs.shape),
+         seconds=round(mask_s[impl], 4))
+
+  cfg = bert_lib.BertConfig(hidden_size=hidden, num_layers=layers,
+                            num_heads=heads, intermediate_size=intermediate)
+  graphdef, params = functional.init(
+      lambda r: bert_lib.Bert(cfg, rngs=r), 0)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(1000, 20000, (rows, READER_LENGTH)),
+                    jnp.int32)
+  mask = jnp.ones_like(ids)
+
+  def loss(p, dropout_rng):
+    h, _ = functional.bind(graphdef, p)(ids, mask, dropout_rng=dropout_rng)
+    return jnp.sum(jnp.sin(h))
+
+  step_s = {}
+  original = bert_lib.dropout
+  try:
+    for impl in ("bernoulli", "halves16", "off"):
+      bert_lib.dropout = masks.get(impl, original)
+      dropout_rng = None if impl == "off" else key
+      grad = jax.jit(jax.grad(lambda p, loss=loss, r=dropout_rng: loss(p, r)))
+      step_s[impl] = median_seconds(grad, params, repeats=repeats)
+      emit(kind="reader", config=name, impl=impl, batch=batch,
+           blocks=READER_BLOCKS, reader_length=READER_LENGTH,
+           forward_backward_seconds=round(step_s[impl], 4))
+  finally:
+    bert_lib.dropout = original
+  emit(kind="comparison", config=name,
+       mask_speedup=round(mask_s["bernoulli"] / mask_s["halves16"], 2),
+       reader_step_speedup=round(step_s["bernoulli"] / step_s["halves16"], 2),
+       dropout_share_before=round(
+           1 - step_s["off"] / step_s["bernoulli"], 3),
+       dropout_share_after=round(1 - step_s["off"] / step_s["halves16"], 3))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+  emit(kind="load", loadavg=os.getloadavg())
+  for name in args.configs.split(","):
+    if name not in CONFIGS:
+      raise SystemExit(f"unknown config {name!r}; choose from "
+                       f"{list(CONFIGS)}")
+    run_config(name, args.repeats)
+  emit(kind="load", loadavg=os.getloadavg())
+
+
+if __name__ == "__main__":
+  main()
