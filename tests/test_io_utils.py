@@ -244,7 +244,7 @@ def test_block_store_remote_cache(store_dir, tmp_path):
   remote = _ram("store")
   io_utils.copy_tree(store_dir, remote)
   store = block_store.BlockStore.open(remote, cache_dir=tmp_path / "c2",
-                                 verify=True)
+                                      verify=True)
   assert store.path == remote and store.fingerprint == direct.fingerprint
   assert store.local_path.startswith(str(tmp_path / "c2"))
   assert store.text(0) == direct.text(0)

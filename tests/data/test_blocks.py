@@ -282,8 +282,8 @@ def test_failed_write_leaves_no_store(tokenizer, tmp_path):
   out = tmp_path / "store"
   with pytest.raises(RuntimeError, match="killed"):
     block_store.write_block_store(failing(), str(out),
-                             tokenizer_vocab_path=tokenizer.vocab_path,
-                             source="test", max_block_len=64)
+                                  tokenizer_vocab_path=tokenizer.vocab_path,
+                                  source="test", max_block_len=64)
   assert os.listdir(tmp_path) == []
   with pytest.raises(FileNotFoundError, match=re.escape(str(out))):
     block_store.BlockStore.open(str(out))
@@ -305,12 +305,12 @@ def test_writer_rejects_bad_blocks(tokenizer, tmp_path):
                           np.array([0]))
   with pytest.raises(ValueError, match="over max_block_len 8"):
     block_store.write_block_store([too_long], str(tmp_path / "s"),
-                             tokenizer_vocab_path=tokenizer.vocab_path,
-                             source="t", max_block_len=8)
+                                  tokenizer_vocab_path=tokenizer.vocab_path,
+                                  source="t", max_block_len=8)
   with pytest.raises(ValueError, match="no blocks"):
     block_store.write_block_store([], str(tmp_path / "s"),
-                             tokenizer_vocab_path=tokenizer.vocab_path,
-                             source="t")
+                                  tokenizer_vocab_path=tokenizer.vocab_path,
+                                  source="t")
   assert os.listdir(tmp_path) == []
 
 
