@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from realm_jax import io_utils
-from realm_jax.data import block_store, blocks, wikipedia
+from realm_jax.data import block_store, blocks, corpus_job, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish, searchers
 from realm_jax.testing import ram_fs
@@ -252,6 +252,71 @@ def test_block_store_remote_cache(store_dir, tmp_path):
     block_store.BlockStore.open(remote, cache=False)
   with pytest.raises(FileNotFoundError, match="not a complete block store"):
     block_store.BlockStore.open(_ram("nothing"), cache_dir=tmp_path)
+
+
+def test_block_store_written_to_a_remote_directory(tmp_path, monkeypatch):
+  monkeypatch.setenv(io_utils.CACHE_ENV, str(tmp_path / "cache"))
+  tok = Tokenizer()
+
+  def store_blocks(*texts):
+    docs = [wikipedia.Document(f"T{i}", t) for i, t in enumerate(texts)]
+    return blocks.pack_blocks(docs, tok, max_block_len=16)
+
+  kwargs = dict(tokenizer_vocab_path=tok.vocab_path, source="test",
+                max_block_len=16)
+  remote = _ram("written")
+  store = block_store.write_block_store(
+      store_blocks("Alpha is a letter.", "Beta is too."), remote, **kwargs)
+  assert store.path == remote and len(store) == 2
+  assert (io_utils.as_path(remote) / "manifest.json").exists()
+  # Built in the cache and left there: opening the remote store again maps
+  # that copy (one cache entry, no build directory left behind).
+  assert sorted(os.listdir(tmp_path / "cache")) == [
+      os.path.basename(store.local_path)]
+  again = block_store.BlockStore.open(remote, verify=True)
+  assert again.local_path == store.local_path and again.text(1) == (
+      "Beta is too.")
+  with pytest.raises(FileExistsError, match="overwrite"):
+    block_store.write_block_store(store_blocks("Gamma."), remote, **kwargs)
+  replaced = block_store.write_block_store(store_blocks("Gamma."), remote,
+                                           overwrite=True, **kwargs)
+  assert len(replaced) == 1 and replaced.fingerprint != store.fingerprint
+  assert block_store.BlockStore.open(remote).text(0) == "Gamma."
+
+  # A build that fails leaves nothing remote and nothing in the cache.
+  def failing():
+    yield from store_blocks("Delta is here.")
+    raise RuntimeError("killed")
+
+  broken = _ram("broken")
+  before = sorted(os.listdir(tmp_path / "cache"))
+  with pytest.raises(RuntimeError, match="killed"):
+    block_store.write_block_store(failing(), broken, **kwargs)
+  assert not io_utils.as_path(broken).exists()
+  assert sorted(os.listdir(tmp_path / "cache")) == before
+  # So does an upload that fails half-way (no manifest was uploaded).
+  real_copy, copies = io_utils.copy_file, []
+
+  def flaky_copy(src, dst):
+    copies.append(dst)
+    if len(copies) == 3:
+      raise OSError("connection reset")
+    real_copy(src, dst)
+
+  monkeypatch.setattr(io_utils, "copy_file", flaky_copy)
+  with pytest.raises(OSError, match="connection reset"):
+    block_store.write_block_store(store_blocks("Delta."), broken, **kwargs)
+  assert not io_utils.as_path(broken).exists()
+  assert sorted(os.listdir(tmp_path / "cache")) == before
+
+
+def test_corpus_job_writes_a_remote_store(tmp_path, monkeypatch):
+  monkeypatch.setenv(io_utils.CACHE_ENV, str(tmp_path / "cache"))
+  remote = _ram("corpus")
+  store, _ = corpus_job.build_corpus(output_dir=remote, max_documents=3,
+                                     max_block_len=64)
+  assert store.path == remote and len(store) > 3
+  assert block_store.BlockStore.open(remote).fingerprint == store.fingerprint
 
 
 @pytest.mark.parametrize("root_kind", ["str", "epath", "ram"])

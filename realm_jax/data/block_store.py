@@ -137,6 +137,12 @@ def write_block_store(
   `out_dir + ".tmp-<pid>"` and renamed to `out_dir` only when complete, so a
   failed or killed write never leaves a store at `out_dir`.
 
+  A remote `out_dir` (gs://...) is built and verified in the local cache
+  (`io_utils.cache_root()`), then uploaded with its manifest last: readers
+  open only stores that have a manifest, so they never see a partial
+  upload. The local copy stays in the cache, where `BlockStore.open` of
+  `out_dir` finds it instead of downloading the store again.
+
   Args:
     blocks: blocks in corpus order, `doc_index` 0, 1, 2, ... (consecutive).
     out_dir: the store directory to create.
@@ -157,6 +163,11 @@ def write_block_store(
     ValueError: if a block breaks the length bound or the doc order, or
       there are no blocks.
   """
+  if not io_utils.is_local(out_dir):
+    return _write_remote_store(
+        blocks, os.fspath(out_dir), tokenizer_vocab_path=tokenizer_vocab_path,
+        source=source, max_block_len=max_block_len, overwrite=overwrite,
+        report=report, extra_manifest=extra_manifest)
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and not overwrite:
     raise FileExistsError(
@@ -570,6 +581,59 @@ def _scatter(out: np.ndarray, flat: np.ndarray, starts: np.ndarray,
       np.repeat(np.asarray(starts, np.int64), lengths) + within]
 
 
+def _cache_key(fingerprint: str, manifest_text: str) -> str:
+  """The cache entry of a store: its content fingerprint and the manifest's
+  own hash (its metadata)."""
+  return "blocks-{}-{}".format(
+      "".join(c for c in fingerprint if c.isalnum())[:32],
+      hashlib.sha256(manifest_text.encode()).hexdigest()[:12])
+
+
+def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
+                        overwrite: bool, **kwargs) -> BlockStore:
+  """`write_block_store` to a remote directory (see there)."""
+  remote = io_utils.as_path(out_dir)
+  if (remote / "manifest.json").exists() and not overwrite:
+    raise FileExistsError(
+        f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
+        "replace it or choose another output directory.")
+  if remote.exists() and not (remote / "manifest.json").exists():
+    logging.warning("%s has no manifest (an interrupted upload?); it will "
+                    "be replaced.", out_dir)
+  root = io_utils.cache_root()
+  os.makedirs(root, exist_ok=True)
+  build_dir = os.path.join(root, f".build-{os.getpid()}")
+  shutil.rmtree(build_dir, ignore_errors=True)
+  try:
+    store = write_block_store(blocks, build_dir, **kwargs)
+    manifest_text = io_utils.read_text(os.path.join(build_dir,
+                                                    "manifest.json"))
+    logging.info("uploading block store to %s", out_dir)
+    if remote.exists():
+      # Unpublish the old store first: without its manifest no reader
+      # opens it while its files are replaced.
+      io_utils.remove(remote / "manifest.json")
+      io_utils.remove(remote)
+    io_utils.copy_tree(build_dir, remote, skip=("manifest.json",))
+    io_utils.copy_file(os.path.join(build_dir, "manifest.json"),
+                       remote / "manifest.json")
+    cached = os.path.join(root, _cache_key(store.fingerprint, manifest_text))
+    del store  # Unmap before moving.
+    if os.path.exists(cached):
+      shutil.rmtree(build_dir)
+    else:
+      os.rename(build_dir, cached)
+  except BaseException:
+    shutil.rmtree(build_dir, ignore_errors=True)
+    if not (remote / "manifest.json").exists():
+      try:  # A partial upload is invisible to readers; tidy it if we can.
+        io_utils.remove(remote)
+      except Exception:  # pylint: disable=broad-except
+        logging.warning("could not remove the partial upload %s", out_dir)
+    raise
+  return BlockStore.open(out_dir, cache_dir=root)
+
+
 def _cached_store(source: str, cache_dir: io_utils.PathLike | None) -> str:
   """The local cache copy of the store at `source` (see `BlockStore.open`)."""
   manifest_path = io_utils.as_path(source) / "manifest.json"
@@ -584,11 +648,8 @@ def _cached_store(source: str, cache_dir: io_utils.PathLike | None) -> str:
   except (json.JSONDecodeError, KeyError, TypeError) as e:
     raise ValueError(f"{manifest_path} is corrupt ({e!r}); rebuild the "
                      "block store.") from e
-  # The content fingerprint, and the manifest's own hash (its metadata).
-  key = "blocks-{}-{}".format(
-      "".join(c for c in fingerprint if c.isalnum())[:32],
-      hashlib.sha256(text.encode()).hexdigest()[:12])
-  local = io_utils.local_copy(source, key, cache_dir=cache_dir)
+  local = io_utils.local_copy(source, _cache_key(fingerprint, text),
+                              cache_dir=cache_dir)
   logging.info("block store %s is mapped from its local copy %s", source,
                local)
   return local

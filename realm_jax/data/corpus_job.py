@@ -87,7 +87,8 @@ def build_corpus(
 
   Args:
     output_dir: the block store directory to create (written to a temp
-      directory beside it and renamed when complete).
+      directory beside it and renamed when complete; a gs://... directory
+      is built in the local cache and uploaded, manifest last).
     input_path: a Wikipedia dump (`*.xml[.bz2]`), a JSONL file, ORQA's
       `blocks.tfr` or a directory holding `blocks.tfr` and `titles.tfr`.
       Default: the enwiki slice shipped with gensim.
