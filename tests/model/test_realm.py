@@ -48,6 +48,34 @@ def test_dropout_is_active_only_with_a_key():
   assert np.abs(np.asarray(a - c)).max() > 1e-3
 
 
+def test_attention_example_by_example_equals_the_whole_batch(monkeypatch):
+  # CPU attends one sequence at a time (lax.map); accelerators the whole
+  # batch. Same outputs and gradients (two leading dims, padding included).
+  cfg = tiny.tiny_bert(attention_dropout=0.2)
+  g, params = functional.init(lambda r: Bert(cfg, rngs=r), 0)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(5, 97, (2, 3, 12)), jnp.int32)
+  mask = jnp.asarray(np.arange(12)[None, None, :] < rng.integers(
+      3, 13, (2, 3, 1)), jnp.int32)
+
+  def loss(p, dropout_rng=None):
+    h, pooled = functional.bind(g, p)(ids, mask, dropout_rng=dropout_rng)
+    return jnp.sum(jnp.sin(h) * mask[..., None]) + jnp.sum(pooled ** 2)
+
+  results = {}
+  for by_example in (True, False):
+    monkeypatch.setattr(bert_lib, "_one_example_at_a_time",
+                        lambda b=by_example: b)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    dropped = jax.jit(loss)(params, jax.random.key(1))
+    assert abs(float(dropped) - float(value)) > 1e-3  # dropout is on
+    results[by_example] = (value, grads)
+  np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(results[True][1]),
+                  jax.tree_util.tree_leaves(results[False][1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("rate", [0.1, 0.5])
 def test_dropout_rate_scale_and_keys(rate):
   x = jnp.ones((1001, 999))  # an odd size: one 16-bit half is left over
