@@ -86,7 +86,7 @@ def run_case(name: str, repeats: int) -> None:
   seconds = {}
   try:
     for path, by_example in (("whole_batch", False), ("by_example", True)):
-      bert_lib._one_example_at_a_time = lambda b=by_example: b  # pylint: disable=protected-access
+      bert_lib._one_example_at_a_time = lambda *_, b=by_example: b  # pylint: disable=protected-access
       seconds[path] = median_seconds(make_fn(), params, repeats=repeats)
       emit(kind=kind, case=name, model=model, path=path, batch=batch,
            length=length, seconds=round(seconds[path], 4),

@@ -220,7 +220,8 @@ class BertAttention(nnx.Module):
     split = lambda t: t.reshape(*t.shape[:-1], c.num_heads, c.head_dim)
     q, k, v = (split(f(x_in)) for f in (self.query, self.key, self.value))
     rng = _fold(dropout_rng, 0)
-    if _one_example_at_a_time():
+    num_sequences, length = math.prod(q.shape[:-3]), q.shape[-3]
+    if _one_example_at_a_time(num_sequences, c.num_heads, length):
       context = _attend_example_by_example(q, k, v, attention_bias, rng, c)
     else:
       context = _attend(q, k, v, attention_bias, rng, c)
@@ -242,8 +243,18 @@ def _attend(q, k, v, attention_bias, dropout_rng, c: BertConfig):
                     v)
 
 
-def _one_example_at_a_time() -> bool:
-  return jax.default_backend() == "cpu"
+# Whole-batch attention scores above this size miss the CPU's caches.
+_CPU_SCORES_BYTES_IN_CACHE = 16 << 20
+
+
+def _one_example_at_a_time(num_sequences: int, num_heads: int,
+                           length: int) -> bool:
+  """Whether to attend sequence by sequence: on CPU, when the batch's float32
+  scores would not fit in cache (small batches, e.g. in tests, compile
+  faster as one pass)."""
+  scores_bytes = 4 * num_sequences * num_heads * length * length
+  return (jax.default_backend() == "cpu"
+          and scores_bytes > _CPU_SCORES_BYTES_IN_CACHE)
 
 
 def _attend_example_by_example(q, k, v, attention_bias, dropout_rng,

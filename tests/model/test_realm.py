@@ -48,6 +48,13 @@ def test_dropout_is_active_only_with_a_key():
   assert np.abs(np.asarray(a - c)).max() > 1e-3
 
 
+def test_attention_goes_example_by_example_only_for_large_batches():
+  # On CPU: when the batch's scores would miss the cache (the index
+  # builder's 32 x 288 MiniLM batch), not for small test-sized batches.
+  assert bert_lib._one_example_at_a_time(32, 12, 288)
+  assert not bert_lib._one_example_at_a_time(8, 4, 64)
+
+
 def test_attention_example_by_example_equals_the_whole_batch(monkeypatch):
   # CPU attends one sequence at a time (lax.map); accelerators the whole
   # batch. Same outputs and gradients (two leading dims, padding included).
@@ -65,7 +72,7 @@ def test_attention_example_by_example_equals_the_whole_batch(monkeypatch):
   results = {}
   for by_example in (True, False):
     monkeypatch.setattr(bert_lib, "_one_example_at_a_time",
-                        lambda b=by_example: b)
+                        lambda *shape, b=by_example: b)
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
     dropped = jax.jit(loss)(params, jax.random.key(1))
     assert abs(float(dropped) - float(value)) > 1e-3  # dropout is on
