@@ -23,10 +23,9 @@ Median seconds of 3 runs after compilation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
+
+import timing  # benchmarks/timing.py, beside this file
 
 MODELS = {
     # name: (hidden, layers, heads, intermediate)
@@ -41,22 +40,6 @@ CASES = {
     "train_minilm": ("train", "minilm", 40, 320),
     "train_tiny": ("train", "tiny", 80, 320),
 }
-
-
-def emit(**record):
-  record["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-  print(json.dumps(record), flush=True)
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def run_case(name: str, repeats: int) -> None:
@@ -87,14 +70,14 @@ def run_case(name: str, repeats: int) -> None:
   try:
     for path, by_example in (("whole_batch", False), ("by_example", True)):
       bert_lib._one_example_at_a_time = lambda *_, b=by_example: b  # pylint: disable=protected-access
-      seconds[path] = median_seconds(make_fn(), params, repeats=repeats)
-      emit(kind=kind, case=name, model=model, path=path, batch=batch,
-           length=length, seconds=round(seconds[path], 4),
-           sequences_per_second=round(batch / seconds[path], 2))
+      seconds[path] = timing.median_seconds(make_fn(), params, repeats=repeats)
+      timing.emit(kind=kind, case=name, model=model, path=path, batch=batch,
+                  length=length, seconds=round(seconds[path], 4),
+                  sequences_per_second=round(batch / seconds[path], 2))
   finally:
     bert_lib._one_example_at_a_time = original  # pylint: disable=protected-access
-  emit(kind="comparison", case=name,
-       speedup=round(seconds["whole_batch"] / seconds["by_example"], 3))
+  timing.emit(kind="comparison", case=name,
+              speedup=round(seconds["whole_batch"] / seconds["by_example"], 3))
 
 
 def main():
@@ -102,12 +85,12 @@ def main():
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
-  emit(kind="load", loadavg=os.getloadavg())
+  timing.emit(kind="load", loadavg=os.getloadavg())
   for name in args.cases.split(","):
     if name not in CASES:
       raise SystemExit(f"unknown case {name!r}; choose from {list(CASES)}")
     run_case(name, args.repeats)
-  emit(kind="load", loadavg=os.getloadavg())
+  timing.emit(kind="load", loadavg=os.getloadavg())
 
 
 if __name__ == "__main__":

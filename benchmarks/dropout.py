@@ -22,10 +22,9 @@ Prints one JSON line per measurement and a `comparison` line per shape.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
+
+import timing  # benchmarks/timing.py, beside this file
 
 CONFIGS = {
     # name: (batch, hidden, layers, heads, intermediate)
@@ -33,22 +32,6 @@ CONFIGS = {
     "minilm": (8, 384, 6, 12, 1536),
 }
 READER_BLOCKS, READER_LENGTH = 5, 320
-
-
-def emit(**record):
-  record["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-  print(json.dumps(record), flush=True)
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def bernoulli_dropout(x, rate, rng):
@@ -76,10 +59,10 @@ def run_config(name: str, repeats: int) -> None:
   masks = {"bernoulli": bernoulli_dropout, "halves16": bert_lib.dropout}
   mask_s = {}
   for impl, fn in masks.items():
-    mask_s[impl] = median_seconds(jax.jit(lambda x, k, fn=fn: fn(x, 0.1, k)),
-                                  probs, key, repeats=repeats)
-    emit(kind="mask", config=name, impl=impl, shape=list(probs.shape),
-         seconds=round(mask_s[impl], 4))
+    apply = jax.jit(lambda x, k, fn=fn: fn(x, 0.1, k))
+    mask_s[impl] = timing.median_seconds(apply, probs, key, repeats=repeats)
+    timing.emit(kind="mask", config=name, impl=impl, shape=list(probs.shape),
+                seconds=round(mask_s[impl], 4))
 
   cfg = bert_lib.BertConfig(hidden_size=hidden, num_layers=layers,
                             num_heads=heads, intermediate_size=intermediate)
@@ -101,18 +84,18 @@ def run_config(name: str, repeats: int) -> None:
       bert_lib.dropout = masks.get(impl, original)
       dropout_rng = None if impl == "off" else key
       grad = jax.jit(jax.grad(lambda p, loss=loss, r=dropout_rng: loss(p, r)))
-      step_s[impl] = median_seconds(grad, params, repeats=repeats)
-      emit(kind="reader", config=name, impl=impl, batch=batch,
-           blocks=READER_BLOCKS, reader_length=READER_LENGTH,
-           forward_backward_seconds=round(step_s[impl], 4))
+      step_s[impl] = timing.median_seconds(grad, params, repeats=repeats)
+      timing.emit(kind="reader", config=name, impl=impl, batch=batch,
+                  blocks=READER_BLOCKS, reader_length=READER_LENGTH,
+                  forward_backward_seconds=round(step_s[impl], 4))
   finally:
     bert_lib.dropout = original
-  emit(kind="comparison", config=name,
-       mask_speedup=round(mask_s["bernoulli"] / mask_s["halves16"], 2),
-       reader_step_speedup=round(step_s["bernoulli"] / step_s["halves16"], 2),
-       dropout_share_before=round(
-           1 - step_s["off"] / step_s["bernoulli"], 3),
-       dropout_share_after=round(1 - step_s["off"] / step_s["halves16"], 3))
+  timing.emit(
+      kind="comparison", config=name,
+      mask_speedup=round(mask_s["bernoulli"] / mask_s["halves16"], 2),
+      reader_step_speedup=round(step_s["bernoulli"] / step_s["halves16"], 2),
+      dropout_share_before=round(1 - step_s["off"] / step_s["bernoulli"], 3),
+      dropout_share_after=round(1 - step_s["off"] / step_s["halves16"], 3))
 
 
 def main():
@@ -120,13 +103,13 @@ def main():
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
-  emit(kind="load", loadavg=os.getloadavg())
+  timing.emit(kind="load", loadavg=os.getloadavg())
   for name in args.configs.split(","):
     if name not in CONFIGS:
       raise SystemExit(f"unknown config {name!r}; choose from "
                        f"{list(CONFIGS)}")
     run_config(name, args.repeats)
-  emit(kind="load", loadavg=os.getloadavg())
+  timing.emit(kind="load", loadavg=os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -29,52 +29,15 @@ Shapes (hidden states [B, R, L, H] in, reader length L, W = 10, 256):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
+
+import timing  # benchmarks/timing.py, beside this file
 
 SHAPES = {
     "tiny_b16": (16, 5, 320, 32),
     "minilm_b8": (8, 5, 320, 384),
     "bert_base_b1": (1, 5, 288, 768),
 }
-
-
-def emit(**record):
-  record["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-  print(json.dumps(record), flush=True)
-
-
-def naive_scores(p, hidden, max_span_width: int, eps: float):
-  """The span head as ORQA writes it: x [..., L, W, H], then LayerNorm."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  proj = hidden @ p["intermediate"]["kernel"] + p["intermediate"]["bias"]
-  start, end = jnp.split(proj, 2, axis=-1)
-  seq_len = hidden.shape[-2]
-  padded = jnp.pad(end, [(0, 0)] * (end.ndim - 2)
-                   + [(0, max_span_width - 1), (0, 0)])
-  end_at = jnp.stack([padded[..., w:w + seq_len, :]
-                      for w in range(max_span_width)], axis=-2)
-  x = jax.nn.relu(start[..., :, None, :] + end_at)
-  mean = jnp.mean(x, axis=-1, keepdims=True)
-  var = jnp.maximum(
-      jnp.mean(jnp.square(x), axis=-1, keepdims=True) - jnp.square(mean), 0.)
-  x = (x - mean) * jax.lax.rsqrt(var + eps)
-  x = x * p["layer_norm"]["scale"] + p["layer_norm"]["bias"]
-  return (x @ p["output"]["kernel"])[..., 0] + p["output"]["bias"][0]
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def run_shape(name: str, repeats: int) -> None:
@@ -84,6 +47,7 @@ def run_shape(name: str, repeats: int) -> None:
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.bert import BertConfig  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Reader, ReaderConfig  # pylint: disable=g-import-not-at-top
+  from realm_jax.testing import reference  # pylint: disable=g-import-not-at-top
 
   b, r, seq_len, h = SHAPES[name]
   bert = BertConfig(hidden_size=h, num_layers=1, num_heads=4,
@@ -102,7 +66,8 @@ def run_shape(name: str, repeats: int) -> None:
     return functional.bind(graphdef, {**params, "span_head": p}).span_head(x)
 
   def naive(p, x):
-    return naive_scores(p, x, cfg.max_span_width, cfg.span_layer_norm_eps)
+    return reference.naive_span_scores(p, x, cfg.max_span_width,
+                                       cfg.span_layer_norm_eps)
 
   results = {}
   for impl, fn in (("naive", naive), ("fused", fused)):
@@ -116,14 +81,14 @@ def run_shape(name: str, repeats: int) -> None:
         shape=name, impl=impl, batch=b, blocks=r, reader_length=seq_len,
         hidden=h, span_hidden=cfg.span_hidden_size,
         max_span_width=cfg.max_span_width,
-        forward_s=round(median_seconds(forward, head, hidden,
-                                       repeats=repeats), 5),
-        forward_backward_s=round(median_seconds(grad, head, hidden,
-                                                repeats=repeats), 5),
+        forward_s=round(timing.median_seconds(forward, head, hidden,
+                                              repeats=repeats), 5),
+        forward_backward_s=round(timing.median_seconds(grad, head, hidden,
+                                                       repeats=repeats), 5),
         forward_backward_temp_mb=None if temp is None else round(
             temp / 2**20, 1))
     results[impl] = (record, forward(head, hidden), grad(head, hidden))
-    emit(kind="span_head", **record)
+    timing.emit(kind="span_head", **record)
 
   (naive_rec, naive_out, naive_grad), (fused_rec, fused_out, fused_grad) = (
       results["naive"], results["fused"])
@@ -136,17 +101,19 @@ def run_shape(name: str, repeats: int) -> None:
   if out_err > 1e-4 or grad_err > 1e-4:
     raise AssertionError(f"{name}: fused and naive heads disagree "
                          f"(scores {out_err:.2e}, gradients {grad_err:.2e}).")
-  emit(kind="comparison", shape=name,
-       forward_speedup=round(naive_rec["forward_s"] / fused_rec["forward_s"],
-                             2),
-       forward_backward_speedup=round(
-           naive_rec["forward_backward_s"] / fused_rec["forward_backward_s"],
-           2),
-       temp_memory_ratio=None if not fused_rec["forward_backward_temp_mb"]
-       else round(naive_rec["forward_backward_temp_mb"]
-                  / fused_rec["forward_backward_temp_mb"], 1),
-       max_relative_score_difference=float(f"{out_err:.2e}"),
-       max_relative_gradient_difference=float(f"{grad_err:.2e}"))
+  naive_temp = naive_rec["forward_backward_temp_mb"]
+  fused_temp = fused_rec["forward_backward_temp_mb"]
+  timing.emit(
+      kind="comparison", shape=name,
+      forward_speedup=round(
+          naive_rec["forward_s"] / fused_rec["forward_s"], 2),
+      forward_backward_speedup=round(
+          naive_rec["forward_backward_s"] / fused_rec["forward_backward_s"],
+          2),
+      temp_memory_ratio=(round(naive_temp / fused_temp, 1) if fused_temp
+                         else None),
+      max_relative_score_difference=float(f"{out_err:.2e}"),
+      max_relative_gradient_difference=float(f"{grad_err:.2e}"))
 
 
 def main():
@@ -154,12 +121,12 @@ def main():
   parser.add_argument("--shapes", default=",".join(SHAPES))
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
-  emit(kind="load", loadavg=os.getloadavg())
+  timing.emit(kind="load", loadavg=os.getloadavg())
   for name in args.shapes.split(","):
     if name not in SHAPES:
       raise SystemExit(f"unknown shape {name!r}; choose from {list(SHAPES)}")
     run_shape(name, args.repeats)
-  emit(kind="load", loadavg=os.getloadavg())
+  timing.emit(kind="load", loadavg=os.getloadavg())
 
 
 if __name__ == "__main__":

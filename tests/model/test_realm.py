@@ -11,7 +11,7 @@ from realm_jax.model import realm as realm_lib
 from realm_jax.model.bert import Bert, BertConfig
 from realm_jax.model.realm import (Embedder, Reader, ReaderConfig, Realm,
                                    Retriever, RetrieverConfig, span_mask)
-from realm_jax.testing import tiny
+from realm_jax.testing import reference, tiny
 
 
 def test_bert_config_errors_say_what_to_fix():
@@ -193,23 +193,6 @@ def test_span_head_matches_a_direct_formula():
       np.testing.assert_allclose(scores[s, w], want, rtol=1e-4, atol=1e-5)
 
 
-def _naive_span_scores(p, hidden, max_span_width, eps):
-  """The span head as ORQA writes it: build x [..., L, W, H], LayerNorm it."""
-  proj = hidden @ p["intermediate"]["kernel"] + p["intermediate"]["bias"]
-  start, end = jnp.split(proj, 2, axis=-1)
-  seq_len = hidden.shape[-2]
-  padded = jnp.pad(end, [(0, 0)] * (end.ndim - 2)
-                   + [(0, max_span_width - 1), (0, 0)])
-  end_at = jnp.stack([padded[..., w:w + seq_len, :]
-                      for w in range(max_span_width)], axis=-2)
-  x = jax.nn.relu(start[..., :, None, :] + end_at)
-  mean = jnp.mean(x, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-  x = (x - mean) / jnp.sqrt(var + eps)
-  x = x * p["layer_norm"]["scale"] + p["layer_norm"]["bias"]
-  return (x @ p["output"]["kernel"])[..., 0] + p["output"]["bias"][0]
-
-
 @pytest.mark.parametrize("row_at_a_time", [True, False],
                          ids=["cpu_rows", "whole_batch"])
 def test_span_head_values_and_gradients_match_the_naive_head(
@@ -236,7 +219,7 @@ def test_span_head_values_and_gradients_match_the_naive_head(
     return model.span_head(h)
 
   def naive(p, h):
-    return _naive_span_scores(p, h, 5, 1e-3)
+    return reference.naive_span_scores(p, h, 5, 1e-3)
 
   np.testing.assert_allclose(fused(head_params, hidden),
                              naive(head_params, hidden), rtol=1e-4,
