@@ -23,7 +23,6 @@ Median seconds of 3 runs after compilation.
 from __future__ import annotations
 
 import argparse
-import os
 
 import timing  # benchmarks/timing.py, beside this file
 
@@ -85,12 +84,7 @@ def main():
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
-  timing.emit(kind="load", loadavg=os.getloadavg())
-  for name in args.cases.split(","):
-    if name not in CASES:
-      raise SystemExit(f"unknown case {name!r}; choose from {list(CASES)}")
-    run_case(name, args.repeats)
-  timing.emit(kind="load", loadavg=os.getloadavg())
+  timing.run_named("case", args.cases, CASES, run_case, args.repeats)
 
 
 if __name__ == "__main__":

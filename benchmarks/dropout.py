@@ -22,7 +22,6 @@ Prints one JSON line per measurement and a `comparison` line per shape.
 from __future__ import annotations
 
 import argparse
-import os
 
 import timing  # benchmarks/timing.py, beside this file
 
@@ -103,13 +102,7 @@ def main():
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
-  timing.emit(kind="load", loadavg=os.getloadavg())
-  for name in args.configs.split(","):
-    if name not in CONFIGS:
-      raise SystemExit(f"unknown config {name!r}; choose from "
-                       f"{list(CONFIGS)}")
-    run_config(name, args.repeats)
-  timing.emit(kind="load", loadavg=os.getloadavg())
+  timing.run_named("config", args.configs, CONFIGS, run_config, args.repeats)
 
 
 if __name__ == "__main__":

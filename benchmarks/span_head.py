@@ -29,7 +29,6 @@ Shapes (hidden states [B, R, L, H] in, reader length L, W = 10, 256):
 from __future__ import annotations
 
 import argparse
-import os
 
 import timing  # benchmarks/timing.py, beside this file
 
@@ -121,12 +120,7 @@ def main():
   parser.add_argument("--shapes", default=",".join(SHAPES))
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
-  timing.emit(kind="load", loadavg=os.getloadavg())
-  for name in args.shapes.split(","):
-    if name not in SHAPES:
-      raise SystemExit(f"unknown shape {name!r}; choose from {list(SHAPES)}")
-    run_shape(name, args.repeats)
-  timing.emit(kind="load", loadavg=os.getloadavg())
+  timing.run_named("shape", args.shapes, SHAPES, run_shape, args.repeats)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,16 @@ def median_seconds(fn, *args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def run_named(kind: str, names: str, known, run, repeats: int) -> None:
+  """Runs `run(name, repeats)` for each of the comma-separated `names`
+  (keys of `known`, checked first), between two load-average lines."""
+  chosen = names.split(",")
+  unknown = [name for name in chosen if name not in known]
+  if unknown:
+    raise SystemExit(f"unknown {kind} {unknown}; choose from {list(known)}")
+  emit(kind="load", loadavg=os.getloadavg())
+  for name in chosen:
+    run(name, repeats)
+  emit(kind="load", loadavg=os.getloadavg())
