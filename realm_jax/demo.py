@@ -123,7 +123,8 @@ def demo_realm_config(name: str, span_head: bool = False) -> RealmConfig:
                       gelu_approximate=False)
   return RealmConfig(
       retriever=RetrieverConfig(bert=bert, projection_size=None,
-                                pooling="mean", normalize=True),
+                                pooling="mean", normalize=True,
+                                null_score="learned"),
       reader=ReaderConfig(bert=bert, span_head=span_head))
 
 
@@ -172,6 +173,11 @@ def _pretrain(config: DemoConfig, store, store_dir: str,
       init_from="minilm" if config.model == "minilm" else None,
       num_train_steps=config.train_steps,
       batch_size=config.batch_size, learning_rate=1e-4, warmup_steps=1,
+      # The recipe of runs/pretrain.gin at demo scale: the reader reads for
+      # the first half with the retriever frozen, then the retriever
+      # follows at a tenth of the rate (docs/results/learning.md).
+      freeze_retriever_steps=config.train_steps // 2,
+      retriever_learning_rate_multiplier=0.1,
       num_candidates=config.num_candidates, query_length=48,
       reader_length=48 + config.max_block_len,
       checkpoint_every=config.checkpoint_every, index_mode="builder",
@@ -247,6 +253,8 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
     _log("pretrain", step=h["step"], loss=round(h["loss"], 4),
          retrieval_utility=round(h["retrieval_utility"], 4),
          mlm_accuracy=round(h["mlm_correct"], 3),
+         null_probability=round(h["null_probability"], 3),
+         hubness=round(h["hubness"], 3),
          index_step=h["index_step"], staleness=h["index_staleness"],
          seconds_per_step=round(h["seconds_per_step"], 2))
   pretrain_seconds = time.time() - t

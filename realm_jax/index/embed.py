@@ -10,6 +10,7 @@ shares are concatenated in row order. Output row i is block i.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from realm_jax.model import functional
 from realm_jax.model.realm import Retriever, RetrieverConfig
+from realm_jax.model.realm import document_tower_params
 from realm_jax.training import parallel
 
 
@@ -34,14 +36,22 @@ def host_row_range(num_rows: int, process_index: int,
                                                  (process_index + 1) * per)
 
 
+@functools.lru_cache(maxsize=16)
 def make_embed_fn(retriever_config: RetrieverConfig, mesh):
-  """jit(shard_map) document embedding: params, [B, L] inputs -> [B, D]."""
-  graphdef, _ = functional.abstract_init(
-      lambda r: Retriever(retriever_config, rngs=r))
+  """jit(shard_map) document embedding: params, [B, L] inputs -> [B, D].
+
+  Cached per (config, mesh): a trainer that refreshes its index inline
+  every few steps would otherwise trace and compile it again each time.
+  """
+  # Documents do not depend on how the null document is scored: the tower
+  # is built without the learned null score, and its parameter (if the
+  # checkpoint has one) is not passed in.
+  graphdef, _ = functional.abstract_init(lambda r: Retriever(
+      dataclasses.replace(retriever_config, null_score="embedding"), rngs=r))
 
   def per_core(params, token_ids, input_mask, segment_ids):
-    return functional.bind(graphdef, params).embed_documents(
-        token_ids, input_mask, segment_ids)
+    return functional.bind(graphdef, document_tower_params(
+        params)).embed_documents(token_ids, input_mask, segment_ids)
 
   data = P(parallel.DATA_AXIS)
   return jax.jit(jax.shard_map(per_core, mesh=mesh,

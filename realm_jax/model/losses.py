@@ -69,8 +69,9 @@ def pretraining_loss(
     weight_sum: sum_j w_j (divide loss_sum by its global value).
     metric_sums: sums over real masks of `marginal_log_likelihood`,
       `null_log_likelihood` (log p(y_j|null doc, x)), `retrieval_utility`
-      (their difference) and `mlm_correct` (argmax of the marginal predictive
-      distribution equals the target).
+      (their difference), `mlm_correct` (argmax of the marginal predictive
+      distribution equals the target) and `null_probability` (p(z_0|x) of
+      the query, candidate 0 being the null document).
   """
   weights = mlm_weights.astype(jnp.float32)
   token_ll = token_log_likelihoods(mlm_logits, mlm_targets)
@@ -87,6 +88,7 @@ def pretraining_loss(
       "null_log_likelihood": jnp.sum(null_ll * weights),
       "retrieval_utility": jnp.sum((marginal - null_ll) * weights),
       "mlm_correct": jnp.sum(correct * weights),
+      "null_probability": jnp.sum(jnp.exp(log_p_z[:, :1]) * weights),
   }
   return -jnp.sum(marginal * weights), jnp.sum(weights), metric_sums
 

@@ -25,6 +25,7 @@ from flax import nnx
 from realm_jax.model.bert import Bert, BertConfig, dense, layer_norm
 
 POOLINGS = ("pooler", "cls", "mean")
+NULL_SCORES = ("embedding", "learned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,16 @@ class RetrieverConfig:
     normalize: L2-normalise embeddings (sentence-embedding models).
     share_towers: one BERT for queries and documents (REALM's default);
       False gives separate query and document towers.
+    null_score: how the null document (candidate 0 in pre-training) is
+      scored. "embedding" (REALM, and what its released checkpoints were
+      trained with): f(x, null) = Embed(x) . Embed([CLS] [SEP] [SEP]).
+      "learned": f(x, null) = stop_gradient(mean_z f(x, z)) + b over the
+      retrieved candidates z, with one learned scalar b (starts at 0), so
+      p(null|x) starts near 1 / num_candidates. The embedding of an
+      almost empty input is no ordinary document embedding: with mean
+      pooling it scored ~100 against ~10 for real blocks at a random
+      initialisation, p(null|x) was 1.000 and the retriever's gradient
+      underflowed to 0 (see docs/results/learning.md).
   """
 
   bert: BertConfig = BertConfig()
@@ -47,11 +58,15 @@ class RetrieverConfig:
   pooling: str = "pooler"
   normalize: bool = False
   share_towers: bool = True
+  null_score: str = "embedding"
 
   def __post_init__(self):
     if self.pooling not in POOLINGS:
       raise ValueError(f"RetrieverConfig.pooling must be one of {POOLINGS}, "
                        f"got {self.pooling!r}.")
+    if self.null_score not in NULL_SCORES:
+      raise ValueError(f"RetrieverConfig.null_score must be one of "
+                       f"{NULL_SCORES}, got {self.null_score!r}.")
     if self.projection_size is not None and self.projection_size <= 0:
       raise ValueError("RetrieverConfig.projection_size must be positive or "
                        f"None, got {self.projection_size}.")
@@ -134,6 +149,17 @@ class Embedder(nnx.Module):
     return x
 
 
+def document_tower_params(retriever_params: dict) -> dict:
+  """The retriever's parameters without the learned null score.
+
+  What embedding queries or documents needs, whichever `null_score` the
+  checkpoint was trained with (the index builder and the QA jobs read
+  checkpoints of runs with either).
+  """
+  return {k: v for k, v in retriever_params.items()
+          if k != "null_score_bias"}
+
+
 def retrieval_logits(query_embeddings: jax.Array,
                      document_embeddings: jax.Array) -> jax.Array:
   """f(x, z): [batch, dim] . [batch, candidates, dim] -> [batch, candidates]."""
@@ -148,6 +174,8 @@ class Retriever(nnx.Module):
     self.query_embedder = Embedder(config, rngs=rngs)
     if not config.share_towers:
       self.document_embedder = Embedder(config, rngs=rngs)
+    if config.null_score == "learned":
+      self.null_score_bias = nnx.Param(jnp.zeros((), jnp.float32))
 
   def embed_queries(self, token_ids, input_mask, segment_ids=None, *,
                     dropout_rng=None):
@@ -161,8 +189,17 @@ class Retriever(nnx.Module):
     return tower(token_ids, input_mask, segment_ids, dropout_rng=dropout_rng)
 
   def __call__(self, query_ids, query_mask, candidate_ids, candidate_mask,
-               candidate_segment_ids, *, dropout_rng=None) -> jax.Array:
+               candidate_segment_ids, *, null_document: bool = False,
+               dropout_rng=None) -> jax.Array:
     """Scores candidates [batch, candidates, doc_len] for queries [batch, q_len].
+
+    Args:
+      query_ids, query_mask: int [batch, q_len].
+      candidate_ids, candidate_mask, candidate_segment_ids: int
+        [batch, candidates, doc_len].
+      null_document: candidate 0 is the null document, scored as
+        `config.null_score` says (with "learned" its tokens are not read).
+      dropout_rng: PRNG key or None.
 
     Returns:
       retrieval_logits: float32 [batch, candidates].
@@ -170,9 +207,21 @@ class Retriever(nnx.Module):
     q_rng, d_rng = (None, None) if dropout_rng is None else tuple(
         jax.random.split(dropout_rng))
     query = self.embed_queries(query_ids, query_mask, dropout_rng=q_rng)
-    docs = self.embed_documents(candidate_ids, candidate_mask,
-                                candidate_segment_ids, dropout_rng=d_rng)
-    return retrieval_logits(query, docs)
+    learned_null = null_document and self.config.null_score == "learned"
+    first = 1 if learned_null else 0
+    docs = self.embed_documents(candidate_ids[:, first:],
+                                candidate_mask[:, first:],
+                                candidate_segment_ids[:, first:],
+                                dropout_rng=d_rng)
+    logits = retrieval_logits(query, docs)
+    if not learned_null:
+      return logits
+    # The null document's score follows the retrieved ones (no gradient
+    # through their mean, so each real candidate's gradient stays REALM's
+    # r(z)); only the offset is learned.
+    null = (jax.lax.stop_gradient(jnp.mean(logits, axis=-1))
+            + self.null_score_bias[...])
+    return jnp.concatenate([null[:, None], logits], axis=-1)
 
 
 # ----------------------------------------------------------------------------
@@ -449,6 +498,7 @@ class Realm(nnx.Module):
     self.reader = Reader(config.reader, rngs=rngs)
 
   def pretraining_logits(self, batch: dict[str, jax.Array], *,
+                         null_document: bool = True,
                          dropout_rng=None) -> tuple[jax.Array, jax.Array]:
     """Retrieval and MLM logits for a pre-training batch.
 
@@ -457,6 +507,7 @@ class Realm(nnx.Module):
         candidate_segment_ids [B, C, Ld] (retriever inputs of the candidates,
         null document first); reader_ids/reader_mask/reader_segment_ids
         [B, C, Lr]; mlm_positions [B, M] (positions in the reader input).
+      null_document: candidate 0 is the null document.
       dropout_rng: PRNG key or None.
 
     Returns:
@@ -467,7 +518,7 @@ class Realm(nnx.Module):
     logits = self.retriever(
         batch["query_ids"], batch["query_mask"], batch["candidate_ids"],
         batch["candidate_mask"], batch["candidate_segment_ids"],
-        dropout_rng=r_rng)
+        null_document=null_document, dropout_rng=r_rng)
     num_candidates = batch["reader_ids"].shape[1]
     positions = jnp.broadcast_to(
         batch["mlm_positions"][:, None, :],

@@ -40,6 +40,14 @@ def merge_checked(fresh: Params, imported: Params, where: str) -> Params:
     core.CheckpointMismatchError: unexpected paths or wrong shapes.
   """
   want, got = core.flatten(fresh), core.flatten(imported)
+  # Only REALM pre-training with RetrieverConfig.null_score="learned" has
+  # this scalar; a model without it (fine-tuning, QA, the other null
+  # score) loads the rest of such a checkpoint.
+  optional = ("retriever", "null_score_bias")
+  if optional in got and optional not in want:
+    logging.info("%s: not using %s (this model scores no null document "
+                 "with it)", where, "/".join(optional))
+    got = {p: v for p, v in got.items() if p != optional}
   unexpected = ["/".join(p) for p in got if p not in want]
   wrong = ["/".join(p) + f": {np.shape(got[p])} vs model {np.shape(want[p])}"
            for p in got if p in want and np.shape(got[p]) != np.shape(

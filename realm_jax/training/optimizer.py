@@ -235,7 +235,8 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
                    weight_decay: float = 0.01, beta1: float = 0.9,
                    beta2: float = 0.999, epsilon: float = 1e-6,
                    clip_norm: float = 1.0,
-                   unused: Sequence[tuple[str, ...]] = ()
+                   unused: Sequence[tuple[str, ...]] = (),
+                   bias_correction: bool = False
                    ) -> optax.GradientTransformation:
   """BERT's AdamWeightDecayOptimizer with its gradient clipping and schedule.
 
@@ -261,6 +262,11 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
       `(("reader", "span_head"),)` in pre-training. Their gradients are
       zero, so Adam leaves them alone; excluding them from weight decay
       too keeps them exactly as initialised or loaded.
+    bias_correction: use Adam's bias-corrected moments (`optax.scale_by_adam`)
+      instead of BERT's raw ones. BERT's raw second moment makes steps 2-3x
+      larger than Adam's for the first ~1000 updates; on the learning
+      benchmark that made a reader trained from scratch memorise training
+      facts instead of learning to read (docs/results/learning.md).
 
   Returns:
     An optax GradientTransformation (a chain; its state is a tuple).
@@ -282,8 +288,124 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
                                     warmup_steps=warmup_steps)
   return optax.chain(
       optax.clip_by_global_norm(clip_norm),
-      scale_by_adam_without_bias_correction(beta1, beta2, epsilon),
+      (optax.scale_by_adam(beta1, beta2, epsilon) if bias_correction else
+       scale_by_adam_without_bias_correction(beta1, beta2, epsilon)),
       optax.add_decayed_weights(
           weight_decay, mask=functools.partial(decay_mask, unused=unused)),
       optax.scale_by_learning_rate(schedule),
   )
+
+
+# ---------------------------------------------------------------------------
+# REALM pre-training: the retriever on its own rate and schedule
+# ---------------------------------------------------------------------------
+
+
+class DelayedState(NamedTuple):
+  count: jax.Array  # int32 scalar: updates seen, frozen ones included
+  inner: Any
+
+
+def delayed(inner: optax.GradientTransformation,
+            start_step: int) -> optax.GradientTransformation:
+  """`inner`, but zero updates (and an untouched inner state) before a step.
+
+  For the first `start_step` updates the parameters do not move at all (no
+  weight decay either) and `inner` sees nothing, so its moments and its
+  schedule start when the parameters start to train.
+  """
+  start_step = int(start_step)
+
+  def init_fn(params):
+    return DelayedState(jnp.zeros([], jnp.int32), inner.init(params))
+
+  def update_fn(updates, state, params=None):
+    def frozen(_):
+      return jax.tree.map(jnp.zeros_like, updates), state.inner
+
+    def training(_):
+      return inner.update(updates, state.inner, params)
+
+    new_updates, inner_state = jax.lax.cond(state.count < start_step, frozen,
+                                            training, None)
+    return new_updates, DelayedState(
+        optax.safe_int32_increment(state.count), inner_state)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def realm_optimizer(*, learning_rate: float, num_train_steps: int,
+                    warmup_steps: int | None = None,
+                    retriever_learning_rate_multiplier: float = 1.0,
+                    freeze_retriever_steps: int = 0,
+                    unused: Sequence[tuple[str, ...]] = (),
+                    bias_correction: bool = False
+                    ) -> optax.GradientTransformation:
+  """BERT's optimiser for {"retriever", "reader"} params, retriever apart.
+
+  With the defaults (multiplier 1, no freeze) this is exactly
+  `bert_optimizer` over all parameters, as REALM trained. Otherwise the
+  retriever and the reader get separate BERT optimisers (each with its own
+  global-norm clip and Adam moments):
+  - reader: peak `learning_rate` over `num_train_steps`;
+  - retriever: frozen for `freeze_retriever_steps` (a reader warm-up: the
+    reader learns to read retrieved blocks before the retriever follows
+    its signal), then peak `learning_rate * retriever_learning_rate_multiplier`
+    with its own warmup over the remaining steps.
+
+  Why apart: the retriever's gradient is ~1e-3 of the reader's until the
+  reader uses documents, so it is mostly noise; Adam scales every
+  parameter's step to the learning rate whatever the gradient's size, and
+  one shared rate moved the retriever into a collapsed state within 50
+  steps (docs/results/learning.md).
+
+  Args:
+    learning_rate: the reader's peak rate.
+    num_train_steps: total steps of the run.
+    warmup_steps: warmup of each part; None = BERT's rule on its length.
+    retriever_learning_rate_multiplier: the retriever's peak rate relative
+      to the reader's (0 freezes it for the whole run).
+    freeze_retriever_steps: steps before the retriever's first update.
+    unused: as in `bert_optimizer`, paths from the root.
+    bias_correction: as in `bert_optimizer`.
+
+  Returns:
+    An optax GradientTransformation over {"retriever": ..., "reader": ...}.
+
+  Raises:
+    ValueError: on a negative multiplier or freeze.
+  """
+  if retriever_learning_rate_multiplier < 0:
+    raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
+                     f"{retriever_learning_rate_multiplier}.")
+  if freeze_retriever_steps < 0:
+    raise ValueError(f"freeze_retriever_steps must be >= 0, got "
+                     f"{freeze_retriever_steps}.")
+  if retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps:
+    return bert_optimizer(learning_rate=learning_rate,
+                          num_train_steps=num_train_steps,
+                          warmup_steps=warmup_steps, unused=unused,
+                          bias_correction=bias_correction)
+
+  def part(name):
+    return [tuple(p[1:]) for p in unused if p and p[0] == name]
+
+  reader = bert_optimizer(learning_rate=learning_rate,
+                          num_train_steps=num_train_steps,
+                          warmup_steps=warmup_steps, unused=part("reader"),
+                          bias_correction=bias_correction)
+  retriever_steps = num_train_steps - freeze_retriever_steps
+  if retriever_steps <= 0 or retriever_learning_rate_multiplier == 0:
+    retriever = optax.set_to_zero()
+  else:
+    retriever = delayed(bert_optimizer(
+        learning_rate=learning_rate * retriever_learning_rate_multiplier,
+        num_train_steps=retriever_steps, warmup_steps=warmup_steps,
+        unused=part("retriever"), bias_correction=bias_correction),
+        freeze_retriever_steps)
+
+  def labels(params):
+    return {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
+
+  return optax.multi_transform({"retriever": retriever, "reader": reader},
+                               labels)

@@ -62,12 +62,22 @@ class PretrainConfig:
       `realm_jax.training.init`).
     num_train_steps: total steps.
     batch_size: global batch (queries per step); must divide by devices.
-    learning_rate: peak learning rate (REALM: 3e-5).
+    learning_rate: peak learning rate (REALM: 3e-5); the reader's when the
+      retriever has its own schedule.
     warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
+    retriever_learning_rate_multiplier: the retriever's peak rate relative
+      to `learning_rate` (REALM: 1; 0 freezes the retriever).
+    freeze_retriever_steps: reader warm-up: the retriever does not move for
+      this many steps (REALM: 0). See `optimizer.realm_optimizer`.
+    adam_bias_correction: Adam's bias-corrected moments instead of BERT's
+      raw ones (REALM: False); see `optimizer.bert_optimizer`.
     num_candidates: retrieved blocks per query k (REALM: 7), plus the null
       document when `null_document`.
     null_document: put the empty document first among the candidates.
     masking: "salient" (REALM), "random_tokens" or "random_spans".
+    max_masks: masked targets per query at most (REALM: 10); the reader's
+      vocabulary logits are computed for this many slots per candidate, so
+      corpora of short spans train faster with fewer.
     query_length, reader_length: 96 and 384 (= 96 + 288) in REALM.
     checkpoint_every: checkpoint (and, inline, index refresh) period.
     keep_checkpoints: orbax retention; >= 5 when a builder reads them.
@@ -75,6 +85,10 @@ class PretrainConfig:
     searcher: "exact" or "scann" (inline index).
     index_wait_seconds: builder mode: how long to wait for the first index.
     log_every: metrics period.
+    hubness_warning: warn once when the share of the queries since the last
+      log whose top-1 block is the single most common one exceeds this.
+    null_probability_warning: warn once when the mean p(null|x) of a
+      logged step exceeds this.
     seed: everything random derives from it.
   """
 
@@ -86,9 +100,13 @@ class PretrainConfig:
   batch_size: int = 8
   learning_rate: float = 3e-5
   warmup_steps: int | None = None
+  retriever_learning_rate_multiplier: float = 1.0
+  freeze_retriever_steps: int = 0
+  adam_bias_correction: bool = False
   num_candidates: int = 7
   null_document: bool = True
   masking: str = "salient"
+  max_masks: int = 10
   query_length: int = 96
   reader_length: int = 384
   checkpoint_every: int = 100
@@ -97,6 +115,8 @@ class PretrainConfig:
   searcher: str = "exact"
   index_wait_seconds: float = 600.0
   log_every: int = 10
+  hubness_warning: float = 0.5
+  null_probability_warning: float = 0.9
   seed: int = 0
 
   def __post_init__(self):
@@ -123,6 +143,18 @@ class PretrainConfig:
 # ----------------------------------------------------------------------------
 # Input: masked queries, deterministic by step
 # ----------------------------------------------------------------------------
+
+
+def realm_query_config(config: PretrainConfig, masking: str | None = None
+                       ) -> examples_lib.RealmQueryConfig:
+  """How the run's queries are masked (`masking` overrides the run's)."""
+  # REALM: masks end before position 94 of 96; shorter queries keep the
+  # same two positions of room.
+  return examples_lib.RealmQueryConfig(
+      query_length=config.query_length,
+      max_masks=min(config.max_masks, config.query_length - 4),
+      mask_limit=config.query_length - 2,
+      masking=masking or config.masking)
 
 
 class QuerySet:
@@ -179,11 +211,11 @@ class QuerySet:
 # ----------------------------------------------------------------------------
 
 
-def make_loss_fn(graphdef):
+def make_loss_fn(graphdef, null_document: bool = True):
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(
-        batch, dropout_rng=dropout_rng)
+        batch, null_document=null_document, dropout_rng=dropout_rng)
     return losses.pretraining_loss(retrieval_logits, mlm_logits,
                                    batch["mlm_targets"], batch["mlm_weights"])
   return loss_fn
@@ -206,6 +238,61 @@ def local_rows(array: jax.Array) -> np.ndarray:
   """This process's rows of a batch-sharded global array, in order."""
   shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start)
   return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+# ----------------------------------------------------------------------------
+# Collapse guards
+# ----------------------------------------------------------------------------
+
+
+class CollapseGuard:
+  """Hubness of the retrieved blocks, and one loud warning per failure mode.
+
+  REALM's two ways to stop learning (docs/results/learning.md): a hub, one
+  block every query retrieves with a saturated softmax (its gradient is then
+  exactly 0, so the state is absorbing); and the null-document trap,
+  p(null|x) ~ 1, where the reader ignores retrieval and the retriever gets
+  no signal.
+  """
+
+  def __init__(self, config: PretrainConfig):
+    self.config = config
+    self._top1: list[np.ndarray] = []
+    self._warned: set[str] = set()
+
+  def add_top1(self, block_ids: np.ndarray) -> None:
+    self._top1.append(np.asarray(block_ids).reshape(-1))
+
+  def hubness(self) -> float:
+    """Share of the queries since the last call whose top-1 is the single
+    most common top-1 block (then starts a new window)."""
+    if not self._top1:
+      return 0.0
+    top1 = np.concatenate(self._top1)
+    self._top1 = []
+    return float(np.bincount(top1).max() / len(top1))
+
+  def check(self, step: int, metrics: dict[str, float]) -> None:
+    c = self.config
+    if (metrics["hubness"] > c.hubness_warning
+        and "hubness" not in self._warned):
+      self._warned.add("hubness")
+      logging.warning(
+          "COLLAPSE WARNING at step %d: %.0f%% of the queries retrieve the "
+          "same block (hubness > %.2f); a hub's softmax saturates and its "
+          "gradient vanishes. Lower the retriever's rate "
+          "(retriever_learning_rate_multiplier), warm the reader up first "
+          "(freeze_retriever_steps) and start from an ICT-trained "
+          "retriever.", step, 100 * metrics["hubness"], c.hubness_warning)
+    if (metrics["null_probability"] > c.null_probability_warning
+        and "null" not in self._warned):
+      self._warned.add("null")
+      logging.warning(
+          "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f; the null "
+          "document takes the retrieval mass and the retriever gets no "
+          "gradient. Use RetrieverConfig.null_score='learned', or a "
+          "retriever whose document embeddings are trained (ICT).", step,
+          metrics["null_probability"], c.null_probability_warning)
 
 
 # ----------------------------------------------------------------------------
@@ -235,12 +322,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   store = block_store.BlockStore.open(config.block_store)
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
-  # REALM: masks end before position 94 of 96; shorter queries keep the
-  # same two positions of room.
-  query_config = examples_lib.RealmQueryConfig(
-      query_length=config.query_length,
-      max_masks=min(10, config.query_length - 4),
-      mask_limit=config.query_length - 2, masking=config.masking)
+  query_config = realm_query_config(config)
   # Every host holds the query set and takes its slice of each step's
   # global batch: the batches (and so the losses) do not depend on the
   # number of hosts, and a restart replays them exactly.
@@ -263,10 +345,15 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   mesh = parallel.make_mesh()
   graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                     config.seed)
-  tx = optimizer_lib.bert_optimizer(
+  tx = optimizer_lib.realm_optimizer(
       learning_rate=config.learning_rate,
       num_train_steps=config.num_train_steps,
-      warmup_steps=config.warmup_steps, unused=UNUSED_BY_PRETRAINING)
+      warmup_steps=config.warmup_steps,
+      retriever_learning_rate_multiplier=(
+          config.retriever_learning_rate_multiplier),
+      freeze_retriever_steps=config.freeze_retriever_steps,
+      unused=UNUSED_BY_PRETRAINING,
+      bias_correction=config.adam_bias_correction)
   ckpt = checkpoints.TrainCheckpointer(
       checkpoints.checkpoint_dir(config.workdir),
       keep=config.keep_checkpoints)
@@ -291,7 +378,9 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
                                   replicated),
            "params": params, "opt_state": opt_state}
-  train_step = parallel.make_train_step(make_loss_fn(graphdef), tx, mesh)
+  train_step = parallel.make_train_step(
+      make_loss_fn(graphdef, config.null_document), tx, mesh,
+      grad_norm_groups=("retriever", "reader"))
   embed_queries = make_query_embedder(graphdef, mesh)
 
   # -- The index: inline refresh, or a watcher on the builder's output.
@@ -333,6 +422,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
 
   # -- The loop.
   preemption = run_utils.Preemption()
+  guard = CollapseGuard(config)
   history, base_rng = [], jax.random.key(config.seed)
   step, t_last, steps_since_log = start_step, time.time(), 0
   end = config.num_train_steps if stop_after is None else min(
@@ -349,6 +439,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     hits, _ = index.search(q_emb, search_k)
     candidates = realm_inputs.select_candidates(
         hits, store.doc_hash, local["source_doc_hash"], config.num_candidates)
+    guard.add_top1(candidates[:, 0])
     # Never a trivial retrieval: no candidate from the query's own article.
     if (store.doc_hash[candidates] == local["source_doc_hash"][:, None]).any():
       raise AssertionError("a query's own article reached its candidates")
@@ -364,6 +455,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
       metrics = {k: float(v) for k, v in parallel.host_copy(metrics).items()}
       now = time.time()
       metrics.update(
+          hubness=guard.hubness(),
           index_step=index.step, index_staleness=step - index.step,
           seconds_per_step=(now - t_last) / steps_since_log,
           examples_per_second=config.batch_size * steps_since_log
@@ -375,9 +467,12 @@ def train(*, config: PretrainConfig, model: RealmConfig,
         run_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
                                dict(metrics, step=step))
       logging.info("step %d: loss %.4f utility %.4f mlm_acc %.3f "
-                   "staleness %d, %.2f s/step", step, metrics["loss"],
-                   metrics["retrieval_utility"], metrics["mlm_correct"],
-                   metrics["index_staleness"], metrics["seconds_per_step"])
+                   "p(null) %.3f hubness %.3f staleness %d, %.2f s/step",
+                   step, metrics["loss"], metrics["retrieval_utility"],
+                   metrics["mlm_correct"], metrics["null_probability"],
+                   metrics["hubness"], metrics["index_staleness"],
+                   metrics["seconds_per_step"])
+      guard.check(step, metrics)
     # The stop decision is process 0's, so every host stops at one step.
     stop = bool(distributed.broadcast_from_chief(
         np.int32(preemption.requested))) if jax.process_count() > 1 else (

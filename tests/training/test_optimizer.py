@@ -254,3 +254,83 @@ def test_adam_without_bias_correction_state_is_float32():
   want = 0.1 * g / (np.sqrt(0.001 * g * g) + 1e-6)
   np.testing.assert_allclose(np.asarray(updates["w"], np.float32), want,
                              rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------
+# realm_optimizer: the retriever on its own rate and schedule
+# ---------------------------------------------------------------------------
+
+
+def _realm_params_and_grads(rng, steps):
+  params = {"retriever": {"w": rng.normal(size=(4, 3)).astype(np.float32),
+                          "bias": rng.normal(size=(3,)).astype(np.float32)},
+            "reader": {"w": rng.normal(size=(3, 2)).astype(np.float32)}}
+  grads = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(
+      np.float32) * 0.3, params) for _ in range(steps)]
+  return params, grads
+
+
+def _run(tx, params, grads):
+  state = tx.init(params)
+  trajectory = []
+  for g in grads:
+    updates, state = jax.jit(tx.update)(g, state, params)
+    params = optax.apply_updates(params, updates)
+    trajectory.append(jax.tree.map(np.asarray, params))
+  return trajectory
+
+
+def test_realm_optimizer_defaults_are_bert_optimizer():
+  params, grads = _realm_params_and_grads(np.random.default_rng(0), 5)
+  kwargs = dict(learning_rate=0.1, num_train_steps=10, warmup_steps=2)
+  got = _run(opt.realm_optimizer(**kwargs), params, grads)
+  want = _run(opt.bert_optimizer(**kwargs), params, grads)
+  for g, w in zip(got, want):
+    jax.tree.map(np.testing.assert_array_equal, g, w)
+
+
+def test_realm_optimizer_freezes_then_trains_the_retriever_apart():
+  params, grads = _realm_params_and_grads(np.random.default_rng(1), 9)
+  freeze, mult = 4, 0.25
+  got = _run(opt.realm_optimizer(
+      learning_rate=0.1, num_train_steps=9, warmup_steps=2,
+      retriever_learning_rate_multiplier=mult,
+      freeze_retriever_steps=freeze), params, grads)
+  # The reader follows BERT's optimiser over all 9 steps, alone.
+  reader = _run(opt.bert_optimizer(learning_rate=0.1, num_train_steps=9,
+                                   warmup_steps=2),
+                params["reader"], [g["reader"] for g in grads])
+  for g, w in zip(got, reader):
+    jax.tree.map(np.testing.assert_allclose, g["reader"], w)
+  # The retriever does not move (not even weight decay) while frozen...
+  for g in got[:freeze]:
+    jax.tree.map(np.testing.assert_array_equal, g["retriever"],
+                 params["retriever"])
+  # ... then follows a fresh BERT optimiser at mult x the rate, over the
+  # remaining steps, fed only the gradients after the freeze.
+  retriever = _run(opt.bert_optimizer(learning_rate=0.1 * mult,
+                                      num_train_steps=9 - freeze,
+                                      warmup_steps=2),
+                   params["retriever"],
+                   [g["retriever"] for g in grads[freeze:]])
+  for g, w in zip(got[freeze:], retriever):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 g["retriever"], w)
+  assert not np.allclose(got[-1]["retriever"]["w"], params["retriever"]["w"])
+
+
+def test_realm_optimizer_multiplier_zero_freezes_for_good():
+  params, grads = _realm_params_and_grads(np.random.default_rng(2), 4)
+  got = _run(opt.realm_optimizer(learning_rate=0.1, num_train_steps=4,
+                                 warmup_steps=0,
+                                 retriever_learning_rate_multiplier=0.0),
+             params, grads)
+  jax.tree.map(np.testing.assert_array_equal, got[-1]["retriever"],
+               params["retriever"])
+  assert not np.allclose(got[-1]["reader"]["w"], params["reader"]["w"])
+  with pytest.raises(ValueError, match="multiplier"):
+    opt.realm_optimizer(learning_rate=0.1, num_train_steps=4,
+                        retriever_learning_rate_multiplier=-1.0)
+  with pytest.raises(ValueError, match="freeze_retriever_steps"):
+    opt.realm_optimizer(learning_rate=0.1, num_train_steps=4,
+                        freeze_retriever_steps=-1)

@@ -1,0 +1,287 @@
+"""Does REALM pre-training teach the retriever? Measured on held-out people.
+
+    python benchmarks/learning.py --workdir=/tmp/learning \
+        --output=docs/results/learning.jsonl --plot=docs/results/learning.png
+
+A synthetic knowledge world (`realm_jax/testing/knowledge_world.py`): 300
+fictional people with random birthplaces and birth years; Z = one biography
+block per person; X = separate articles whose sentences name a person with
+the city or the year as the only salient span; the X articles of 100
+people are never trained on and give the held-out queries. Facts are
+random, so only the right biography lets the reader fill a held-out mask.
+
+Every condition runs the real jobs (`ict.train`, `pretrain.train` with an
+inline exact index rebuilt every `--refresh_every` steps) on the tiny model
+of `gin_configs/models/tiny.gin` with the same seed, and every checkpoint
+is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
+
+  init            the retriever at its random initialisation (no training)
+  ict             ICT warm start only (the baseline REALM must beat)
+  realm           ICT + REALM, this repository's recipe
+                  (experiments/pretrain_world_cpu.gin)
+  realm_original  ICT + REALM as the paper's code runs it: one learning
+                  rate for both towers, no reader warm-up, the null
+                  document scored by the embedding of `[CLS] [SEP] [SEP]`
+  frozen          the recipe with the retriever frozen throughout
+  stale30         the recipe with the index rebuilt 30x less often
+  random_masks    the recipe with random-token masks instead of salient
+                  spans (evaluated, like all, on held-out salient spans)
+  realm_repeat    `realm` again: the same seed must give the same numbers
+
+One JSON line per (condition, step) goes to --output; --plot draws the
+curves. On 2 CPU cores the default run takes about 30 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+
+from realm_jax import gin_cli  # pylint: disable=wrong-import-position
+
+gin_cli.default_xla_flags()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+CONDITIONS = ("init", "ict", "realm", "frozen", "stale30", "random_masks",
+              "realm_repeat", "realm_original")
+
+
+def _bindings(name: str, args) -> list[str]:
+  """Gin bindings of a pre-training condition, on top of the recipe file."""
+  original = [
+      "pretrain.PretrainConfig.retriever_learning_rate_multiplier = 1.0",
+      "pretrain.PretrainConfig.freeze_retriever_steps = 0",
+      "pretrain.PretrainConfig.adam_bias_correction = False",
+      "realm.RetrieverConfig.null_score = 'embedding'"]
+  return {
+      "realm": [],
+      "realm_repeat": [],
+      "realm_original": original,
+      "frozen": ["pretrain.PretrainConfig."
+                 "retriever_learning_rate_multiplier = 0.0"],
+      "stale30": [f"pretrain.PretrainConfig.checkpoint_every = "
+                  f"{30 * args.refresh_every}"],
+      "random_masks": ["pretrain.PretrainConfig.masking = 'random_tokens'"],
+  }[name]
+
+
+def _configs(gin_files, bindings):
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_cli.parse(gin_files, bindings)
+  return gin, gin.get_configurable(RealmConfig)()
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", default="/tmp/realm_learning")
+  parser.add_argument("--output", default=None, help="JSON lines file.")
+  parser.add_argument("--plot", default=None, help="PNG of the curves.")
+  parser.add_argument("--conditions", default=",".join(CONDITIONS))
+  parser.add_argument("--ict_steps", type=int, default=100)
+  parser.add_argument("--steps", type=int, default=800)
+  parser.add_argument("--refresh_every", type=int, default=10)
+  parser.add_argument("--eval_every", type=int, default=100)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--gin_file", action="append",
+                      default=None, help="Recipe (default: "
+                      "experiments/pretrain_world_cpu.gin).")
+  parser.add_argument("--table_from", default=None,
+                      help="Only print the table (and --plot) of a "
+                      "previous --output file.")
+  parser.add_argument("--gin", action="append", default=[],
+                      help="Extra binding for every pre-training run.")
+  args = parser.parse_args(argv)
+  gin_files = args.gin_file or ["experiments/pretrain_world_cpu.gin"]
+  if args.table_from:
+    with open(args.table_from, encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+    print(table(rows))
+    if args.plot:
+      plot([r for r in rows if "summary" not in r], args.plot)
+    return
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import pretrain_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
+  from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import checkpoints, ict, pretrain  # pylint: disable=g-import-not-at-top
+
+  conditions = [c for c in args.conditions.split(",") if c]
+  unknown = set(conditions) - set(CONDITIONS)
+  if unknown:
+    parser.error(f"unknown conditions {sorted(unknown)}; use {CONDITIONS}")
+  os.makedirs(args.workdir, exist_ok=True)
+  world = knowledge_world.write_world(os.path.join(args.workdir, "world"),
+                                      seed=args.seed)
+  store = block_store.BlockStore.open(world.block_store)
+  people = knowledge_world.load_people(world.people)
+  gold_of = knowledge_world.gold_blocks(store, people)
+  base = [f"WORKDIR = '{args.workdir}'",
+          f"BLOCK_STORE = '{world.block_store}'",
+          f"ANNOTATED = '{world.train}'",
+          f"pretrain.PretrainConfig.num_train_steps = {args.steps}",
+          f"pretrain.PretrainConfig.checkpoint_every = {args.refresh_every}",
+          f"pretrain.PretrainConfig.seed = {args.seed}"] + list(args.gin)
+  gin, model = _configs(gin_files, base)
+  recipe = gin.get_configurable(pretrain.PretrainConfig)()
+  heldout = pretrain.QuerySet.from_annotated(
+      world.heldout, Tokenizer(),
+      config=pretrain.realm_query_config(recipe, masking="salient"),
+      seed=args.seed).arrays
+  gold = np.asarray([gold_of[int(h)] for h in heldout["source_doc_hash"]])
+  out = open(args.output, "w", encoding="utf-8") if args.output else None
+  rows = []
+
+  def report(condition, step, params, seconds=None, **extra):
+    row = {"condition": condition, "step": step, **pretrain_eval.evaluate(
+        params, model, store, heldout, gold,
+        num_candidates=recipe.num_candidates,
+        reader_length=recipe.reader_length), **extra}
+    if seconds is not None:
+      row["train_seconds"] = round(seconds, 1)
+    rows.append(row)
+    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                       for k, v in row.items()})
+    print(line, flush=True)
+    if out:
+      out.write(line + "\n")
+      out.flush()
+
+  def evaluate_run(condition, ckpt_dir, seconds, every, first=0):
+    ckpt = checkpoints.TrainCheckpointer(ckpt_dir, async_save=False)
+    try:
+      for step in ckpt.all_steps():
+        if step < first:
+          continue
+        if step % every == 0 or step == ckpt.latest_step():
+          report(condition, step, ckpt.restore_params(step),
+                 seconds if step == ckpt.latest_step() else None)
+    finally:
+      ckpt.close()
+
+  if "init" in conditions:
+    _, fresh = functional.init(lambda r: Realm(model, rngs=r), args.seed)
+    report("init", 0, fresh)
+
+  # ICT warm start, shared by every REALM condition.
+  ict_dir = os.path.join(args.workdir, "ict")
+  ict_ckpts = checkpoints.checkpoint_dir(ict_dir)
+  t0 = time.time()
+  gin, model = _configs(gin_files, base + [
+      f"ict.IctTrainConfig.workdir = '{ict_dir}'",
+      f"ict.IctTrainConfig.num_train_steps = {args.ict_steps}",
+      f"ict.IctTrainConfig.checkpoint_every = {args.ict_steps // 4}",
+      "ict.IctTrainConfig.keep_checkpoints = 10",
+      # ICT never scores the null document; leaving the learned null
+      # score out of its checkpoints lets both null modes start from it.
+      "realm.RetrieverConfig.null_score = 'embedding'",
+      f"ict.IctTrainConfig.seed = {args.seed}"])
+  ict.train(config=gin.get_configurable(ict.IctTrainConfig)(), model=model)
+  if "ict" in conditions:
+    evaluate_run("ict", ict_ckpts, time.time() - t0, args.ict_steps // 4)
+
+  # REALM conditions. The recipe's reader warm-up (the first
+  # `freeze_retriever_steps`, retriever frozen) is the same for every
+  # condition but `realm_original`: it runs once, in `realm`'s workdir, and
+  # the other conditions resume from its checkpoint at the end of the
+  # warm-up with their own settings (same optimiser state, same step).
+  warmup = recipe.freeze_retriever_steps
+
+  def run(condition):
+    workdir = os.path.join(args.workdir, condition)
+    gin, model = _configs(gin_files, base + [
+        f"pretrain.PretrainConfig.workdir = '{workdir}'",
+        f"pretrain.PretrainConfig.init_from = 'checkpoint:{ict_ckpts}'",
+        "pretrain.PretrainConfig.keep_checkpoints = 1000"]
+        + _bindings(condition, args))
+    config = gin.get_configurable(pretrain.PretrainConfig)()
+    ckpt_dir = checkpoints.checkpoint_dir(workdir)
+    shared = condition not in ("realm", "realm_original") and warmup
+    if shared and not os.path.exists(ckpt_dir):
+      source = os.path.join(checkpoints.checkpoint_dir(
+          os.path.join(args.workdir, "realm")), str(warmup))
+      shutil.copytree(source, os.path.join(ckpt_dir, str(warmup)))
+    t0 = time.time()
+    history = pretrain.train(config=config, model=model)
+    seconds = time.time() - t0
+    evaluate_run(condition, ckpt_dir, seconds, args.eval_every,
+                 first=warmup if shared else 0)
+    # The training-time guards, for the doc: worst logged values.
+    worst = {"condition": condition, "summary": True,
+             "train_max_hubness": max(h["hubness"] for h in history),
+             "train_max_null_probability": max(h["null_probability"]
+                                               for h in history),
+             "train_seconds": round(seconds, 1)}
+    print(json.dumps(worst), flush=True)
+    if out:
+      out.write(json.dumps(worst) + "\n")
+
+  pretraining = [c for c in conditions if c not in ("init", "ict")]
+  if warmup and "realm" not in pretraining and len(pretraining) > 1:
+    pretraining.insert(0, "realm")  # the shared warm-up lives there
+  for condition in pretraining:
+    run(condition)
+  if out:
+    out.close()
+  print(table(rows))
+  if args.plot:
+    plot(rows, args.plot)
+  del jax
+
+
+def table(rows) -> str:
+  """Markdown table of every evaluated checkpoint, condition by condition."""
+  keys = ("recall@1", "recall@5", "mlm_accuracy_marginal",
+          "mlm_accuracy_null", "mlm_accuracy_gold", "retrieval_utility",
+          "null_probability", "hubness")
+  lines = ["| condition | step | " + " | ".join(keys) + " |",
+           "|---|---|" + "---|" * len(keys)]
+  for r in rows:
+    if "summary" in r:
+      continue
+    lines.append(f"| {r['condition']} | {r['step']} | " + " | ".join(
+        f"{r[k]:.3f}" for k in keys) + " |")
+  return "\n".join(lines)
+
+
+def plot(rows, path: str) -> None:
+  """Held-out recall@1, gold/null/marginal accuracy and p(null) per step."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  panels = (("recall@1", "held-out recall@1"),
+            ("mlm_accuracy_marginal", "held-out masked-token accuracy"),
+            ("null_probability", "p(null | x)"),
+            ("hubness", "hubness"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+  conditions = list(dict.fromkeys(r["condition"] for r in rows))
+  for ax, (key, title) in zip(axes, panels):
+    for c in conditions:
+      pts = [(r["step"], r[key]) for r in rows if r["condition"] == c]
+      if c in ("init", "ict"):
+        ax.axhline(pts[-1][1], linestyle="--", linewidth=1, label=c,
+                   color="grey" if c == "init" else "black")
+      else:
+        ax.plot(*zip(*pts), marker="o", markersize=3, label=c)
+    ax.set_title(title)
+    ax.set_xlabel("REALM step")
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,162 @@
+"""What REALM pre-training is for, measured on held-out masked queries.
+
+Given a checkpoint's parameters, the knowledge corpus and masked queries
+whose evidence block is known (`gold_block_ids`), it builds the
+checkpoint's own index (every block re-embedded, exact search) and reports:
+
+- `recall@1`, `recall@5`: the evidence block is among the top 1 / 5;
+- `mlm_accuracy_marginal`: the reader's marginal prediction over the null
+  document + top-k (what pre-training optimises) is right, per mask;
+- `mlm_accuracy_null`, `mlm_accuracy_gold`: the reader's prediction from
+  the null document alone / from the evidence block alone;
+- `retrieval_utility`: log p(y|x) - log p(y|null, x), mean per mask;
+- `null_probability`: mean p(null|x);
+- `hubness`: share of queries whose top-1 block is the single most common
+  top-1 block (1 / num_queries when every query retrieves another block).
+
+Nothing here trains; `benchmarks/learning.py` runs it on every checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from realm_jax.index import embed as embed_lib
+from realm_jax.model import functional, losses
+from realm_jax.model.realm import Realm, RealmConfig
+from realm_jax.training import realm_inputs
+
+
+@functools.lru_cache(maxsize=8)
+def _graphdef(model: RealmConfig):
+  graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
+  return graphdef
+
+
+@functools.lru_cache(maxsize=8)
+def _query_fn(model: RealmConfig):
+  graphdef = _graphdef(model)
+
+  @jax.jit
+  def embed(params, ids, mask):
+    return functional.bind(graphdef, params).retriever.embed_queries(ids,
+                                                                     mask)
+  return embed
+
+
+@functools.lru_cache(maxsize=8)
+def _reader_fn(model: RealmConfig):
+  graphdef = _graphdef(model)
+
+  @jax.jit
+  def read(params, batch):
+    retrieval_logits, mlm_logits = functional.bind(
+        graphdef, params).pretraining_logits(batch, null_document=True)
+    log_p_z = jax.nn.log_softmax(retrieval_logits, -1)            # [B, C]
+    log_p_y = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), -1)
+    token_ll = losses.token_log_likelihoods(mlm_logits,
+                                            batch["mlm_targets"])  # [B, C, M]
+    marginal_ll = losses.marginal_log_likelihood(retrieval_logits, token_ll)
+    marginal = jax.nn.logsumexp(log_p_z[:, :, None, None] + log_p_y, 1)
+    targets = batch["mlm_targets"]
+    return {
+        "correct_marginal": jnp.argmax(marginal, -1) == targets,   # [B, M]
+        "correct_each": jnp.argmax(log_p_y, -1) == targets[:, None],
+        "utility": marginal_ll - token_ll[:, 0],
+        "null_probability": jnp.exp(log_p_z[:, 0]),
+    }
+  return read
+
+
+def _in_chunks(fn, n: int, size: int):
+  parts = [fn(slice(lo, min(n, lo + size))) for lo in range(0, n, size)]
+  return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def evaluate(params: dict[str, Any], model: RealmConfig, store,
+             queries: dict[str, np.ndarray], gold_block_ids: np.ndarray, *,
+             num_candidates: int = 7, reader_length: int | None = None,
+             batch_size: int = 64) -> dict[str, float]:
+  """Held-out retrieval and reading metrics of one set of parameters.
+
+  Args:
+    params: {"retriever", "reader"} parameters (numpy or jax).
+    model: their config; the reader needs an MLM head.
+    store: the knowledge corpus (`block_store.BlockStore`).
+    queries: stacked REALM queries (`examples.REALM_QUERY_FEATURES`).
+    gold_block_ids: int [num_queries], each query's evidence block.
+    num_candidates: k retrieved blocks read beside the null document.
+    reader_length: reader input length (default query length + block
+      length).
+    batch_size: queries per reader call.
+
+  Returns:
+    The metrics listed in the module docstring, as floats.
+
+  Raises:
+    ValueError: on mismatched sizes or too small a corpus.
+  """
+  n = len(queries["query_ids"])
+  gold = np.asarray(gold_block_ids, np.int64)
+  if gold.shape != (n,):
+    raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
+                     f"({n},), one evidence block per query.")
+  if len(store) <= num_candidates:
+    raise ValueError(f"{store.path}: {len(store)} blocks, too few for "
+                     f"{num_candidates} candidates.")
+  reader_length = reader_length or (queries["query_ids"].shape[1]
+                                    + store.max_block_len)
+  # Mask slots are filled from the front: drop the slots no query uses (the
+  # reader's logits over the vocabulary are the cost here).
+  used = max(1, int((queries["mlm_weights"] > 0).sum(1).max()))
+  queries = {k: v[:, :used] if k.startswith("mlm_") else v
+             for k, v in queries.items()}
+  block_emb, _ = embed_lib.embed_block_store(
+      params["retriever"], model.retriever, store, log_every_seconds=1e9)
+  embed_queries = _query_fn(model)
+  query_emb = _in_chunks(lambda s: {"e": np.asarray(embed_queries(
+      params, queries["query_ids"][s], queries["query_mask"][s]))},
+                         n, batch_size)["e"]
+  scores = query_emb.astype(np.float64) @ block_emb.astype(np.float64).T
+  # A block of the query's own article is never a candidate (REALM).
+  scores[store.doc_hash[None, :] == queries["source_doc_hash"][:, None]] = (
+      -np.inf)
+  ranking = np.argsort(-scores, axis=1, kind="stable")
+  top1 = ranking[:, 0]
+  candidates = ranking[:, :num_candidates]
+  rank_of_gold = np.argmax(ranking == gold[:, None], axis=1)
+
+  read = _reader_fn(model)
+
+  def reader_outputs(s, cands):
+    batch = realm_inputs.pretraining_batch(
+        {k: v[s] for k, v in queries.items()}, cands[s], store,
+        doc_len=store.max_block_len, reader_len=reader_length,
+        null_document=True)
+    return {k: np.asarray(v) for k, v in read(params, batch).items()}
+
+  retrieved = _in_chunks(lambda s: reader_outputs(s, candidates), n,
+                         batch_size)
+  with_gold = _in_chunks(lambda s: reader_outputs(s, gold[:, None]), n,
+                         batch_size)
+  weights = queries["mlm_weights"].astype(np.float64)
+  masks = weights.sum()
+
+  def per_mask(x):
+    return float((np.asarray(x, np.float64) * weights).sum() / masks)
+
+  return {
+      "recall@1": float(np.mean(rank_of_gold < 1)),
+      "recall@5": float(np.mean(rank_of_gold < 5)),
+      "mlm_accuracy_marginal": per_mask(retrieved["correct_marginal"]),
+      "mlm_accuracy_null": per_mask(retrieved["correct_each"][:, 0]),
+      "mlm_accuracy_gold": per_mask(with_gold["correct_each"][:, 1]),
+      "retrieval_utility": per_mask(retrieved["utility"]),
+      "null_probability": float(np.mean(retrieved["null_probability"])),
+      "hubness": float(np.bincount(top1).max() / n),
+  }

@@ -1,0 +1,100 @@
+"""The learning benchmark's world and its held-out metrics."""
+
+import numpy as np
+import pytest
+
+from realm_jax.data import block_store, salient_spans
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.eval import pretrain_eval
+from realm_jax.index import embed
+from realm_jax.model import functional
+from realm_jax.model.bert import BertConfig
+from realm_jax.model.realm import Realm, RealmConfig, ReaderConfig
+from realm_jax.model.realm import RetrieverConfig
+from realm_jax.testing import knowledge_world
+from realm_jax.training import pretrain
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+  files = knowledge_world.write_world(
+      str(tmp_path_factory.mktemp("world")), num_people=40, num_heldout=10)
+  store = block_store.BlockStore.open(files.block_store)
+  return files, store, knowledge_world.load_people(files.people)
+
+
+def test_world_facts_are_single_wordpieces_and_split(world):
+  files, store, people = world
+  tokenizer = Tokenizer()
+  for city, ids in zip(knowledge_world.CITIES,
+                       tokenizer.tokenize(list(knowledge_world.CITIES))):
+    assert len(ids) == 1, city
+  assert len(store) == 40 and sum(p.heldout for p in people) == 10
+  gold = knowledge_world.gold_blocks(store, people)
+  assert sorted(gold.values()) == list(range(40))
+  # Every sentence of an X article has exactly one salient span: the
+  # person's city or year, which only their biography states.
+  heldout = list(salient_spans.read_annotated([files.heldout]))
+  assert {d.title for d in heldout} == {p.article_title for p in people
+                                        if p.heldout}
+  by_title = {p.article_title: p for p in people}
+  for doc in heldout:
+    p = by_title[doc.title]
+    for _, sentence, spans in doc.sentences_with_spans():
+      assert len(spans) == 1
+      value = sentence[spans[0][0]:spans[0][1]].decode()
+      assert value in (p.city, str(p.year))
+      assert value in p.biography
+
+
+def _tiny_model():
+  bert = BertConfig(vocab_size=30522, hidden_size=16, num_layers=1,
+                    num_heads=2, intermediate_size=32,
+                    max_position_embeddings=128, hidden_dropout=0.0,
+                    attention_dropout=0.0)
+  return RealmConfig(
+      retriever=RetrieverConfig(bert=bert, projection_size=8,
+                                pooling="mean", null_score="learned"),
+      reader=ReaderConfig(bert=bert, span_head=False))
+
+
+def test_metrics_match_an_independent_computation(world):
+  files, store, people = world
+  model = _tiny_model()
+  _, params = functional.init(lambda r: Realm(model, rngs=r), 3)
+  config = pretrain.PretrainConfig(workdir="", block_store="", annotated="",
+                                   query_length=32, reader_length=96,
+                                   max_masks=2, num_candidates=3)
+  queries = pretrain.QuerySet.from_annotated(
+      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config),
+      seed=0).arrays
+  gold_of = knowledge_world.gold_blocks(store, people)
+  gold = np.asarray([gold_of[int(h)] for h in queries["source_doc_hash"]])
+  got = pretrain_eval.evaluate(params, model, store, queries, gold,
+                               num_candidates=3, reader_length=96,
+                               batch_size=16)
+
+  # Retrieval metrics from exact numpy search over independently computed
+  # embeddings.
+  docs, _ = embed.embed_block_store(params["retriever"], model.retriever,
+                                    store)
+  graphdef, _ = functional.init(lambda r: Realm(model, rngs=r), 3)
+  q_model = functional.bind(graphdef, params)
+  q = np.asarray(q_model.retriever.embed_queries(queries["query_ids"],
+                                                 queries["query_mask"]))
+  scores = q.astype(np.float64) @ docs.astype(np.float64).T
+  order = np.argsort(-scores, axis=1)
+  rank = np.argmax(order == gold[:, None], axis=1)
+  assert got["recall@1"] == pytest.approx(np.mean(rank == 0))
+  assert got["recall@5"] == pytest.approx(np.mean(rank < 5))
+  top1 = order[:, 0]
+  assert got["hubness"] == pytest.approx(
+      np.bincount(top1).max() / len(top1))
+  for key in ("mlm_accuracy_marginal", "mlm_accuracy_null",
+              "mlm_accuracy_gold", "null_probability"):
+    assert 0.0 <= got[key] <= 1.0
+  # The learned null score starts at the retrieved scores' mean: p(null)
+  # is at most 1 / (k + 1) (Jensen), and positive.
+  assert 0 < got["null_probability"] <= 1 / 4 + 1e-6
+  with pytest.raises(ValueError, match="one evidence block per query"):
+    pretrain_eval.evaluate(params, model, store, queries, gold[:-1])
