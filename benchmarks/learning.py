@@ -145,7 +145,7 @@ def main(argv=None) -> None:
   out = open(args.output, "w", encoding="utf-8") if args.output else None
   rows = []
 
-  def report(condition, step, params, seconds=None, **extra):
+  def report(condition, step, params, model, seconds=None, **extra):
     row = {"condition": condition, "step": step, **pretrain_eval.evaluate(
         params, model, store, heldout, gold,
         num_candidates=recipe.num_candidates,
@@ -160,21 +160,21 @@ def main(argv=None) -> None:
       out.write(line + "\n")
       out.flush()
 
-  def evaluate_run(condition, ckpt_dir, seconds, every, first=0):
+  def evaluate_run(condition, model, ckpt_dir, seconds, every, first=0):
     ckpt = checkpoints.TrainCheckpointer(ckpt_dir, async_save=False)
     try:
       for step in ckpt.all_steps():
         if step < first:
           continue
         if step % every == 0 or step == ckpt.latest_step():
-          report(condition, step, ckpt.restore_params(step),
+          report(condition, step, ckpt.restore_params(step), model,
                  seconds if step == ckpt.latest_step() else None)
     finally:
       ckpt.close()
 
   if "init" in conditions:
     _, fresh = functional.init(lambda r: Realm(model, rngs=r), args.seed)
-    report("init", 0, fresh)
+    report("init", 0, fresh, model)
 
   # ICT warm start, shared by every REALM condition.
   ict_dir = os.path.join(args.workdir, "ict")
@@ -191,7 +191,8 @@ def main(argv=None) -> None:
       f"ict.IctTrainConfig.seed = {args.seed}"])
   ict.train(config=gin.get_configurable(ict.IctTrainConfig)(), model=model)
   if "ict" in conditions:
-    evaluate_run("ict", ict_ckpts, time.time() - t0, args.ict_steps // 4)
+    evaluate_run("ict", model, ict_ckpts, time.time() - t0,
+                 args.ict_steps // 4)
 
   # REALM conditions. The recipe's reader warm-up (the first
   # `freeze_retriever_steps`, retriever frozen) is the same for every
@@ -217,13 +218,17 @@ def main(argv=None) -> None:
     t0 = time.time()
     history = pretrain.train(config=config, model=model)
     seconds = time.time() - t0
-    evaluate_run(condition, ckpt_dir, seconds, args.eval_every,
+    evaluate_run(condition, model, ckpt_dir, seconds, args.eval_every,
                  first=warmup if shared else 0)
-    # The training-time guards, for the doc: worst logged values.
+    # The training-time guards, for the doc: worst logged values (from the
+    # run's metrics.jsonl, so that a resumed run reports them too).
+    del history
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+      logged = [json.loads(line) for line in f]
     worst = {"condition": condition, "summary": True,
-             "train_max_hubness": max(h["hubness"] for h in history),
+             "train_max_hubness": max(h["hubness"] for h in logged),
              "train_max_null_probability": max(h["null_probability"]
-                                               for h in history),
+                                               for h in logged),
              "train_seconds": round(seconds, 1)}
     print(json.dumps(worst), flush=True)
     if out:

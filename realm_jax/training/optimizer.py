@@ -394,15 +394,17 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                           num_train_steps=num_train_steps,
                           warmup_steps=warmup_steps, unused=part("reader"),
                           bias_correction=bias_correction)
-  retriever_steps = num_train_steps - freeze_retriever_steps
-  if retriever_steps <= 0 or retriever_learning_rate_multiplier == 0:
-    retriever = optax.set_to_zero()
-  else:
-    retriever = delayed(bert_optimizer(
-        learning_rate=learning_rate * retriever_learning_rate_multiplier,
-        num_train_steps=retriever_steps, warmup_steps=warmup_steps,
-        unused=part("retriever"), bias_correction=bias_correction),
-        freeze_retriever_steps)
+  # A retriever frozen for good (multiplier 0, or a freeze as long as the
+  # run) keeps the same optimiser state structure, so a run can resume
+  # from another's checkpoint with a different freeze or multiplier.
+  frozen_for_good = (retriever_learning_rate_multiplier == 0
+                     or freeze_retriever_steps >= num_train_steps)
+  retriever = delayed(bert_optimizer(
+      learning_rate=learning_rate * retriever_learning_rate_multiplier,
+      num_train_steps=max(1, num_train_steps - freeze_retriever_steps),
+      warmup_steps=warmup_steps, unused=part("retriever"),
+      bias_correction=bias_correction),
+      num_train_steps if frozen_for_good else freeze_retriever_steps)
 
   def labels(params):
     return {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
