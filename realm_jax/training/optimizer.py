@@ -366,7 +366,8 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
     retriever_learning_rate_multiplier: the retriever's peak rate relative
       to the reader's (0 freezes it for the whole run).
     freeze_retriever_steps: steps before the retriever's first update.
-    unused: as in `bert_optimizer`, paths from the root.
+    unused: as in `bert_optimizer`, paths from the root (each part sees
+      the whole tree, the other part's leaves masked).
     bias_correction: as in `bert_optimizer`.
 
   Returns:
@@ -387,12 +388,9 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                           warmup_steps=warmup_steps, unused=unused,
                           bias_correction=bias_correction)
 
-  def part(name):
-    return [tuple(p[1:]) for p in unused if p and p[0] == name]
-
   reader = bert_optimizer(learning_rate=learning_rate,
                           num_train_steps=num_train_steps,
-                          warmup_steps=warmup_steps, unused=part("reader"),
+                          warmup_steps=warmup_steps, unused=unused,
                           bias_correction=bias_correction)
   # A retriever frozen for good (multiplier 0, or a freeze as long as the
   # run) keeps the same optimiser state structure, so a run can resume
@@ -402,7 +400,7 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   retriever = delayed(bert_optimizer(
       learning_rate=learning_rate * retriever_learning_rate_multiplier,
       num_train_steps=max(1, num_train_steps - freeze_retriever_steps),
-      warmup_steps=warmup_steps, unused=part("retriever"),
+      warmup_steps=warmup_steps, unused=unused,
       bias_correction=bias_correction),
       num_train_steps if frozen_for_good else freeze_retriever_steps)
 
