@@ -49,6 +49,8 @@ setuptools.setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.5"],
+        # benchmarks/*.py --plot (PNG curves next to the result tables).
+        "bench": ["matplotlib>=3.8"],
         # Cloud TPU VM hosts; jax[tpu] pulls the matching libtpu.
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
         # NVIDIA GPUs (CUDA 12 wheels from PyPI).
