@@ -53,8 +53,11 @@ def _tiny_model():
                     max_position_embeddings=128, hidden_dropout=0.0,
                     attention_dropout=0.0)
   return RealmConfig(
-      retriever=RetrieverConfig(bert=bert, projection_size=8,
-                                pooling="mean", null_score="learned"),
+      # Mean-pooled random embeddings already match names a little, so
+      # recall and hubness are not at their trivial values.
+      retriever=RetrieverConfig(bert=bert, projection_size=None,
+                                pooling="mean", normalize=True,
+                                null_score="learned"),
       reader=ReaderConfig(bert=bert, span_head=False))
 
 
@@ -85,11 +88,18 @@ def test_metrics_match_an_independent_computation(world):
   scores = q.astype(np.float64) @ docs.astype(np.float64).T
   order = np.argsort(-scores, axis=1)
   rank = np.argmax(order == gold[:, None], axis=1)
-  assert got["recall@1"] == pytest.approx(np.mean(rank == 0))
-  assert got["recall@5"] == pytest.approx(np.mean(rank < 5))
+  # The two sides embed the queries in different batches, so float32
+  # rounding may differ: a query may flip only where two of its top-6
+  # scores (the gold block's included) are within rounding of each other.
+  top = np.sort(scores, axis=1)[:, ::-1][:, :6]
+  eps = 1e-4 * np.abs(scores).max()
+  near_tie = (np.abs(np.diff(top, axis=1)) < eps).any(1)
+  allowed = near_tie.mean() + 1e-9
+  assert abs(got["recall@1"] - np.mean(rank == 0)) <= allowed
+  assert abs(got["recall@5"] - np.mean(rank < 5)) <= allowed
   top1 = order[:, 0]
-  assert got["hubness"] == pytest.approx(
-      np.bincount(top1).max() / len(top1))
+  assert abs(got["hubness"] - np.bincount(top1).max() / len(top1)) <= (
+      allowed)
   for key in ("mlm_accuracy_marginal", "mlm_accuracy_null",
               "mlm_accuracy_gold", "null_probability"):
     assert 0.0 <= got[key] <= 1.0
