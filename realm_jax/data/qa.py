@@ -1,7 +1,7 @@
 """Open-domain QA data: reading, answer matching, gold spans, seqio tasks.
 
 Everything fine-tuning and evaluation need to know about QA examples
-(REALM.md, "Fine-tuning on open-domain QA"):
+(REALM's open-domain QA fine-tuning, summarised in BUILD.md):
 
 - `read_qa_jsonl` reads the ORQA JSONL format, one
   `{"question": str, "answer": [str, ...]}` per line (NQ-Open, WebQuestions,
@@ -15,7 +15,7 @@ Everything fine-tuning and evaluation need to know about QA examples
       combining accents survive: "Zürich" != "Zurich", but the NFC and NFD
       spellings of "Zürich" are equal. This is the reference's (and DrQA's /
       SQuAD's) behaviour; a "fairer" normaliser would make our exact match
-      incomparable with the tables in REALM.md.
+      incomparable with the published REALM / ORQA exact-match tables.
     * CuratedTrec: `re.match` of the pattern (IGNORECASE | UNICODE |
       MULTILINE) on the raw, un-normalised prediction: the pattern must match
       at the START of the prediction, not the whole of it ("1990s" is right

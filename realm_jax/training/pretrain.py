@@ -274,25 +274,26 @@ class CollapseGuard:
 
   def check(self, step: int, metrics: dict[str, float]) -> None:
     c = self.config
-    if (metrics["hubness"] > c.hubness_warning
-        and "hubness" not in self._warned):
-      self._warned.add("hubness")
-      logging.warning(
-          "COLLAPSE WARNING at step %d: %.0f%% of the queries retrieve the "
-          "same block (hubness > %.2f); a hub's softmax saturates and its "
-          "gradient vanishes. Lower the retriever's rate "
-          "(retriever_learning_rate_multiplier), warm the reader up first "
-          "(freeze_retriever_steps) and start from an ICT-trained "
-          "retriever.", step, 100 * metrics["hubness"], c.hubness_warning)
-    if (metrics["null_probability"] > c.null_probability_warning
-        and "null" not in self._warned):
-      self._warned.add("null")
-      logging.warning(
-          "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f; the null "
-          "document takes the retrieval mass and the retriever gets no "
-          "gradient. Use RetrieverConfig.null_score='learned', or a "
-          "retriever whose document embeddings are trained (ICT).", step,
-          metrics["null_probability"], c.null_probability_warning)
+    self._warn_once(
+        "hubness", metrics["hubness"] > c.hubness_warning,
+        "COLLAPSE WARNING at step %d: %.0f%% of the queries retrieve the "
+        "same block (hubness > %.2f); a hub's softmax saturates and its "
+        "gradient vanishes. Lower the retriever's rate "
+        "(retriever_learning_rate_multiplier), warm the reader up first "
+        "(freeze_retriever_steps) and start from an ICT-trained "
+        "retriever.", step, 100 * metrics["hubness"], c.hubness_warning)
+    self._warn_once(
+        "null", metrics["null_probability"] > c.null_probability_warning,
+        "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f; the null "
+        "document takes the retrieval mass and the retriever gets no "
+        "gradient. Use RetrieverConfig.null_score='learned', or a "
+        "retriever whose document embeddings are trained (ICT).", step,
+        metrics["null_probability"], c.null_probability_warning)
+
+  def _warn_once(self, kind: str, failed: bool, message: str, *args) -> None:
+    if failed and kind not in self._warned:
+      self._warned.add(kind)
+      logging.warning(message, *args)
 
 
 # ----------------------------------------------------------------------------
