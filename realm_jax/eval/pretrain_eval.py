@@ -14,22 +14,29 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
 - `hubness`: share of queries whose top-1 block is the single most common
   top-1 block (1 / num_queries when every query retrieves another block).
 
+Without known evidence blocks (real text) the recall and gold-document
+metrics are left out; given open-domain questions, `qa_recall@k` is the
+share of them with an answer-bearing block among the top k (text match,
+as `qa_eval` counts it), with the same index.
+
 Nothing here trains; `benchmarks/learning.py` runs it on every checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from realm_jax.data import qa as qa_lib
+from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import embed as embed_lib
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import realm_inputs
+from realm_jax.training import qa_inputs, realm_inputs
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,9 +86,13 @@ def _in_chunks(fn, n: int, size: int):
 
 
 def evaluate(params: dict[str, Any], model: RealmConfig, store,
-             queries: dict[str, np.ndarray], gold_block_ids: np.ndarray, *,
+             queries: dict[str, np.ndarray],
+             gold_block_ids: np.ndarray | None, *,
              num_candidates: int = 7, reader_length: int | None = None,
-             batch_size: int = 64) -> dict[str, float]:
+             batch_size: int = 64,
+             questions: Sequence[qa_lib.QAExample] = (),
+             question_length: int = 32,
+             qa_ks: Sequence[int] = (1, 5, 20)) -> dict[str, float]:
   """Held-out retrieval and reading metrics of one set of parameters.
 
   Args:
@@ -89,11 +100,15 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     model: their config; the reader needs an MLM head.
     store: the knowledge corpus (`block_store.BlockStore`).
     queries: stacked REALM queries (`examples.REALM_QUERY_FEATURES`).
-    gold_block_ids: int [num_queries], each query's evidence block.
+    gold_block_ids: int [num_queries], each query's evidence block, or
+      None (real text: no recall@k, no gold-document accuracy).
     num_candidates: k retrieved blocks read beside the null document.
     reader_length: reader input length (default query length + block
       length).
     batch_size: queries per reader call.
+    questions: open-domain questions with answers, for `qa_recall@k`.
+    question_length: `[CLS] question [SEP]` wordpieces.
+    qa_ks: the k of `qa_recall@k`.
 
   Returns:
     The metrics listed in the module docstring, as floats.
@@ -102,8 +117,9 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     ValueError: on mismatched sizes or too small a corpus.
   """
   n = len(queries["query_ids"])
-  gold = np.asarray(gold_block_ids, np.int64)
-  if gold.shape != (n,):
+  gold = None if gold_block_ids is None else np.asarray(gold_block_ids,
+                                                        np.int64)
+  if gold is not None and gold.shape != (n,):
     raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
                      f"({n},), one evidence block per query.")
   if len(store) <= num_candidates:
@@ -129,7 +145,6 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   ranking = np.argsort(-scores, axis=1, kind="stable")
   top1 = ranking[:, 0]
   candidates = ranking[:, :num_candidates]
-  rank_of_gold = np.argmax(ranking == gold[:, None], axis=1)
 
   read = _reader_fn(model)
 
@@ -142,21 +157,48 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
 
   retrieved = _in_chunks(lambda s: reader_outputs(s, candidates), n,
                          batch_size)
-  with_gold = _in_chunks(lambda s: reader_outputs(s, gold[:, None]), n,
-                         batch_size)
   weights = queries["mlm_weights"].astype(np.float64)
   masks = weights.sum()
 
   def per_mask(x):
     return float((np.asarray(x, np.float64) * weights).sum() / masks)
 
-  return {
-      "recall@1": float(np.mean(rank_of_gold < 1)),
-      "recall@5": float(np.mean(rank_of_gold < 5)),
+  metrics = {}
+  if gold is not None:
+    rank_of_gold = np.argmax(ranking == gold[:, None], axis=1)
+    with_gold = _in_chunks(lambda s: reader_outputs(s, gold[:, None]), n,
+                           batch_size)
+    metrics = {"recall@1": float(np.mean(rank_of_gold < 1)),
+               "recall@5": float(np.mean(rank_of_gold < 5)),
+               "mlm_accuracy_gold": per_mask(with_gold["correct_each"][:, 1])}
+  metrics.update({
       "mlm_accuracy_marginal": per_mask(retrieved["correct_marginal"]),
       "mlm_accuracy_null": per_mask(retrieved["correct_each"][:, 0]),
-      "mlm_accuracy_gold": per_mask(with_gold["correct_each"][:, 1]),
       "retrieval_utility": per_mask(retrieved["utility"]),
       "null_probability": float(np.mean(retrieved["null_probability"])),
       "hubness": float(np.bincount(top1).max() / n),
-  }
+  })
+  if questions:
+    metrics.update(_qa_recall(params, model, store, block_emb, questions,
+                              question_length, qa_ks, batch_size))
+  return metrics
+
+
+def _qa_recall(params, model, store, block_emb, questions, question_length,
+               ks, batch_size) -> dict[str, float]:
+  """Share of questions with an answer in the top k blocks, per k."""
+  tokenizer = Tokenizer()
+  store.check_vocab(tokenizer.vocab_path)
+  q = qa_inputs.tokenize_questions(tokenizer, [e.question for e in questions],
+                                   question_length)
+  embed_queries = _query_fn(model)
+  emb = _in_chunks(lambda s: {"e": np.asarray(embed_queries(
+      params, q["question_ids"][s], q["question_mask"][s]))},
+                   len(questions), batch_size)["e"]
+  scores = emb.astype(np.float64) @ block_emb.astype(np.float64).T
+  top = np.argsort(-scores, axis=1, kind="stable")[:, :max(ks)]
+  found = np.stack([qa_lib.has_answer_batch(
+      [store.text(int(b)) for b in row], e.answers, e.is_regex)
+                    for row, e in zip(top, questions)])
+  first = np.where(found.any(1), np.argmax(found, 1), len(found[0]))
+  return {f"qa_recall@{k}": float(np.mean(first < k)) for k in ks}

@@ -38,7 +38,8 @@ from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import checkpoints, parallel, realm_inputs
+from realm_jax.training import checkpoints, mlm_warmup, parallel
+from realm_jax.training import realm_inputs
 from realm_jax.training import init as init_lib
 from realm_jax.training import run_utils
 from realm_jax.training import optimizer as optimizer_lib
@@ -71,6 +72,10 @@ class PretrainConfig:
       this many steps (REALM: 0). See `optimizer.realm_optimizer`.
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
       raw ones (REALM: False); see `optimizer.bert_optimizer`.
+    mlm_head_warmup_steps: a fresh run (no checkpoint yet) first fits the
+      reader's MLM head alone to the queries' masks for this many steps
+      (0: off). For checkpoints without an MLM head (MiniLM); see
+      `training.mlm_warmup`.
     num_candidates: retrieved blocks per query k (REALM: 7), plus the null
       document when `null_document`.
     null_document: put the empty document first among the candidates.
@@ -103,6 +108,7 @@ class PretrainConfig:
   retriever_learning_rate_multiplier: float = 1.0
   freeze_retriever_steps: int = 0
   adam_bias_correction: bool = False
+  mlm_head_warmup_steps: int = 0
   num_candidates: int = 7
   null_document: bool = True
   masking: str = "salient"
@@ -373,6 +379,17 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                  meta)
   else:
     params = init_lib.initial_params(model, fresh, config.init_from)
+    if config.mlm_head_warmup_steps:
+      # Every host runs the same deterministic warm start on the same
+      # queries, so the replicated parameters agree.
+      params, report = mlm_warmup.warm_start_mlm_head(
+          params, graphdef, queries.arrays,
+          sep_id=int(store.manifest["sep_id"]), store=store,
+          reader_length=config.reader_length,
+          steps=config.mlm_head_warmup_steps, seed=config.seed)
+      if is_chief:
+        run_utils.write_json(io_utils.join(config.workdir,
+                                           "mlm_head_warmup.json"), report)
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(tx.init(params), replicated)
     start_step = 0

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from realm_jax.data import block_store, salient_spans
+from realm_jax.data import block_store, qa, salient_spans
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import pretrain_eval
 from realm_jax.index import embed
@@ -12,7 +12,7 @@ from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import Realm, RealmConfig, ReaderConfig
 from realm_jax.model.realm import RetrieverConfig
 from realm_jax.testing import knowledge_world
-from realm_jax.training import pretrain
+from realm_jax.training import pretrain, qa_inputs
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +108,46 @@ def test_metrics_match_an_independent_computation(world):
   assert 0 < got["null_probability"] <= 1 / 4 + 1e-6
   with pytest.raises(ValueError, match="one evidence block per query"):
     pretrain_eval.evaluate(params, model, store, queries, gold[:-1])
+
+
+def test_real_text_mode_and_qa_recall(world):
+  """Without evidence blocks the gold metrics are left out (the others are
+  unchanged); qa_recall@k matches exact search + a plain substring test."""
+  files, store, people = world
+  model = _tiny_model()
+  graphdef, params = functional.init(lambda r: Realm(model, rngs=r), 3)
+  config = pretrain.PretrainConfig(workdir="", block_store="", annotated="",
+                                   query_length=32, reader_length=96,
+                                   max_masks=2, num_candidates=3)
+  queries = pretrain.QuerySet.from_annotated(
+      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config),
+      seed=0).arrays
+  questions = [qa.QAExample(f"where was {p.name} born?", (p.city,))
+               for p in people]
+  got = pretrain_eval.evaluate(params, model, store, queries, None,
+                               num_candidates=3, reader_length=96,
+                               batch_size=16, questions=questions,
+                               question_length=16, qa_ks=(1, 5))
+  assert "recall@1" not in got and "mlm_accuracy_gold" not in got
+  assert {"mlm_accuracy_marginal", "hubness", "qa_recall@1",
+          "qa_recall@5"} <= got.keys()
+
+  docs, _ = embed.embed_block_store(params["retriever"], model.retriever,
+                                    store)
+  q = qa_inputs.tokenize_questions(Tokenizer(),
+                                   [e.question for e in questions], 16)
+  emb = np.asarray(functional.bind(graphdef, params).retriever.embed_queries(
+      q["question_ids"], q["question_mask"]))
+  scores = emb.astype(np.float64) @ docs.astype(np.float64).T
+  order = np.argsort(-scores, axis=1)
+  found = np.array([[e.answers[0] in store.text(int(b)) for b in row]
+                    for row, e in zip(order, questions)])
+  top = np.sort(scores, axis=1)[:, ::-1][:, :6]
+  near_tie = (np.abs(np.diff(top, axis=1)) < 1e-4 * np.abs(scores).max()
+              ).any(1)
+  for k in (1, 5):
+    want = np.mean(found[:, :k].any(1))
+    assert abs(got[f"qa_recall@{k}"] - want) <= near_tie.mean() + 1e-9
+  # Several people share a birthplace, so a question's answer is often in
+  # other biographies too: recall@5 is well above the 5/40 of one block.
+  assert got["qa_recall@5"] > got["qa_recall@1"]

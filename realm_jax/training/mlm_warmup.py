@@ -1,0 +1,228 @@
+"""A warm start of the reader's masked-LM head on the pre-training queries.
+
+Checkpoints without an MLM head (sentence-embedding packages such as
+MiniLM, or a BERT exported without its pre-training heads) start REALM with
+a random head: its predictions are noise over 30k wordpieces, so masked-LM
+accuracy stays at 0 and the reader cannot yet tell the retriever which
+documents help, until many joint steps have taught it the vocabulary.
+
+This module trains only the head (`reader/mlm_head/*`: transform, layer
+norm and output bias; the output embeddings stay tied to the frozen input
+ones) on the run's own salient-span queries, read as pre-training reads
+them, half with the null document and half with a (random) block:
+
+1. the frozen reader encodes `[CLS] x [SEP] [SEP]` or `[CLS] x [SEP] block
+   [SEP]` once per query and the hidden states at the masks are kept;
+2. Adam fits the head to those features for `steps` steps;
+3. a tenth of the queries is held out, and the head's masked-token accuracy
+   and loss on them are reported before and after.
+
+The cost is one forward pass of the reader over the queries used and a few
+seconds of head-only steps; `PretrainConfig.mlm_head_warmup_steps` turns it
+on for a run that starts from such a checkpoint. It touches nothing but the
+head, so the retriever (and index 0) are unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from realm_jax.model import functional
+from realm_jax.training import realm_inputs
+
+
+def _reader_inputs(queries: Mapping[str, np.ndarray], sep_id: int, store,
+                   block_ids: np.ndarray | None, reader_length: int
+                   ) -> dict[str, np.ndarray]:
+  """`[CLS] x [SEP] body [SEP]`, or `[CLS] x [SEP] [SEP]` without blocks."""
+  n, query_len = queries["query_ids"].shape
+  if block_ids is None:
+    bodies, lengths = np.zeros([n, 1, 1], np.int32), np.zeros([n, 1])
+    reader_length = query_len + 1
+  else:
+    bodies, lengths = store.bodies(block_ids, store.max_block_len)
+    bodies, lengths = bodies[:, None], np.asarray(lengths)[:, None]
+  inputs = realm_inputs.reader_inputs(
+      queries["query_ids"], queries["query_mask"], bodies, lengths,
+      seq_len=reader_length, sep_id=sep_id)
+  return {k: v[:, 0] for k, v in inputs.items()}
+
+
+def mask_features(params: dict[str, Any], graphdef,
+                  queries: Mapping[str, np.ndarray], *, sep_id: int,
+                  store=None, block_ids: np.ndarray | None = None,
+                  reader_length: int = 0,
+                  batch_size: int = 64) -> dict[str, np.ndarray]:
+  """Reader hidden states at every real mask of `queries`.
+
+  Args:
+    params, graphdef: the model.
+    queries: stacked REALM queries.
+    sep_id: [SEP].
+    store, block_ids, reader_length: read each query with block
+      `block_ids[i]` of `store` in a reader input of `reader_length`;
+      without `block_ids`, with the null document.
+    batch_size: queries per forward pass.
+
+  Returns:
+    {"hidden": float32 [N, H], "targets": int32 [N]} over the N masks with
+    weight > 0.
+  """
+
+  @jax.jit
+  def encode(params, ids, mask, segments, positions):
+    reader = functional.bind(graphdef, params).reader
+    hidden, _ = reader.bert(ids, mask, segments, dropout_rng=None)
+    return jnp.take_along_axis(hidden, positions[..., None],
+                               axis=1).astype(jnp.float32)
+
+  inputs = _reader_inputs(queries, sep_id, store, block_ids, reader_length)
+  n = len(queries["query_ids"])
+  hidden = []
+  for lo in range(0, n, batch_size):
+    s = slice(lo, min(n, lo + batch_size))
+    hidden.append(np.asarray(encode(
+        params, inputs["token_ids"][s], inputs["input_mask"][s],
+        inputs["segment_ids"][s], queries["mlm_positions"][s])))
+  hidden = np.concatenate(hidden)                                # [n, M, H]
+  real = np.asarray(queries["mlm_weights"]) > 0
+  return {"hidden": hidden[real],
+          "targets": np.asarray(queries["mlm_targets"])[real].astype(np.int32)}
+
+
+def _features(params, graphdef, queries, rows, *, sep_id, store,
+              reader_length, rng) -> dict[str, np.ndarray]:
+  """Features of `rows`: the first half with the null document, the rest
+  each with a random block of another article (as pre-training reads both:
+  a head fit on the null document alone is miscalibrated with documents)."""
+  subset = {k: np.asarray(v)[rows] for k, v in queries.items()}
+  if store is None:
+    return mask_features(params, graphdef, subset, sep_id=sep_id)
+  half = len(rows) // 2
+  blocks = rng.integers(0, len(store), len(rows) - half)
+  own = store.doc_hash[blocks] == subset["source_doc_hash"][half:]
+  blocks[own] = (blocks[own] + 1) % len(store)  # Rarely the own article.
+  parts = [mask_features(params, graphdef,
+                         {k: v[:half] for k, v in subset.items()},
+                         sep_id=sep_id),
+           mask_features(params, graphdef,
+                         {k: v[half:] for k, v in subset.items()},
+                         sep_id=sep_id, store=store, block_ids=blocks,
+                         reader_length=reader_length)]
+  return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def warm_start_mlm_head(params: dict[str, Any], graphdef,
+                        queries: Mapping[str, np.ndarray], *, sep_id: int,
+                        store=None, reader_length: int = 0,
+                        steps: int = 200, batch_size: int = 256,
+                        learning_rate: float = 3e-3, max_queries: int = 1024,
+                        seed: int = 0) -> tuple[dict[str, Any],
+                                                dict[str, float]]:
+  """Fits `reader/mlm_head` to the queries' masks; returns (params, report).
+
+  Args:
+    params: {"retriever", "reader"} parameters; the reader has an MLM head.
+    graphdef: the `Realm` graph definition.
+    queries: stacked REALM queries (`examples.REALM_QUERY_FEATURES`).
+    sep_id: the tokenizer's [SEP] id.
+    store, reader_length: the knowledge corpus and the reader's length:
+      half of the queries are read with a random block (the rest with the
+      null document). Without a store, all with the null document.
+    steps, batch_size, learning_rate: the head's Adam steps over masks.
+    max_queries: queries encoded (a random subset when there are more).
+    seed: subset, held-out split and batch order.
+
+  Returns:
+    The parameters with a new head (everything else is the same object),
+    and {"masks", "heldout_masks", "heldout_accuracy_before"/"_after",
+    "heldout_loss_before"/"_after" (mean negative log-likelihood),
+    "train_accuracy_after", "seconds"}.
+
+  Raises:
+    ValueError: if the reader has no MLM head or the queries have no mask.
+  """
+  if "mlm_head" not in params.get("reader", {}):
+    raise ValueError("warm_start_mlm_head: the reader has no MLM head "
+                     "(ReaderConfig.mlm_head=False).")
+  t0 = time.time()
+  rng = np.random.default_rng(seed)
+  n = len(queries["query_ids"])
+  chosen = np.sort(rng.permutation(n)[:max_queries])
+  held = np.zeros(len(chosen), bool)
+  held[rng.permutation(len(chosen))[:max(1, len(chosen) // 10)]] = True
+  features = {name: _features(params, graphdef, queries, chosen[rows],
+                              sep_id=sep_id, store=store,
+                              reader_length=reader_length, rng=rng)
+              for name, rows in (("train", ~held), ("heldout", held))}
+  if len(features["train"]["targets"]) == 0:
+    raise ValueError("warm_start_mlm_head: the queries have no mask.")
+
+  def head_logits(head, hidden):
+    reader = functional.bind(
+        graphdef, dict(params, reader=dict(params["reader"], mlm_head=head))
+    ).reader
+    return reader.mlm_head(
+        hidden, reader.bert.embeddings.word_embeddings.embedding[...])
+
+  def loss_fn(head, hidden, targets):
+    log_probs = jax.nn.log_softmax(head_logits(head, hidden), -1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, targets[:, None], -1))
+
+  tx = optax.adam(learning_rate)
+
+  @jax.jit
+  def step(head, opt_state, hidden, targets):
+    loss, grads = jax.value_and_grad(loss_fn)(head, hidden, targets)
+    updates, opt_state = tx.update(grads, opt_state, head)
+    return optax.apply_updates(head, updates), opt_state, loss
+
+  @jax.jit
+  def sums(head, hidden, targets):
+    log_probs = jax.nn.log_softmax(head_logits(head, hidden), -1)
+    ll = jnp.take_along_axis(log_probs, targets[:, None], -1)[:, 0]
+    return jnp.sum(jnp.argmax(log_probs, -1) == targets), -jnp.sum(ll)
+
+  def evaluate(head, f, chunk=1024):
+    """(accuracy, mean negative log-likelihood) over the masks of `f`."""
+    m = len(f["targets"])
+    parts = [sums(head, f["hidden"][lo:lo + chunk], f["targets"][lo:lo + chunk])
+             for lo in range(0, m, chunk)]
+    return (sum(float(c) for c, _ in parts) / max(m, 1),
+            sum(float(n) for _, n in parts) / max(m, 1))
+
+  head = jax.tree_util.tree_map(jnp.asarray, params["reader"]["mlm_head"])
+  before = evaluate(head, features["heldout"])
+  opt_state = tx.init(head)
+  train = features["train"]
+  m = len(train["targets"])
+  for i in range(steps):
+    rows = np.random.default_rng([seed, i]).integers(0, m, min(batch_size, m))
+    head, opt_state, loss = step(head, opt_state, train["hidden"][rows],
+                                 train["targets"][rows])
+    if (i + 1) % max(1, steps // 4) == 0:
+      logging.info("MLM head warm start: step %d/%d, loss %.3f", i + 1,
+                   steps, float(loss))
+  after = evaluate(head, features["heldout"])
+  report = {
+      "masks": float(m),
+      "heldout_masks": float(len(features["heldout"]["targets"])),
+      "heldout_accuracy_before": before[0],
+      "heldout_accuracy_after": after[0],
+      "heldout_loss_before": before[1],
+      "heldout_loss_after": after[1],
+      "train_accuracy_after": evaluate(head, train)[0],
+      "seconds": round(time.time() - t0, 1),
+  }
+  logging.info("MLM head warm start on %d masks: held-out accuracy %.3f -> "
+               "%.3f, loss %.2f -> %.2f (%.1f s)", m, before[0], after[0],
+               before[1], after[1], report["seconds"])
+  reader = dict(params["reader"], mlm_head=head)
+  return dict(params, reader=reader), report
