@@ -222,10 +222,19 @@ def verify_index(directory: PathLike, expect: Expectation = Expectation(),
   return manifest
 
 
+_PICKLE_SUFFIXES = (".pkl", ".pickle", ".pck", ".pcl")
+
+
 def _check_files(directory: PathLike, manifest: dict[str, Any], *,
                  hashes: bool) -> None:
   files = manifest.get("files", {})
   actual = _file_checksums(directory, hashes=hashes)
+  pickles = sorted(n for n in set(files) | set(actual)
+                   if n.endswith(_PICKLE_SUFFIXES))
+  if pickles:
+    raise IndexRejectedError(
+        f"{directory}: {pickles} are pickles; realm_jax never unpickles a "
+        "file of an index (it could run any code). Rebuild the index.")
   if set(files) != set(actual):
     raise IndexRejectedError(
         f"{directory}: files {sorted(set(files) ^ set(actual))} differ "

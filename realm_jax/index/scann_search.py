@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any, Mapping
 
@@ -168,7 +169,62 @@ class ScannSearcher(Searcher):
   @classmethod
   def _read(cls, directory, metadata):
     config = ScannConfig.from_dict(metadata["config"])
-    searcher = _scann_pybind().load_searcher(
-        os.path.join(directory, metadata["scann_dir"]))
+    scann_dir = os.path.join(directory, metadata["scann_dir"])
+    assets = checked_scann_assets(scann_dir)
+    # Not ScaNN's `load_searcher`: it unpickles `scann_docids.pkl` when
+    # present, i.e. runs code from the index directory. Row i is block i
+    # here, so there are no docids, and only ScaNN's own assets (protos and
+    # .npy arrays, read by its C++ loader) are opened.
+    pybind = _scann_pybind()
+    searcher = pybind.ScannSearcher(
+        pybind.scann_pybind.ScannNumpy(scann_dir, assets), None)
     return cls(searcher, config, metadata["resolved"], searcher.size(),
                metadata["dim"])
+
+
+_ASSETS_FILE = "scann_assets.pbtxt"
+_CONFIG_FILE = "scann_config.pb"
+_ASSET_PATH = re.compile(r'asset_path:\s*"([^"]*)"')
+
+
+def checked_scann_assets(scann_dir: str) -> str:
+  """The assets list of a serialised ScaNN searcher, after checking that
+  the directory holds ScaNN's assets and nothing else.
+
+  Args:
+    scann_dir: a directory written by `ScannSearcher.save`.
+
+  Returns:
+    The text of scann_assets.pbtxt.
+
+  Raises:
+    ValueError: no assets list; an asset path that leaves the directory;
+      a missing asset; any other file (e.g. `scann_docids.pkl`: ScaNN would
+      unpickle it). Such an index is refused, never partly loaded.
+  """
+  path = os.path.join(scann_dir, _ASSETS_FILE)
+  if not os.path.isfile(path):
+    raise ValueError(f"{scann_dir}: no {_ASSETS_FILE}; this is not a ScaNN "
+                     "searcher written by realm_jax (older ScaNN layouts are "
+                     "not loaded): rebuild the index.")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  assets = _ASSET_PATH.findall(text)
+  for asset in assets:
+    if (os.path.isabs(asset) or os.path.normpath(asset) != asset
+        or asset.startswith("..") or os.sep in asset):
+      raise ValueError(f"{path}: asset path {asset!r} is not a file of "
+                       f"{scann_dir}; rebuild the index.")
+  expected = {_ASSETS_FILE, _CONFIG_FILE, *assets}
+  present = set(os.listdir(scann_dir))
+  if expected - present:
+    raise ValueError(f"{scann_dir}: missing ScaNN assets "
+                     f"{sorted(expected - present)}; rebuild the index.")
+  if present - expected:
+    raise ValueError(
+        f"{scann_dir}: unexpected files {sorted(present - expected)}. A "
+        "ScaNN index directory holds only the assets its "
+        f"{_ASSETS_FILE} lists; realm_jax refuses to load it (ScaNN's own "
+        "loader would unpickle scann_docids.pkl, running code from the "
+        "directory). Remove the files or rebuild the index.")
+  return text

@@ -3,6 +3,8 @@
 import json
 import multiprocessing
 import os
+import pathlib
+import pickle
 import threading
 import time
 
@@ -194,3 +196,62 @@ def test_watcher_retries_after_a_filesystem_error(tmp_path):
     assert failures == [1] and not watcher.rejected
   finally:
     watcher.close()
+
+
+class _PlantedPickle:
+  """Unpickling it creates `path`: proof that code from the file ran."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def __reduce__(self):
+    return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def test_a_planted_pickle_never_runs(tmp_path):
+  """ScaNN's own loader unpickles scann_docids.pkl; realm_jax refuses an
+  index holding one, even when its manifest lists it."""
+  root = str(tmp_path / "index")
+  emb = np.random.default_rng(0).normal(size=(2000, 8)).astype(np.float32)
+  searcher = searchers.build_searcher(emb, "scann")
+  publish.publish_index(root, 1, emb, searcher,
+                        corpus_fingerprint=FINGERPRINT, params_sha256="p1",
+                        build_seconds=0.1)
+  step_dir = os.path.join(root, "1")
+  scann_dir = os.path.join(step_dir, publish.SEARCHER_DIR, "scann")
+  marker = str(tmp_path / "pwned")
+  with open(os.path.join(scann_dir, "scann_docids.pkl"), "wb") as f:
+    pickle.dump(_PlantedPickle(marker), f)
+  # The attacker also lists the file in the (unsigned) manifest.
+  manifest_path = os.path.join(step_dir, publish.MANIFEST)
+  with open(manifest_path) as f:
+    manifest = json.load(f)
+  manifest["files"] = publish._file_checksums(step_dir)
+  with open(manifest_path, "w") as f:
+    json.dump(manifest, f)
+
+  with pytest.raises(publish.IndexRejectedError, match="pickle"):
+    publish.load_index(root, expect=publish.Expectation(FINGERPRINT, 2000, 8))
+  with pytest.raises(ValueError, match="scann_docids.pkl"):
+    searchers.load_searcher(os.path.join(step_dir, publish.SEARCHER_DIR))
+  assert not os.path.exists(marker)
+
+  # The plant is live: ScaNN's own loader (what realm_jax used to call)
+  # runs it.
+  from scann.scann_ops.py import scann_ops_pybind  # pylint: disable=g-import-not-at-top
+  scann_ops_pybind.load_searcher(scann_dir)
+  assert os.path.exists(marker)
+
+
+def test_scann_assets_outside_the_directory_are_refused(tmp_path):
+  emb = np.random.default_rng(0).normal(size=(500, 8)).astype(np.float32)
+  directory = str(tmp_path / "s")
+  searchers.build_searcher(emb, "scann").save(directory)
+  assets = os.path.join(directory, "scann", "scann_assets.pbtxt")
+  with open(assets) as f:
+    text = f.read()
+  with open(assets, "w") as f:
+    f.write(text.replace('asset_path: "dataset.npy"',
+                         'asset_path: "../../elsewhere/dataset.npy"'))
+  with pytest.raises(ValueError, match="not a file of"):
+    searchers.load_searcher(directory)
