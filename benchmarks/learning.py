@@ -104,11 +104,11 @@ def _wiki_world(directory: str, num_documents: int):
   if not os.path.exists(heldout):
     docs = list(salient_spans.read_annotated(
         [salient_spans.shard_path(annotated, 0, 1)]))
-    salient_spans.write_annotated(
-        train, [d for i, d in enumerate(docs) if i % 4 != 3])
-    salient_spans.write_annotated(
-        heldout + ".tmp", [d for i, d in enumerate(docs) if i % 4 == 3])
-    os.replace(heldout + ".tmp", heldout)
+    for path, held in ((train, False), (heldout, True)):
+      tmp = path.replace(".tfr.gz", ".tmp.tfr.gz")  # Keeps the .gz codec.
+      salient_spans.write_annotated(
+          tmp, [d for i, d in enumerate(docs) if (i % 4 == 3) == held])
+      os.replace(tmp, path)
   return store_dir, train, heldout
 
 

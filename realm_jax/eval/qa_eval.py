@@ -48,6 +48,7 @@ from absl import logging
 import jax
 
 from realm_jax import io_utils
+from realm_jax import lease as lease_lib
 from realm_jax.ask import (QAModel, QAResult, checkpoint_meta, configured,
                            load_qa_index, load_qa_model)
 from realm_jax.data import qa as qa_lib
@@ -290,6 +291,28 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  max_evaluations: int | None = None,
                  on_evaluated: Callable[[int, dict[str, float]], None]
                  | None = None) -> EvalJobResult:
+  """`_run_eval_job` under an exclusive lease on `output_dir`
+  (`realm_jax.lease`: a second evaluator of the same run is refused)."""
+  with lease_lib.job_lease(output_dir, "evaluation job"):
+    return _run_eval_job(
+        checkpoint_dir=checkpoint_dir, output_dir=output_dir,
+        examples=examples, model_config=model_config, index=index,
+        store=store, qa_config=qa_config, config=config, mesh=mesh,
+        steps=steps, poll_seconds=poll_seconds, timeout=timeout,
+        max_evaluations=max_evaluations, on_evaluated=on_evaluated)
+
+
+def _run_eval_job(*, checkpoint_dir: str, output_dir: str,
+                  examples: Sequence[qa_lib.QAExample],
+                  model_config: RealmConfig, index: publish.PublishedIndex,
+                  store, qa_config: qa_inputs.QAConfig = qa_inputs.QAConfig(),
+                  config: EvalConfig = EvalConfig(), mesh=None,
+                  steps: Sequence[int] | None = None,
+                  poll_seconds: float | None = None,
+                  timeout: float | None = None,
+                  max_evaluations: int | None = None,
+                  on_evaluated: Callable[[int, dict[str, float]], None]
+                  | None = None) -> EvalJobResult:
   """Evaluates each new checkpoint once, beside a trainer, until DONE.
 
   Steps already in `<output_dir>/eval_ledger.json` are never re-evaluated

@@ -34,6 +34,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax import io_utils
+from realm_jax import lease as lease_lib
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, searchers
 from realm_jax.model.realm import RetrieverConfig
@@ -174,6 +175,21 @@ def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
                 devices=None,
                 on_publish: Callable[[int, str], None] | None = None
                 ) -> list[int]:
+  """`_run_builder` under an exclusive lease on the index directory
+  (`realm_jax.lease`: a second builder is refused, naming the first)."""
+  with lease_lib.job_lease(index_root(workdir), "index builder"):
+    return _run_builder(workdir=workdir, store=store,
+                        retriever_config=retriever_config, config=config,
+                        max_indices=max_indices, timeout=timeout,
+                        devices=devices, on_publish=on_publish)
+
+
+def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
+                 config: BuilderConfig = BuilderConfig(),
+                 max_indices: int | None = None,
+                 timeout: float | None = None, devices=None,
+                 on_publish: Callable[[int, str], None] | None = None
+                 ) -> list[int]:
   """Polls the trainer's checkpoints and publishes fresh indices until DONE.
 
   Args:
@@ -246,7 +262,6 @@ def _job(dry_run: bool) -> None:
   import gin  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
-  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.index import builder as module  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
@@ -256,6 +271,14 @@ def _job(dry_run: bool) -> None:
     return
   store = block_store.BlockStore.open(f.block_store)
   root = index_root(f.workdir)
+  with lease_lib.job_lease(root, "index builder"):
+    _publish_for_flags(f, config, store, root)
+
+
+def _publish_for_flags(f, config: BuilderConfig, store, root: str) -> None:
+  """The builder's modes (under its lease)."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
   if f.block_emb:
     from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
     publish_embeddings(embeddings=importers.load_block_emb(f.block_emb),
@@ -287,9 +310,9 @@ def _job(dry_run: bool) -> None:
                       retriever_config=retriever_config, store=store,
                       root=root, step=step, config=config)
     return
-  run_builder(workdir=f.workdir, store=store,
-              retriever_config=retriever_config, config=config,
-              timeout=f.timeout_seconds or None)
+  _run_builder(workdir=f.workdir, store=store,
+               retriever_config=retriever_config, config=config,
+               timeout=f.timeout_seconds or None)
 
 
 def _define_flags() -> None:

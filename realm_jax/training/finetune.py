@@ -46,6 +46,7 @@ blocks and the gold spans like any other answer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -60,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from realm_jax import lease as lease_lib
 from realm_jax import distributed, io_utils
 from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
@@ -458,6 +460,18 @@ def _step_functions(model: RealmConfig, mesh, learning_rate: float,
 def train(*, config: FinetuneConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
+  """Runs (or resumes) the job under an exclusive lease on its workdir
+  (`realm_jax.lease`: a second job on the same workdir is refused)."""
+  with contextlib.ExitStack() as leases:
+    leases.enter_context(lease_lib.job_lease(config.workdir,
+                                             "finetune trainer"))
+    return _train(config=config, model=model,
+                  operative_config=operative_config, stop_after=stop_after)
+
+
+def _train(*, config: FinetuneConfig, model: RealmConfig,
+           operative_config: str = "", stop_after: int | None = None
+           ) -> list[dict[str, float]]:
   """Runs (or resumes) open-QA fine-tuning.
 
   Resume precedence: the newest checkpoint in `config.workdir` >

@@ -23,6 +23,7 @@ read an ICT run directly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -34,6 +35,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from realm_jax import io_utils
+from realm_jax import lease as lease_lib
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.model import functional
@@ -345,6 +347,18 @@ def _check_model(model: RealmConfig, store: block_store.BlockStore,
 def train(*, config: IctTrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
+  """Runs (or resumes) the job under an exclusive lease on its workdir
+  (`realm_jax.lease`: a second job on the same workdir is refused)."""
+  with contextlib.ExitStack() as leases:
+    leases.enter_context(lease_lib.job_lease(config.workdir,
+                                             "ict trainer"))
+    return _train(config=config, model=model,
+                  operative_config=operative_config, stop_after=stop_after)
+
+
+def _train(*, config: IctTrainConfig, model: RealmConfig,
+           operative_config: str = "", stop_after: int | None = None
+           ) -> list[dict[str, float]]:
   """Runs (or resumes) ICT training of the retriever.
 
   Resume precedence: the newest checkpoint in `config.workdir`, else

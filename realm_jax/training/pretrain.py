@@ -21,6 +21,7 @@ rebuilt in-process right after a checkpoint every `checkpoint_every` steps
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from realm_jax import lease as lease_lib
 from realm_jax import distributed, io_utils
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
@@ -310,6 +312,22 @@ class CollapseGuard:
 def train(*, config: PretrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
+  """Runs (or resumes) the job under an exclusive lease on its workdir
+  (`realm_jax.lease`: a second job on the same workdir is refused)."""
+  with contextlib.ExitStack() as leases:
+    leases.enter_context(lease_lib.job_lease(config.workdir,
+                                             "pretrain trainer"))
+    if config.index_mode == "inline":  # It publishes the indices itself.
+      leases.enter_context(lease_lib.job_lease(
+          builder_lib.index_root(config.workdir), "pretrain trainer (inline "
+          "index)"))
+    return _train(config=config, model=model,
+                  operative_config=operative_config, stop_after=stop_after)
+
+
+def _train(*, config: PretrainConfig, model: RealmConfig,
+           operative_config: str = "", stop_after: int | None = None
+           ) -> list[dict[str, float]]:
   """Runs (or resumes) REALM pre-training.
 
   Args:
