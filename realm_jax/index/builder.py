@@ -52,6 +52,11 @@ class BuilderConfig:
     poll_seconds: pause between looks at the checkpoint directory.
     batch_size_per_device: embedding batch per device.
     bfloat16: embed in bfloat16.
+    publish_attempts: tries to write an index before giving up (a
+      filesystem error: full or unwritable disk, a flaky bucket); the job
+      then fails (non-zero exit) rather than leave the trainer on a stale
+      index without a word.
+    retry_seconds: first pause between tries; doubled each time (<= 60 s).
   """
   searcher_kind: str = "scann"
   searcher_config: tuple[tuple[str, Any], ...] = ()
@@ -59,6 +64,8 @@ class BuilderConfig:
   poll_seconds: float = 5.0
   batch_size_per_device: int = 16
   bfloat16: bool = False
+  publish_attempts: int = 5
+  retry_seconds: float = 2.0
 
   def __post_init__(self):
     if self.searcher_kind not in ("scann", "exact"):
@@ -67,6 +74,30 @@ class BuilderConfig:
     if self.keep < 1 or self.poll_seconds <= 0:
       raise ValueError("BuilderConfig.keep must be >= 1 and poll_seconds "
                        "> 0.")
+    if self.publish_attempts < 1 or self.retry_seconds < 0:
+      raise ValueError("BuilderConfig.publish_attempts must be >= 1 and "
+                       "retry_seconds >= 0.")
+
+
+class PublishFailedError(RuntimeError):
+  """An index could not be written after every retry."""
+
+
+def _retrying(fn: Callable[[], Any], what: str, config: BuilderConfig):
+  """fn(), retried on filesystem errors with exponential backoff."""
+  for attempt in range(1, config.publish_attempts + 1):
+    try:
+      return fn()
+    except OSError as e:
+      if attempt == config.publish_attempts:
+        raise PublishFailedError(
+            f"{what} failed {attempt} times, last with {e!r}. Check that "
+            "the index directory is writable and has space; the trainer "
+            "keeps its current index until a new one is published.") from e
+      delay = min(60.0, config.retry_seconds * 2 ** (attempt - 1))
+      logging.warning("%s failed (%r); attempt %d of %d in %.1f s", what, e,
+                      attempt + 1, config.publish_attempts, delay)
+      time.sleep(delay)
 
 
 def index_root(workdir: io_utils.PathLike) -> str:
@@ -159,11 +190,12 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
   searcher = searchers.build_searcher(embeddings, config.searcher_kind,
                                       **dict(config.searcher_config))
   build = time.time() - t
-  path = publish.publish_index(
+  path = _retrying(lambda: publish.publish_index(
       root, step, embeddings, searcher,
       corpus_fingerprint=store.fingerprint, params_sha256=params_sha256,
       build_seconds=time.time() - start_time, keep=config.keep,
-      extra=dict(extra or {}, searcher_build_seconds=round(build, 3)))
+      extra=dict(extra or {}, searcher_build_seconds=round(build, 3))),
+                   f"publishing index {step} to {root}", config)
   logging.info("published index %d (%d rows) to %s in %.1f s", step,
                embeddings.shape[0], path, time.time() - start_time)
   return path

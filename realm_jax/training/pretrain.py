@@ -96,6 +96,12 @@ class PretrainConfig:
       log whose top-1 block is the single most common one exceeds this.
     null_probability_warning: warn once when the mean p(null|x) of a
       logged step exceeds this.
+    stale_index_warning: builder mode: warn (once per served index) when it
+      is more than this many checkpoint intervals older than the step (the
+      builder died, lags, or cannot write); `index_staleness` is logged as
+      a metric every `log_every` steps.
+    stale_index_error: builder mode: stop with an error past this many
+      intervals (0: never).
     seed: everything random derives from it.
   """
 
@@ -125,6 +131,8 @@ class PretrainConfig:
   log_every: int = 10
   hubness_warning: float = 0.5
   null_probability_warning: float = 0.9
+  stale_index_warning: float = 4.0
+  stale_index_error: float = 0.0
   seed: int = 0
 
   def __post_init__(self):
@@ -304,6 +312,43 @@ class CollapseGuard:
       logging.warning(message, *args)
 
 
+class StaleIndexError(RuntimeError):
+  """The served index is older than `PretrainConfig.stale_index_error`."""
+
+
+class StalenessMonitor:
+  """Builder mode: notices when no fresh index arrives.
+
+  Warns once per served index past `stale_index_warning` checkpoint
+  intervals, and stops the run past `stale_index_error` (when set).
+  """
+
+  def __init__(self, config: PretrainConfig, watcher: publish.IndexWatcher):
+    self.config, self.watcher = config, watcher
+    self._warned_for: int | None = None
+
+  def check(self, step: int, index_step: int) -> None:
+    c = self.config
+    age = step - index_step
+    intervals = age / c.checkpoint_every
+    if c.stale_index_error and intervals > c.stale_index_error:
+      raise StaleIndexError(
+          f"step {step}: the served index {index_step} is {age} steps old "
+          f"(> {c.stale_index_error:g} x checkpoint_every="
+          f"{c.checkpoint_every}) and no newer index reached "
+          f"{self.watcher.index_root}. Check the index builder's log (is it "
+          "running? can it write there?), then rerun: training resumes "
+          "from the last checkpoint.")
+    if intervals > c.stale_index_warning and self._warned_for != index_step:
+      self._warned_for = index_step
+      logging.warning(
+          "STALE INDEX at step %d: still serving index %d (%d steps, > %g "
+          "checkpoint intervals). Is the index builder running and able to "
+          "write to %s? Rejected indices: %s", step, index_step, age,
+          c.stale_index_warning, self.watcher.index_root,
+          self.watcher.rejected or "none")
+
+
 # ----------------------------------------------------------------------------
 # The trainer
 # ----------------------------------------------------------------------------
@@ -459,13 +504,16 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
   # -- The loop.
   preemption = run_utils.Preemption()
   guard = CollapseGuard(config)
+  staleness = StalenessMonitor(config, watcher) if watcher else None
   history, base_rng = [], jax.random.key(config.seed)
   step, t_last, steps_since_log = start_step, time.time(), 0
   end = config.num_train_steps if stop_after is None else min(
       config.num_train_steps, start_step + stop_after)
   while step < end:
-    if watcher is not None and watcher.maybe_swap():
-      index = watcher.current
+    if watcher is not None:
+      if watcher.maybe_swap():
+        index = watcher.current
+      staleness.check(step, index.step)
     local = {k: v[host_rows] for k, v in
              queries.batch(step, config.batch_size).items()}
     q = parallel.shard_batch(mesh, {k: local[k] for k in ("query_ids",

@@ -126,3 +126,36 @@ def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
       config=builder.BuilderConfig(searcher_kind="exact"))
   np.testing.assert_array_equal(publish.load_index(str(tmp_path)).embeddings,
                                 emb)
+
+
+def test_publication_retries_then_fails_loudly(store, tmp_path,
+                                               monkeypatch):
+  """Transient write errors are retried; persistent ones end the job with
+  an error (never a silent stale index)."""
+  emb = np.random.default_rng(0).normal(size=(len(store), 8)).astype(
+      np.float32)
+  real = publish.publish_index
+  failures = []
+
+  def flaky(*args, **kwargs):
+    if len(failures) < 2:
+      failures.append(1)
+      raise PermissionError(13, "Permission denied")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(publish, "publish_index", flaky)
+  config = builder.BuilderConfig(searcher_kind="exact", publish_attempts=3,
+                                 retry_seconds=0.01)
+  root = str(tmp_path / "index")
+  builder.publish_embeddings(embeddings=emb, store=store, root=root, step=0,
+                             config=config)
+  assert publish.read_latest(root) == 0 and len(failures) == 2
+
+  def broken(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(publish, "publish_index", broken)
+  with pytest.raises(builder.PublishFailedError, match="failed 3 times"):
+    builder.publish_embeddings(embeddings=emb, store=store, root=root, step=1,
+                               config=config)
+  assert publish.read_latest(root) == 0

@@ -174,3 +174,40 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
     assert r["index_staleness"] == s - r["index_step"]
   assert "Index watcher: now serving index" in trainer_log
   assert "trainer is done" in builder_log
+
+
+def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
+  """The builder publishes index 0 and dies: the trainer warns once the
+  index is stale, then (with stale_index_error) stops with an error that
+  names the index directory."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import builder  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / "run")
+  config, model = _configs(_bindings(
+      workdir, tiny_corpus, num_train_steps=20, checkpoint_every=1,
+      index_mode="builder", keep_checkpoints=5, index_wait_seconds=300.0,
+      stale_index_warning=2.0, stale_index_error=4.0))
+  gin.clear_config()
+  published = []
+
+  def one_index():
+    published.extend(builder.run_builder(
+        workdir=workdir, store=block_store.BlockStore.open(config.block_store),
+        retriever_config=model.retriever,
+        config=builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.1),
+        max_indices=1, timeout=300))
+
+  import threading  # pylint: disable=g-import-not-at-top
+  thread = threading.Thread(target=one_index)
+  thread.start()
+  warnings = []
+  monkeypatch.setattr(absl_logging, "warning",
+                      lambda msg, *a: warnings.append(msg % a))
+  with pytest.raises(pretrain.StaleIndexError, match="index 0 is 5 steps"):
+    pretrain.train(config=config, model=model)
+  thread.join()
+  assert published == [0]
+  stale = [w for w in warnings if "STALE INDEX" in w]
+  assert len(stale) == 1 and "step 3" in stale[0], warnings
+  assert builder.index_root(workdir) in stale[0]
