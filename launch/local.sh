@@ -12,11 +12,13 @@
 #   launch/local.sh /tmp/run /tmp/blocks '/tmp/ann/*.tfr.gz' \
 #       models/minilm_l6.gin -- "INIT_FROM='minilm'" \
 #       "pretrain.PretrainConfig.num_train_steps=1000"
-# Logs: WORKDIR/logs/{trainer,builder}.log. Ctrl-C stops both.
+# Logs: WORKDIR/logs/{trainer,builder}.log. SIGTERM or Ctrl-C stops both
+# cleanly (the trainer checkpoints, the builder indexes that checkpoint);
+# if either dies, the other is stopped and its status is the launcher's.
 set -euo pipefail
 
 if [ $# -lt 3 ]; then
-  sed -n '2,16p' "$0"
+  sed -n '2,18p' "$0"
   exit 2
 fi
 workdir=$1 block_store=$2 annotated=$3
@@ -50,9 +52,38 @@ fi
 mkdir -p "$workdir/logs"
 "${builder[@]}" > "$workdir/logs/builder.log" 2>&1 &
 builder_pid=$!
-trap 'kill $builder_pid 2>/dev/null || true' EXIT INT TERM
+"${trainer[@]}" > >(tee "$workdir/logs/trainer.log") 2>&1 &
+trainer_pid=$!
 echo "index builder: pid $builder_pid, log $workdir/logs/builder.log"
-echo "trainer: log $workdir/logs/trainer.log"
-"${trainer[@]}" 2>&1 | tee "$workdir/logs/trainer.log"
-# The trainer wrote its DONE marker; the builder finishes its last index.
-wait "$builder_pid"
+echo "trainer: pid $trainer_pid, log $workdir/logs/trainer.log"
+
+# SIGTERM or Ctrl-C: the trainer checkpoints and exits, then the builder
+# publishes that last checkpoint and exits. A child that dies ends the run:
+# the other one is stopped the same way, and the launcher exits with the
+# status of the first child that failed (else 0).
+stop_trainer() {
+  echo "launcher: stopping the trainer (it checkpoints first)" >&2
+  kill -TERM "$trainer_pid" 2>/dev/null || true
+}
+trap stop_trainer TERM INT
+alive() { kill -0 "$1" 2>/dev/null; }
+while alive "$trainer_pid" && alive "$builder_pid"; do
+  wait -n "$trainer_pid" "$builder_pid" || true  # a trap also wakes it
+done
+trap '' TERM INT
+if alive "$trainer_pid"; then   # The builder died first.
+  wait "$builder_pid" && status=0 || status=$?
+  echo "launcher: the index builder exited with status $status;" \
+       "stopping the trainer" >&2
+  kill -TERM "$trainer_pid" 2>/dev/null || true
+  wait "$trainer_pid" || true
+  [ "$status" -ne 0 ] || status=1  # The run is incomplete either way.
+  exit "$status"
+fi
+wait "$trainer_pid" && status=0 || status=$?
+# The trainer is gone (done, stopped or failed): the builder indexes the
+# last checkpoint it has not indexed yet, then exits.
+kill -TERM "$builder_pid" 2>/dev/null || true
+wait "$builder_pid" && builder_status=0 || builder_status=$?
+[ "$status" -ne 0 ] || status=$builder_status
+exit "$status"

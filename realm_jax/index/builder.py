@@ -38,7 +38,7 @@ from realm_jax import lease as lease_lib
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, searchers
 from realm_jax.model.realm import RetrieverConfig
-from realm_jax.training import checkpoints
+from realm_jax.training import checkpoints, run_utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +253,22 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
   last = published[-1] if published else -1
   logging.info("index builder: resuming after step %d", last)
   start, out = time.time(), []
+  # SIGTERM / Ctrl-C: publish the newest checkpoint not yet indexed (the
+  # trainer's last, when a launcher stops the trainer first), then exit.
+  stop = run_utils.Preemption()
+  try:
+    return _poll(ckpt_dir, last, out, start, stop, store=store, root=root,
+                 retriever_config=retriever_config, config=config,
+                 max_indices=max_indices, timeout=timeout,
+                 devices=devices, on_publish=on_publish)
+  finally:
+    stop.close()
+
+
+def _poll(ckpt_dir, last, out, start, stop, *, store, root,
+          retriever_config, config, max_indices, timeout, devices,
+          on_publish) -> list[int]:
+  """The builder's loop: publish the newest new checkpoint, or wait."""
   while True:
     steps = [s for s in finalized_steps(ckpt_dir) if s > last]
     if steps:
@@ -276,6 +292,9 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
       if max_indices is not None and len(out) >= max_indices:
         return out
       continue
+    if stop.requested:
+      logging.info("stop requested; index builder exits after %s", out)
+      return out
     if checkpoints.is_done(ckpt_dir):
       logging.info("trainer is done; index builder exits after %s", out)
       return out

@@ -644,8 +644,10 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
     if step % config.checkpoint_every == 0 or step == end or stop:
       save(step)
     if stop:
-      logging.warning("SIGTERM: checkpointed step %d, exiting.", step)
+      logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
+                      "step %d, exiting.", step)
       break
+  preemption.close()
   ckpt.wait_until_finished()
   if step >= num_steps and is_chief:
     checkpoints.write_done_marker(ckpt.directory, step)

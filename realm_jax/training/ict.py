@@ -473,8 +473,10 @@ def _train(*, config: IctTrainConfig, model: RealmConfig,
         preemption.requested):
       save(step)
     if preemption.requested:
-      logging.warning("SIGTERM: checkpointed step %d, exiting.", step)
+      logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
+                      "step %d, exiting.", step)
       break
+  preemption.close()
   ckpt.wait_until_finished()
   if step >= config.num_train_steps and is_chief:
     checkpoints.write_done_marker(ckpt.directory, step)

@@ -566,8 +566,10 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
       if config.index_mode == "inline" and step < config.num_train_steps:
         index = inline_refresh(step)
     if stop:
-      logging.warning("SIGTERM: checkpointed step %d, exiting.", step)
+      logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
+                      "step %d, exiting.", step)
       break
+  preemption.close()
   ckpt.wait_until_finished()
   if step >= config.num_train_steps and is_chief:
     checkpoints.write_done_marker(ckpt.directory, step)

@@ -13,18 +13,32 @@ from realm_jax import io_utils
 
 
 class Preemption:
-  """Turns SIGTERM into a request to checkpoint and stop between steps."""
+  """Turns SIGTERM (preemption, `kill`) and a first Ctrl-C (SIGINT) into a
+  request to checkpoint and stop between steps. A second Ctrl-C interrupts
+  at once (KeyboardInterrupt), without that checkpoint."""
 
-  def __init__(self):
+  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
     self.requested = False
+    self._previous = {}
     try:
-      signal.signal(signal.SIGTERM, self._handler)
+      for s in signals:
+        if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+          continue  # Started to ignore Ctrl-C (a launcher's child): keep it.
+        self._previous[s] = signal.signal(s, self._handler)
     except ValueError:  # Not the main thread (e.g. inside a test runner).
       pass
 
+  def close(self) -> None:
+    """Gives the signals back to their previous handlers (after the loop)."""
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
+
   def _handler(self, signum, frame):
-    del signum, frame
+    del frame
     self.requested = True
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def write_json(path: io_utils.PathLike, obj: Any) -> None:

@@ -1,8 +1,13 @@
-"""launch/local.sh prints (dry run) the trainer and builder commands."""
+"""launch/local.sh: the trainer and builder commands (dry run), and a real
+run stopped by SIGTERM or by the death of its index builder."""
 
+import json
 import os
 import shlex
+import signal
 import subprocess
+import sys
+import time
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -32,3 +37,89 @@ def test_local_launcher_usage():
   result = subprocess.run(["bash", os.path.join(ROOT, "launch", "local.sh")],
                           capture_output=True, text=True)
   assert result.returncode == 2 and "Usage" in result.stdout
+
+
+def _launch(tmp_path, steps=1000):
+  from realm_jax.testing import corpus  # pylint: disable=g-import-not-at-top
+  store, annotated = corpus.make_tiny_corpus(str(tmp_path / "corpus"))
+  workdir = str(tmp_path / "run")
+  bindings = [f"pretrain.PretrainConfig.{k}={v}" for k, v in (
+      ("num_train_steps", steps), ("batch_size", 8), ("num_candidates", 2),
+      ("query_length", 32), ("reader_length", 64), ("checkpoint_every", 2),
+      ("log_every", 1), ("freeze_retriever_steps", 0),
+      ("index_wait_seconds", 300.0))]
+  proc = subprocess.Popen(
+      ["bash", os.path.join(ROOT, "launch", "local.sh"), workdir, store,
+       annotated, "models/tiny.gin", "--", *bindings],
+      env=dict(os.environ, PYTHON=sys.executable), cwd=ROOT,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      start_new_session=True)
+  return proc, workdir
+
+
+def _wait_for_step(workdir, step, proc, timeout=300):
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    if os.path.exists(path):
+      with open(path) as f:
+        if sum(1 for _ in f) >= step:
+          return
+    time.sleep(0.5)
+  raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def _children_of(pid):
+  out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)],
+                       capture_output=True, text=True).stdout
+  return [int(x) for x in out.split()]
+
+
+def test_sigterm_stops_both_cleanly_and_publishes_the_last_index(tmp_path):
+  from realm_jax.index import builder, publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  proc, workdir = _launch(tmp_path)
+  try:
+    _wait_for_step(workdir, 3, proc)
+    children = _children_of(proc.pid)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, log = proc.communicate(timeout=180)
+    assert proc.returncode == 0, log[-3000:]
+    assert time.time() - t0 < 180
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  for pid in children:  # Nothing left running.
+    assert not os.path.exists(f"/proc/{pid}") or open(
+        f"/proc/{pid}/stat").read().split()[2] == "Z"
+  ckpt = checkpoints.TrainCheckpointer(checkpoints.checkpoint_dir(workdir))
+  last = ckpt.latest_step()
+  assert last is not None and last >= 3
+  assert not checkpoints.is_done(checkpoints.checkpoint_dir(workdir))
+  # The trainer's last (SIGTERM) checkpoint became the last index.
+  assert publish.read_latest(builder.index_root(workdir)) == last
+
+
+def test_a_dead_builder_ends_the_run_with_its_status(tmp_path):
+  from realm_jax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  proc, workdir = _launch(tmp_path)
+  try:
+    _wait_for_step(workdir, 2, proc)
+    out = subprocess.run(["pgrep", "-f", "-g", str(proc.pid),
+                          "realm_jax.index.builder"],
+                         capture_output=True, text=True).stdout.split()
+    assert len(out) == 1, out
+    os.kill(int(out[0]), signal.SIGKILL)
+    _, log = proc.communicate(timeout=180)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  assert proc.returncode == 128 + signal.SIGKILL, log[-3000:]
+  assert "index builder exited with status 137" in log
+  # The trainer was stopped cleanly: it checkpointed its last step.
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    logged = max(json.loads(line)["step"] for line in f)
+  ckpt = checkpoints.TrainCheckpointer(checkpoints.checkpoint_dir(workdir))
+  assert ckpt.latest_step() == logged
