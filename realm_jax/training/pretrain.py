@@ -129,7 +129,7 @@ class PretrainConfig:
   searcher: str = "exact"
   index_wait_seconds: float = 600.0
   log_every: int = 10
-  hubness_warning: float = 0.5
+  hubness_warning: float = 0.3
   null_probability_warning: float = 0.9
   stale_index_warning: float = 4.0
   stale_index_error: float = 0.0
