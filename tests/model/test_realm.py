@@ -1,5 +1,6 @@
 """Shapes, options and invariants of the BERT, retriever and reader modules."""
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -300,9 +301,17 @@ def test_remat_recomputes_each_layer_with_the_same_gradients():
   (value, grads), plain = _bert_grads(cfg, params, ids, mask, key)
   (value_r, grads_r), remat = _bert_grads(remat_cfg, params, ids, mask, key)
   np.testing.assert_allclose(value_r, value, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-6),
-               grads_r, grads)
+  # Recomputing a layer may fuse (and so round) its ops differently (with
+  # --xla_cpu_multi_thread_eigen=false a few entries moved by 6e-5
+  # relative): compare each gradient as a whole, relative to its size.
+  # Measured: <= 1e-6 relative, and ~2e-9 absolute for the attention key
+  # biases, whose exact gradient is 0; a recomputation with another dropout
+  # mask is off by ~1.7 relative.
+  for path, a in jax.tree_util.tree_leaves_with_path(grads_r):
+    b = np.asarray(functools.reduce(lambda t, k: t[k.key], path, grads))
+    error = np.linalg.norm(np.asarray(a) - b)
+    assert error <= 1e-5 * np.linalg.norm(b) + 1e-6, (
+        jax.tree_util.keystr(path), error, np.linalg.norm(b))
   # The program handed to XLA recomputes every layer's forward pass behind
   # an optimisation barrier (XLA:CPU removes the barriers again, so on CPU
   # remat saves no memory; GPU and TPU keep them).
