@@ -18,7 +18,7 @@ TPU pod:
 No absl flags are defined here: jobs read the environment or pass their own
 flags' values in, so importing this module never clashes with a job's flags.
 
-The other helpers carry the multi-host hygiene of STYLE.md: `is_chief()`
+The other helpers are the multi-host hygiene every job follows: `is_chief()`
 guards writes of summaries, configs and pointers; `broadcast_from_chief()`
 hands seeds and stop decisions from process 0 to everyone; `barrier()` makes
 every process meet before exit; `check_divisible()` fails loudly, saying
