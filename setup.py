@@ -12,7 +12,7 @@ INSTALL_REQUIRES = [
     "flax==0.12.8",
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
-    # Work directories on local disks or gs:// (realm_jax/io_utils.py).
+    # Work directories on local disks or gs:// (realm_jax/core/io_utils.py).
     "etils[epath]>=1.7",
     "chex==0.1.92",
     # `import scann` loads TF ops that only link against TF 2.20.

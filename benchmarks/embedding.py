@@ -242,7 +242,7 @@ def jax_worker(spec: dict[str, Any]) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store
   from realm_jax.index import embed as embed_lib
-  from realm_jax.training import parallel
+  from realm_jax.core import parallel
 
   devices = jax.local_devices()[:spec["devices"]]
   if len(devices) != spec["devices"]:

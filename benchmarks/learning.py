@@ -187,7 +187,8 @@ def main(argv=None) -> None:
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import checkpoints, ict, pretrain  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import ict, pretrain  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
 
   conditions = [c for c in args.conditions.split(",") if c]
   unknown = set(conditions) - set(CONDITIONS + EXTRA_CONDITIONS)

@@ -2,7 +2,7 @@
 
 Prints one JSON line per measurement:
   - numpy float32 matmul GFLOP/s on the model's own layer shape (the peak);
-  - the jitted data-parallel train step (`parallel.make_train_step` with
+  - the jitted data-parallel train step (`loop.make_train_step` with
     BERT's optimizer) for the tiny and MiniLM-L6 configs at REALM's shapes
     (query 96, documents 288, reader 384, k = 7 + null document, 10 masks):
     seconds/step, examples/s, achieved GFLOP/s and its share of the peak;
@@ -86,11 +86,12 @@ def time_steps(cfg, batch_size: int, steps: int, seconds: float | None = None):
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   from realm_jax.testing import tiny  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import optimizer, parallel, pretrain  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import loop, optimizer, pretrain  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import parallel  # pylint: disable=g-import-not-at-top
   graphdef, params = functional.init(lambda r: Realm(cfg, rngs=r), 0)
   mesh = parallel.make_mesh()
   tx = optimizer.bert_optimizer(learning_rate=1e-4, num_train_steps=1000)
-  step = parallel.make_train_step(pretrain.make_loss_fn(graphdef), tx, mesh)
+  step = loop.make_train_step(pretrain.make_loss_fn(graphdef), tx, mesh)
   state = {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
            "opt_state": tx.init(params)}
   batch = tiny.random_pretraining_batch(

@@ -36,7 +36,7 @@ from typing import Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# realm_jax.distributed.ENV_DISTRIBUTED; not imported, because this tool
+# realm_jax.core.distributed.ENV_DISTRIBUTED; not imported, because this tool
 # runs on a laptop where JAX need not be installed.
 ENV_DISTRIBUTED = "REALM_JAX_DISTRIBUTED"
 

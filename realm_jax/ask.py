@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from realm_jax import io_utils
+from realm_jax.core import io_utils
 from realm_jax.checkpoint_import import core
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
@@ -46,7 +46,8 @@ from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import checkpoints, parallel, qa_inputs
+from realm_jax.training import qa_inputs
+from realm_jax.core import checkpoints, parallel
 from realm_jax.training import init as init_lib
 
 # What `Realm.qa_logits` reads from a `qa_inputs.qa_batch`.

@@ -49,7 +49,10 @@ from realm_jax.eval import qa_eval
 from realm_jax.index import builder as builder_lib
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig
-from realm_jax.training import checkpoints, finetune, pretrain, qa_inputs
+from realm_jax.training import finetune, pretrain, qa_inputs
+
+# Questions the demo answers at the end, with their evidence: held out from
+from realm_jax.core import checkpoints
 
 # Questions the demo answers at the end, with their evidence: held out from
 # fine-tuning (from dev.jsonl).

@@ -111,7 +111,7 @@ def run(job: Callable[[bool], None]) -> None:
     del args
     # Multi-host: joins the pod's JAX runtime when the launcher asks for it
     # (REALM_JAX_DISTRIBUTED=1 or an explicit coordinator); a no-op otherwise.
-    from realm_jax import distributed  # pylint: disable=g-import-not-at-top
+    from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
     distributed.maybe_initialize()
     f = flags.FLAGS
     parse(f.gin_file, list(f.gin_bindings) + extra)

@@ -17,7 +17,8 @@ from realm_jax.index import builder
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
-from realm_jax.training import checkpoints, qa_inputs
+from realm_jax.training import qa_inputs
+from realm_jax.core import checkpoints
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
                                num_reader_blocks=3, reader_length=48,

@@ -37,7 +37,7 @@ from typing import Any, Iterable
 from absl import logging
 import numpy as np
 
-from realm_jax import io_utils
+from realm_jax.core import io_utils
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import signatures as token_signatures
 from realm_jax.data import wikipedia

@@ -47,15 +47,16 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
-from realm_jax import io_utils
-from realm_jax import lease as lease_lib
+from realm_jax.core import io_utils
+from realm_jax.core import lease as lease_lib
 from realm_jax.ask import (QAModel, QAResult, checkpoint_meta, configured,
                            load_qa_index, load_qa_model)
 from realm_jax.data import qa as qa_lib
 from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
 from realm_jax.model.realm import RealmConfig
-from realm_jax.training import checkpoints, parallel, qa_inputs, run_utils
+from realm_jax.training import qa_inputs
+from realm_jax.core import checkpoints, parallel
 
 DEFAULT_RECALL_KS = (1, 5, 10, 20, 50, 100)
 LEDGER = "eval_ledger.json"
@@ -292,7 +293,7 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  on_evaluated: Callable[[int, dict[str, float]], None]
                  | None = None) -> EvalJobResult:
   """`_run_eval_job` under an exclusive lease on `output_dir`
-  (`realm_jax.lease`: a second evaluator of the same run is refused)."""
+  (`realm_jax.core.lease`: a second evaluator of the same run is refused)."""
   with lease_lib.job_lease(output_dir, "evaluation job"):
     return _run_eval_job(
         checkpoint_dir=checkpoint_dir, output_dir=output_dir,
@@ -391,8 +392,8 @@ def _run_eval_job(*, checkpoint_dir: str, output_dir: str,
           "predictions": os.path.join("predictions",
                                       f"step_{step}.jsonl")}
       if is_chief:
-        run_utils.write_json(ledger_path, ledger)
-        run_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL),
+        io_utils.write_json(ledger_path, ledger)
+        io_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL),
                                metrics)
         writer.write_scalars(step, {f"eval/{k}": v for k, v in
                                     metrics.items() if k != "step"})
@@ -462,7 +463,7 @@ def _job(dry_run: bool) -> None:
         qa_model, examples, recall_ks=config.recall_ks,
         predictions_path=io_utils.join(output_dir, "predictions",
                                        "init_from.jsonl"))
-    run_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"),
+    io_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"),
                          dict(metrics, init_from=f.init_from))
     print(json.dumps(metrics))
     return

@@ -16,7 +16,7 @@ It resumes after a crash: stale temporaries are removed and the last
 published step is the starting point. One-shot modes embed once from given
 retriever parameters (a checkpoint step, or imported REALM/ORQA weights),
 or publish an imported `block_emb` matrix as it is. The workdir may be
-local or `gs://` (paths go through `realm_jax.io_utils`).
+local or `gs://` (paths go through `realm_jax.core.io_utils`).
 
     python -m realm_jax.index.builder --workdir=W --block_store=B \\
         --gin_file=models/tiny.gin --gin_file=runs/index_builder.gin \\
@@ -33,12 +33,13 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from realm_jax import io_utils
-from realm_jax import lease as lease_lib
+from realm_jax.core import io_utils
+from realm_jax.core import lease as lease_lib
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, searchers
 from realm_jax.model.realm import RetrieverConfig
-from realm_jax.training import checkpoints, run_utils
+from realm_jax.core import checkpoints
+from realm_jax.core import preemption
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ def build_and_publish(*, retriever_params: Any,
   publishes; every process returns the published path.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from realm_jax import distributed  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
   start = time.time()
   index, count = jax.process_index(), jax.process_count()
   embeddings, stats = embed_lib.embed_block_store(
@@ -208,7 +209,7 @@ def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
                 on_publish: Callable[[int, str], None] | None = None
                 ) -> list[int]:
   """`_run_builder` under an exclusive lease on the index directory
-  (`realm_jax.lease`: a second builder is refused, naming the first)."""
+  (`realm_jax.core.lease`: a second builder is refused, naming the first)."""
   with lease_lib.job_lease(index_root(workdir), "index builder"):
     return _run_builder(workdir=workdir, store=store,
                         retriever_config=retriever_config, config=config,
@@ -238,7 +239,7 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
     The steps published by this call.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from realm_jax import distributed  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
   root = index_root(workdir)
   # Process 0 alone, before anyone writes: another host's fresh shard files
@@ -255,7 +256,7 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
   start, out = time.time(), []
   # SIGTERM / Ctrl-C: publish the newest checkpoint not yet indexed (the
   # trainer's last, when a launcher stops the trainer first), then exit.
-  stop = run_utils.Preemption()
+  stop = preemption.Preemption()
   try:
     return _poll(ckpt_dir, last, out, start, stop, store=store, root=root,
                  retriever_config=retriever_config, config=config,

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from realm_jax.model import functional
 from realm_jax.model.realm import Retriever, RetrieverConfig
 from realm_jax.model.realm import document_tower_params
-from realm_jax.training import parallel
+from realm_jax.core import parallel
 
 
 def host_row_range(num_rows: int, process_index: int,

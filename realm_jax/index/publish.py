@@ -39,7 +39,7 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from realm_jax import io_utils
+from realm_jax.core import io_utils
 
 LATEST = "LATEST"
 MANIFEST = "manifest.json"

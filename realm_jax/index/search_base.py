@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Mapping, Type, TypeVar
 from absl import logging
 import numpy as np
 
-from realm_jax import io_utils
+from realm_jax.core import io_utils
 from realm_jax.index.search_configs import SearcherConfig
 
 FORMAT_VERSION = 1

@@ -24,7 +24,7 @@ def main(argv=None) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   # CPU collectives across processes go through gloo.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  from realm_jax import distributed  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
   distributed.maybe_initialize(coordinator_address=args.coordinator,
                                num_processes=args.num_processes,
                                process_id=args.process_id)

@@ -61,18 +61,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from realm_jax import lease as lease_lib
-from realm_jax import distributed, io_utils
+from realm_jax.core import lease as lease_lib
+from realm_jax.core import distributed, io_utils
 from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import checkpoints, parallel, pretrain, qa_inputs
+from realm_jax.training import pretrain, qa_inputs
+from realm_jax.core import checkpoints, parallel
 from realm_jax.training import init as init_lib
 from realm_jax.training import optimizer as optimizer_lib
-from realm_jax.training import run_utils
+from realm_jax.core import preemption
+from realm_jax.training import loop
 
 # Batch features the per-core step reads (retrieved ids stay on the host).
 DEVICE_FEATURES = ("question_ids", "question_mask", "retrieved_embeddings",
@@ -359,7 +361,7 @@ def qa_loss(retrieval_logits: jax.Array, reader_logits: jax.Array,
 
   Returns:
     (loss_sum, number of questions, metric_sums) for
-    `parallel.make_train_step`; metrics: retriever_loss, reader_loss,
+    `loop.make_train_step`; metrics: retriever_loss, reader_loss,
     has_positive_in_top_k (an answer-bearing block among the K),
     has_gold_span_in_top_r (an answer span in the reader's R blocks),
     reader_span_correct (the argmax (block, span) is a gold span: token-level
@@ -392,7 +394,7 @@ def qa_loss(retrieval_logits: jax.Array, reader_logits: jax.Array,
 
 
 def make_loss_fn(graphdef):
-  """The per-core loss for `parallel.make_train_step`."""
+  """The per-core loss for `loop.make_train_step`."""
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, reader_logits = model.qa_logits(
@@ -453,7 +455,7 @@ def _step_functions(model: RealmConfig, mesh, learning_rate: float,
   tx = finetune_optimizer(learning_rate=learning_rate,
                           num_train_steps=num_train_steps,
                           warmup_steps=warmup_steps)
-  return (tx, parallel.make_train_step(make_loss_fn(graphdef), tx, mesh),
+  return (tx, loop.make_train_step(make_loss_fn(graphdef), tx, mesh),
           pretrain.make_query_embedder(graphdef, mesh))
 
 
@@ -461,7 +463,7 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
   """Runs (or resumes) the job under an exclusive lease on its workdir
-  (`realm_jax.lease`: a second job on the same workdir is refused)."""
+  (`realm_jax.core.lease`: a second job on the same workdir is refused)."""
   with contextlib.ExitStack() as leases:
     leases.enter_context(lease_lib.job_lease(config.workdir,
                                              "finetune trainer"))
@@ -537,7 +539,7 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
       index.manifest["rows"], config.index_dir, config.num_retrieved,
       config.num_reader_blocks)
 
-  writer = run_utils.start_run(config.workdir, operative_config,
+  writer = loop.start_run(config.workdir, operative_config,
                                is_chief=is_chief)
 
   # -- Model, optimizer, state.
@@ -580,7 +582,7 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
                "corpus_fingerprint": store.fingerprint}, force=True)
 
   # -- The loop.
-  preemption = run_utils.Preemption()
+  preempted = preemption.Preemption()
   history, base_rng = [], jax.random.key(seed)
   step, t_last, steps_since_log = start_step, time.time(), 0
   # Host input work, and the query tower's forward pass (a device
@@ -629,7 +631,7 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
       writer.write_scalars(step, metrics)
       history.append(dict(metrics, step=step))
       if is_chief:
-        run_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
+        io_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
                                dict(metrics, step=step))
       logging.info(
           "step %d: loss %.4f (retriever %.4f reader %.4f) positive@K %.2f "
@@ -639,15 +641,15 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
           metrics["reader_span_correct"], metrics["examples_per_second"])
     # The stop decision is process 0's, so every host stops at one step.
     stop = bool(distributed.broadcast_from_chief(
-        np.int32(preemption.requested))) if jax.process_count() > 1 else (
-            preemption.requested)
+        np.int32(preempted.requested))) if jax.process_count() > 1 else (
+            preempted.requested)
     if step % config.checkpoint_every == 0 or step == end or stop:
       save(step)
     if stop:
       logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
                       "step %d, exiting.", step)
       break
-  preemption.close()
+  preempted.close()
   ckpt.wait_until_finished()
   if step >= num_steps and is_chief:
     checkpoints.write_done_marker(ckpt.directory, step)
@@ -660,7 +662,7 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
     if io_utils.as_path(path).exists():
       earlier = [h for h in json.loads(io_utils.read_text(path))
                  if h["step"] <= start_step]
-    run_utils.write_json(path, earlier + history)
+    io_utils.write_json(path, earlier + history)
   distributed.barrier("finetune-exit")
   return history
 

@@ -34,15 +34,16 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 
-from realm_jax import io_utils
-from realm_jax import lease as lease_lib
+from realm_jax.core import io_utils
+from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
-from realm_jax.training import checkpoints, parallel
+from realm_jax.core import checkpoints, parallel
 from realm_jax.training import init as init_lib
-from realm_jax.training import run_utils
+from realm_jax.core import preemption
+from realm_jax.training import loop
 from realm_jax.training import optimizer as optimizer_lib
 
 
@@ -348,7 +349,7 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
   """Runs (or resumes) the job under an exclusive lease on its workdir
-  (`realm_jax.lease`: a second job on the same workdir is refused)."""
+  (`realm_jax.core.lease`: a second job on the same workdir is refused)."""
   with contextlib.ExitStack() as leases:
     leases.enter_context(lease_lib.job_lease(config.workdir,
                                              "ict trainer"))
@@ -374,7 +375,7 @@ def _train(*, config: IctTrainConfig, model: RealmConfig,
     The logged metrics, one dict per logged step.
   """
   is_chief = jax.process_index() == 0
-  writer = run_utils.start_run(config.workdir, operative_config,
+  writer = loop.start_run(config.workdir, operative_config,
                                is_chief=is_chief)
 
   # -- Data: ICT pairs from this host's blocks.
@@ -430,7 +431,7 @@ def _train(*, config: IctTrainConfig, model: RealmConfig,
   state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
                                   replicated),
            "params": params["retriever"], "opt_state": opt_state}
-  train_step = parallel.make_train_step(make_loss_fn(graphdef), tx, mesh)
+  train_step = loop.make_train_step(make_loss_fn(graphdef), tx, mesh)
   meta = {"seed": config.seed, "job": "ict",
           "block_store_fingerprint": store.fingerprint}
 
@@ -440,7 +441,7 @@ def _train(*, config: IctTrainConfig, model: RealmConfig,
 
   # -- The loop. Batches are built on the host while the previous step runs
   # on the devices (dispatch is asynchronous).
-  preemption = run_utils.Preemption()
+  preempted = preemption.Preemption()
   history, base_rng = [], jax.random.key(config.seed)
   step, t_last, steps_since_log = start_step, time.time(), 0
   end = config.num_train_steps if stop_after is None else min(
@@ -462,7 +463,7 @@ def _train(*, config: IctTrainConfig, model: RealmConfig,
       writer.write_scalars(step, metrics)
       history.append(dict(metrics, step=step))
       if is_chief:
-        run_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
+        io_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
                                dict(metrics, step=step))
       logging.info("step %d: loss %.4f accuracy %.3f (of %d blocks), "
                    "%.3f s/step, %.1f examples/s", step, metrics["loss"],
@@ -470,20 +471,20 @@ def _train(*, config: IctTrainConfig, model: RealmConfig,
                    metrics["seconds_per_step"],
                    metrics["examples_per_second"])
     if step % config.checkpoint_every == 0 or step == end or (
-        preemption.requested):
+        preempted.requested):
       save(step)
-    if preemption.requested:
+    if preempted.requested:
       logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
                       "step %d, exiting.", step)
       break
-  preemption.close()
+  preempted.close()
   ckpt.wait_until_finished()
   if step >= config.num_train_steps and is_chief:
     checkpoints.write_done_marker(ckpt.directory, step)
   writer.flush()
   ckpt.close()
   if is_chief:
-    run_utils.write_json(io_utils.join(config.workdir, "history.json"),
+    io_utils.write_json(io_utils.join(config.workdir, "history.json"),
                          history)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("ict_train_done")

@@ -89,7 +89,7 @@ def _imported_tree(kind: str, arg: str, config: RealmConfig,
         arg, num_heads=config.reader.bert.num_heads)
     return params
   if kind == "checkpoint":
-    from realm_jax.training import checkpoints  # pylint: disable=g-import-not-at-top
+    from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
     directory, _, step = arg.partition("@")
     ckpt = checkpoints.TrainCheckpointer(directory, async_save=False)
     try:

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax import lease as lease_lib
-from realm_jax import distributed, io_utils
+from realm_jax.core import lease as lease_lib
+from realm_jax.core import distributed, io_utils
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.data import salient_spans
@@ -40,10 +40,12 @@ from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import checkpoints, mlm_warmup, parallel
+from realm_jax.training import mlm_warmup
+from realm_jax.core import checkpoints, parallel
 from realm_jax.training import realm_inputs
 from realm_jax.training import init as init_lib
-from realm_jax.training import run_utils
+from realm_jax.core import preemption
+from realm_jax.training import loop
 from realm_jax.training import optimizer as optimizer_lib
 
 INDEX_MODES = ("inline", "builder")
@@ -358,7 +360,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
   """Runs (or resumes) the job under an exclusive lease on its workdir
-  (`realm_jax.lease`: a second job on the same workdir is refused)."""
+  (`realm_jax.core.lease`: a second job on the same workdir is refused)."""
   with contextlib.ExitStack() as leases:
     leases.enter_context(lease_lib.job_lease(config.workdir,
                                              "pretrain trainer"))
@@ -385,7 +387,7 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
     The logged metrics, one dict per logged step.
   """
   is_chief = jax.process_index() == 0
-  writer = run_utils.start_run(config.workdir, operative_config,
+  writer = loop.start_run(config.workdir, operative_config,
                                is_chief=is_chief)
 
   # -- Data: the knowledge corpus and the masked queries.
@@ -451,7 +453,7 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
           reader_length=config.reader_length,
           steps=config.mlm_head_warmup_steps, seed=config.seed)
       if is_chief:
-        run_utils.write_json(io_utils.join(config.workdir,
+        io_utils.write_json(io_utils.join(config.workdir,
                                            "mlm_head_warmup.json"), report)
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(tx.init(params), replicated)
@@ -459,7 +461,7 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
   state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
                                   replicated),
            "params": params, "opt_state": opt_state}
-  train_step = parallel.make_train_step(
+  train_step = loop.make_train_step(
       make_loss_fn(graphdef, config.null_document), tx, mesh,
       grad_norm_groups=("retriever", "reader"))
   embed_queries = make_query_embedder(graphdef, mesh)
@@ -502,7 +504,7 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
   logging.info("serving index %d at step %d", index.step, start_step)
 
   # -- The loop.
-  preemption = run_utils.Preemption()
+  preempted = preemption.Preemption()
   guard = CollapseGuard(config)
   staleness = StalenessMonitor(config, watcher) if watcher else None
   history, base_rng = [], jax.random.key(config.seed)
@@ -548,7 +550,7 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
       writer.write_scalars(step, metrics)
       history.append(dict(metrics, step=step))
       if is_chief:
-        run_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
+        io_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
                                dict(metrics, step=step))
       logging.info("step %d: loss %.4f utility %.4f mlm_acc %.3f "
                    "p(null) %.3f hubness %.3f staleness %d, %.2f s/step",
@@ -559,8 +561,8 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
       guard.check(step, metrics)
     # The stop decision is process 0's, so every host stops at one step.
     stop = bool(distributed.broadcast_from_chief(
-        np.int32(preemption.requested))) if jax.process_count() > 1 else (
-            preemption.requested)
+        np.int32(preempted.requested))) if jax.process_count() > 1 else (
+            preempted.requested)
     if step % config.checkpoint_every == 0 or step == end or stop:
       save(step)
       if config.index_mode == "inline" and step < config.num_train_steps:
@@ -569,20 +571,20 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
       logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
                       "step %d, exiting.", step)
       break
-  preemption.close()
+  preempted.close()
   ckpt.wait_until_finished()
   if step >= config.num_train_steps and is_chief:
     checkpoints.write_done_marker(ckpt.directory, step)
   if watcher is not None:
     watcher.close()
     if is_chief:
-      run_utils.write_json(io_utils.join(config.workdir, "index_swaps.json"),
+      io_utils.write_json(io_utils.join(config.workdir, "index_swaps.json"),
                   [{"index_step": s, "loaded_at": l, "swapped_at": w}
                    for s, l, w in watcher.swap_log])
   writer.flush()
   ckpt.close()
   if is_chief:
-    run_utils.write_json(io_utils.join(config.workdir, "history.json"),
+    io_utils.write_json(io_utils.join(config.workdir, "history.json"),
                          history)
   distributed.barrier("pretrain-exit")
   return history

@@ -13,7 +13,7 @@ from realm_jax.index import builder, embed, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, Retriever
 from realm_jax.testing import tiny
-from realm_jax.training import checkpoints
+from realm_jax.core import checkpoints
 
 TEXTS = [
     ("Alpha", "Alpha is a letter. It comes first in the Greek alphabet."),

@@ -78,7 +78,7 @@ def _children_of(pid):
 
 def test_sigterm_stops_both_cleanly_and_publishes_the_last_index(tmp_path):
   from realm_jax.index import builder, publish  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   proc, workdir = _launch(tmp_path)
   try:
     _wait_for_step(workdir, 3, proc)
@@ -103,7 +103,7 @@ def test_sigterm_stops_both_cleanly_and_publishes_the_last_index(tmp_path):
 
 
 def test_a_dead_builder_ends_the_run_with_its_status(tmp_path):
-  from realm_jax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   proc, workdir = _launch(tmp_path)
   try:
     _wait_for_step(workdir, 2, proc)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from realm_jax import distributed
+from realm_jax.core import distributed
 from realm_jax import gin_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(

@@ -16,7 +16,8 @@ from absl import logging as absl_logging
 from realm_jax import gin_cli
 from realm_jax.model.realm import RealmConfig
 from realm_jax.testing import knowledge_world
-from realm_jax.training import checkpoints, ict, pretrain
+from realm_jax.training import ict, pretrain
+from realm_jax.core import checkpoints
 
 STEPS = 10
 

@@ -21,7 +21,8 @@ from realm_jax.index import builder, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus
-from realm_jax.training import checkpoints, finetune, parallel, qa_inputs
+from realm_jax.training import finetune, qa_inputs
+from realm_jax.core import checkpoints, parallel
 
 STEPS = 12
 QA = [

@@ -15,12 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realm_jax import gin_cli, io_utils
+from realm_jax import gin_cli
+
+from realm_jax.core import io_utils
 from realm_jax.data import block_store, examples
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, Retriever
 from realm_jax.testing import corpus, ram_fs, tiny
-from realm_jax.training import checkpoints, ict, parallel
+from realm_jax.training import ict
+from realm_jax.core import checkpoints, parallel
 from realm_jax.training import init as init_lib
 
 STEPS = 20

@@ -14,7 +14,8 @@ from realm_jax.model import functional
 from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
                                    RetrieverConfig)
 from realm_jax.testing import knowledge_world, tiny
-from realm_jax.training import checkpoints, mlm_warmup, pretrain
+from realm_jax.training import mlm_warmup, pretrain
+from realm_jax.core import checkpoints
 
 
 @pytest.fixture(scope="module")

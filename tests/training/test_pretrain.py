@@ -19,7 +19,8 @@ import pytest
 
 from realm_jax import gin_cli
 from realm_jax.testing import corpus
-from realm_jax.training import checkpoints, pretrain
+from realm_jax.training import pretrain
+from realm_jax.core import checkpoints
 
 STEPS = 8
 

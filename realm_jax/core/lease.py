@@ -41,7 +41,7 @@ from typing import Iterator
 from absl import logging
 import numpy as np
 
-from realm_jax import io_utils
+from realm_jax.core import io_utils
 
 LEASE_FILE = ".lease"
 
@@ -222,7 +222,7 @@ def job_lease(directory: io_utils.PathLike, job: str,
   Every process learns whether process 0 got it; all of them raise
   `LeaseHeldError` when it did not (process 0 with the holder's name).
   """
-  from realm_jax import distributed  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   lease, error = None, None
   if jax.process_index() == 0:

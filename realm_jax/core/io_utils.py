@@ -19,10 +19,12 @@ What differs between the two kinds of storage, and how it is handled:
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import tempfile
-from typing import Union
+from typing import Any, Union
 
 from etils import epath
 
@@ -256,3 +258,13 @@ def local_copy(path: PathLike, key: str, *,
     elif os.path.exists(tmp):
       os.remove(tmp)
   return dest
+
+
+def write_json(path: PathLike, obj: Any) -> None:
+  """Writes JSON atomically (local: temp file + rename; GCS: one upload)."""
+  atomic_write_text(path, json.dumps(obj, indent=1))
+
+
+def append_jsonl(path: PathLike, record: dict[str, Any]) -> None:
+  """Appends one JSON line (on GCS: rewrites the small file; no appends)."""
+  append_text(path, json.dumps(record) + "\n")

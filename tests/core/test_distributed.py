@@ -1,4 +1,4 @@
-"""realm_jax.distributed: when jax.distributed is initialised, and the helpers.
+"""realm_jax.core.distributed: when jax.distributed is initialised, and the helpers.
 
 The tests that really initialise the distributed system run in a fresh
 Python process: JAX allows it only before a backend starts, and the pytest
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax import distributed
+from realm_jax.core import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV_VARS = (distributed.ENV_DISTRIBUTED, distributed.ENV_COORDINATOR_ADDRESS,
@@ -71,7 +71,7 @@ def test_skip_leaves_jax_free_to_initialise_then_explicit_args_do():
   # below would raise ("must be called before any JAX computations").
   port = _free_port()
   out = _run_python(f"""
-      from realm_jax import distributed
+      from realm_jax.core import distributed
       import jax
       assert distributed.maybe_initialize() is False
       assert not jax.distributed.is_initialized()
@@ -91,7 +91,7 @@ def test_environment_topology_initialises():
   # local multi-process run gives through the environment.
   port = _free_port()
   out = _run_python("""
-      from realm_jax import distributed
+      from realm_jax.core import distributed
       import jax
       assert distributed.maybe_initialize() is True
       print("initialised", jax.distributed.is_initialized(),

@@ -13,12 +13,13 @@ from etils import epath
 import numpy as np
 import pytest
 
-from realm_jax import io_utils
+from realm_jax.core import io_utils
 from realm_jax.data import block_store, blocks, corpus_job, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish, searchers
 from realm_jax.testing import ram_fs
-from realm_jax.training import checkpoints, run_utils
+from realm_jax.core import checkpoints
+from realm_jax.training import loop
 
 ram_fs.register()
 FINGERPRINT = "corpus-abc"
@@ -83,8 +84,8 @@ def test_remote_writes_and_appends():
   io_utils.append_text(f"{root}/d/log", "2\n")  # Rewrites the object.
   assert io_utils.read_text(f"{root}/d/x.txt") == "hello"
   assert io_utils.read_text(f"{root}/d/log") == "1\n2\n"
-  run_utils.write_json(f"{root}/h.json", [{"step": 1}])
-  run_utils.append_jsonl(f"{root}/m.jsonl", {"loss": 0.5})
+  io_utils.write_json(f"{root}/h.json", [{"step": 1}])
+  io_utils.append_jsonl(f"{root}/m.jsonl", {"loss": 0.5})
   assert json.loads(io_utils.read_text(f"{root}/h.json")) == [{"step": 1}]
   assert json.loads(io_utils.read_text(f"{root}/m.jsonl")) == {"loss": 0.5}
 
@@ -339,7 +340,7 @@ def test_builder_publishes_to_any_root(store_dir, tmp_path, root_kind):
 def test_checkpoints_and_run_files_take_epath(tmp_path, as_epath):
   wrap = epath.Path if as_epath else str
   workdir = wrap(tmp_path / "run")
-  writer = run_utils.start_run(workdir, "x = 1\n", is_chief=True)
+  writer = loop.start_run(workdir, "x = 1\n", is_chief=True)
   writer.close()
   assert (tmp_path / "run" / "operative_config.gin").read_text() == "x = 1\n"
   ckpt_dir = checkpoints.checkpoint_dir(workdir)

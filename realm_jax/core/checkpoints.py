@@ -7,7 +7,7 @@ retriever alone, without reading the reader or the optimizer state:
 
 `meta` is JSON (step, config summary, seeds). The trainer writes a `DONE`
 marker beside the steps when it finishes; side jobs stop on it. Directories
-may be local or `gs://` (orbax and `realm_jax.io_utils` take both).
+may be local or `gs://` (orbax and `realm_jax.core.io_utils` take both).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from realm_jax import io_utils
+from realm_jax.core import io_utils
 
 DONE_MARKER = "DONE"
 PARAM_ITEMS = ("retriever", "reader")

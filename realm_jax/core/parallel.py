@@ -14,7 +14,6 @@ for ops such as gathers over the sharded batch.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -119,32 +118,3 @@ def data_parallel_value_and_grad(loss_fn: LossFn, mesh: Mesh):
         out_specs=(P(), P(), P()))(params, batch, rng)
 
   return fn
-
-
-def make_train_step(loss_fn: LossFn, optimizer, mesh: Mesh,
-                    grad_norm_groups: tuple[str, ...] = ()):
-  """A jitted `train_step(state, batch, rng) -> (state, metrics)`.
-
-  `state` is a dict {"step", "params", "opt_state"}; it is donated. The
-  optimizer update runs on the replicated gradients outside `shard_map`, so
-  every device applies the same update to its replica. Metrics hold the
-  loss, the global gradient norm and `grad_norm_<group>` for each top-level
-  key of the params named in `grad_norm_groups`.
-  """
-  import optax  # pylint: disable=g-import-not-at-top
-  grad_fn = data_parallel_value_and_grad(loss_fn, mesh)
-
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def train_step(state, batch, rng):
-    step_rng = jax.random.fold_in(rng, state["step"])
-    loss, grads, metrics = grad_fn(state["params"], batch, step_rng)
-    updates, opt_state = optimizer.update(grads, state["opt_state"],
-                                          state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-    for group in grad_norm_groups:
-      metrics[f"grad_norm_{group}"] = optax.tree.norm(grads[group])
-    return {"step": state["step"] + 1, "params": params,
-            "opt_state": opt_state}, metrics
-
-  return train_step

@@ -9,7 +9,8 @@ import pytest
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm
 from realm_jax.testing import tiny
-from realm_jax.training import parallel
+from realm_jax.core import parallel
+from realm_jax.training import loop
 
 
 def _setup():
@@ -104,7 +105,7 @@ def test_train_step_reduces_loss_on_a_fixed_batch():
   params, loss_fn = _setup()
   mesh = parallel.make_mesh()
   optimizer = optax.adam(3e-3)
-  step = parallel.make_train_step(loss_fn, optimizer, mesh)
+  step = loop.make_train_step(loss_fn, optimizer, mesh)
   state = {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
            "opt_state": optimizer.init(params)}
   batch = parallel.shard_batch(

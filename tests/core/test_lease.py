@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from realm_jax import io_utils
-from realm_jax import lease as lease_lib
+from realm_jax.core import io_utils
+from realm_jax.core import lease as lease_lib
 from realm_jax.testing import ram_fs
 
 _HOLD = """
 import sys, time
-from realm_jax import lease
+from realm_jax.core import lease
 lease.Lease(sys.argv[1], job="holder job").acquire()
 print("held", flush=True)
 time.sleep(600)
