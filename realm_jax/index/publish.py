@@ -40,6 +40,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
+from realm_jax.index import searchers
 
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
@@ -379,7 +380,6 @@ def load_index(index_root: PathLike, step: int | None = None,
   Raises:
     IndexRejectedError: nothing published, or the index fails verification.
   """
-  from realm_jax.index import searchers  # pylint: disable=g-import-not-at-top
   if step is None:
     step = read_latest(index_root)
     if step is None:

@@ -1,4 +1,10 @@
-"""ScaNN MIPS: k-means tree + asymmetric hashing + exact re-ordering."""
+"""ScaNN MIPS: k-means tree + asymmetric hashing + exact re-ordering.
+
+Its own module because ScaNN (and the TensorFlow it imports) is loaded only
+when an index of this kind is built or opened, and because opening one is
+where the security checks live: only ScaNN's own assets are read, never its
+pickled docids (`checked_scann_assets`).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +17,8 @@ from typing import Any, Mapping
 from absl import logging
 import numpy as np
 
-from realm_jax.index.search_base import Searcher, check_embeddings, register
-from realm_jax.index.search_configs import (ScannConfig, as_config,
-                                            check_positive_int)
+from realm_jax.index.search_base import (ScannConfig, Searcher, as_config,
+                                         check_embeddings, check_positive_int)
 
 SCANN_SUBDIR = "scann"
 
@@ -25,7 +30,6 @@ def _scann_pybind():
   return scann_ops_pybind
 
 
-@register
 class ScannSearcher(Searcher):
   """ScaNN tree + asymmetric hashing + re-ordering (see ScannConfig)."""
 
