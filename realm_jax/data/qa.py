@@ -1,4 +1,4 @@
-"""Open-domain QA data: reading, answer matching, gold spans, seqio tasks.
+"""Open-domain QA data: reading, answer matching and gold spans.
 
 Everything fine-tuning and evaluation need to know about QA examples
 (REALM's open-domain QA fine-tuning, summarised in BUILD.md):
@@ -24,7 +24,6 @@ Everything fine-tuning and evaluation need to know about QA examples
 - `has_answer` marks retrieved blocks as positives for the retriever loss;
   `gold_spans` / `gold_spans_batch` find the reader's positive spans as
   occurrences of an answer's wordpieces in a block's wordpieces.
-- `register_qa_task` registers a seqio Task over JSONL files.
 
 Run `python -m realm_jax.data.qa --jsonl=PATH [--regex_answers]` to check a
 file and print its report.
@@ -38,14 +37,10 @@ import json
 import re
 import string
 import unicodedata
-from typing import (Iterable, Iterator, Mapping, NamedTuple, Sequence,
-                    TYPE_CHECKING)
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from absl import logging
 import numpy as np
-
-if TYPE_CHECKING:
-  import seqio  # pylint: disable=g-bad-import-order
 
 # Malformed lines logged one by one per file; the rest only counted.
 _MAX_LOGGED_MALFORMED = 20
@@ -620,121 +615,6 @@ def gold_spans(
                             continuation_mask=continuation_mask)
   return [(int(s), int(e)) for s, e in zip(result.starts[0], result.ends[0])
           if s >= 0]
-
-
-# ---------------------------------------------------------------- seqio
-
-
-@dataclasses.dataclass(frozen=True)
-class QATaskSpec:
-  """What a registered QA task reads (to make re-registration idempotent)."""
-  jsonl_path_by_split: tuple[tuple[str, str], ...]
-  regex_answers: bool
-  shuffle_buffer_size: int | None
-
-
-_QA_TASKS: dict[str, QATaskSpec] = {}
-
-
-def qa_task_spec(name: str) -> QATaskSpec:
-  """The spec a QA task was registered with (e.g. to know `regex_answers`)."""
-  if name not in _QA_TASKS:
-    raise KeyError(f"{name!r} was not registered with register_qa_task; "
-                   f"known QA tasks: {sorted(_QA_TASKS)}.")
-  return _QA_TASKS[name]
-
-
-def _qa_dataset(split: str, shuffle_files: bool, *,
-                paths: Mapping[str, str], regex_answers: bool):
-  """seqio dataset_fn: the examples of one JSONL file as tf.data."""
-  del shuffle_files  # One file per split; the Task shuffles examples.
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if split not in paths:
-    raise ValueError(f"split {split!r} has no file; known splits: "
-                     f"{sorted(paths)}.")
-  report = QAReadReport()
-  # Read eagerly: QA sets are small (NQ-Open train: 79k lines, ~5 MB), and
-  # in-memory slices make the pipeline deterministic and checkpointable.
-  examples = read_qa_jsonl(paths[split], report, regex_answers=regex_answers)
-  logging.info("QA %s: %d examples from %s (%d malformed lines skipped).",
-               split, report.examples, paths[split], report.malformed)
-  answers = tf.RaggedTensor.from_row_lengths(
-      tf.constant([a for e in examples for a in e.answers], tf.string),
-      tf.constant([len(e.answers) for e in examples], tf.int64))
-  ds = tf.data.Dataset.from_tensor_slices({
-      "question": tf.constant([e.question for e in examples], tf.string),
-      "answers": answers,
-  })
-  # Slices of a ragged tensor come out as RaggedTensorSpec(ragged_rank=0),
-  # which padded_batch refuses; a map turns them into plain [None] tensors.
-  return ds.map(lambda ex: {"question": ex["question"],
-                            "answers": ex["answers"]})
-
-
-def register_qa_task(
-    name: str,
-    jsonl_path_by_split: Mapping[str, str],
-    regex_answers: bool = False,
-    *,
-    shuffle_buffer_size: int | None = 10_000,
-    overwrite: bool = False,
-) -> seqio.Task:
-  """Registers a seqio Task reading ORQA JSONL files.
-
-  Features: `question` (tf.string scalar) and `answers` (tf.string [None]).
-  Tokenisation is left to the fine-tuning input pipeline. Per-host sharding:
-  pass `shard_info=seqio.ShardInfo(index, num_shards)` to `get_dataset`;
-  the source has one file per split, so seqio shards the examples
-  (example i goes to shard i % num_shards): disjoint and covering.
-
-  Args:
-    name: task name.
-    jsonl_path_by_split: split name -> JSONL path.
-    regex_answers: answers are regular expressions (CuratedTrec).
-    shuffle_buffer_size: Task shuffle buffer (None disables shuffling).
-    overwrite: replace a task of this name registered with other arguments.
-
-  Returns:
-    The seqio.Task. Registering the same name with the same arguments again
-    returns the registered task.
-
-  Raises:
-    ValueError: no splits, or `name` is taken by a different task and
-      `overwrite` is False.
-  """
-  # Imported here: seqio and TensorFlow are slow to import and the matching
-  # functions above do not need them.
-  import seqio  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import tasks  # pylint: disable=g-import-not-at-top
-  if not jsonl_path_by_split:
-    raise ValueError(f"register_qa_task({name!r}): jsonl_path_by_split is "
-                     "empty; map at least one split to a JSONL file.")
-  paths = {str(k): str(v) for k, v in jsonl_path_by_split.items()}
-  spec = QATaskSpec(tuple(sorted(paths.items())), bool(regex_answers),
-                    shuffle_buffer_size)
-
-  def build():
-    vocabulary = seqio.PassThroughVocabulary(size=0)
-    return dict(
-        source=seqio.FunctionDataSource(
-            functools.partial(_qa_dataset, paths=paths,
-                              regex_answers=spec.regex_answers),
-            splits=list(paths)),
-        output_features={
-            "question": seqio.Feature(vocabulary, add_eos=False,
-                                      dtype=tf.string, rank=0),
-            "answers": seqio.Feature(vocabulary, add_eos=False,
-                                     dtype=tf.string, rank=1),
-        },
-        preprocessors=[],
-        shuffle_buffer_size=spec.shuffle_buffer_size)
-
-  # The project's one registration rule (same spec: the registered task;
-  # another spec: an error unless overwrite).
-  task = tasks.add_task(name, spec, build, overwrite=overwrite)
-  _QA_TASKS[name] = spec
-  return task
 
 
 # ---------------------------------------------------------------- main

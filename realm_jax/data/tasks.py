@@ -1,48 +1,44 @@
-"""seqio Tasks for REALM pre-training and the ICT warm start.
+"""seqio Tasks for REALM pre-training: masked queries from annotated TFRecords.
 
-Tasks (registered by `register_tasks`, parametrised by data paths):
+Tasks (registered by `register_pretrain_task`, parametrised by data paths):
 
   realm_pretrain_salient        REALM masked queries from an annotated corpus
   realm_pretrain_random_tokens  ablation: random wordpieces masked
   realm_pretrain_random_spans   ablation: one random span masked
-  ict                           Inverse Cloze Task pairs from a block store
 
-Pipelines (all seqio preprocessors are tf.data maps):
+They are not read by the trainer directly: `query_cache` runs a task through
+`seqio.beam_utils.PreprocessTask` in an Apache Beam pipeline and writes the
+queries to sharded ArrayRecord files that `query_cache.QueryStream` reads.
 
-* REALM: `seqio.TFExampleDataSource` over the annotated TFRecords (our own or
-  REALM's released corpus) -> `annotated_to_sentences`: one element per
-  sentence with at least one salient span; offsets validated in numpy (same
-  rules as `salient_spans.read_annotated`; bad spans/sentences are dropped --
-  use `read_annotated` to count them), sentences tokenized in-graph with
-  tensorflow_text (same vocabulary and settings as `tokenizer.Tokenizer`) ->
-  `mask_sentences`: `examples.realm_query` run through `tf.numpy_function`
-  with a per-element seed from `seqio.map_over_dataset(num_seeds=1)`, so the
-  masks differ from epoch to epoch and are reproducible given the seed passed
-  to `get_dataset`. Sentences without a usable span are filtered out.
-* ICT: `BlockStoreSource` yields block indices (a block store is a memory
-  mapped array, not TFRecords) -> `make_ict_pairs`: `examples.ict_pair` via
-  `tf.numpy_function`, seeded the same way.
+Pipeline (all seqio preprocessors are tf.data maps):
+
+`seqio.TFExampleDataSource` over the annotated TFRecords (our own or REALM's
+released corpus) -> `annotated_to_sentences`: one element per sentence with
+at least one salient span; offsets validated in numpy (same rules as
+`salient_spans.read_annotated`; bad spans/sentences are dropped -- use
+`read_annotated` to count them), sentences tokenized in-graph with
+tensorflow_text (same vocabulary and settings as `tokenizer.Tokenizer`) ->
+`mask_sentences`: `examples.realm_query` run through `tf.numpy_function` with
+a per-element seed from `seqio.map_over_dataset(num_seeds=1)`, so the masks
+are reproducible given the seed passed to `get_dataset` (or to
+`PreprocessTask`). Sentences without a usable span are filtered out.
 
 Per-host sharding: pass `shard_info=seqio.ShardInfo(index, num_shards)` to
 `get_dataset`. The annotated source shards by file when there are at least
 as many files as shards, else seqio shards the documents (document i goes to
-shard i % num_shards); the block source shards block indices the same way.
-Either way the shards are disjoint and cover the data.
+shard i % num_shards). Either way the shards are disjoint and cover the data.
 
 Registration is idempotent: registering a name again with the same spec
 returns the registered task; a different spec raises unless
-`overwrite=True`. Other task modules (e.g. `qa.py`) follow the same rule via
-`add_task`.
+`overwrite=True`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from typing import Any, Callable, Mapping, Sequence
 
-from absl import logging
 import numpy as np
 import seqio
 import tensorflow as tf
@@ -56,7 +52,6 @@ PRETRAIN_TASK_NAMES = {
     "random_tokens": "realm_pretrain_random_tokens",
     "random_spans": "realm_pretrain_random_spans",
 }
-ICT_TASK_NAME = "ict"
 
 # ------------------------------------------------------------- registry ----
 
@@ -359,223 +354,3 @@ def register_pretrain_task(
         shuffle_buffer_size=shuffle_buffer_size)
 
   return add_task(name, spec, build, overwrite=overwrite)
-
-
-# ------------------------------------------------------------------ ICT ----
-
-
-def _open_block_store(path: str):
-  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
-  return block_store.BlockStore.open(path)
-
-
-_STORES: dict[str, Any] = {}
-_STORES_LOCK = threading.Lock()
-
-
-def _block_store(path: str):
-  """One memory-mapped store per path and process (tf.data threads share)."""
-  with _STORES_LOCK:
-    if path not in _STORES:
-      _STORES[path] = _open_block_store(path)
-    return _STORES[path]
-
-
-class BlockStoreSource(seqio.DataSource):
-  """The block indices 0..N-1 of a block store, as {"block_index": int64}.
-
-  Sharding is arbitrary (index i goes to shard i % num_shards); shuffling
-  is a full shuffle of this shard's indices (int64s are cheap to hold).
-  """
-
-  def __init__(self, block_store: str, splits: Sequence[str] = ("train",)):
-    self._path = block_store
-    super().__init__(splits=splits)
-
-  @property
-  def supports_arbitrary_sharding(self) -> bool:
-    return True
-
-  def list_shards(self, split: str) -> Sequence[str]:
-    return [self._path]
-
-  def num_input_examples(self, split: str) -> int:
-    return len(_block_store(self._path))
-
-  def get_dataset(self, split: str = "train", shuffle: bool = True,
-                  seed: int | None = None,
-                  shard_info: seqio.ShardInfo | None = None, *,
-                  sequence_length=None, use_cached=False,
-                  num_epochs=1) -> tf.data.Dataset:
-    del sequence_length, use_cached, num_epochs
-    if split not in self.splits:
-      raise ValueError(f"split {split!r} is not one of {self.splits}.")
-    ds = tf.data.Dataset.range(len(_block_store(self._path)))
-    if shard_info:
-      ds = ds.shard(shard_info.num_shards, shard_info.index)
-    if shuffle:
-      ds = ds.shuffle(ds.cardinality(), seed=seed)
-    return ds.map(lambda i: {"block_index": i})
-
-
-@dataclasses.dataclass(frozen=True)
-class IctTaskSpec:
-  """What an ICT task reads and how it builds pairs."""
-  block_store: str
-  ict_config: examples_lib.IctConfig
-  special: examples_lib.SpecialIds | None
-  shuffle_buffer_size: int | None
-
-
-def _store_special_ids(store) -> examples_lib.SpecialIds:
-  """[PAD]/[CLS]/[SEP] of the vocabulary the store was tokenized with."""
-  m = store.manifest
-  return examples_lib.SpecialIds(pad_id=int(m["pad_id"]),
-                                 cls_id=int(m["cls_id"]),
-                                 sep_id=int(m["sep_id"]))
-
-
-def _ict_numpy(index, seed, *, path, special, config):
-  store = _block_store(path)
-  special = special or _store_special_ids(store)
-  i = int(index)
-  pair = examples_lib.ict_pair(
-      body_ids=store.body_ids(i), sentence_starts=store.sentence_starts(i),
-      title_ids=store.title_ids(i),
-      rng=np.random.default_rng(np.asarray(seed).astype(np.uint32)),
-      special=special, config=config)
-  if pair is None:
-    q, b = config.query_length, config.block_length
-    zeros = [np.zeros(q, np.int32)] * 3 + [np.zeros(b, np.int32)] * 3
-    return (*zeros, np.int32(0), False)
-  return (*(pair[k] for k in examples_lib.ICT_FEATURES), True)
-
-
-def make_ict_pairs(dataset: tf.data.Dataset, *, block_store: str,
-                   config: examples_lib.IctConfig,
-                   special: examples_lib.SpecialIds | None,
-                   sequence_length: Mapping[str, Any] | None = None,
-                   output_features=None) -> tf.data.Dataset:
-  """Block indices -> ICT (pseudo-query, block) pairs (`examples.ict_pair`).
-
-  Args:
-    dataset: {"block_index": int64} elements (`BlockStoreSource`).
-    block_store: the block store path.
-    config: lengths and removal probability.
-    special: special token ids; None: those in the store's manifest.
-    sequence_length: optional; must agree with `config` if given.
-    output_features: unused (seqio passes it).
-
-  Returns:
-    Elements with `examples.ICT_FEATURES` plus `block_index` (int64; lets a
-    trainer drop duplicate blocks from the in-batch negatives).
-  """
-  del output_features
-  _check_sequence_length(
-      sequence_length,
-      {k: config.query_length for k in examples_lib.ICT_FEATURES[:3]} |
-      {k: config.block_length for k in examples_lib.ICT_FEATURES[3:6]},
-      "ICT")
-  fn = functools.partial(_ict_numpy, path=block_store, special=special,
-                         config=config)
-
-  @seqio.map_over_dataset(num_seeds=1)
-  def pair(ex, seed):
-    outputs = tf.numpy_function(
-        fn, [ex["block_index"], seed], [tf.int32] * 7 + [tf.bool],
-        stateful=False)
-    shapes = [[config.query_length]] * 3 + [[config.block_length]] * 3
-    result = {"block_index": ex["block_index"]}
-    for name, value, shape in zip(
-        examples_lib.ICT_FEATURES + ("valid",), outputs, shapes + [[], []]):
-      value.set_shape(shape)
-      result[name] = value
-    return result
-
-  return pair(dataset).filter(lambda ex: ex["valid"]).map(
-      lambda ex: {k: v for k, v in ex.items() if k != "valid"})
-
-
-def register_ict_task(
-    *,
-    block_store: str,
-    name: str = ICT_TASK_NAME,
-    ict_config: examples_lib.IctConfig | None = None,
-    special: examples_lib.SpecialIds | None = None,
-    shuffle_buffer_size: int | None = 10_000,
-    overwrite: bool = False,
-) -> seqio.Task:
-  """Registers the Inverse Cloze Task over a block store (split "train").
-
-  Args:
-    block_store: path of a `block_store.BlockStore` (opened lazily).
-    name: task name.
-    ict_config: lengths and removal probability (ORQA's by default).
-    special: special token ids; default: those in the store's manifest.
-    shuffle_buffer_size: Task shuffle buffer of pairs.
-    overwrite: replace a task of this name registered with another spec.
-
-  Returns:
-    The registered seqio.Task.
-  """
-  config = ict_config or examples_lib.IctConfig()
-  spec = IctTaskSpec(block_store, config, special, shuffle_buffer_size)
-
-  def build():
-    return dict(
-        source=BlockStoreSource(block_store),
-        output_features=(
-            {k: _feature(tf.int32, 1) for k in examples_lib.ICT_FEATURES[:6]}
-            | {"sentence_removed": _feature(tf.int32, 0),
-               "block_index": _feature(tf.int64, 0)}),
-        preprocessors=[functools.partial(
-            make_ict_pairs, block_store=block_store, config=config,
-            special=special)],
-        shuffle_buffer_size=shuffle_buffer_size)
-
-  return add_task(name, spec, build, overwrite=overwrite)
-
-
-# ------------------------------------------------------------ all tasks ----
-
-
-def register_tasks(
-    *,
-    annotated_pattern: str | Sequence[str] | None = None,
-    block_store: str | None = None,
-    masking_modes: Sequence[str] = examples_lib.MASKING_MODES,
-    vocab_path: str | None = None,
-    query_config: examples_lib.RealmQueryConfig | None = None,
-    ict_config: examples_lib.IctConfig | None = None,
-    overwrite: bool = False,
-) -> list[str]:
-  """Registers the pre-training tasks whose data paths are given.
-
-  Args:
-    annotated_pattern: annotated corpus files -> `realm_pretrain_<masking>`
-      for each of `masking_modes`.
-    block_store: block store path -> `ict` (its special ids come from the
-      store's manifest).
-    masking_modes: which REALM masking tasks to register.
-    vocab_path: BERT vocab.txt; default `tokenizer.default_vocab_path()`.
-    query_config: REALM query lengths.
-    ict_config: ICT lengths and removal probability.
-    overwrite: replace tasks registered with other paths or settings.
-
-  Returns:
-    The names of the registered tasks.
-  """
-  names = []
-  if annotated_pattern is not None:
-    for masking in masking_modes:
-      names.append(register_pretrain_task(
-          annotated_pattern=annotated_pattern, masking=masking,
-          vocab_path=vocab_path, query_config=query_config,
-          overwrite=overwrite).name)
-  if block_store is not None:
-    names.append(register_ict_task(
-        block_store=block_store, ict_config=ict_config,
-        overwrite=overwrite).name)
-  if not names:
-    logging.warning("register_tasks: no data path given, nothing registered.")
-  return names

@@ -1,4 +1,4 @@
-"""Tests for realm_jax.data.qa: reading, matching, gold spans, seqio tasks."""
+"""Tests for realm_jax.data.qa: reading, matching and gold spans."""
 
 import json
 import logging
@@ -6,11 +6,9 @@ import random
 import re
 import string
 import unicodedata
-import uuid
 
 import numpy as np
 import pytest
-import seqio
 
 from realm_jax.data import qa
 from realm_jax.data import tokenizer as tokenizer_lib
@@ -364,55 +362,3 @@ def test_qa_example_checks():
     qa.QAExample("q", "a")
   with pytest.raises(TypeError, match="strings"):
     qa.QAExample("q", ("a", 1))
-
-
-# --------------------------------------------------------------- seqio
-
-
-def _task_examples(task, split, shard_info=None):
-  ds = task.get_dataset(sequence_length=None, split=split, shuffle=False,
-                        shard_info=shard_info)
-  return [(ex["question"].decode(), tuple(a.decode() for a in ex["answers"]))
-          for ex in ds.as_numpy_iterator()]
-
-
-def test_register_qa_task(tmp_path):
-  rows = [{"question": f"question {i}",
-           "answer": [f"answer {i}.{j}" for j in range(i % 3 + 1)]}
-          for i in range(11)]
-  train = tmp_path / "train.jsonl"
-  _write_lines(train, [json.dumps(r) for r in rows] + ["not json"])
-  dev = tmp_path / "dev.jsonl"
-  _write_lines(dev, [json.dumps(rows[0])])
-  name = f"qa_test_{uuid.uuid4().hex}"
-  task = qa.register_qa_task(
-      name, {"train": str(train), "validation": str(dev)})
-  expected = [(r["question"], tuple(r["answer"])) for r in rows]
-
-  assert _task_examples(task, "train") == expected
-  assert _task_examples(task, "validation") == expected[:1]
-
-  # Idempotent: the same arguments give back the registered task.
-  again = qa.register_qa_task(
-      name, {"validation": str(dev), "train": str(train)})
-  assert again is task is seqio.get_mixture_or_task(name)
-  assert not qa.qa_task_spec(name).regex_answers
-  with pytest.raises(ValueError, match="already registered"):
-    qa.register_qa_task(name, {"train": str(dev)})
-  replaced = qa.register_qa_task(name, {"train": str(dev)},
-                                 regex_answers=True, overwrite=True)
-  assert replaced is not task and qa.qa_task_spec(name).regex_answers
-  assert _task_examples(replaced, "train") == expected[:1]
-
-  # Per-host shards: disjoint and together the whole split.
-  shards = [_task_examples(task, "train", seqio.ShardInfo(i, 2))
-            for i in range(2)]
-  assert all(shards)
-  assert not set(shards[0]) & set(shards[1])
-  assert sorted(shards[0] + shards[1]) == sorted(expected)
-
-  # Shapes the fine-tuning pipeline batches.
-  ds = task.get_dataset(sequence_length=None, split="train", shuffle=False)
-  assert ds.element_spec["answers"].shape.as_list() == [None]
-  batch = next(ds.padded_batch(4).as_numpy_iterator())
-  assert batch["answers"].shape == (4, 3)

@@ -1,4 +1,4 @@
-"""Tests of the seqio pre-training and ICT tasks."""
+"""Tests of the seqio REALM pre-training tasks."""
 
 import collections
 import importlib
@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 import seqio
 
-from realm_jax.data import block_store, blocks
-from realm_jax.data import examples as ex
+from realm_jax.data import blocks
 from realm_jax.data import salient_spans as ss
 from realm_jax.data import tasks
 from realm_jax.data import tokenizer as tokenizer_lib
-from realm_jax.data import wikipedia
 
 
 @pytest.fixture(scope="module")
@@ -152,64 +150,17 @@ def test_pretrain_sharding_is_disjoint_and_covering(annotated_files, pattern,
 
 def test_registration_is_idempotent(annotated_files, tmp_path):
   pattern = str(annotated_files / "one-*.tfr.gz")
-  names = tasks.register_tasks(annotated_pattern=pattern, overwrite=True)
-  assert names == ["realm_pretrain_salient", "realm_pretrain_random_tokens",
-                   "realm_pretrain_random_spans"]
-  first = seqio.get_mixture_or_task("realm_pretrain_salient")
-  assert tasks.register_tasks(annotated_pattern=pattern) == names
-  assert seqio.get_mixture_or_task("realm_pretrain_salient") is first
+  first = tasks.register_pretrain_task(annotated_pattern=pattern,
+                                       overwrite=True)
+  assert first.name == "realm_pretrain_salient"
+  assert tasks.register_pretrain_task(annotated_pattern=pattern) is first
   # Importing the module again and registering again does not crash.
   reloaded = importlib.reload(tasks)
-  assert reloaded.register_tasks(annotated_pattern=pattern) == names
+  assert reloaded.register_pretrain_task(annotated_pattern=pattern) is first
   assert seqio.get_mixture_or_task("realm_pretrain_salient") is first
   with pytest.raises(ValueError, match="overwrite=True"):
-    reloaded.register_tasks(annotated_pattern=str(tmp_path / "other-*"))
+    reloaded.register_pretrain_task(
+        annotated_pattern=str(tmp_path / "other-*"))
   with pytest.raises(ValueError, match="sequence_length"):
-    seqio.get_mixture_or_task("realm_pretrain_salient").get_dataset(
-        sequence_length={"query_ids": 64}, split="train", shuffle=False)
-
-
-# ------------------------------------------------------------------ ICT ----
-
-
-@pytest.fixture(scope="module")
-def store_path(tmp_path_factory, tok):
-  docs = [wikipedia.Document(
-      title=f"Article {k}",
-      text=" ".join(f"Sentence {j} of article {k} is about topic {k * j}."
-                    for j in range(40))) for k in range(4)]
-  path = str(tmp_path_factory.mktemp("store") / "blocks")
-  block_store.write_block_store(
-      blocks.pack_blocks(docs, tok, max_block_len=64), path,
-      tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=64)
-  return path
-
-
-def test_ict_task_pairs_and_sharding(store_path):
-  tasks.register_ict_task(block_store=store_path,
-                          ict_config=ex.IctConfig(block_length=64),
-                          overwrite=True)
-  store = block_store.BlockStore.open(store_path)
-  n = len(store)
-  assert n >= 10
-  items = _items("ict")
-  assert sorted(int(x["block_index"]) for x in items) == list(range(n))
-  for x in items:
-    i = int(x["block_index"])
-    body = store.body_ids(i)
-    query = x["query_ids"][1:int(x["query_mask"].sum()) - 1]
-    starts = [s for s in store.sentence_starts(i)
-              if np.array_equal(body[s:s + len(query)], query)]
-    assert starts, "the query is not a sentence of its block"
-    if not x["sentence_removed"]:
-      np.testing.assert_array_equal(
-          x["block_ids"], store.retriever_inputs([i], 64)["token_ids"][0])
-    else:
-      assert x["block_mask"].sum() == (
-          store.retriever_inputs([i], 64)["input_mask"][0].sum() - len(query))
-  assert 0 < np.mean([x["sentence_removed"] for x in items]) < 1
-  shards = [sorted(int(x["block_index"]) for x in _items(
-      "ict", shard_info=seqio.ShardInfo(index=i, num_shards=2)))
-            for i in range(2)]
-  assert not set(shards[0]) & set(shards[1])
-  assert sorted(shards[0] + shards[1]) == list(range(n))
+    first.get_dataset(sequence_length={"query_ids": 64}, split="train",
+                      shuffle=False)
