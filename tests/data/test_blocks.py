@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from realm_jax.data import block_store, blocks
+from realm_jax.data import examples
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
@@ -361,6 +362,37 @@ def test_manifest_contents(tokenizer, tmp_path):
   other.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
   with pytest.raises(ValueError, match="another vocabulary"):
     store.check_vocab(str(other))
+
+
+def test_special_ids(tokenizer, tmp_path):
+  store = _write(_documents(), tokenizer, tmp_path / "store")
+  expected = examples.SpecialIds.from_tokenizer(tokenizer)
+  assert store.special_ids() == expected
+  # A manifest without mask_id: [MASK] is looked up in the store's vocab.
+  del store.manifest["mask_id"]
+  assert store.special_ids() == expected
+  vocab = tmp_path / "store" / "vocab.txt"
+  vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+  store.manifest["vocab_sha256"] = hashlib.sha256(
+      vocab.read_bytes()).hexdigest()
+  assert store.special_ids().mask_id == 4
+  store.manifest["vocab_sha256"] = "0" * 64
+  with pytest.raises(ValueError, match="no mask_id.*vocab_path"):
+    store.special_ids()
+
+
+def test_sentence_counts(tokenizer, tmp_path):
+  store = _write(_documents(), tokenizer, tmp_path / "store", max_block_len=24)
+  ids = np.arange(len(store))
+  expected = [len(examples.sentence_bounds(len(store.body_ids(i)),
+                                           store.sentence_starts(i)))
+              for i in ids]
+  counts = store.sentence_counts(ids[::-1])
+  assert counts.dtype == np.int64
+  np.testing.assert_array_equal(counts, expected[::-1])
+  assert max(expected) >= 2 and min(expected) >= 1
+  with pytest.raises(IndexError):
+    store.sentence_counts([len(store)])
 
 
 # ------------------------------------------------------------------- ORQA --
