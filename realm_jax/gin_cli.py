@@ -20,20 +20,61 @@ GIN_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(
 
 # jax 0.10.2's XLA:CPU fuses dots into YNNPACK kernels that run on one
 # thread on 2-core machines; an empty fusion-type set turns that off: BERT
-# forward passes 1.3-1.6x faster (docs/benchmarks/embedding.md). Affects the
-# CPU backend only.
+# forward passes 1.3-1.6x faster (docs/benchmarks/embedding.md). It is
+# experimental and CPU-only, so only CPU jobs ask for it: gin files through
+# `cpu_xla_flag` (gin_configs/models/cpu.gin), Python entry points by
+# calling `add_cpu_xla_flag`.
 CPU_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
 
 
-def default_xla_flags() -> None:
+def add_cpu_xla_flag() -> None:
   """Adds `CPU_XLA_FLAG` to $XLA_FLAGS unless the user set that flag.
 
-  Read when JAX starts its backends, so jobs call it before any JAX work
-  (`run` does, first thing).
+  XLA reads $XLA_FLAGS when JAX starts its backends; afterwards this has no
+  effect (and says so in the log).
   """
   current = os.environ.get("XLA_FLAGS", "")
-  if CPU_XLA_FLAG.rstrip("=") not in current:
-    os.environ["XLA_FLAGS"] = f"{current} {CPU_XLA_FLAG}".strip()
+  if CPU_XLA_FLAG.rstrip("=") in current:
+    return
+  os.environ["XLA_FLAGS"] = f"{current} {CPU_XLA_FLAG}".strip()
+  if "jax" in sys.modules:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    if xla_bridge.backends_are_initialized():
+      logging.warning("%s was added to XLA_FLAGS after JAX started its "
+                      "backends, so it has no effect in this process.",
+                      CPU_XLA_FLAG)
+
+
+# The name the Python entry points used before the flag became opt-in.
+default_xla_flags = add_cpu_xla_flag
+
+
+def cpu_xla_flag(enabled: bool = False) -> bool:
+  """Whether the operative gin config asks for `CPU_XLA_FLAG`.
+
+  Bound by gin_configs/models/cpu.gin (`gin_cli.cpu_xla_flag.enabled =
+  True`); accelerator runs leave it False.
+  """
+  return enabled
+
+
+def gin_asks_for_cpu_xla_flag() -> bool:
+  """`cpu_xla_flag()` as the parsed gin config binds it."""
+  import gin  # pylint: disable=g-import-not-at-top
+  try:
+    configurable = gin.get_configurable(cpu_xla_flag)
+  except ValueError:  # Not registered: no gin file mentions it.
+    return False
+  return bool(configurable())
+
+
+def apply_gin_xla_flags() -> None:
+  """Adds `CPU_XLA_FLAG` if the parsed gin config asks for it.
+
+  Call after `parse` and before anything starts a JAX backend (`run` does).
+  """
+  if gin_asks_for_cpu_xla_flag():
+    add_cpu_xla_flag()
 
 
 def split_gin_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -99,8 +140,13 @@ def training_job(module_name: str, config_class: str
 
 
 def run(job: Callable[[bool], None]) -> None:
-  """absl entry point: parses gin flags, then calls `job(dry_run)`."""
-  default_xla_flags()
+  """absl entry point: parses gin flags, then calls `job(dry_run)`.
+
+  Order matters: gin is parsed before anything starts JAX, so that the
+  XLA flags the config asks for (`apply_gin_xla_flags`) are in place when
+  the backends start; the distributed runtime is joined after that and
+  before the job.
+  """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_multi_string("gin_file", [], "Gin config files.")
   flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings.")
@@ -109,12 +155,13 @@ def run(job: Callable[[bool], None]) -> None:
 
   def main(args):
     del args
+    f = flags.FLAGS
+    parse(f.gin_file, list(f.gin_bindings) + extra)
+    apply_gin_xla_flags()
     # Multi-host: joins the pod's JAX runtime when the launcher asks for it
     # (REALM_JAX_DISTRIBUTED=1 or an explicit coordinator); a no-op otherwise.
     from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
     distributed.maybe_initialize()
-    f = flags.FLAGS
-    parse(f.gin_file, list(f.gin_bindings) + extra)
     job(f.dry_run)
 
   app.run(main, argv=argv)

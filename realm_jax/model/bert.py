@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ATTENTION_BATCHINGS = ("whole_batch", "per_sequence")
+DROPOUT_MASK_BITS = (32, 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,22 @@ class BertConfig:
       of one layer instead of all on GPU and TPU (BERT-base fine-tuning at
       R = 5 x 320, REALM pre-training at large batches). XLA:CPU drops the
       recomputation again, so on CPU it changes nothing.
+    attention_batching: "whole_batch" (default): attention over the whole
+      batch in one pass, which accelerators fuse. "per_sequence", a CPU
+      tuning (gin_configs/models/cpu.gin): one sequence at a time
+      (`lax.map`) whenever the batch's float32 scores exceed 16 MiB, so a
+      sequence's scores stay in cache through softmax, dropout and the
+      context matmul: MiniLM forward 1.17x and its reader training step
+      1.14x faster on 2 CPU cores (docs/benchmarks/attention.md). Same
+      values without dropout; with dropout each sequence draws its own
+      mask, so the random stream differs.
+    dropout_mask_bits: random bits per dropout-mask element. 32 (default):
+      `jax.random.bernoulli`. 16, a CPU tuning (models/cpu.gin): two
+      elements per 32-bit random word, the keep probability quantised to
+      1/65536; attention-dropout masks are the largest random draws in
+      training, and on 2 CPU cores this made the MiniLM reader's training
+      step 1.41x faster (docs/benchmarks/dropout.md). Another random stream
+      than 32 bits.
   """
 
   vocab_size: int = 30522
@@ -67,6 +85,8 @@ class BertConfig:
   initializer_range: float = 0.02
   dtype: str = "float32"
   remat: bool = False
+  attention_batching: str = "whole_batch"
+  dropout_mask_bits: int = 32
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -86,6 +106,13 @@ class BertConfig:
     if self.dtype not in _DTYPES:
       raise ValueError(f"BertConfig.dtype must be one of {sorted(_DTYPES)}, "
                        f"got {self.dtype!r}.")
+    if self.attention_batching not in ATTENTION_BATCHINGS:
+      raise ValueError("BertConfig.attention_batching must be one of "
+                       f"{ATTENTION_BATCHINGS}, got "
+                       f"{self.attention_batching!r}.")
+    if self.dropout_mask_bits not in DROPOUT_MASK_BITS:
+      raise ValueError("BertConfig.dropout_mask_bits must be one of "
+                       f"{DROPOUT_MASK_BITS}, got {self.dropout_mask_bits!r}.")
 
   @property
   def compute_dtype(self):
@@ -123,15 +150,15 @@ class BertConfig:
     return cls(**kwargs)
 
 
-def keep_mask(rng: jax.Array, keep_prob: float,
-              shape: tuple[int, ...]) -> tuple[jax.Array, float]:
+def keep_mask_16bit(rng: jax.Array, keep_prob: float,
+                   shape: tuple[int, ...]) -> tuple[jax.Array, float]:
   """A Bernoulli(keep_prob) mask from 16 random bits per element.
 
   `jax.random.bernoulli` spends a 32-bit random word per element; here each
   word gives two elements (its 16-bit halves, compared with
-  round(keep_prob * 2^16)). Attention-dropout masks are the largest random
-  draws in training (layers x heads x L^2 per block), and on CPU this makes
-  them 1.8x faster. The probability is quantised to 1/65536; it is returned
+  round(keep_prob * 2^16)), which halves the random bits drawn for the
+  largest draws in training, the attention-dropout masks (layers x heads x
+  L^2 per block). The probability is quantised to 1/65536; it is returned
   so that the caller scales by exactly its inverse.
 
   Returns:
@@ -145,11 +172,20 @@ def keep_mask(rng: jax.Array, keep_prob: float,
   return keep, threshold / 65536
 
 
-def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
-  """Inverted dropout; the identity when `rng` is None (evaluation)."""
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None,
+            mask_bits: int = 32) -> jax.Array:
+  """Inverted dropout; the identity when `rng` is None (evaluation).
+
+  `mask_bits` is `BertConfig.dropout_mask_bits`: 32 draws the mask with
+  `jax.random.bernoulli`, 16 with `keep_mask_16bit`.
+  """
   if rng is None or rate == 0.0:
     return x
-  keep, keep_prob = keep_mask(rng, 1.0 - rate, x.shape)
+  if mask_bits == 16:
+    keep, keep_prob = keep_mask_16bit(rng, 1.0 - rate, x.shape)
+  else:
+    keep_prob = 1.0 - rate
+    keep = jax.random.bernoulli(rng, keep_prob, x.shape)
   return jnp.where(keep, x * (1.0 / keep_prob), jnp.zeros_like(x))
 
 
@@ -199,7 +235,8 @@ class BertEmbeddings(nnx.Module):
          + self.position_embeddings.embedding[...][:seq_len]
          + self.token_type_embeddings(segment_ids))
     h = self.layer_norm(h)
-    return dropout(h, self.config.hidden_dropout, dropout_rng)
+    return dropout(h, self.config.hidden_dropout, dropout_rng,
+                   self.config.dropout_mask_bits)
 
 
 class BertAttention(nnx.Module):
@@ -220,14 +257,13 @@ class BertAttention(nnx.Module):
     split = lambda t: t.reshape(*t.shape[:-1], c.num_heads, c.head_dim)
     q, k, v = (split(f(x_in)) for f in (self.query, self.key, self.value))
     rng = _fold(dropout_rng, 0)
-    num_sequences, length = math.prod(q.shape[:-3]), q.shape[-3]
-    if _one_example_at_a_time(num_sequences, c.num_heads, length):
-      context = _attend_example_by_example(q, k, v, attention_bias, rng, c)
+    if _attends_per_sequence(c, q.shape):
+      context = _attend_per_sequence(q, k, v, attention_bias, rng, c)
     else:
       context = _attend(q, k, v, attention_bias, rng, c)
     context = context.reshape(*context.shape[:-2], c.hidden_size)
     out = dropout(self.output(context), c.hidden_dropout,
-                  _fold(dropout_rng, 1))
+                  _fold(dropout_rng, 1), c.dropout_mask_bits)
     return self.layer_norm(out.astype(jnp.float32) + x)
 
 
@@ -238,34 +274,38 @@ def _attend(q, k, v, attention_bias, dropout_rng, c: BertConfig):
                       preferred_element_type=jnp.float32)
   scores = scores / jnp.sqrt(jnp.float32(c.head_dim)) + attention_bias
   probs = jax.nn.softmax(scores, axis=-1)
-  probs = dropout(probs, c.attention_dropout, dropout_rng)
+  probs = dropout(probs, c.attention_dropout, dropout_rng,
+                  c.dropout_mask_bits)
   return jnp.einsum("...hqk,...khd->...qhd", probs.astype(c.compute_dtype),
                     v)
 
 
-# Whole-batch attention scores above this size miss the CPU's caches.
-_CPU_SCORES_BYTES_IN_CACHE = 16 << 20
+# Whole-batch attention scores above this size miss a CPU's caches.
+_PER_SEQUENCE_MIN_SCORES_BYTES = 16 << 20
 
 
-def _one_example_at_a_time(num_sequences: int, num_heads: int,
-                           length: int) -> bool:
-  """Whether to attend sequence by sequence: on CPU, when the batch's float32
-  scores would not fit in cache (small batches, e.g. in tests, compile
-  faster as one pass)."""
-  scores_bytes = 4 * num_sequences * num_heads * length * length
-  return (jax.default_backend() == "cpu"
-          and scores_bytes > _CPU_SCORES_BYTES_IN_CACHE)
+def _attends_per_sequence(c: BertConfig, q_shape: tuple[int, ...]) -> bool:
+  """Whether `attention_batching="per_sequence"` applies to this batch.
+
+  Only when the batch's float32 scores would not fit in cache: small
+  batches (tests, tiny runs) gain nothing from the loop and compile faster
+  as one pass.
+  """
+  num_sequences, length = math.prod(q_shape[:-3]), q_shape[-3]
+  scores_bytes = 4 * num_sequences * c.num_heads * length * length
+  return (c.attention_batching == "per_sequence"
+          and scores_bytes > _PER_SEQUENCE_MIN_SCORES_BYTES)
 
 
-def _attend_example_by_example(q, k, v, attention_bias, dropout_rng,
-                               c: BertConfig):
-  """`_attend` one sequence at a time (`lax.map`), for CPUs.
+def _attend_per_sequence(q, k, v, attention_bias, dropout_rng,
+                         c: BertConfig):
+  """`_attend` one sequence at a time (`lax.map`), a CPU tuning.
 
   A sequence's [heads, L, L] scores (5 MB for 12 heads of 320 tokens) stay
   in cache through softmax, dropout and the context matmul, where the
-  whole batch's would not: MiniLM's forward pass 1.17x and its training
-  step 1.14x faster on CPU (`docs/benchmarks/attention.md`). Each sequence's
-  dropout key is `dropout_rng` folded with its index in the batch.
+  whole batch's would not (see `BertConfig.attention_batching`). Each
+  sequence's dropout key is `dropout_rng` folded with its index in the
+  batch.
   """
   lead = q.shape[:-3]
   n = math.prod(lead)
@@ -300,7 +340,8 @@ class BertLayer(nnx.Module):
     x = self.attention(x, attention_bias, _fold(dropout_rng, 0))
     h = jax.nn.gelu(self.intermediate(x.astype(c.compute_dtype)),
                     approximate=c.gelu_approximate)
-    h = dropout(self.output(h), c.hidden_dropout, _fold(dropout_rng, 1))
+    h = dropout(self.output(h), c.hidden_dropout, _fold(dropout_rng, 1),
+                c.dropout_mask_bits)
     return self.layer_norm(h.astype(jnp.float32) + x)
 
 

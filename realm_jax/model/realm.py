@@ -26,6 +26,7 @@ from realm_jax.model.bert import Bert, BertConfig, dense, layer_norm
 
 POOLINGS = ("pooler", "cls", "mean")
 NULL_SCORES = ("embedding", "learned")
+SPAN_HEAD_BATCHINGS = ("whole_batch", "per_row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,13 @@ class ReaderConfig:
     span_hidden_size: width of each of the start/end halves (256).
     max_span_width: longest answer span in wordpieces (10).
     span_layer_norm_eps: epsilon of the span head's LayerNorm (1e-3).
+    span_head_batching: how `span_feature_sums` walks the batch.
+      "whole_batch" (default): one pass, whose elementwise work
+      accelerators fuse into the reductions. "per_row", a CPU tuning
+      (gin_configs/models/cpu.gin): one reader block at a time
+      (`lax.map`), so a block's [L, H] and each width's x stay in cache;
+      on 2 CPU cores forward + backward took 0.32 s instead of 0.52 s
+      (tiny reader, batch 16; docs/benchmarks/span_head.md). Same values.
   """
 
   bert: BertConfig = BertConfig()
@@ -95,8 +103,13 @@ class ReaderConfig:
   span_hidden_size: int = 256
   max_span_width: int = 10
   span_layer_norm_eps: float = 1e-3
+  span_head_batching: str = "whole_batch"
 
   def __post_init__(self):
+    if self.span_head_batching not in SPAN_HEAD_BATCHINGS:
+      raise ValueError("ReaderConfig.span_head_batching must be one of "
+                       f"{SPAN_HEAD_BATCHINGS}, got "
+                       f"{self.span_head_batching!r}.")
     if self.max_span_width <= 0 or self.span_hidden_size <= 0:
       raise ValueError("ReaderConfig.max_span_width and span_hidden_size "
                        "must be positive.")
@@ -318,30 +331,24 @@ def _span_sums_vjp(start, end, weight, g1, g2, g3, max_span_width):
   return d_start, d_end, d_weight
 
 
-def _one_row_at_a_time() -> bool:
-  return jax.default_backend() == "cpu"
-
-
-def _map_blocks(fn, *arrays):
+def _map_blocks(fn, per_row: bool, *arrays):
   """fn over `arrays` [..., L, H] with their leading dims flattened to rows.
 
-  On CPU the rows go one at a time through `lax.map`: a row's [L, H] (a few
-  hundred KB) and each width's x then stay in cache: forward + backward
-  took 0.32 s instead of 0.52 s for one pass over the whole batch (tiny
-  reader, batch 16; `docs/benchmarks/span_head.md`).
-  Accelerators fuse the elementwise work into the reductions and want the
-  whole batch at once.
+  With `per_row` (`ReaderConfig.span_head_batching="per_row"`) the rows go
+  one at a time through `lax.map`, so a row's [L, H] (a few hundred KB)
+  and each width's x stay in a CPU's cache; otherwise the whole batch is
+  one pass, which accelerators fuse.
   """
   flat = tuple(a.reshape((-1,) + a.shape[-2:]) for a in arrays)
-  if not _one_row_at_a_time():
+  if not per_row:
     return fn(*flat)
   return jax.lax.map(lambda rows: fn(*rows),
                      tuple(a[:, None] for a in flat))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def span_feature_sums(start: jax.Array, end: jax.Array, weight: jax.Array,
-                      max_span_width: int
+                      max_span_width: int, per_row: bool = False
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Feature sums of every span's hidden vector, without materialising it.
 
@@ -351,32 +358,34 @@ def span_feature_sums(start: jax.Array, end: jax.Array, weight: jax.Array,
   (LayerNorm's mean and variance, then its dot with the output weights).
   The naive head builds x, a [..., L, W, 256] tensor, and keeps it (and its
   normalised copy) for the backward pass; here each width's x is reduced
-  as soon as it is made (on CPU one block at a time, so it stays in cache;
-  see `_map_blocks`), and the backward pass recomputes it the same way
+  as soon as it is made, and the backward pass recomputes it the same way
   instead of storing it.
 
   Args:
     start, end: float32 [..., L, H], the two halves of the span projection.
     weight: float32 [H].
     max_span_width: W.
+    per_row: one row of the flattened batch at a time (`_map_blocks`).
   """
-  return _span_feature_sums_fwd(start, end, weight, max_span_width)[0]
+  return _span_feature_sums_fwd(start, end, weight, max_span_width,
+                                per_row)[0]
 
 
-def _span_feature_sums_fwd(start, end, weight, max_span_width):
+def _span_feature_sums_fwd(start, end, weight, max_span_width, per_row):
   sums = _map_blocks(
-      lambda s, e: _span_sums(s, e, weight, max_span_width), start, end)
+      lambda s, e: _span_sums(s, e, weight, max_span_width), per_row,
+      start, end)
   out = tuple(x.reshape(start.shape[:-1] + (max_span_width,)) for x in sums)
   return out, (start, end, weight)
 
 
-def _span_feature_sums_bwd(max_span_width, residuals, cotangents):
+def _span_feature_sums_bwd(max_span_width, per_row, residuals, cotangents):
   start, end, weight = residuals
   d_start, d_end, d_weight = _map_blocks(
       lambda s, e, g1, g2, g3: _span_sums_vjp(
           s, e, weight, g1, g2, g3, max_span_width),
-      start, end, *cotangents)
-  # d_weight is one [H] per row on CPU (lax.map), one in all otherwise.
+      per_row, start, end, *cotangents)
+  # d_weight is one [H] per row with per_row (lax.map), one in all otherwise.
   return (d_start.reshape(start.shape), d_end.reshape(end.shape),
           d_weight.reshape(-1, weight.shape[0]).sum(axis=0))
 
@@ -419,8 +428,8 @@ class SpanHead(nnx.Module):
     a = kernel * self.layer_norm.scale[...]
     offset = (jnp.dot(kernel, self.layer_norm.bias[...])
               + self.output.bias[...][0])
-    sum_x, sum_x2, sum_ax = span_feature_sums(start, end, a,
-                                              c.max_span_width)
+    sum_x, sum_x2, sum_ax = span_feature_sums(
+        start, end, a, c.max_span_width, c.span_head_batching == "per_row")
     n = c.span_hidden_size
     mean = sum_x / n
     var = jnp.maximum(sum_x2 / n - jnp.square(mean), 0.0)

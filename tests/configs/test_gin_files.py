@@ -77,21 +77,89 @@ def test_gin_file_parses(path):
     gin.clear_config()
 
 
-def test_default_xla_flags_adds_the_cpu_flag_once_and_respects_the_user(
+def test_add_cpu_xla_flag_adds_the_flag_once_and_respects_the_user(
     monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  gin_cli.default_xla_flags()
-  gin_cli.default_xla_flags()
+  gin_cli.add_cpu_xla_flag()
+  gin_cli.add_cpu_xla_flag()
   assert os.environ["XLA_FLAGS"].split() == [
       "--xla_force_host_platform_device_count=8", gin_cli.CPU_XLA_FLAG]
   monkeypatch.setenv("XLA_FLAGS",
                      "--xla_cpu_experimental_ynn_fusion_type=dot")
-  gin_cli.default_xla_flags()
+  gin_cli.add_cpu_xla_flag()
   assert os.environ["XLA_FLAGS"] == (
       "--xla_cpu_experimental_ynn_fusion_type=dot")
   monkeypatch.delenv("XLA_FLAGS")
-  gin_cli.default_xla_flags()
+  gin_cli.add_cpu_xla_flag()
   assert os.environ["XLA_FLAGS"] == gin_cli.CPU_XLA_FLAG
+
+
+# Experiments that run on CPU; the others (and runs/*) size accelerator runs.
+CPU_EXPERIMENTS = {"eval_tiny_cpu.gin", "finetune_tiny_cpu.gin",
+                   "ict_tiny_cpu.gin", "pretrain_tiny_cpu.gin",
+                   "pretrain_world_cpu.gin", "pretrain_minilm_wiki.gin"}
+RUN_AND_EXPERIMENT_FILES = [
+    f for f in GIN_FILES if "/runs/" in f or "/experiments/" in f]
+
+
+def test_every_cpu_experiment_exists():
+  names = {os.path.basename(f) for f in GIN_FILES if "/experiments/" in f}
+  assert CPU_EXPERIMENTS <= names
+  assert {n for n in names if "_cpu" in n} <= CPU_EXPERIMENTS
+
+
+@pytest.mark.parametrize("path", RUN_AND_EXPERIMENT_FILES,
+                         ids=os.path.basename)
+def test_cpu_tuning_only_in_cpu_experiments(path, monkeypatch):
+  """CPU files turn on every CPU option and the XLA flag; others none."""
+  cpu = os.path.basename(path) in CPU_EXPERIMENTS
+  # runs/* files are included after a model file; they set no model.
+  files = [path] if "/experiments/" in path else ["models/bert_base.gin",
+                                                  path]
+  gin.clear_config()
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  try:
+    gin_cli.parse(files, REQUIRED)
+    model = gin.get_configurable(realm.RealmConfig)()
+    options = {
+        bert.attention_batching for bert in (model.retriever.bert,
+                                             model.reader.bert)} | {
+        bert.dropout_mask_bits for bert in (model.retriever.bert,
+                                            model.reader.bert)} | {
+        model.reader.span_head_batching}
+    assert options == ({"per_sequence", 16, "per_row"} if cpu
+                       else {"whole_batch", 32})
+    assert gin_cli.gin_asks_for_cpu_xla_flag() == cpu
+    gin_cli.apply_gin_xla_flags()
+    assert (gin_cli.CPU_XLA_FLAG in os.environ.get("XLA_FLAGS", "")) == cpu
+  finally:
+    gin.clear_config()
+
+
+def test_run_sets_the_gin_xla_flag_before_jax_starts(tmp_path):
+  """`gin_cli.run` parses gin, then sets the flag, before any backend."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = (
+      "import os, sys\n"
+      "from realm_jax import gin_cli\n"
+      "def job(dry_run):\n"
+      "  from jax._src import xla_bridge\n"
+      "  assert not xla_bridge.backends_are_initialized()\n"
+      "  print('XLA_FLAGS=' + os.environ.get('XLA_FLAGS', ''))\n"
+      "sys.argv = ['job'] + sys.argv[1:]\n"
+      "gin_cli.run(job)\n")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  flags = {}
+  for name in ("experiments/ict_tiny_cpu.gin", "runs/ict.gin"):
+    out = subprocess.run(
+        [sys.executable, "-c", code, f"--gin_file={name}",
+         f"--gin.WORKDIR='{tmp_path}'", "--gin.BLOCK_STORE='/tmp/b'"],
+        env=env, check=True, capture_output=True, text=True, timeout=300)
+    flags[name] = [line for line in out.stdout.splitlines()
+                   if line.startswith("XLA_FLAGS=")][0]
+  assert gin_cli.CPU_XLA_FLAG in flags["experiments/ict_tiny_cpu.gin"]
+  assert gin_cli.CPU_XLA_FLAG not in flags["runs/ict.gin"]
 
 
 def test_importing_the_jobs_does_not_start_jax():

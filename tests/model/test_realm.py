@@ -8,7 +8,6 @@ import pytest
 
 from realm_jax.model import bert as bert_lib
 from realm_jax.model import functional
-from realm_jax.model import realm as realm_lib
 from realm_jax.model.bert import Bert, BertConfig
 from realm_jax.model.realm import (Embedder, Reader, ReaderConfig, Realm,
                                    Retriever, RetrieverConfig, span_mask)
@@ -49,60 +48,118 @@ def test_dropout_is_active_only_with_a_key():
   assert np.abs(np.asarray(a - c)).max() > 1e-3
 
 
-def test_attention_goes_example_by_example_only_for_large_batches():
-  # On CPU: when the batch's scores would miss the cache (the index
-  # builder's 32 x 288 MiniLM batch), not for small test-sized batches.
-  assert bert_lib._one_example_at_a_time(32, 12, 288)
-  assert not bert_lib._one_example_at_a_time(8, 4, 64)
+def test_cpu_option_errors_list_the_choices():
+  with pytest.raises(ValueError, match="'whole_batch', 'per_sequence'"):
+    BertConfig(attention_batching="per_example")
+  with pytest.raises(ValueError, match=r"\(32, 16\)"):
+    BertConfig(dropout_mask_bits=8)
+  with pytest.raises(ValueError, match="'whole_batch', 'per_row'"):
+    ReaderConfig(span_head_batching="rows")
 
 
-def test_attention_example_by_example_equals_the_whole_batch(monkeypatch):
-  # CPU attends one sequence at a time (lax.map); accelerators the whole
-  # batch. Same outputs and gradients (two leading dims, padding included).
-  cfg = tiny.tiny_bert(attention_dropout=0.2)
-  g, params = functional.init(lambda r: Bert(cfg, rngs=r), 0)
+def test_defaults_are_the_plain_implementations():
+  # Accelerators and CPUs trace the same graph unless a config says
+  # otherwise (gin_configs/models/cpu.gin).
+  assert BertConfig().attention_batching == "whole_batch"
+  assert BertConfig().dropout_mask_bits == 32
+  assert ReaderConfig().span_head_batching == "whole_batch"
+
+
+def test_per_sequence_attention_only_for_batches_that_miss_the_cache():
+  # The index builder's 32 x 288 MiniLM batch goes per sequence, a
+  # test-sized batch stays one pass, and the default never loops.
+  per_seq = BertConfig(hidden_size=48, num_heads=12,
+                       attention_batching="per_sequence")
+  assert bert_lib._attends_per_sequence(per_seq, (32, 288, 12, 4))
+  assert not bert_lib._attends_per_sequence(per_seq, (8, 64, 12, 4))
+  assert not bert_lib._attends_per_sequence(
+      BertConfig(hidden_size=48, num_heads=12), (32, 288, 12, 4))
+
+
+def _assert_close_per_leaf(got, want, rtol):
+  """Each leaf within rtol of its own norm: robust to summation order."""
+  for path, a in jax.tree_util.tree_leaves_with_path(got):
+    b = np.asarray(functools.reduce(lambda t, k: t[k.key], path, want))
+    error = np.linalg.norm(np.asarray(a, np.float64) - b)
+    assert error <= rtol * np.linalg.norm(b) + 1e-7, (
+        jax.tree_util.keystr(path), error, np.linalg.norm(b))
+
+
+def test_per_sequence_attention_equals_the_whole_batch(monkeypatch):
+  # Same outputs and gradients (two leading dims, padding included); the
+  # cache threshold is lowered so that this small batch takes the loop.
+  monkeypatch.setattr(bert_lib, "_PER_SEQUENCE_MIN_SCORES_BYTES", 0)
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(5, 97, (2, 3, 12)), jnp.int32)
   mask = jnp.asarray(np.arange(12)[None, None, :] < rng.integers(
       3, 13, (2, 3, 1)), jnp.int32)
-
-  def loss(p, dropout_rng=None):
-    h, pooled = functional.bind(g, p)(ids, mask, dropout_rng=dropout_rng)
-    return jnp.sum(jnp.sin(h) * mask[..., None]) + jnp.sum(pooled ** 2)
-
   results = {}
-  for by_example in (True, False):
-    monkeypatch.setattr(bert_lib, "_one_example_at_a_time",
-                        lambda *shape, b=by_example: b)
+  for batching in ("whole_batch", "per_sequence"):
+    cfg = tiny.tiny_bert(attention_dropout=0.2,
+                         attention_batching=batching)
+    g, params = functional.init(lambda r, c=cfg: Bert(c, rngs=r), 0)
+
+    def loss(p, dropout_rng=None, g=g):
+      h, pooled = functional.bind(g, p)(ids, mask, dropout_rng=dropout_rng)
+      return jnp.sum(jnp.sin(h) * mask[..., None]) + jnp.sum(pooled ** 2)
+
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
     dropped = jax.jit(loss)(params, jax.random.key(1))
     assert abs(float(dropped) - float(value)) > 1e-3  # dropout is on
-    results[by_example] = (value, grads)
-  np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5)
-  for a, b in zip(jax.tree_util.tree_leaves(results[True][1]),
-                  jax.tree_util.tree_leaves(results[False][1])):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    lowered = jax.jit(loss).lower(params).as_text()
+    assert ("stablehlo.while" in lowered) == (batching == "per_sequence")
+    results[batching] = (value, grads)
+  value, grads = results["per_sequence"]
+  want_value, want_grads = results["whole_batch"]
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  _assert_close_per_leaf(grads, want_grads, 1e-5)
 
 
+@pytest.mark.parametrize("bits", [32, 16])
 @pytest.mark.parametrize("rate", [0.1, 0.5])
-def test_dropout_rate_scale_and_keys(rate):
+def test_dropout_rate_scale_and_keys(rate, bits):
   x = jnp.ones((1001, 999))  # an odd size: one 16-bit half is left over
-  y = np.asarray(jax.jit(lambda k: bert_lib.dropout(x, rate, k))(
-      jax.random.key(3)))
+  apply = jax.jit(lambda k: bert_lib.dropout(x, rate, k, bits))
+  y = np.asarray(apply(jax.random.key(3)))
   dropped = np.mean(y == 0)
   # Binomial standard deviation is <= 0.0005 here; allow 5 of them.
   assert abs(dropped - rate) < 0.0025, dropped
   kept = y[y != 0]
-  # Scaled by exactly the inverse of the mask's (quantised) probability.
-  keep_prob = round((1 - rate) * 65536) / 65536
-  np.testing.assert_array_equal(kept, np.float32(1 / keep_prob))
+  # Scaled by exactly the inverse of the mask's keep probability (16 bits:
+  # quantised to 1/65536).
+  keep_prob = (1 - rate) if bits == 32 else round(
+      (1 - rate) * 65536) / 65536
+  np.testing.assert_allclose(kept, np.float32(1 / keep_prob), rtol=1e-6)
   assert abs(np.mean(y) - 1.0) < 0.005
-  # Neighbours (the two halves of one random word) are independent, and
-  # another key gives another mask.
+  # Neighbours (with 16 bits, the two halves of one random word) are
+  # independent, another key gives another mask, and the same key the same.
   z = (y == 0).reshape(-1).astype(np.float64)
   assert abs(np.corrcoef(z[:-1:2], z[1::2])[0, 1]) < 0.01
-  other = np.asarray(bert_lib.dropout(x, rate, jax.random.key(4)))
+  other = np.asarray(bert_lib.dropout(x, rate, jax.random.key(4), bits))
   assert 0.5 * rate < np.mean((y == 0) != (other == 0))
+  np.testing.assert_array_equal(apply(jax.random.key(3)), y)
+  np.testing.assert_array_equal(
+      bert_lib.dropout(x, rate, jax.random.key(3), bits), y)
+
+
+def test_dropout_mask_bits_change_the_mask_not_the_model():
+  # Both are deterministic given the key; without a key both are the
+  # identity, so the model's evaluation outputs do not depend on the bits.
+  ids = jnp.array([[2, 7, 9, 11, 5, 6]])
+  mask = jnp.ones_like(ids)
+  outs = {}
+  for bits in (32, 16):
+    cfg = tiny.tiny_bert(hidden_dropout=0.3, attention_dropout=0.3,
+                         dropout_mask_bits=bits)
+    g, params = functional.init(lambda r, c=cfg: Bert(c, rngs=r), 0)
+    model = functional.bind(g, params)
+    key = jax.random.key(5)
+    train = [np.asarray(model(ids, mask, dropout_rng=key)[0])
+             for _ in range(2)]
+    np.testing.assert_array_equal(train[0], train[1])
+    outs[bits] = (np.asarray(model(ids, mask)[0]), train[0])
+  np.testing.assert_array_equal(outs[32][0], outs[16][0])
+  assert np.abs(outs[32][1] - outs[16][1]).max() > 1e-3
 
 
 @pytest.mark.parametrize("pooling", ["pooler", "cls", "mean"])
@@ -194,19 +251,16 @@ def test_span_head_matches_a_direct_formula():
       np.testing.assert_allclose(scores[s, w], want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("row_at_a_time", [True, False],
-                         ids=["cpu_rows", "whole_batch"])
-def test_span_head_values_and_gradients_match_the_naive_head(
-    row_at_a_time, monkeypatch):
+@pytest.mark.parametrize("batching", ["whole_batch", "per_row"])
+def test_span_head_values_and_gradients_match_the_naive_head(batching):
   # The fused head (feature sums, custom VJP) against the head that builds
   # the [..., L, W, H] tensor, with non-trivial LayerNorm and output
   # parameters, two leading dims, and gradients w.r.t. every parameter and
-  # the hidden states; rows one at a time (CPU) and the whole batch at once
-  # (accelerators).
-  monkeypatch.setattr(realm_lib, "_one_row_at_a_time",
-                      lambda: row_at_a_time)
+  # the hidden states; the whole batch at once (the default) and rows one
+  # at a time (the CPU option).
   cfg = ReaderConfig(bert=tiny.tiny_bert(), span_hidden_size=16,
-                     max_span_width=5, mlm_head=False)
+                     max_span_width=5, mlm_head=False,
+                     span_head_batching=batching)
   g, params = functional.init(lambda r: Reader(cfg, rngs=r), 3)
   rng = np.random.default_rng(2)
   head_params = jax.tree_util.tree_map(
