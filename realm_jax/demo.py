@@ -42,17 +42,16 @@ from typing import Any, Sequence
 
 import jax
 from realm_jax import ask as ask_lib
+from realm_jax.core import checkpoints
 from realm_jax.data import block_store
 from realm_jax.data import corpus_job, demo_qa, salient_spans, wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_eval
+from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.index import builder as builder_lib
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig
 from realm_jax.training import finetune, pretrain, qa_inputs
-
-# Questions the demo answers at the end, with their evidence: held out from
-from realm_jax.core import checkpoints
 
 # Questions the demo answers at the end, with their evidence: held out from
 # fine-tuning (from dev.jsonl).
@@ -201,7 +200,7 @@ def _finetune(config: DemoConfig, store_dir: str, pretrain_dir: str
   run_dir = os.path.join(config.workdir, "finetune")
   run = finetune.FinetuneConfig(
       workdir=run_dir, train_jsonl=demo_qa.path("train"),
-      index_dir=builder_lib.index_root(pretrain_dir), block_store=store_dir,
+      index_dir=checkpoints.index_root(pretrain_dir), block_store=store_dir,
       init_from="checkpoint:" + checkpoints.checkpoint_dir(pretrain_dir),
       num_train_steps=config.finetune_steps,
       batch_size=config.finetune_batch_size,
@@ -289,9 +288,9 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
       num_retrieved=config.num_retrieved,
       num_reader_blocks=config.num_reader_blocks,
       reader_length=config.question_length + config.max_block_len)
-  qa_model = ask_lib.load_qa_model(
+  qa_model = qa_model_lib.load_qa_model(
       model_config=demo_realm_config(config.model, True), store=store,
-      workdir=finetune_dir, index_dir=builder_lib.index_root(pretrain_dir),
+      workdir=finetune_dir, index_dir=checkpoints.index_root(pretrain_dir),
       qa_config=qa_config, batch_size=config.finetune_batch_size)
   results = {}
   for split in ("dev", "train"):

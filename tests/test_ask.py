@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 
 from realm_jax import ask as ask_lib
+from realm_jax.core import checkpoints
 from realm_jax.data import block_store
 from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.eval import qa_model
 from realm_jax.index import builder
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
 from realm_jax.training import qa_inputs
-from realm_jax.core import checkpoints
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
                                num_reader_blocks=3, reader_length=48,
@@ -48,9 +49,9 @@ def setup(tmp_path_factory):
   ckpt.save(1, params, {"count": np.zeros((), np.int32)}, {"index_step": 0},
             force=True)
   ckpt.close()
-  model = ask_lib.load_qa_model(model_config=config, store=store,
-                                workdir=str(workdir), qa_config=QA_CONFIG,
-                                batch_size=4)
+  model = qa_model.load_qa_model(model_config=config, store=store,
+                                 workdir=str(workdir), qa_config=QA_CONFIG,
+                                 batch_size=4)
   return dict(store=store, config=config, params=params, graphdef=graphdef,
               model=model, workdir=workdir)
 
@@ -121,7 +122,7 @@ def test_loading_paths_agree(setup):
   ckpt_dir = str(setup["workdir"] / "checkpoints")
   kwargs = dict(model_config=setup["config"], store=setup["store"],
                 qa_config=QA_CONFIG, batch_size=4)
-  from_init = ask_lib.load_qa_model(
+  from_init = qa_model.load_qa_model(
       init_from=f"checkpoint:{ckpt_dir}@1",
       index_dir=str(setup["workdir"]), **kwargs)  # A dir holding index/.
   a = setup["model"].predict(QUESTIONS)
@@ -130,11 +131,12 @@ def test_loading_paths_agree(setup):
   np.testing.assert_allclose([r.score for r in a], [r.score for r in b],
                              rtol=1e-5)
   with pytest.raises(ValueError, match="No weights"):
-    ask_lib.load_qa_model(index_dir=str(setup["workdir"] / "index"),
-                          **kwargs)
+    qa_model.load_qa_model(index_dir=str(setup["workdir"] / "index"),
+                           **kwargs)
   with pytest.raises(FileNotFoundError):
-    ask_lib.load_qa_model(checkpoint_dir=ckpt_dir, step=7,
-                          index_dir=str(setup["workdir"] / "index"), **kwargs)
+    qa_model.load_qa_model(checkpoint_dir=ckpt_dir, step=7,
+                           index_dir=str(setup["workdir"] / "index"),
+                           **kwargs)
 
 
 def test_format_result(setup):

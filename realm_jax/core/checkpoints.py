@@ -8,6 +8,10 @@ retriever alone, without reading the reader or the optimizer state:
 `meta` is JSON (step, config summary, seeds). The trainer writes a `DONE`
 marker beside the steps when it finishes; side jobs stop on it. Directories
 may be local or `gs://` (orbax and `realm_jax.core.io_utils` take both).
+
+The layout of a run's workdir lives here too (`checkpoint_dir`,
+`index_root`), so the side jobs (index builder, eval, ask) agree with the
+trainer on where things are without importing one another.
 """
 
 from __future__ import annotations
@@ -25,6 +29,51 @@ PARAM_ITEMS = ("retriever", "reader")
 
 def checkpoint_dir(workdir: io_utils.PathLike) -> str:
   return io_utils.join(workdir, "checkpoints")
+
+
+def index_root(workdir: io_utils.PathLike) -> str:
+  """Where the index builder publishes a run's indices."""
+  return io_utils.join(workdir, "index")
+
+
+def finalized_steps(directory: io_utils.PathLike) -> list[int]:
+  """Steps orbax has finished writing, ascending.
+
+  Locally orbax renames a temp dir into place; on GCS it writes the step
+  directory in place and marks it complete with a commit file, so the
+  check is orbax's own.
+  """
+  path = io_utils.as_path(directory)
+  if not path.is_dir():
+    return []
+  return sorted(int(p.name) for p in path.iterdir()
+                if p.name.isdigit() and ocp.step.is_path_finalized(p))
+
+
+def newest_step(directory: io_utils.PathLike) -> int:
+  """The newest finalized step.
+
+  Raises:
+    FileNotFoundError: there is none.
+  """
+  steps = finalized_steps(directory)
+  if not steps:
+    raise FileNotFoundError(f"No checkpoint steps under {directory}.")
+  return steps[-1]
+
+
+def read_meta(directory: io_utils.PathLike, step: int) -> dict[str, Any]:
+  """The JSON `meta` item of checkpoint `step` ({} if unreadable).
+
+  Read as a plain file, without orbax: side jobs want one field of it
+  (fine-tuning records there the `index_step` it was trained against).
+  """
+  try:
+    return json.loads(io_utils.read_text(io_utils.join(
+        directory, str(step), "meta", "metadata")))
+  except Exception:  # pylint: disable=broad-except
+    # Missing or unreadable on any filesystem (gs:// raises tf.errors).
+    return {}
 
 
 class TrainCheckpointer:

@@ -22,6 +22,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+# The two partition specs of pmap-style code: a value every device holds
+# whole (parameters, a PRNG key) and one split on its leading axis (a batch).
+REPLICATED = P()
+BATCH = P(DATA_AXIS)
 
 # loss_fn(params, batch, rng) -> (loss_sum, weight_sum, metric_sums): sums
 # over this core's examples; the step divides by the global weight.
@@ -75,6 +79,32 @@ def host_copy(tree):
   return jax.tree_util.tree_map(one, tree)
 
 
+def data_parallel(fn: Callable[..., Any], mesh: Mesh | None, *, in_specs,
+                  out_specs) -> Callable[..., Any]:
+  """`fn` compiled to run pmap-style over the `data` axis of `mesh`.
+
+  The one place that writes `jit(shard_map(...))`: `fn` sees per-device
+  shards (REPLICATED arguments whole, BATCH arguments as this device's
+  slice of the leading axis) and its outputs are assembled by `out_specs`.
+  A pytree argument takes one spec for all its leaves (e.g. BATCH for a
+  batch dict). Without a mesh (one device) it is plain `jax.jit(fn)`, so
+  callers that run on a single device need no second code path.
+
+  Args:
+    fn: the per-device function.
+    mesh: a mesh with a `data` axis (`make_mesh`), or None.
+    in_specs: one spec per positional argument of `fn`.
+    out_specs: the spec of the output (a tuple for several outputs).
+
+  Returns:
+    The jitted function, taking global arrays.
+  """
+  if mesh is None:
+    return jax.jit(fn)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                               out_specs=out_specs))
+
+
 def data_parallel_value_and_grad(loss_fn: LossFn, mesh: Mesh):
   """Builds a per-core gradient function over the `data` axis.
 
@@ -111,10 +141,10 @@ def data_parallel_value_and_grad(loss_fn: LossFn, mesh: Mesh):
     return loss, grads, metrics
 
   def fn(params, batch, rng=None):
-    rng_spec = None if rng is None else P()
+    # Not jitted here: it runs inside the caller's jitted train step.
+    rng_spec = None if rng is None else REPLICATED
     return jax.shard_map(
-        per_core, mesh=mesh,
-        in_specs=(P(), P(DATA_AXIS), rng_spec),
-        out_specs=(P(), P(), P()))(params, batch, rng)
+        per_core, mesh=mesh, in_specs=(REPLICATED, BATCH, rng_spec),
+        out_specs=(REPLICATED, REPLICATED, REPLICATED))(params, batch, rng)
 
   return fn

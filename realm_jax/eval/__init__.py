@@ -1,1 +1,2 @@
-"""Open-QA evaluation (`qa_eval`): exact match, recall@k, the eval job."""
+"""Evaluation: the answering model (`qa_model`), open-QA metrics and the
+eval job (`qa_eval`), and what pre-training buys (`pretrain_eval`)."""

@@ -1,6 +1,6 @@
 """Open-QA evaluation: exact match, recall@k, reader oracle; the eval job.
 
-Scores a `realm_jax.ask.QAModel` (the answering model shared with `ask`),
+Scores a `qa_model.QAModel` (the answering model shared with `ask`),
 with the metrics of REALM / ORQA (`evaluate`, `aggregate_metrics`):
   exact_match    prediction == an answer after the reference normaliser
                  (`qa.exact_match`); regex answers (CuratedTrec) use
@@ -47,16 +47,14 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
-from realm_jax.core import io_utils
+from realm_jax.core import checkpoints, io_utils, parallel
 from realm_jax.core import lease as lease_lib
-from realm_jax.ask import (QAModel, QAResult, checkpoint_meta, configured,
-                           load_qa_index, load_qa_model)
 from realm_jax.data import qa as qa_lib
-from realm_jax.index import builder as builder_lib
+from realm_jax.eval.qa_model import (QAModel, QAResult, load_qa_index,
+                                     load_qa_model)
 from realm_jax.index import publish
 from realm_jax.model.realm import RealmConfig
 from realm_jax.training import qa_inputs
-from realm_jax.core import checkpoints, parallel
 
 DEFAULT_RECALL_KS = (1, 5, 10, 20, 50, 100)
 LEDGER = "eval_ledger.json"
@@ -226,7 +224,7 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
   start = time.time()
   params = checkpoints.restore_items(checkpoint_dir, step,
                                      checkpoints.PARAM_ITEMS)
-  trained_on = checkpoint_meta(checkpoint_dir, step).get("index_step")
+  trained_on = checkpoints.read_meta(checkpoint_dir, step).get("index_step")
   if trained_on not in (None, index.step):
     logging.warning("checkpoint %d was fine-tuned against index %d but is "
                     "evaluated with index %d (pass its index step).", step,
@@ -359,7 +357,7 @@ def _run_eval_job(*, checkpoint_dir: str, output_dir: str,
     # DONE is read BEFORE listing: the trainer writes it after its last
     # checkpoint, so a listing made after seeing it is complete.
     done = steps is None and checkpoints.is_done(checkpoint_dir)
-    wanted = (builder_lib.finalized_steps(checkpoint_dir) if steps is None
+    wanted = (checkpoints.finalized_steps(checkpoint_dir) if steps is None
               else sorted(steps))
     pending = [s for s in wanted if str(s) not in ledger["steps"]
                and unreadable.get(s, 0) < _MAX_READ_ATTEMPTS]
@@ -428,6 +426,20 @@ def _run_eval_job(*, checkpoint_dir: str, output_dir: str,
 # ----------------------------------------------------------------------------
 
 
+def configured(cls):
+  """`cls` as bound by gin, or its defaults if no gin file mentions it.
+
+  For the jobs (this one and `realm_jax.ask`) that read several configs and
+  accept gin files that bind only some of them.
+  """
+  import gin  # pylint: disable=g-import-not-at-top
+  try:
+    factory = gin.get_configurable(cls)
+  except ValueError:  # Not registered: no gin file names it.
+    factory = cls
+  return factory()
+
+
 def _job(dry_run: bool) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
@@ -469,7 +481,7 @@ def _job(dry_run: bool) -> None:
     return
   if not checkpoint_dir:
     raise SystemExit("Give --workdir, --checkpoint_dir or --init_from.")
-  index_dir = f.index_dir or (builder_lib.index_root(f.workdir)
+  index_dir = f.index_dir or (checkpoints.index_root(f.workdir)
                               if f.workdir else None)
   if not index_dir:
     raise SystemExit("Give --index_dir (or --workdir with an index/).")

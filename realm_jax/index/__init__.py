@@ -1,1 +1,2 @@
-"""Maximum inner product search over block embeddings (`searchers`)."""
+"""The retrieval index: embedding the corpus (`embed`), maximum inner product
+search (`searchers`), publication (`publish`) and the builder job."""

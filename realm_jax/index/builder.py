@@ -33,13 +33,13 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
+from realm_jax.core import checkpoints
 from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
+from realm_jax.core import preemption
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, searchers
 from realm_jax.model.realm import RetrieverConfig
-from realm_jax.core import checkpoints
-from realm_jax.core import preemption
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,23 +101,11 @@ def _retrying(fn: Callable[[], Any], what: str, config: BuilderConfig):
       time.sleep(delay)
 
 
-def index_root(workdir: io_utils.PathLike) -> str:
-  return io_utils.join(workdir, "index")
-
-
-def finalized_steps(ckpt_dir: io_utils.PathLike) -> list[int]:
-  """Steps orbax has finished writing.
-
-  Locally orbax renames a temp dir into place; on GCS it writes the step
-  directory in place and marks it complete with a commit file, so the
-  check is orbax's own.
-  """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  directory = io_utils.as_path(ckpt_dir)
-  if not directory.is_dir():
-    return []
-  return sorted(int(p.name) for p in directory.iterdir()
-                if p.name.isdigit() and ocp.step.is_path_finalized(p))
+# Transitional names: the workdir layout and the step listing are
+# `realm_jax.core.checkpoints`'; these stay until the callers outside this
+# package that still use them (pre-training, a few tests) are switched.
+index_root = checkpoints.index_root
+finalized_steps = checkpoints.finalized_steps
 
 
 def build_and_publish(*, retriever_params: Any,
@@ -210,7 +198,8 @@ def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
                 ) -> list[int]:
   """`_run_builder` under an exclusive lease on the index directory
   (`realm_jax.core.lease`: a second builder is refused, naming the first)."""
-  with lease_lib.job_lease(index_root(workdir), "index builder"):
+  with lease_lib.job_lease(checkpoints.index_root(workdir),
+                           "index builder"):
     return _run_builder(workdir=workdir, store=store,
                         retriever_config=retriever_config, config=config,
                         max_indices=max_indices, timeout=timeout,
@@ -241,7 +230,7 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
   import jax  # pylint: disable=g-import-not-at-top
   from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
-  root = index_root(workdir)
+  root = checkpoints.index_root(workdir)
   # Process 0 alone, before anyone writes: another host's fresh shard files
   # must not be taken for leftovers.
   if jax.process_index() == 0:
@@ -271,7 +260,8 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
           on_publish) -> list[int]:
   """The builder's loop: publish the newest new checkpoint, or wait."""
   while True:
-    steps = [s for s in finalized_steps(ckpt_dir) if s > last]
+    steps = [s for s in checkpoints.finalized_steps(ckpt_dir)
+             if s > last]
     if steps:
       step = steps[-1]
       if len(steps) > 1:
@@ -322,7 +312,7 @@ def _job(dry_run: bool) -> None:
     print(gin.operative_config_str())
     return
   store = block_store.BlockStore.open(f.block_store)
-  root = index_root(f.workdir)
+  root = checkpoints.index_root(f.workdir)
   with lease_lib.job_lease(root, "index builder"):
     _publish_for_flags(f, config, store, root)
 
@@ -352,12 +342,12 @@ def _publish_for_flags(f, config: BuilderConfig, store, root: str) -> None:
     return
   retriever_config = gin.get_configurable(RealmConfig)().retriever
   if f.one_shot:
-    steps = finalized_steps(checkpoints.checkpoint_dir(f.workdir))
-    step = f.step if f.step >= 0 else (steps[-1] if steps else None)
-    if step is None:
-      raise SystemExit(f"No checkpoint under {f.workdir}/checkpoints.")
-    params = checkpoints.restore_retriever(
-        checkpoints.checkpoint_dir(f.workdir), step)
+    ckpt_dir = checkpoints.checkpoint_dir(f.workdir)
+    try:
+      step = f.step if f.step >= 0 else checkpoints.newest_step(ckpt_dir)
+    except FileNotFoundError as e:
+      raise SystemExit(str(e)) from e
+    params = checkpoints.restore_retriever(ckpt_dir, step)
     build_and_publish(retriever_params=params,
                       retriever_config=retriever_config, store=store,
                       root=root, step=step, config=config)

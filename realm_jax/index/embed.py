@@ -1,6 +1,6 @@
 """Embedding the whole block store with the retriever's document tower.
 
-Data-parallel, pmap-style: a `jax.shard_map` over the builder's local
+Data-parallel, pmap-style (`parallel.data_parallel`) over the builder's local
 devices (`data` axis), parameters replicated, each device a slice of every
 batch. On a pod each host embeds its own contiguous share of the rows
 (`process_index` of `process_count`), with no cross-host communication; the
@@ -17,12 +17,11 @@ from typing import Any
 from absl import logging
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
+from realm_jax.core import parallel
 from realm_jax.model import functional
 from realm_jax.model.realm import Retriever, RetrieverConfig
 from realm_jax.model.realm import document_tower_params
-from realm_jax.core import parallel
 
 
 def host_row_range(num_rows: int, process_index: int,
@@ -38,7 +37,7 @@ def host_row_range(num_rows: int, process_index: int,
 
 @functools.lru_cache(maxsize=16)
 def make_embed_fn(retriever_config: RetrieverConfig, mesh):
-  """jit(shard_map) document embedding: params, [B, L] inputs -> [B, D].
+  """Data-parallel document embedding: params, [B, L] inputs -> [B, D].
 
   Cached per (config, mesh): a trainer that refreshes its index inline
   every few steps would otherwise trace and compile it again each time.
@@ -53,10 +52,10 @@ def make_embed_fn(retriever_config: RetrieverConfig, mesh):
     return functional.bind(graphdef, document_tower_params(
         params)).embed_documents(token_ids, input_mask, segment_ids)
 
-  data = P(parallel.DATA_AXIS)
-  return jax.jit(jax.shard_map(per_core, mesh=mesh,
-                               in_specs=(P(), data, data, data),
-                               out_specs=data))
+  batch = parallel.BATCH
+  return parallel.data_parallel(
+      per_core, mesh, in_specs=(parallel.REPLICATED, batch, batch, batch),
+      out_specs=batch)
 
 
 @dataclasses.dataclass

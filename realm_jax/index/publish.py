@@ -416,6 +416,65 @@ def load_index(index_root: PathLike, step: int | None = None,
                         embeddings=embeddings, searcher=searcher)
 
 
+def resolve_index_root(index_dir: PathLike) -> str:
+  """`index_dir`, or `index_dir/index` when only that has a LATEST.
+
+  So a job may be pointed at a pre-training workdir as well as at its
+  index root.
+  """
+  nested = io_utils.join(index_dir, "index")
+  if read_latest(index_dir) is None and read_latest(nested) is not None:
+    return nested
+  return os.fspath(index_dir)
+
+
+def load_frozen_index(index_dir: PathLike, store, model, *,
+                      step: int | None = None,
+                      num_retrieved: int | None = None,
+                      what: str = "index_dir") -> PublishedIndex:
+  """Loads a published index and checks it serves this store and model.
+
+  For the jobs that retrieve from one fixed index (fine-tuning, evaluation,
+  ask); the error says which setting to fix.
+
+  Args:
+    index_dir: an index root, or a directory holding one as `index/`.
+    store: the block store the job reads (its fingerprint and size).
+    model: the job's `RealmConfig` (its retriever's embedding size).
+    step: the index step; None = LATEST.
+    num_retrieved: blocks the job retrieves per query, if it must fit.
+    what: the setting `index_dir` came from, for the messages (e.g.
+      "FinetuneConfig.index_dir" or "--index_dir").
+
+  Returns:
+    The verified index.
+
+  Raises:
+    IndexRejectedError: nothing published, a corrupt index, another corpus
+      (fingerprint or row count), another embedding size, or fewer blocks
+      than `num_retrieved`.
+  """
+  root = resolve_index_root(index_dir)
+  dim = model.retriever.embedding_size
+  try:
+    index = load_index(
+        root, step, Expectation(store.fingerprint, len(store), dim))
+  except IndexRejectedError as e:
+    raise IndexRejectedError(
+        f"{what}={os.fspath(index_dir)!r} cannot serve this job: {e} It "
+        f"needs an index published over its block_store ({len(store)} "
+        f"blocks, corpus fingerprint {store.fingerprint}) with embeddings of "
+        f"this model's retriever (embedding size {dim}); build one with "
+        f"`python -m realm_jax.index.builder --one_shot` or point {what} at "
+        "the matching index.") from e
+  if num_retrieved is not None and num_retrieved > index.manifest["rows"]:
+    raise IndexRejectedError(
+        f"num_retrieved={num_retrieved} exceeds the "
+        f"{index.manifest['rows']} blocks of the index at {root}; lower "
+        "num_retrieved.")
+  return index
+
+
 class IndexWatcher:
   """Trainer side: loads new indices in the background, swaps between steps.
 

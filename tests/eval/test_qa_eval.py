@@ -12,18 +12,17 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax import ask as ask_lib
 from realm_jax.checkpoint_import import core
+from realm_jax.core import checkpoints, parallel
 from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.eval import qa_eval
+from realm_jax.eval import qa_eval, qa_model
 from realm_jax.index import builder
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
 from realm_jax.training import qa_inputs
-from realm_jax.core import checkpoints, parallel
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
                                num_reader_blocks=3, reader_length=48,
@@ -55,9 +54,9 @@ def setup(tmp_path_factory):
       retriever_params=params["retriever"], retriever_config=config.retriever,
       store=store, root=str(workdir / "index"), step=0,
       config=builder.BuilderConfig(searcher_kind="exact"))
-  index = ask_lib.load_qa_index(str(workdir / "index"), store, config)
-  model = ask_lib.QAModel(config, params, index, store, QA_CONFIG,
-                          batch_size=4)
+  index = qa_model.load_qa_index(str(workdir / "index"), store, config)
+  model = qa_model.QAModel(config, params, index, store, QA_CONFIG,
+                           batch_size=4)
   return dict(store=store, config=config, params=params, graphdef=graphdef,
               index=index, model=model, workdir=workdir)
 
@@ -81,7 +80,7 @@ def _contains(text, answer):
 
 
 def _result(prediction, answers, flags, reader, is_regex=False, **kw):
-  return ask_lib.QAResult(
+  return qa_model.QAResult(
       question="q", prediction=prediction, score=1.0, block_id=0,
       evidence=[], retrieved_ids=list(range(len(flags or []))),
       answers=answers, is_regex=is_regex, retrieved_has_answer=flags,
@@ -222,9 +221,9 @@ def test_predictions_jsonl(setup, tmp_path):
 
 def test_data_parallel_mesh_gives_the_same_answers(setup):
   mesh = parallel.make_mesh()  # 8 emulated devices.
-  sharded = ask_lib.QAModel(setup["config"], setup["params"], setup["index"],
-                            setup["store"], QA_CONFIG, batch_size=8,
-                            mesh=mesh)
+  sharded = qa_model.QAModel(setup["config"], setup["params"],
+                             setup["index"], setup["store"], QA_CONFIG,
+                             batch_size=8, mesh=mesh)
   questions = [q for q, _ in QUESTIONS] * 2  # 12: one full batch + padding.
   a = setup["model"].predict(questions)
   b = sharded.predict(questions)
@@ -233,8 +232,8 @@ def test_data_parallel_mesh_gives_the_same_answers(setup):
   np.testing.assert_allclose([r.score for r in a], [r.score for r in b],
                              rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="multiple"):
-    ask_lib.QAModel(setup["config"], setup["params"], setup["index"],
-                    setup["store"], QA_CONFIG, batch_size=4, mesh=mesh)
+    qa_model.QAModel(setup["config"], setup["params"], setup["index"],
+                     setup["store"], QA_CONFIG, batch_size=4, mesh=mesh)
 
 
 def test_checkpoint_params_are_fitted_or_refused(setup):

@@ -7,13 +7,13 @@ import jax
 import numpy as np
 import pytest
 
+from realm_jax.core import checkpoints
 from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, embed, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, Retriever
 from realm_jax.testing import tiny
-from realm_jax.core import checkpoints
 
 TEXTS = [
     ("Alpha", "Alpha is a letter. It comes first in the Greek alphabet."),
@@ -83,7 +83,7 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
                                   retriever_config=CONFIG.retriever,
                                   config=config, max_indices=1)
   assert published == [3]  # 1 and 2 were superseded before it looked.
-  root = builder.index_root(workdir)
+  root = checkpoints.index_root(workdir)
   index = publish.load_index(root, expect=publish.Expectation(
       store.fingerprint, len(store), 16))
   np.testing.assert_allclose(index.embeddings,

@@ -7,6 +7,7 @@ import pathlib
 import pickle
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -44,6 +45,39 @@ def test_publish_then_load_round_trip(tmp_path):
           "params_sha256", "files", "searcher", "build_seconds",
           "created"} <= set(manifest)
   assert "embeddings.npy" in manifest["files"]
+
+
+class _Store:
+  """What load_frozen_index reads of a block store."""
+  fingerprint = FINGERPRINT
+
+  def __len__(self):
+    return 50
+
+
+def _model(dim):
+  return types.SimpleNamespace(
+      retriever=types.SimpleNamespace(embedding_size=dim))
+
+
+def test_frozen_index_from_a_root_or_a_workdir(tmp_path):
+  workdir = tmp_path / "run"
+  root = str(workdir / "index")
+  _publish(root, 3)
+  assert publish.resolve_index_root(str(workdir)) == root
+  assert publish.resolve_index_root(root) == root
+  for where in (root, str(workdir)):
+    index = publish.load_frozen_index(where, _Store(), _model(8),
+                                      num_retrieved=50)
+    assert index.step == 3
+  with pytest.raises(publish.IndexRejectedError,
+                     match=r"--index_dir=.*cannot serve this job.*dim is 8"
+                     r".*embedding size 16.*point --index_dir at"):
+    publish.load_frozen_index(root, _Store(), _model(16),
+                              what="--index_dir")
+  with pytest.raises(publish.IndexRejectedError,
+                     match="num_retrieved=51 exceeds the 50 blocks"):
+    publish.load_frozen_index(root, _Store(), _model(8), num_retrieved=51)
 
 
 def test_keeps_the_k_newest(tmp_path):

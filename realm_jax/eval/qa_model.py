@@ -1,0 +1,529 @@
+"""The answering model: REALM over a frozen index, batched, from checkpoints.
+
+`QAModel` is the inference object shared by the evaluation
+(`realm_jax.eval.qa_eval`), `python -m realm_jax.ask` and the demo:
+question -> query embedding -> top K blocks of a frozen published index ->
+reader over the top R -> the (block, span) with the highest joint score
+(span score + retrieval logit, REALM's prediction rule), returned with the
+evidence blocks and their p(z|x) = softmax of the retrieval logits over all
+K retrieved blocks (so the shown probabilities sum to <= 1). It works with
+this codebase's checkpoints and with imported released checkpoints
+(`init_from`, e.g. "orqa:<ckpt>", whose index is their `block_emb`
+published by `python -m realm_jax.index.builder --block_emb=...`).
+
+    model = load_qa_model(model_config=..., store=..., workdir=...)
+    result = model.predict(["Where was Mozart born?"])[0]
+    result.prediction, result.score, result.evidence[0].probability
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+
+from realm_jax.checkpoint_import import core
+from realm_jax.core import checkpoints, parallel
+from realm_jax.data import qa as qa_lib
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.index import publish
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm, RealmConfig
+from realm_jax.training import init as init_lib
+from realm_jax.training import qa_inputs
+
+# What `Realm.qa_logits` reads from a `qa_inputs.qa_batch`.
+_MODEL_KEYS = ("question_ids", "question_mask", "retrieved_embeddings",
+               "retrieved_mask", "reader_ids", "reader_mask",
+               "reader_segment_ids", "block_start", "block_end")
+
+
+# ----------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Evidence:
+  """One retrieved block shown with an answer.
+
+  Attributes:
+    block_id: row of the block store.
+    rank: 0-based rank among the retrieved blocks.
+    title: the block's article title.
+    text: the block's text.
+    probability: p(z|x), softmax of the retrieval logits over all K
+      retrieved blocks.
+    retrieval_logit: f(x, z) = Embed(x) . Embed(z).
+    has_answer: an answer occurs in the text (None without answers).
+  """
+  block_id: int
+  rank: int
+  title: str
+  text: str
+  probability: float
+  retrieval_logit: float
+  has_answer: bool | None = None
+
+
+@dataclasses.dataclass
+class QAResult:
+  """The answer to one question and where it came from.
+
+  Attributes:
+    question: the question.
+    prediction: the answer span, as it is written in the block's text.
+    score: its joint score (span score + retrieval logit); -inf when no
+      block could be read.
+    block_id: the block the answer came from (-1 for none).
+    evidence: the top blocks (and the answer's block if not among them).
+    retrieved_ids: block ids in rank order (K, or the recall depth if
+      deeper).
+    answers: reference answers, when given.
+    is_regex: the answers are regular expressions.
+    correct: exact match (regex match) against the answers.
+    retrieved_has_answer: per retrieved block, an answer is in its text.
+    reader_has_answer: the reader could select an answer (the reader
+      oracle of `realm_jax.eval.qa_eval`).
+  """
+  question: str
+  prediction: str
+  score: float
+  block_id: int
+  evidence: list[Evidence]
+  retrieved_ids: list[int]
+  answers: list[str] | None = None
+  is_regex: bool = False
+  correct: bool | None = None
+  retrieved_has_answer: list[bool] | None = None
+  reader_has_answer: bool | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    """A JSON-ready dict (non-finite floats become null)."""
+    out = dataclasses.asdict(self)
+    out["score"] = _finite_or_none(self.score)
+    for e in out["evidence"]:
+      e["retrieval_logit"] = _finite_or_none(e["retrieval_logit"])
+    return out
+
+
+def _finite_or_none(x: float) -> float | None:
+  return float(x) if math.isfinite(x) else None
+
+
+# ----------------------------------------------------------------------------
+# The inference object
+# ----------------------------------------------------------------------------
+
+
+def qa_model_config(config: RealmConfig) -> RealmConfig:
+  """The model that answers: span head on, MLM head off (not used)."""
+  return dataclasses.replace(config, reader=dataclasses.replace(
+      config.reader, mlm_head=False, span_head=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(model_config: RealmConfig, mesh):
+  """(embed_queries, qa_logits) jitted once per model config and mesh."""
+  graphdef, _ = functional.abstract_init(
+      lambda r: Realm(model_config, rngs=r))
+
+  def embed(params, ids, mask):
+    return functional.bind(graphdef, params).retriever.embed_queries(ids, mask)
+
+  def logits(params, batch):
+    return functional.bind(graphdef, params).qa_logits(batch)
+
+  # pmap-style: parameters replicated, every device a slice of the batch.
+  params, batch = parallel.REPLICATED, parallel.BATCH
+  return (parallel.data_parallel(embed, mesh, in_specs=(params, batch, batch),
+                                 out_specs=batch),
+          parallel.data_parallel(logits, mesh, in_specs=(params, batch),
+                                 out_specs=(batch, batch)))
+
+
+def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
+                where: str, seed: int = 0) -> dict[str, Any]:
+  """`loaded` reshaped to the answering model's tree.
+
+  Items the answering model does not use (the MLM head of a pre-training
+  or fine-tuning checkpoint) are dropped. A missing span head (a
+  pre-trained, not fine-tuned, checkpoint) is freshly initialised with a
+  warning: its answers mean nothing but recall@k still does (REALM's
+  zero-shot retrieval recall). Anything else missing is an error.
+  """
+  _, abstract = functional.abstract_init(
+      lambda r: Realm(model_config, rngs=r))
+  want, got = core.flatten(abstract), core.flatten(loaded)
+  wrong = [f"{'/'.join(p)}: {np.shape(got[p])} vs model {want[p].shape}"
+           for p in want if p in got and np.shape(got[p]) != want[p].shape]
+  missing = [p for p in want if p not in got]
+  span_head = ("reader", "span_head")
+  if wrong or any(p[:2] != span_head for p in missing):
+    raise core.CheckpointMismatchError(
+        where, ["/".join(p) for p in missing], [], wrong)
+  dropped = sorted({"/".join(p[:2]) for p in got if p not in want})
+  if dropped:
+    logging.info("%s: not used for answering: %s", where, dropped)
+  out = {p: got[p] for p in want if p in got}
+  if missing:
+    logging.warning(
+        "%s has no span head: it is initialised at random, so the answers "
+        "are meaningless (retrieval recall is still valid). Evaluate a "
+        "fine-tuned checkpoint for exact match.", where)
+    _, fresh = functional.init(lambda r: Realm(model_config, rngs=r), seed)
+    fresh = core.flatten(fresh)
+    out.update({p: fresh[p] for p in missing})
+  return core.unflatten(out)
+
+
+def load_qa_index(index_dir: str, store, model_config: RealmConfig,
+                  step: int | None = None) -> publish.PublishedIndex:
+  """A published index checked against the block store and the model.
+
+  Args:
+    index_dir: an index root (`<step>/` + LATEST), or a directory holding
+      one as `index/` (a pre-training workdir), as fine-tuning accepts.
+    store: the block store.
+    model_config: the model (embedding size).
+    step: the index step; None = LATEST.
+
+  Raises:
+    publish.IndexRejectedError: nothing published, corrupt, or built for
+      another corpus or embedding size.
+  """
+  return publish.load_frozen_index(index_dir, store, model_config, step=step)
+
+
+class QAModel:
+  """Answers questions with REALM over a frozen published index.
+
+  Batched: `predict` runs `batch_size` questions per call of the jitted
+  model (the last batch is padded and the padding dropped); with a `mesh`
+  the batch is split over its `data` axis (`parallel.data_parallel`).
+  """
+
+  def __init__(self, model_config: RealmConfig, params: dict[str, Any],
+               index: publish.PublishedIndex, store,
+               qa_config: qa_inputs.QAConfig = qa_inputs.QAConfig(), *,
+               tokenizer: Tokenizer | None = None, mesh=None,
+               batch_size: int = 8, num_evidence: int = 5,
+               step: int | None = None):
+    """Builds the answering model.
+
+    Args:
+      model_config: the REALM config (its reader gets a span head).
+      params: {"retriever", "reader"}; an MLM head is ignored.
+      index: the frozen index of the block store (row i = block i).
+      store: the block store.
+      qa_config: sizes; K and R are capped at the corpus size and W is the
+        reader's max_span_width.
+      tokenizer: default: the BERT uncased vocabulary of the store.
+      mesh: a 1-D `data` mesh over local devices, or None for one device.
+      batch_size: questions per model call (a multiple of the mesh size).
+      num_evidence: evidence blocks per answer by default.
+      step: the checkpoint step, for the record.
+
+    Raises:
+      ValueError: sizes that do not fit, an index of another corpus.
+    """
+    self.model_config = qa_model_config(model_config)
+    self.params_step = step
+    self.store = store
+    self.index = index
+    self.tokenizer = tokenizer or Tokenizer()
+    store.check_vocab(self.tokenizer.vocab_path)
+    fingerprint = index.manifest.get("corpus_fingerprint")
+    if index.embeddings.shape[0] != len(store) or (
+        fingerprint not in (None, store.fingerprint)):
+      raise ValueError(
+          f"Index {index.step} ({index.embeddings.shape[0]} rows, corpus "
+          f"{fingerprint}) was not built from this block store ({len(store)}"
+          f" blocks, {store.fingerprint}); publish an index of this store.")
+    k = min(qa_config.num_retrieved, len(store))
+    self.qa_config = dataclasses.replace(
+        qa_config, num_retrieved=k,
+        num_reader_blocks=min(qa_config.num_reader_blocks, k),
+        max_span_width=self.model_config.reader.max_span_width)
+    max_len = self.model_config.reader.bert.max_position_embeddings
+    if self.qa_config.reader_length > max_len:
+      raise ValueError(
+          f"QAConfig.reader_length={self.qa_config.reader_length} exceeds "
+          f"the reader's max_position_embeddings={max_len}.")
+    n_devices = 1 if mesh is None else mesh.devices.size
+    if mesh is not None and any(
+        d.process_index != jax.process_index() for d in mesh.devices.flat):
+      raise ValueError("QAModel's mesh must hold local devices only (the "
+                       "eval job is a single-process side job).")
+    if batch_size < 1 or batch_size % n_devices:
+      raise ValueError(f"batch_size={batch_size} must be a positive multiple"
+                       f" of the mesh's {n_devices} devices.")
+    if num_evidence < 1:
+      raise ValueError(f"num_evidence={num_evidence} must be >= 1.")
+    self.mesh = mesh
+    self.batch_size = batch_size
+    self.num_evidence = num_evidence
+    self._embed, self._qa_logits = _compiled(self.model_config, mesh)
+    self.params = self._place_params(_fit_params(
+        self.model_config, params, f"params of step {step}"))
+
+  # -- Construction from checkpoints.
+
+  @classmethod
+  def from_checkpoint(cls, checkpoint_dir: str, step: int | None = None, *,
+                      model_config: RealmConfig, index, store,
+                      **kwargs) -> QAModel:
+    """From a realm_jax checkpoint directory (newest step by default).
+
+    Only the `retriever` and `reader` items are read (`restore_items`).
+
+    Raises:
+      FileNotFoundError: no such step.
+    """
+    if step is None:
+      step = checkpoints.newest_step(checkpoint_dir)
+    params = checkpoints.restore_items(checkpoint_dir, step,
+                                       checkpoints.PARAM_ITEMS)
+    return cls(model_config, params, index, store, step=step, **kwargs)
+
+  @classmethod
+  def from_init(cls, init_from: str, *, model_config: RealmConfig, index,
+                store, seed: int = 0, **kwargs) -> QAModel:
+    """From an `init_from` string (`realm_jax.training.init`).
+
+    E.g. "orqa:<ckpt>" (a released fine-tuned checkpoint), "hf_realm:...",
+    "realm:<embedder>,<bert>" or "checkpoint:<dir>[@step]". For released
+    weights the index comes from their `block_emb`, published with
+    `builder.publish_embeddings` (or `python -m realm_jax.index.builder
+    --block_emb=...`).
+    """
+    both_heads = dataclasses.replace(model_config, reader=dataclasses.replace(
+        model_config.reader, mlm_head=True, span_head=True))
+    _, fresh = functional.init(lambda r: Realm(both_heads, rngs=r), seed)
+    params = init_lib.initial_params(both_heads, fresh, init_from)
+    return cls(model_config, params, index, store, **kwargs)
+
+  def with_params(self, params: dict[str, Any],
+                  step: int | None = None) -> QAModel:
+    """The same model (compiled functions, index, store) with new params."""
+    other = copy.copy(self)
+    other.params = self._place_params(_fit_params(
+        self.model_config, params, f"params of step {step}"))
+    other.params_step = step
+    return other
+
+  def _place_params(self, params):
+    if self.mesh is None:
+      return jax.device_put(params, jax.local_devices()[0])
+    return jax.device_put(params, parallel.replicated(self.mesh))
+
+  def _place(self, batch: dict[str, np.ndarray]):
+    if self.mesh is None:
+      return batch
+    return parallel.shard_batch(self.mesh, batch)
+
+  # -- Prediction.
+
+  def predict(self, questions: Sequence[str], *,
+              answers: Sequence[Sequence[str]] | None = None,
+              is_regex: bool | Sequence[bool] = False,
+              num_evidence: int | None = None,
+              recall_depth: int = 0) -> list[QAResult]:
+    """Answers questions, with evidence (and correctness given answers).
+
+    Args:
+      questions: question strings.
+      answers: per question, its reference answers (enables `correct`,
+        `retrieved_has_answer`, `reader_has_answer`).
+      is_regex: the answers are regular expressions (one flag, or one per
+        question).
+      num_evidence: evidence blocks per answer (default: the model's).
+      recall_depth: retrieve at least this deep for `retrieved_has_answer`
+        (capped at the corpus size); the model itself reads K.
+
+    Returns:
+      One `QAResult` per question, in order.
+    """
+    questions = list(questions)
+    n = len(questions)
+    if answers is not None and len(answers) != n:
+      raise ValueError(f"{len(answers)} answer lists for {n} questions.")
+    regex = ([bool(is_regex)] * n if isinstance(is_regex, (bool, np.bool_))
+             else [bool(x) for x in is_regex])
+    if len(regex) != n:
+      raise ValueError(f"{len(regex)} is_regex flags for {n} questions.")
+    num_evidence = num_evidence or self.num_evidence
+    out = []
+    for lo in range(0, n, self.batch_size):
+      hi = min(n, lo + self.batch_size)
+      out.extend(self._predict_batch(
+          questions[lo:hi], None if answers is None else answers[lo:hi],
+          regex[lo:hi], num_evidence, recall_depth))
+    return out
+
+  def _predict_batch(self, questions, answers, regex, num_evidence,
+                     recall_depth) -> list[QAResult]:
+    cfg, store, n = self.qa_config, self.store, len(questions)
+    padded = questions + [questions[-1]] * (self.batch_size - n)
+    q = qa_inputs.tokenize_questions(self.tokenizer, padded,
+                                     cfg.question_length)
+    placed = self._place(q)
+    query = np.asarray(self._embed(self.params, placed["question_ids"],
+                                   placed["question_mask"]), np.float32)
+    depth = min(len(store), max(cfg.num_retrieved, recall_depth))
+    ids, _ = self.index.search(query, depth)
+    batch = qa_inputs.qa_batch(q, ids[:, :cfg.num_retrieved],
+                               self.index.embeddings, store, cfg)
+    retrieval, reader = self._qa_logits(
+        self.params, self._place({k: batch[k] for k in _MODEL_KEYS}))
+    retrieval = np.asarray(retrieval, np.float64)[:n]
+    batch = {k: v[:n] for k, v in batch.items()}
+    preds = qa_inputs.decode_predictions(np.asarray(reader)[:n], batch,
+                                         self.tokenizer)
+    texts = self._answer_texts(preds, batch)
+    probs = _softmax(retrieval)
+    if answers is not None:
+      # Block ids < 0: the searcher found fewer blocks than asked for.
+      flags = [qa_lib.has_answer_batch(
+          [store.text(b) if b >= 0 else "" for b in ids[i]], answers[i],
+          regex[i]) & (ids[i] >= 0) for i in range(n)]
+      oracle = self._reader_oracle(batch, answers, regex, flags)
+    results = []
+    for i in range(n):
+      ranks = [r for r in range(min(num_evidence, cfg.num_retrieved))
+               if batch["retrieved_mask"][i, r]]
+      best = preds[i]
+      answer_rank = [r for r in range(cfg.num_reader_blocks)
+                     if batch["retrieved_ids"][i, r] == best.block_id]
+      has_span = math.isfinite(best.score)
+      if has_span and answer_rank and answer_rank[0] not in ranks:
+        ranks.append(answer_rank[0])
+      evidence = [Evidence(
+          block_id=int(ids[i, r]), rank=r, title=store.title(ids[i, r]),
+          text=store.text(ids[i, r]), probability=float(probs[i, r]),
+          retrieval_logit=float(retrieval[i, r]),
+          has_answer=None if answers is None else bool(flags[i][r]))
+                  for r in ranks]
+      result = QAResult(
+          question=questions[i], prediction=texts[i] if has_span else "",
+          score=best.score, block_id=best.block_id if has_span else -1,
+          evidence=evidence, retrieved_ids=[int(x) for x in ids[i]],
+          is_regex=regex[i])
+      if answers is not None:
+        result.answers = list(answers[i])
+        result.correct = qa_lib.is_correct(result.prediction, answers[i],
+                                           regex[i])
+        result.retrieved_has_answer = [bool(x) for x in flags[i]]
+        result.reader_has_answer = bool(oracle[i])
+      results.append(result)
+    return results
+
+  def _answer_texts(self, preds, batch) -> list[str]:
+    """The predicted spans as written in the blocks' texts.
+
+    ORQA answers with the block's original words; decoding wordpieces
+    would turn "Stratford-upon-Avon" into "stratford - upon - avon", which
+    the normaliser no longer matches. The block text is re-tokenised with
+    byte offsets (input bytes: FastBertTokenizer); if its wordpieces are
+    not the stored ones (e.g. a sentence cut by the packer), the decoded
+    wordpieces are used instead.
+    """
+    texts = [self.store.text(max(p.block_id, 0)) for p in preds]
+    tokenized = self.tokenizer.tokenize_with_offsets(texts)
+    out = []
+    for i, (p, text, (ids, starts, limits)) in enumerate(
+        zip(preds, texts, tokenized)):
+      s = p.start - int(batch["block_start"][i, 0])
+      e = p.end - int(batch["block_start"][i, 0])
+      body = self.store.body_ids(max(p.block_id, 0))
+      if 0 <= s <= e < min(len(ids), len(body)) and np.array_equal(
+          ids[:e + 1], body[:e + 1]):
+        out.append(text.encode("utf-8")[starts[s]:limits[e]].decode(
+            "utf-8", errors="replace"))
+      else:
+        out.append(p.answer)
+    return out
+
+  def _reader_oracle(self, batch, answers, regex, flags) -> np.ndarray:
+    r = self.qa_config.num_reader_blocks
+    # One batched tokenizer call for every text answer of the batch.
+    flat = [a for a, x in zip(answers, regex) if not x for a in a]
+    pieces = iter(qa_lib.tokenize_answers(self.tokenizer, flat))
+    answer_ids = [[] if x else [next(pieces) for _ in a]
+                  for a, x in zip(answers, regex)]
+    gold = qa_inputs.span_positives(
+        batch["reader_ids"], batch["block_start"], batch["block_end"],
+        answer_ids, self.qa_config.max_span_width)
+    gold &= batch["retrieved_mask"][:, :r, None, None]
+    text_level = np.array([f[:r].any() for f in flags])
+    return np.where(regex, text_level, gold.any(axis=(1, 2, 3)))
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+  """Row softmax over finite entries (-inf = not retrieved -> 0)."""
+  finite = np.isfinite(logits)
+  top = np.where(finite, logits, -np.inf).max(axis=-1, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0.0)
+  e = np.where(finite, np.exp(np.where(finite, logits, 0.0) - top), 0.0)
+  total = e.sum(axis=-1, keepdims=True)
+  return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+def load_qa_model(*, model_config: RealmConfig, store,
+                  workdir: str | None = None,
+                  checkpoint_dir: str | None = None, step: int | None = None,
+                  init_from: str | None = None, index_dir: str | None = None,
+                  index_step: int | None = None, **kwargs) -> QAModel:
+  """A `QAModel` from a run's workdir, a checkpoint dir or imported weights.
+
+  Args:
+    model_config: the REALM config the weights belong to.
+    store: the block store the index was built from.
+    workdir: a run's workdir: `checkpoints/` and `index/` inside.
+    checkpoint_dir: explicit checkpoint directory (overrides the workdir's).
+    step: checkpoint step (default: the newest).
+    init_from: imported weights instead of a checkpoint (see
+      `realm_jax.training.init`).
+    index_dir: published index root (overrides the workdir's).
+    index_step: index step (default: LATEST).
+    **kwargs: more `QAModel` arguments (qa_config, mesh, batch_size, ...).
+
+  Returns:
+    The model.
+
+  Raises:
+    ValueError: neither weights nor an index are named.
+  """
+  if workdir:
+    checkpoint_dir = checkpoint_dir or checkpoints.checkpoint_dir(workdir)
+    index_dir = index_dir or checkpoints.index_root(workdir)
+  if not index_dir:
+    raise ValueError("No index: give index_dir (a published index root) or "
+                     "a workdir with index/ inside.")
+  if init_from:
+    return QAModel.from_init(
+        init_from, model_config=model_config, store=store,
+        index=load_qa_index(index_dir, store, model_config, index_step),
+        **kwargs)
+  if not checkpoint_dir:
+    raise ValueError("No weights: give workdir, checkpoint_dir or init_from.")
+  if step is None:
+    step = checkpoints.newest_step(checkpoint_dir)
+  if index_step is None:
+    # A fine-tuned query tower belongs with the index it was trained on,
+    # which need not be LATEST any more.
+    index_step = checkpoints.read_meta(checkpoint_dir, step).get("index_step")
+    if index_step not in publish.published_steps(
+        publish.resolve_index_root(index_dir)):
+      index_step = None
+  return QAModel.from_checkpoint(
+      checkpoint_dir, step, model_config=model_config, store=store,
+      index=load_qa_index(index_dir, store, model_config, index_step),
+      **kwargs)
+
