@@ -1,11 +1,12 @@
 r"""BERT attention on CPU: one sequence at a time vs the whole batch.
 
-`realm_jax.model.bert.BertAttention` attends one sequence at a time
-(`lax.map`) on CPU, so that a sequence's [heads, L, L] scores stay in cache
-through softmax, dropout and the context matmul; on accelerators it
-attends the whole batch at once. This benchmark runs both code paths side
-by side in one process (switching `bert._one_example_at_a_time`) and prints
-one JSON line per measurement, then a `comparison` line per case:
+With `BertConfig.attention_batching="per_sequence"` (the CPU option that
+gin_configs/models/cpu.gin sets) `realm_jax.model.bert.BertAttention`
+attends one sequence at a time (`lax.map`), so that a sequence's
+[heads, L, L] scores stay in cache through softmax, dropout and the context
+matmul; with the default "whole_batch" it attends the whole batch at once.
+This benchmark runs both side by side in one process and prints one JSON
+line per measurement, then a `comparison` line per case:
 
   embed    forward pass of the document tower's BERT, batch 32 x 288 (the
            index builder's shape), no dropout: MiniLM-L6 and BERT-base;
@@ -50,33 +51,34 @@ def run_case(name: str, repeats: int) -> None:
 
   kind, model, batch, length = CASES[name]
   hidden, layers, heads, intermediate = MODELS[model]
-  cfg = bert_lib.BertConfig(hidden_size=hidden, num_layers=layers,
-                            num_heads=heads, intermediate_size=intermediate)
-  graphdef, params = functional.init(lambda r: bert_lib.Bert(cfg, rngs=r), 0)
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(1000, 20000, (batch, length)), jnp.int32)
   mask = jnp.ones_like(ids)
   key = jax.random.key(0)
 
-  def make_fn():  # A fresh jit per path: the path is chosen when tracing.
+  def make_fn(path):
+    cfg = bert_lib.BertConfig(hidden_size=hidden, num_layers=layers,
+                              num_heads=heads, intermediate_size=intermediate,
+                              attention_batching=path)
+    graphdef, params = functional.init(
+        lambda r: bert_lib.Bert(cfg, rngs=r), 0)
     if kind == "embed":
-      return jax.jit(lambda p: functional.bind(graphdef, p)(ids, mask)[1])
-    return jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(functional.bind(
-        graphdef, p)(ids, mask, dropout_rng=key)[0]))))
+      fn = lambda p: functional.bind(graphdef, p)(ids, mask)[1]
+    else:
+      fn = jax.grad(lambda p: jnp.sum(jnp.sin(functional.bind(
+          graphdef, p)(ids, mask, dropout_rng=key)[0])))
+    return jax.jit(fn), params
 
-  original = bert_lib._one_example_at_a_time  # pylint: disable=protected-access
   seconds = {}
-  try:
-    for path, by_example in (("whole_batch", False), ("by_example", True)):
-      bert_lib._one_example_at_a_time = lambda *_, b=by_example: b  # pylint: disable=protected-access
-      seconds[path] = timing.median_seconds(make_fn(), params, repeats=repeats)
-      timing.emit(kind=kind, case=name, model=model, path=path, batch=batch,
-                  length=length, seconds=round(seconds[path], 4),
-                  sequences_per_second=round(batch / seconds[path], 2))
-  finally:
-    bert_lib._one_example_at_a_time = original  # pylint: disable=protected-access
-  timing.emit(kind="comparison", case=name,
-              speedup=round(seconds["whole_batch"] / seconds["by_example"], 3))
+  for path in ("whole_batch", "per_sequence"):
+    fn, params = make_fn(path)
+    seconds[path] = timing.median_seconds(fn, params, repeats=repeats)
+    timing.emit(kind=kind, case=name, model=model, path=path, batch=batch,
+                length=length, seconds=round(seconds[path], 4),
+                sequences_per_second=round(batch / seconds[path], 2))
+  timing.emit(
+      kind="comparison", case=name,
+      speedup=round(seconds["whole_batch"] / seconds["per_sequence"], 3))
 
 
 def main():

@@ -1,9 +1,10 @@
 r"""Dropout masks: 16-bit halves of random words vs `jax.random.bernoulli`.
 
-`realm_jax.model.bert.dropout` draws its keep mask with `keep_mask`, two
-elements per 32-bit random word. This benchmark runs, side by side in one
-process, that mask and `jax.random.bernoulli` (one word per element, what
-the code used before):
+With `BertConfig.dropout_mask_bits=16` (the CPU option that
+gin_configs/models/cpu.gin sets) `realm_jax.model.bert.dropout` draws its
+keep mask with `keep_mask_16bit`, two elements per 32-bit random word; the
+default, 32, uses `jax.random.bernoulli` (one word per element). This
+benchmark runs both side by side in one process:
 
   mask     the attention-probability dropout of one layer, [B*R, heads,
            L, L] for the fine-tuning reader (tiny at batch 16, MiniLM at
@@ -33,16 +34,6 @@ CONFIGS = {
 READER_BLOCKS, READER_LENGTH = 5, 320
 
 
-def bernoulli_dropout(x, rate, rng):
-  """The previous implementation: one 32-bit word per element."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  if rng is None or rate == 0.0:
-    return x
-  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
-
-
 def run_config(name: str, repeats: int) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -55,40 +46,37 @@ def run_config(name: str, repeats: int) -> None:
   key = jax.random.key(0)
   probs = jnp.full((rows, heads, READER_LENGTH, READER_LENGTH),
                    1.0 / READER_LENGTH, jnp.float32)
-  masks = {"bernoulli": bernoulli_dropout, "halves16": bert_lib.dropout}
+  bits = {"bernoulli": 32, "halves16": 16}
   mask_s = {}
-  for impl, fn in masks.items():
-    apply = jax.jit(lambda x, k, fn=fn: fn(x, 0.1, k))
+  for impl, b in bits.items():
+    apply = jax.jit(lambda x, k, b=b: bert_lib.dropout(x, 0.1, k, b))
     mask_s[impl] = timing.median_seconds(apply, probs, key, repeats=repeats)
     timing.emit(kind="mask", config=name, impl=impl, shape=list(probs.shape),
                 seconds=round(mask_s[impl], 4))
 
-  cfg = bert_lib.BertConfig(hidden_size=hidden, num_layers=layers,
-                            num_heads=heads, intermediate_size=intermediate)
-  graphdef, params = functional.init(
-      lambda r: bert_lib.Bert(cfg, rngs=r), 0)
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(1000, 20000, (rows, READER_LENGTH)),
                     jnp.int32)
   mask = jnp.ones_like(ids)
 
-  def loss(p, dropout_rng):
-    h, _ = functional.bind(graphdef, p)(ids, mask, dropout_rng=dropout_rng)
-    return jnp.sum(jnp.sin(h))
-
   step_s = {}
-  original = bert_lib.dropout
-  try:
-    for impl in ("bernoulli", "halves16", "off"):
-      bert_lib.dropout = masks.get(impl, original)
-      dropout_rng = None if impl == "off" else key
-      grad = jax.jit(jax.grad(lambda p, loss=loss, r=dropout_rng: loss(p, r)))
-      step_s[impl] = timing.median_seconds(grad, params, repeats=repeats)
-      timing.emit(kind="reader", config=name, impl=impl, batch=batch,
-                  blocks=READER_BLOCKS, reader_length=READER_LENGTH,
-                  forward_backward_seconds=round(step_s[impl], 4))
-  finally:
-    bert_lib.dropout = original
+  for impl in ("bernoulli", "halves16", "off"):
+    cfg = bert_lib.BertConfig(hidden_size=hidden, num_layers=layers,
+                              num_heads=heads, intermediate_size=intermediate,
+                              dropout_mask_bits=bits.get(impl, 32))
+    graphdef, params = functional.init(
+        lambda r, cfg=cfg: bert_lib.Bert(cfg, rngs=r), 0)
+    dropout_rng = None if impl == "off" else key
+
+    def loss(p, g=graphdef, r=dropout_rng):
+      h, _ = functional.bind(g, p)(ids, mask, dropout_rng=r)
+      return jnp.sum(jnp.sin(h))
+
+    grad = jax.jit(jax.grad(loss))
+    step_s[impl] = timing.median_seconds(grad, params, repeats=repeats)
+    timing.emit(kind="reader", config=name, impl=impl, batch=batch,
+                blocks=READER_BLOCKS, reader_length=READER_LENGTH,
+                forward_backward_seconds=round(step_s[impl], 4))
   timing.emit(
       kind="comparison", config=name,
       mask_speedup=round(mask_s["bernoulli"] / mask_s["halves16"], 2),

@@ -6,7 +6,11 @@ builds that hidden vector for every span, a [..., L, W, 256] tensor, and
 autodiff keeps it (and its normalised copy) for the backward pass.
 `realm_jax.model.realm.SpanHead` instead computes three feature sums per
 span (`span_feature_sums`, a custom VJP that recomputes x in the backward
-pass), from which LayerNorm + Dense_1 follow exactly.
+pass), from which LayerNorm + Dense_1 follow exactly. `--batching` picks
+`ReaderConfig.span_head_batching` for the fused head: "per_row" (the CPU
+option of gin_configs/models/cpu.gin, one reader block at a time; the
+default here, as in docs/benchmarks/span_head.md) or "whole_batch" (the
+model's default).
 
 For each shape, one JSON line per implementation with the median seconds
 of the jitted forward pass and of forward + backward (gradient w.r.t. the
@@ -23,7 +27,8 @@ Shapes (hidden states [B, R, L, H] in, reader length L, W = 10, 256):
                 H 768.
 
     XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= \
-        python benchmarks/span_head.py [--shapes=tiny_b16,minilm_b8]
+        python benchmarks/span_head.py [--shapes=tiny_b16,minilm_b8] \
+        [--batching=per_row]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ SHAPES = {
 }
 
 
-def run_shape(name: str, repeats: int) -> None:
+def run_shape(name: str, repeats: int, batching: str = "per_row") -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -51,7 +56,7 @@ def run_shape(name: str, repeats: int) -> None:
   b, r, seq_len, h = SHAPES[name]
   bert = BertConfig(hidden_size=h, num_layers=1, num_heads=4,
                     intermediate_size=4 * h)
-  cfg = ReaderConfig(bert=bert, mlm_head=False)
+  cfg = ReaderConfig(bert=bert, mlm_head=False, span_head_batching=batching)
   graphdef, params = functional.init(lambda rngs: Reader(cfg, rngs=rngs), 0)
   rng = np.random.default_rng(0)
   head = jax.tree_util.tree_map(
@@ -77,7 +82,8 @@ def run_shape(name: str, repeats: int) -> None:
     memory = grad.lower(head, hidden).compile().memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", None)
     record = dict(
-        shape=name, impl=impl, batch=b, blocks=r, reader_length=seq_len,
+        shape=name, impl=impl, batching=batching, batch=b, blocks=r,
+        reader_length=seq_len,
         hidden=h, span_hidden=cfg.span_hidden_size,
         max_span_width=cfg.max_span_width,
         forward_s=round(timing.median_seconds(forward, head, hidden,
@@ -119,8 +125,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", default=",".join(SHAPES))
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--batching", default="per_row",
+                      choices=("per_row", "whole_batch"))
   args = parser.parse_args()
-  timing.run_named("shape", args.shapes, SHAPES, run_shape, args.repeats)
+  timing.run_named(
+      "shape", args.shapes, SHAPES,
+      lambda name, repeats: run_shape(name, repeats, args.batching),
+      args.repeats)
 
 
 if __name__ == "__main__":
