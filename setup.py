@@ -21,6 +21,13 @@ INSTALL_REQUIRES = [
     "scann==1.4.2",
     "seqio==0.0.20",
     "tensorflow-datasets==4.9.10",
+    # The offline query cache (realm_jax/data/query_cache.py): a Beam
+    # pipeline writing ArrayRecord shards. Beam 2.77 needs protobuf < 7, and
+    # sentencepiece 0.2.3 (seqio imports it) was generated for protobuf 7.
+    "apache-beam>=2.77,<3",
+    "array-record>=0.8.1",
+    "protobuf>=6.33.5,<7",
+    "sentencepiece>=0.2,<0.2.3",
     "absl-py>=2.1",
     "gin-config==0.5.0",
     "safetensors>=0.4",

@@ -104,15 +104,26 @@ def _feature(dtype: tf.DType, rank: int, vocab_size: int = 0) -> seqio.Feature:
                        add_eos=False, dtype=dtype, rank=rank)
 
 
-def _check_sequence_length(sequence_length: Mapping[str, Any] | None,
-                           fixed: Mapping[str, int], task: str) -> None:
-  """Lengths are fixed at registration; refuse a conflicting request."""
+def check_sequence_length(dataset: tf.data.Dataset, *,
+                          config: examples_lib.RealmQueryConfig,
+                          sequence_length: Mapping[str, Any] | None = None,
+                          output_features=None) -> tf.data.Dataset:
+  """Lengths are fixed at registration; refuses a conflicting request.
+
+  A pass-through after the cache placeholder (seqio forbids preprocessors
+  that take `sequence_length` before it).
+  """
+  del output_features
+  fixed = {"query_ids": config.query_length, "query_mask": config.query_length,
+           "mlm_positions": config.max_masks, "mlm_targets": config.max_masks,
+           "mlm_weights": config.max_masks}
   for key, length in (sequence_length or {}).items():
     if key in fixed and length is not None and length != fixed[key]:
       raise ValueError(
-          f"{task}: sequence_length[{key!r}]={length} but the task was "
-          f"registered with {fixed[key]}; register it with that length "
-          "instead (a trimmed query would lose its masks).")
+          f"REALM pre-training: sequence_length[{key!r}]={length} but the "
+          f"task was registered with {fixed[key]}; register it with that "
+          "length instead (a trimmed query would lose its masks).")
+  return dataset
 
 
 # ------------------------------------------------------ REALM pre-train ----
@@ -235,7 +246,6 @@ def _realm_query_numpy(ids, starts, limits, span_starts, span_limits,
 def mask_sentences(dataset: tf.data.Dataset, *,
                    config: examples_lib.RealmQueryConfig,
                    special: examples_lib.SpecialIds,
-                   sequence_length: Mapping[str, Any] | None = None,
                    output_features=None) -> tf.data.Dataset:
   """Tokenized sentences -> masked REALM queries (`examples.realm_query`).
 
@@ -243,7 +253,6 @@ def mask_sentences(dataset: tf.data.Dataset, *,
     dataset: output of `annotated_to_sentences`.
     config: lengths and masking mode.
     special: special token ids.
-    sequence_length: optional; must agree with `config` if given.
     output_features: unused (seqio passes it).
 
   Returns:
@@ -251,11 +260,6 @@ def mask_sentences(dataset: tf.data.Dataset, *,
     usable span are dropped.
   """
   del output_features
-  _check_sequence_length(
-      sequence_length,
-      {"query_ids": config.query_length, "query_mask": config.query_length,
-       "mlm_positions": config.max_masks, "mlm_targets": config.max_masks,
-       "mlm_weights": config.max_masks}, "REALM pre-training")
   fn = functools.partial(_realm_query_numpy, special=special, config=config)
 
   @seqio.map_over_dataset(num_seeds=1)
@@ -350,6 +354,10 @@ def register_pretrain_task(
             functools.partial(
                 mask_sentences, config=config,
                 special=examples_lib.SpecialIds.from_tokenizer(tokenizer)),
+            # Everything above runs offline (`query_cache`, through
+            # seqio.beam_utils.PreprocessTask's `preprocess_precache`).
+            seqio.CacheDatasetPlaceholder(),
+            functools.partial(check_sequence_length, config=config),
         ],
         shuffle_buffer_size=shuffle_buffer_size)
 

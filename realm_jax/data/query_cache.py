@@ -1,0 +1,713 @@
+r"""The REALM query cache: masked queries on disk, streamed per host by step.
+
+Pre-training reads masked REALM queries (`examples.REALM_QUERY_FEATURES`).
+Making them (parse the annotated corpus, tokenize, mask) is done ONCE,
+offline, by an Apache Beam pipeline, and every host then streams only its
+part of each step's batch from the result:
+
+* `build_query_cache` (also `python -m realm_jax.data.query_cache`) runs the
+  seqio task of `tasks.register_pretrain_task` through
+  `seqio.beam_utils.PreprocessTask` (one Beam element per annotated file;
+  per-file seeds, so the masks are reproducible) and writes the queries to
+  `num_shards` ArrayRecord files of `tf.train.Example`s, one record per
+  chunk (random access), plus `manifest.json` (rows per shard, features,
+  masking config, vocabulary sha256, source files). A query goes to shard
+  hash(file, index in file) % num_shards and each shard is sorted by (file,
+  index), so the cache's content does not depend on the runner or on how
+  it split the work. Output appears atomically: shards are written under
+  `<output_dir>.tmp-<id>` and the directory is renamed (a remote
+  `output_dir` gets its manifest last, and readers need the manifest).
+  Beam options on the command line (`--runner=DataflowRunner --project=...`,
+  `--runner=FlinkRunner`, `--direct_num_workers=8 --direct_running_mode=
+  multi_processing`) go to the pipeline unchanged; see BUILD.md.
+
+* `QueryStream` is the trainer's reader. The global order is a round robin
+  over the shards: global position p of the stream is element p // N of
+  shard p % N, and element j of shard k is row
+  `permute(j mod rows_k; seed, k, epoch = j // rows_k)` of that shard, a
+  keyed Feistel permutation (O(1) memory; no index over the rows). Step s
+  owns positions [s*B, (s+1)*B). Host h of H reads only shards h, h+H, ...
+  (H must divide N and B), i.e. the positions p with p % H == h. So every
+  host count sees the same global batch of the same rows, each host opens
+  only its shards, and a batch is a pure function of (seed, step): a
+  restarted run replays exactly. Shards wrap around independently (their
+  row counts differ slightly).
+
+Memory and start-up time of a reader grow with its own shard count, not
+with the corpus (`index_storage_option:offloaded` keeps ArrayRecord's chunk
+index on disk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Sequence
+import uuid
+
+from absl import logging
+import numpy as np
+
+from realm_jax.core import io_utils
+from realm_jax.data import examples as examples_lib
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+# Random access: one record per chunk, the chunk index left on disk.
+_WRITER_OPTIONS = "group_size:1"
+_READER_OPTIONS = ("readahead_buffer_size:0,max_parallelism:0,"
+                   "index_storage_option:offloaded,footer_prefetch_bytes:0")
+
+
+def shard_name(k: int, num_shards: int) -> str:
+  return f"queries-{k:05d}-of-{num_shards:05d}.array_record"
+
+
+def query_features(config: examples_lib.RealmQueryConfig
+                   ) -> dict[str, dict[str, Any]]:
+  """Name -> {"dtype", "shape"} of one query (`examples.realm_query`)."""
+  q, m = config.query_length, config.max_masks
+  return {"query_ids": {"dtype": "int32", "shape": [q]},
+          "query_mask": {"dtype": "int32", "shape": [q]},
+          "mlm_positions": {"dtype": "int32", "shape": [m]},
+          "mlm_targets": {"dtype": "int32", "shape": [m]},
+          "mlm_weights": {"dtype": "float32", "shape": [m]},
+          "source_doc_hash": {"dtype": "int64", "shape": []}}
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with io_utils.as_path(path).open("rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# Row encoding: tf.train.Example, seqio's cache format.
+# -----------------------------------------------------------------------------
+
+
+def encode_query(query: dict[str, Any]) -> bytes:
+  """One query (numpy or eager tensors) -> a serialized tf.train.Example."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  feature = {}
+  for name in examples_lib.REALM_QUERY_FEATURES:
+    value = np.asarray(query[name]).reshape(-1)
+    if value.dtype.kind == "f":
+      feature[name] = tf.train.Feature(float_list=tf.train.FloatList(
+          value=value.tolist()))
+    else:
+      feature[name] = tf.train.Feature(int64_list=tf.train.Int64List(
+          value=value.tolist()))
+  return tf.train.Example(features=tf.train.Features(
+      feature=feature)).SerializeToString()
+
+
+def _parse_spec(features: dict[str, dict[str, Any]]):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return {name: tf.io.FixedLenFeature(
+      f["shape"], tf.float32 if f["dtype"].startswith("float") else tf.int64)
+          for name, f in features.items()}
+
+
+def decode_queries(records: Sequence[bytes], features: dict[str, Any],
+                   spec=None) -> dict[str, np.ndarray]:
+  """Serialized queries -> stacked arrays with the manifest's dtypes."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  parsed = tf.io.parse_example(tf.constant(list(records), tf.string),
+                               spec or _parse_spec(features))
+  return {name: parsed[name].numpy().astype(features[name]["dtype"],
+                                            copy=False)
+          for name in features}
+
+
+# -----------------------------------------------------------------------------
+# Keyed permutations and shard assignment.
+# -----------------------------------------------------------------------------
+
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+  """splitmix64's finaliser: a bijective 64-bit mix of a uint64 array
+  (array products wrap silently, as wanted)."""
+  x = (x ^ (x >> _S30)) * _M1
+  x = (x ^ (x >> _S27)) * _M2
+  return x ^ (x >> _S31)
+
+
+def permute(index: np.ndarray, n, key) -> np.ndarray:
+  """A keyed pseudo-random permutation of [0, n), evaluated pointwise.
+
+  A 4-round Feistel network on the smallest even number of bits covering
+  n, with cycle walking back into [0, n): a bijection of [0, n) for every
+  key, computed without materialising it (so a shard of any size costs
+  O(1) memory, where `np.random.permutation` would hold n int64s).
+
+  Args:
+    index: int array [m] of positions in [0, n).
+    n: the domain size (>= 1), an int or an int array [m].
+    key: 4 round keys: uint64 [4] or [m, 4].
+
+  Returns:
+    int64 [m]: the permuted positions.
+  """
+  x = np.array(index, np.uint64).reshape(-1)
+  n = np.broadcast_to(np.asarray(n, np.uint64), x.shape)
+  keys = np.broadcast_to(np.asarray(key, np.uint64), x.shape + (4,))
+  bits = np.ceil(np.log2(np.maximum(n, 2).astype(np.float64))).astype(
+      np.uint64)
+  half = (bits + np.uint64(1)) // np.uint64(2)
+  mask = (np.uint64(1) << half) - np.uint64(1)
+
+  def feistel(v, half, mask, keys):
+    left, right = v >> half, v & mask
+    for r in range(4):
+      left, right = right, left ^ (_mix64(right ^ keys[:, r]) & mask)
+    return (left << half) | right
+
+  todo = np.arange(len(x))
+  while len(todo):  # cycle walking; expected < 4 rounds (the domain < 4n)
+    x[todo] = feistel(x[todo], half[todo], mask[todo], keys[todo])
+    todo = todo[x[todo] >= n[todo]]
+  return x.astype(np.int64)
+
+
+def _epoch_key(seed: int, shard: int, epoch: int) -> list[int]:
+  return np.random.SeedSequence([seed, shard, epoch]).generate_state(
+      4, np.uint64).tolist()
+
+
+def output_shard(source_index: int, index_in_source: int, num_shards: int
+                 ) -> int:
+  """The cache shard of query `index_in_source` of annotated file
+  `source_index`: a hash, so shards are even and hold every file."""
+  h = _mix64(np.array([(source_index << 40) ^ index_in_source], np.uint64))
+  return int(h[0] % np.uint64(num_shards))
+
+
+# -----------------------------------------------------------------------------
+# The manifest.
+# -----------------------------------------------------------------------------
+
+
+def read_manifest(cache_dir: str) -> dict[str, Any]:
+  """Parses and checks `<cache_dir>/manifest.json`.
+
+  Raises:
+    FileNotFoundError: no such directory or no manifest (not a finished
+      cache).
+    ValueError: a corrupt or incompatible manifest.
+  """
+  path = os.path.join(cache_dir, MANIFEST)
+  if not os.path.isdir(cache_dir):
+    raise FileNotFoundError(
+        f"query cache {cache_dir} does not exist; build it with `python -m "
+        "realm_jax.data.query_cache --annotated=... --output_dir=...`.")
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"{path} is missing: {cache_dir} is not a finished query cache (an "
+        "interrupted build?); rebuild it.")
+  try:
+    with open(path) as f:
+      manifest = json.load(f)
+    num_shards = int(manifest["num_shards"])
+    rows = [int(r) for r in manifest["shard_rows"]]
+    features = manifest["features"]
+    for name in examples_lib.REALM_QUERY_FEATURES:
+      np.dtype(features[name]["dtype"])
+      [int(d) for d in features[name]["shape"]]  # pylint: disable=expression-not-assigned
+  except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{path} is corrupt ({e!r}); rebuild the cache.") from e
+  if manifest.get("format_version") != FORMAT_VERSION:
+    raise ValueError(f"{path}: format_version "
+                     f"{manifest.get('format_version')} is not "
+                     f"{FORMAT_VERSION}; rebuild the cache.")
+  if len(rows) != num_shards or min(rows, default=0) < 1:
+    raise ValueError(f"{path}: shard_rows {rows} must list {num_shards} "
+                     "non-empty shards; the manifest is corrupt.")
+  if int(manifest.get("num_queries", -1)) != sum(rows):
+    raise ValueError(f"{path}: num_queries {manifest.get('num_queries')} is "
+                     f"not the sum of shard_rows ({sum(rows)}).")
+  return manifest
+
+
+def _open_shard(path: str, expected_rows: int):
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"query cache shard {path} is missing; the "
+                            "cache is incomplete: rebuild it.")
+  try:
+    reader = array_record_module.ArrayRecordReader(path, _READER_OPTIONS)
+  except (RuntimeError, ValueError, OSError) as e:
+    raise ValueError(f"query cache shard {path} is corrupt ({e}); rebuild "
+                     "the cache.") from e
+  if reader.num_records() != expected_rows:
+    found = reader.num_records()
+    reader.close()
+    raise ValueError(
+        f"query cache shard {path} holds {found} queries, its manifest says "
+        f"{expected_rows}: the shard and the manifest come from different "
+        "builds; rebuild the cache.")
+  return reader
+
+
+# -----------------------------------------------------------------------------
+# The reader.
+# -----------------------------------------------------------------------------
+
+
+class QueryStream:
+  """This host's rows of each step's global batch of REALM queries.
+
+  See the module docstring for the order. Attributes: `manifest`,
+  `query_config` (the masking the cache was built with), `shards` (the
+  shards this host reads).
+  """
+
+  def __init__(self, cache_dir: str, *, seed: int, batch_size: int,
+               process_index: int = 0, process_count: int = 1):
+    """Opens this host's shards of a cache written by `build_query_cache`.
+
+    Args:
+      cache_dir: the cache directory (local, or a mounted remote one).
+      seed: the run's data seed (the epochs' permutations).
+      batch_size: the GLOBAL batch size.
+      process_index, process_count: this host and the number of hosts.
+
+    Raises:
+      FileNotFoundError: a missing cache, manifest or shard.
+      ValueError: a corrupt cache, a shard that disagrees with the
+        manifest, or a host count that divides neither the shard count nor
+        the batch size.
+    """
+    if not io_utils.is_local(cache_dir):
+      raise ValueError(
+          f"query cache {cache_dir} is not on a local disk: ArrayRecord "
+          "reads local files; copy the cache (or this host's shards) to a "
+          "local disk or mount the bucket (gcsfuse).")
+    self.cache_dir = os.fspath(cache_dir)
+    self.manifest = read_manifest(self.cache_dir)
+    num_shards = int(self.manifest["num_shards"])
+    if not 0 <= process_index < process_count:
+      raise ValueError(f"process_index={process_index} is not in [0, "
+                       f"{process_count}).")
+    if num_shards % process_count:
+      raise ValueError(
+          f"{self.cache_dir} has {num_shards} shards, not a multiple of the "
+          f"{process_count} hosts (each host reads whole shards); rebuild "
+          "the cache with --num_shards a multiple of the host count.")
+    if batch_size < 1 or batch_size % process_count:
+      raise ValueError(f"batch_size={batch_size} must be a positive "
+                       f"multiple of the {process_count} hosts.")
+    self.seed, self.batch_size = int(seed), int(batch_size)
+    self.process_index, self.process_count = process_index, process_count
+    self.num_shards = num_shards
+    self.shard_rows = np.asarray(self.manifest["shard_rows"], np.int64)
+    self.features = {n: self.manifest["features"][n]
+                     for n in examples_lib.REALM_QUERY_FEATURES}
+    self.query_config = examples_lib.RealmQueryConfig(
+        **self.manifest["query_config"])
+    self.shards = list(range(process_index, num_shards, process_count))
+    self._readers = {k: self._open(k) for k in self.shards}
+    self._spec = None
+    self._keys: dict[tuple[int, int], np.ndarray] = {}
+
+  def _open(self, k: int):
+    return _open_shard(
+        os.path.join(self.cache_dir, shard_name(k, self.num_shards)),
+        int(self.shard_rows[k]))
+
+  def __len__(self) -> int:
+    return int(self.manifest["num_queries"])
+
+  def check(self, query_config: examples_lib.RealmQueryConfig | None = None,
+            vocab_sha256: str | None = None) -> None:
+    """Raises ValueError unless the cache was built with these settings."""
+    if query_config is not None and query_config != self.query_config:
+      raise ValueError(
+          f"{self.cache_dir} was built with {self.query_config}, the run "
+          f"asks for {query_config}; rebuild the cache with the run's "
+          "masking settings.")
+    if vocab_sha256 is not None and vocab_sha256 != self.manifest[
+        "vocab_sha256"]:
+      raise ValueError(f"{self.cache_dir} was tokenized with another "
+                       "vocabulary than the block store; rebuild it.")
+
+  def _key(self, shard: int, epoch: int) -> np.ndarray:
+    """Round keys of (shard, epoch), derived once (a few per step)."""
+    key = self._keys.get((shard, epoch))
+    if key is None:
+      if len(self._keys) > 4 * len(self.shards):
+        self._keys.clear()
+      key = self._keys[shard, epoch] = np.asarray(
+          _epoch_key(self.seed, shard, epoch), np.uint64)
+    return key
+
+  def _decode(self, records: Sequence[bytes]) -> dict[str, np.ndarray]:
+    if self._spec is None:
+      self._spec = _parse_spec(self.features)
+    return decode_queries(records, self.features, self._spec)
+
+  def positions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shard, row) of this host's queries of global batch `step`, in order
+    of global position."""
+    first = int(step) * self.batch_size
+    h, hosts = self.process_index, self.process_count
+    p = np.arange(first + (h - first) % hosts, first + self.batch_size,
+                  hosts, dtype=np.int64)
+    shard, j = p % self.num_shards, p // self.num_shards
+    rows_k = self.shard_rows[shard]
+    epoch, offset = j // rows_k, j % rows_k
+    keys = np.stack([self._key(k, e) for k, e in zip(shard.tolist(),
+                                                      epoch.tolist())])
+    row = permute(offset, rows_k, keys)
+    return shard, row
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """This host's `batch_size / process_count` queries of step `step`.
+
+    Returns:
+      query_ids, query_mask [b, query_length] int32; mlm_positions,
+      mlm_targets [b, max_masks] int32; mlm_weights [b, max_masks] float32;
+      source_doc_hash [b] int64 (as `examples.realm_query`, stacked).
+    """
+    shard, row = self.positions(step)
+    records: list[bytes] = [b""] * len(row)
+    for k in np.unique(shard).tolist():
+      at = np.flatnonzero(shard == k)
+      for i, record in zip(at, self._readers[k].read(row[at].tolist())):
+        records[i] = record
+    return self._decode(records)
+
+  def head(self, n: int) -> dict[str, np.ndarray]:
+    """The first n queries of the cache (shard 0 first; every host gets the
+    same ones; shards are hash-assigned, so shard 0 samples the corpus)."""
+    n = min(int(n), len(self))
+    records: list[bytes] = []
+    k = 0
+    while len(records) < n:
+      reader = self._readers.get(k) or self._open(k)
+      take = min(n - len(records), int(self.shard_rows[k]))
+      records += reader.read(0, take)
+      if k not in self._readers:
+        reader.close()
+      k += 1
+    return self._decode(records)
+
+  def close(self) -> None:
+    for reader in self._readers.values():
+      reader.close()
+    self._readers = {}
+
+
+# -----------------------------------------------------------------------------
+# The Beam job.
+# -----------------------------------------------------------------------------
+
+
+def _expand(patterns: Sequence[str]) -> list[str]:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  files = []
+  for pattern in patterns:
+    found = sorted(tf.io.gfile.glob(pattern))
+    if not found:
+      raise FileNotFoundError(f"no annotated file matches {pattern!r}.")
+    files += found
+  return files
+
+
+def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, int]:
+  """(shard, [(file, index, record)]) -> one ArrayRecord file; its stats."""
+  from apache_beam import metrics  # pylint: disable=g-import-not-at-top
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  k, rows = item
+  rows = sorted(rows, key=lambda r: (r[0], r[1]))
+  name = shard_name(k, num_shards)
+  local = io_utils.is_local(tmp_dir)
+  path = (os.path.join(tmp_dir, name) if local else
+          os.path.join(tempfile.mkdtemp(), name))
+  writer = array_record_module.ArrayRecordWriter(path, _WRITER_OPTIONS)
+  size = 0
+  for _, _, record in rows:
+    writer.write(record)
+    size += len(record)
+  writer.close()
+  if not local:
+    io_utils.copy_file(path, io_utils.join(tmp_dir, name))
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+  metrics.Metrics.counter("query_cache", "shards_written").inc()
+  logging.info("query cache: wrote shard %d of %d (%d queries, %d bytes)", k,
+               num_shards, len(rows), size)
+  return {"shard": k, "rows": len(rows), "bytes": size}
+
+
+def _preprocess_transform():
+  """`seqio.beam_utils.PreprocessTask` that names the file of a read error
+  and logs each file's query count."""
+  from seqio import beam_utils  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  class PreprocessAnnotated(beam_utils.PreprocessTask):
+
+    def _emit_examples(self, shard):
+      index, name = shard
+      count = 0
+      try:
+        for example in super()._emit_examples(shard):
+          count += 1
+          yield example
+      except tf.errors.OpError as e:
+        raise ValueError(
+            f"{name}: not a readable annotated TFRecord file ({e.message}); "
+            "re-run salient_spans on its source or remove it.") from e
+      log = logging.info if count else logging.warning
+      log("query cache: annotated file %d of %d (%s): %d queries", index + 1,
+          len(self.shards), name, count)
+
+  return PreprocessAnnotated
+
+
+def _to_record(example: dict[str, Any], num_shards: int):
+  from seqio import beam_utils  # pylint: disable=g-import-not-at-top
+  source = int(example[beam_utils.SOURCE_SHARD_ID_PROVENANCE_KEY])
+  index = int(example[beam_utils.ID_WITHIN_SHARD_PROVENANCE_KEY])
+  return (output_shard(source, index, num_shards),
+          (source, index, encode_query(example)))
+
+
+def build_query_cache(
+    annotated: str | Sequence[str],
+    output_dir: str,
+    *,
+    query_config: examples_lib.RealmQueryConfig = (
+        examples_lib.RealmQueryConfig()),
+    seed: int = 0,
+    num_shards: int = 8,
+    vocab_path: str | None = None,
+    lower_case: bool = True,
+    pipeline_args: Sequence[str] = (),
+    overwrite: bool = False,
+) -> dict[str, Any]:
+  """Annotated TFRecords -> a query cache directory (a Beam pipeline).
+
+  Args:
+    annotated: glob pattern(s) of annotated TFRecord files (a string may
+      hold several, comma-separated; ".gz" files are gzip).
+    output_dir: the cache directory to create.
+    query_config: lengths and masking mode.
+    seed: the masking seed (per-file seeds derive from it).
+    num_shards: output shards; a multiple of every host count the cache
+      will be read with. Each shard is sorted in one worker's memory
+      (~1.2 kB per query), so keep shards under ~1M queries.
+    vocab_path: BERT vocab.txt (default `tokenizer.default_vocab_path()`);
+      must be the block store's.
+    lower_case: as in `tokenizer.Tokenizer`.
+    pipeline_args: Beam pipeline options (`--runner=...`, ...); default
+      DirectRunner.
+    overwrite: replace an existing cache at `output_dir`.
+
+  Returns:
+    The manifest written.
+
+  Raises:
+    FileExistsError: `output_dir` exists and not `overwrite`.
+    FileNotFoundError: a pattern matches no file.
+    ValueError: a malformed input file (named), no query at all, or an empty
+      shard (use fewer shards).
+  """
+  import apache_beam as beam  # pylint: disable=g-import-not-at-top
+  from apache_beam.options import pipeline_options  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import tasks  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+
+  if num_shards < 1:
+    raise ValueError(f"num_shards={num_shards} must be >= 1.")
+  patterns = ([p for p in annotated.split(",") if p]
+              if isinstance(annotated, str) else list(annotated))
+  output_dir = io_utils.absolute(output_dir)
+  if io_utils.as_path(io_utils.join(output_dir, MANIFEST)).exists() or (
+      io_utils.is_local(output_dir) and os.path.exists(output_dir)):
+    if not overwrite:
+      raise FileExistsError(f"{output_dir} already exists; pass "
+                            "overwrite=True (--overwrite) or another path.")
+  files = _expand(patterns)
+  vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
+  spec = json.dumps([files, vocab_path, lower_case,
+                     dataclasses.asdict(query_config)], sort_keys=True)
+  task_name = ("realm_query_cache_" +
+               hashlib.sha256(spec.encode()).hexdigest()[:16])
+  register = dict(annotated_pattern=tuple(files), name=task_name,
+                  masking=query_config.masking, vocab_path=vocab_path,
+                  lower_case=lower_case, query_config=query_config,
+                  shuffle_buffer_size=None)
+  task = tasks.register_pretrain_task(**register)
+  tmp_dir = f"{output_dir}.tmp-{uuid.uuid4().hex[:12]}"
+  io_utils.makedirs(tmp_dir)
+  stats_path = io_utils.join(tmp_dir, "shard_stats.json")
+  logging.info("query cache: %d annotated files -> %d shards in %s",
+               len(files), num_shards, output_dir)
+  start = time.time()
+  try:
+    options = pipeline_options.PipelineOptions(list(pipeline_args))
+    with beam.Pipeline(options=options) as pipeline:
+      _ = (
+          pipeline
+          | "Queries" >> _preprocess_transform()(
+              task, "train", preprocessors_seed=seed, add_provenance=True,
+              setup_fn=_Register(register))
+          | "Encode" >> beam.Map(_to_record, num_shards)
+          | "Group" >> beam.GroupByKey()
+          | "Write" >> beam.Map(write_shard, tmp_dir=tmp_dir,
+                                num_shards=num_shards)
+          | "Collect" >> beam.combiners.ToList()
+          | "Stats" >> beam.Map(lambda s: io_utils.atomic_write_text(
+              stats_path, json.dumps(s))))
+    stats = (json.loads(io_utils.read_text(stats_path))
+             if io_utils.as_path(stats_path).exists() else [])
+    io_utils.remove(stats_path)
+    manifest = finish_cache(
+        tmp_dir, output_dir, stats, num_shards=num_shards,
+        query_config=query_config, seed=seed,
+        vocab_sha256=_sha256(vocab_path), source_files=files,
+        extra={"lower_case": lower_case, "seqio_task": task_name,
+               "build_seconds": round(time.time() - start, 1)})
+  except BaseException:
+    io_utils.remove(tmp_dir)
+    raise
+  logging.info("query cache %s: %d queries in %d shards (%.0f s)", output_dir,
+               manifest["num_queries"], num_shards, time.time() - start)
+  return manifest
+
+
+def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
+                 *, num_shards: int,
+                 query_config: examples_lib.RealmQueryConfig, seed: int,
+                 vocab_sha256: str, source_files: Sequence[str],
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Writes the manifest of the shards in `tmp_dir` and publishes them.
+
+  Args:
+    tmp_dir: holds the shards (`write_shard` of each).
+    output_dir: where the cache appears.
+    stats: what `write_shard` returned, one per non-empty shard.
+    num_shards, query_config, seed, vocab_sha256, source_files: for the
+      manifest.
+    extra: more manifest entries.
+
+  Returns:
+    The manifest.
+
+  Raises:
+    ValueError: no query at all, or a shard without queries.
+  """
+  by_shard = {int(s["shard"]): s for s in stats}
+  total = sum(s["rows"] for s in stats)
+  if not total:
+    raise ValueError(f"{list(source_files)}: no REALM queries (no sentence "
+                     "with a usable salient span).")
+  empty = sorted(set(range(num_shards)) - set(by_shard))
+  if empty:
+    raise ValueError(
+        f"{len(empty)} of {num_shards} shards got no query ({total} queries "
+        "in all); build the cache with fewer --num_shards.")
+  manifest = {
+      "format_version": FORMAT_VERSION,
+      "num_shards": num_shards,
+      "num_queries": total,
+      "shard_rows": [by_shard[k]["rows"] for k in range(num_shards)],
+      "shard_bytes": [by_shard[k]["bytes"] for k in range(num_shards)],
+      "shard_files": [shard_name(k, num_shards) for k in range(num_shards)],
+      "record_format": "tf.train.Example; ArrayRecord " + _WRITER_OPTIONS,
+      "features": query_features(query_config),
+      "query_config": dataclasses.asdict(query_config),
+      "seed": seed,
+      "vocab_sha256": vocab_sha256,
+      "source_files": list(source_files),
+      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      **(extra or {}),
+  }
+  _publish(tmp_dir, output_dir, manifest)
+  return manifest
+
+
+class _Register:
+  """Registers the task on a Beam worker (a process without the driver's
+  seqio registry); picklable."""
+
+  def __init__(self, kwargs: dict[str, Any]):
+    self.kwargs = kwargs
+
+  def __call__(self) -> None:
+    from realm_jax.data import tasks  # pylint: disable=g-import-not-at-top
+    tasks.register_pretrain_task(**self.kwargs)
+
+
+def _publish(tmp_dir: str, output_dir: str, manifest: dict[str, Any]) -> None:
+  """Manifest last, then the directory appears at `output_dir` at once."""
+  text = json.dumps(manifest, indent=1)
+  if io_utils.is_local(output_dir):
+    io_utils.atomic_write_text(os.path.join(tmp_dir, MANIFEST), text)
+    QueryStream(tmp_dir, seed=0, batch_size=manifest["num_shards"],
+                process_count=1).close()  # refuse to publish what cannot be read
+    io_utils.replace_local_dir(tmp_dir, output_dir)
+    return
+  # No atomic rename on object stores: readers need the manifest, so it
+  # goes last.
+  io_utils.remove(output_dir)
+  io_utils.makedirs(output_dir)
+  for name in manifest["shard_files"]:
+    io_utils.copy_file(io_utils.join(tmp_dir, name),
+                       io_utils.join(output_dir, name))
+  io_utils.atomic_write_text(io_utils.join(output_dir, MANIFEST), text)
+  io_utils.remove(tmp_dir)
+
+
+# -----------------------------------------------------------------------------
+# Command line.
+# -----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str]) -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  config = examples_lib.RealmQueryConfig(
+      query_length=f.query_length, max_masks=f.max_masks,
+      mask_limit=f.mask_limit or f.query_length - 2, masking=f.masking)
+  manifest = build_query_cache(
+      f.annotated, f.output_dir, query_config=config, seed=f.seed,
+      num_shards=f.num_shards, vocab_path=f.vocab_path,
+      pipeline_args=list(argv[1:]), overwrite=f.overwrite)
+  print(json.dumps({k: manifest[k] for k in ("num_shards", "num_queries",
+                                             "build_seconds")}))
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string("annotated", None,
+                      "Annotated TFRecord glob pattern(s), comma-separated.")
+  flags.DEFINE_string("output_dir", None, "The query cache directory.")
+  flags.DEFINE_integer("num_shards", 64, "Output shards: a multiple of the "
+                       "host count; ~1M queries per shard at most.")
+  flags.DEFINE_integer("seed", 0, "Masking seed.")
+  flags.DEFINE_enum("masking", "salient", list(examples_lib.MASKING_MODES),
+                    "Masking mode (REALM: salient).")
+  flags.DEFINE_integer("query_length", 96, "Wordpieces of a query.")
+  flags.DEFINE_integer("max_masks", 10, "Masked targets per query at most.")
+  flags.DEFINE_integer("mask_limit", 0, "Masks end before this position "
+                       "(0: query_length - 2, as in REALM).")
+  flags.DEFINE_string("vocab_path", None, "BERT vocab.txt (default: BERT "
+                      "uncased); the block store's.")
+  flags.DEFINE_bool("overwrite", False, "Replace an existing cache.")
+  flags.mark_flags_as_required(["annotated", "output_dir"])
+  # Flags this module does not define are Beam pipeline options.
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(argv, known_only=True))

@@ -1,0 +1,286 @@
+"""Tests of realm_jax.data.query_cache: the Beam job and QueryStream."""
+
+import collections
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from realm_jax.data import blocks
+from realm_jax.data import examples as ex
+from realm_jax.data import query_cache as qc
+from realm_jax.data import salient_spans as ss
+from realm_jax.data import tokenizer as tokenizer_lib
+
+CONFIG = ex.RealmQueryConfig()
+
+
+def _fake_queries(first: int, n: int) -> list[dict[str, np.ndarray]]:
+  """Queries whose source_doc_hash is a unique id (first, first+1, ...)."""
+  out = []
+  for i in range(first, first + n):
+    rng = np.random.default_rng(i)
+    out.append({
+        "query_ids": rng.integers(0, 30000, 96).astype(np.int32),
+        "query_mask": (np.arange(96) < 20).astype(np.int32),
+        "mlm_positions": np.arange(1, 11, dtype=np.int32),
+        "mlm_targets": rng.integers(0, 30000, 10).astype(np.int32),
+        "mlm_weights": (np.arange(10) < 3).astype(np.float32),
+        "source_doc_hash": np.int64(i),
+    })
+  return out
+
+
+def write_fake_cache(path, rows_per_shard, seed=0):
+  """A cache without Beam: shard k holds the given number of fake queries."""
+  tmp = f"{path}.tmp"
+  os.makedirs(tmp)
+  stats, first = [], 0
+  for k, n in enumerate(rows_per_shard):
+    records = [(0, i, qc.encode_query(q))
+               for i, q in enumerate(_fake_queries(first, n))]
+    first += n
+    stats.append(qc.write_shard((k, records), tmp_dir=tmp,
+                                num_shards=len(rows_per_shard)))
+  return qc.finish_cache(tmp, str(path), stats,
+                         num_shards=len(rows_per_shard), query_config=CONFIG,
+                         seed=seed, vocab_sha256="0" * 64,
+                         source_files=["fake"])
+
+
+@pytest.fixture(scope="module")
+def fake_cache(tmp_path_factory):
+  path = tmp_path_factory.mktemp("fake") / "cache"
+  write_fake_cache(path, [13, 11, 12, 9])
+  return str(path)
+
+
+def _ids(batch):
+  return batch["source_doc_hash"].tolist()
+
+
+def test_permute_is_a_bijection():
+  for n in (1, 2, 3, 7, 64, 1000, 4097):
+    for key in ([1, 2, 3, 4], [5, 6, 7, 8]):
+      assert sorted(qc.permute(np.arange(n), n, key).tolist()) == list(
+          range(n))
+  # Two epochs' orders agree no more than chance does.
+  a = qc.permute(np.arange(1000), 1000, qc._epoch_key(0, 0, 0))
+  b = qc.permute(np.arange(1000), 1000, qc._epoch_key(0, 0, 1))
+  assert np.mean(a == b) < 0.01
+
+
+def test_batch_shapes_dtypes_and_head(fake_cache):
+  stream = qc.QueryStream(fake_cache, seed=3, batch_size=8)
+  assert len(stream) == 45
+  batch = stream.batch(0)
+  expected = {"query_ids": (np.int32, (8, 96)),
+              "query_mask": (np.int32, (8, 96)),
+              "mlm_positions": (np.int32, (8, 10)),
+              "mlm_targets": (np.int32, (8, 10)),
+              "mlm_weights": (np.float32, (8, 10)),
+              "source_doc_hash": (np.int64, (8,))}
+  assert {k: (v.dtype.type, v.shape) for k, v in batch.items()} == expected
+  # Rows decode to what was written.
+  queries = {int(q["source_doc_hash"]): q for q in _fake_queries(0, 45)}
+  for i, doc in enumerate(_ids(batch)):
+    for name in expected:
+      np.testing.assert_array_equal(batch[name][i], queries[doc][name])
+  head = stream.head(20)
+  assert _ids(head) == list(range(20))  # shard 0 (13 rows), then shard 1
+  assert len(_ids(stream.head(100))) == 45
+  assert stream.query_config == CONFIG
+  stream.check(query_config=CONFIG)
+  with pytest.raises(ValueError, match="masking settings"):
+    stream.check(query_config=ex.RealmQueryConfig(masking="random_spans"))
+
+
+def test_deterministic_by_step_and_resume(fake_cache):
+  a = qc.QueryStream(fake_cache, seed=1, batch_size=8)
+  steps = [_ids(a.batch(s)) for s in range(12)]
+  b = qc.QueryStream(fake_cache, seed=1, batch_size=8)  # a restarted run
+  assert [_ids(b.batch(s)) for s in (7, 3, 11)] == [steps[7], steps[3],
+                                                     steps[11]]
+  c = qc.QueryStream(fake_cache, seed=2, batch_size=8)
+  assert [_ids(c.batch(s)) for s in range(12)] != steps
+
+
+@pytest.mark.parametrize("batch_size", [8, 12])
+def test_same_global_batches_for_any_host_count(fake_cache, batch_size):
+  def global_batches(hosts):
+    streams = [qc.QueryStream(fake_cache, seed=5, batch_size=batch_size,
+                              process_index=h, process_count=hosts)
+               for h in range(hosts)]
+    assert sorted(k for s in streams for k in s.shards) == [0, 1, 2, 3]
+    out = []
+    for step in range(10):
+      parts = [_ids(s.batch(step)) for s in streams]
+      assert all(len(p) == batch_size // hosts for p in parts)
+      out.append(collections.Counter(i for p in parts for i in p))
+    return out
+
+  one = global_batches(1)
+  assert global_batches(2) == one
+  assert global_batches(4) == one
+
+
+def test_epochs_wrap_per_shard(fake_cache):
+  # Batch 8 over 4 shards: 2 rows of each shard per step. Shard 3 (9 rows,
+  # ids 36..44) wraps after 4.5 steps; every epoch is a permutation.
+  stream = qc.QueryStream(fake_cache, seed=0, batch_size=8)
+  seen = [i for s in range(18) for i in _ids(stream.batch(s)) if i >= 36]
+  assert len(seen) == 36
+  epochs = [seen[e * 9:(e + 1) * 9] for e in range(4)]
+  assert all(sorted(e) == list(range(36, 45)) for e in epochs)
+  assert len({tuple(e) for e in epochs}) == 4  # a new order each epoch
+
+
+def test_reader_errors(fake_cache, tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    qc.QueryStream(str(tmp_path / "nope"), seed=0, batch_size=8)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="manifest.json is missing"):
+    qc.QueryStream(str(tmp_path / "empty"), seed=0, batch_size=8)
+  with pytest.raises(ValueError, match="not a multiple of the 3 hosts"):
+    qc.QueryStream(fake_cache, seed=0, batch_size=6, process_count=3)
+  with pytest.raises(ValueError, match="multiple of the 2 hosts"):
+    qc.QueryStream(fake_cache, seed=0, batch_size=7, process_count=2)
+
+  broken = tmp_path / "broken"
+  write_fake_cache(broken, [3, 4])
+  manifest = json.loads((broken / "manifest.json").read_text())
+  # A shard from another build: the counts disagree.
+  manifest["shard_rows"] = [4, 3]
+  (broken / "manifest.json").write_text(json.dumps(manifest))
+  with pytest.raises(ValueError, match=r"00000-of-00002.*holds 3 queries.*"
+                     "manifest says 4"):
+    qc.QueryStream(str(broken), seed=0, batch_size=2)
+  manifest["shard_rows"] = [3, 4]
+  manifest["format_version"] = 99
+  (broken / "manifest.json").write_text(json.dumps(manifest))
+  with pytest.raises(ValueError, match="format_version"):
+    qc.QueryStream(str(broken), seed=0, batch_size=2)
+  (broken / "manifest.json").write_text("{not json")
+  with pytest.raises(ValueError, match="corrupt"):
+    qc.QueryStream(str(broken), seed=0, batch_size=2)
+  manifest["format_version"] = qc.FORMAT_VERSION
+  (broken / "manifest.json").write_text(json.dumps(manifest))
+  os.remove(broken / qc.shard_name(1, 2))
+  with pytest.raises(FileNotFoundError, match="00001-of-00002.*missing"):
+    qc.QueryStream(str(broken), seed=0, batch_size=2)
+  # Host 0 of 2 reads shard 0 only, so it opens.
+  qc.QueryStream(str(broken), seed=0, batch_size=2, process_count=2)
+
+
+# -------------------------------------------------------- the Beam job ----
+
+
+def _document(k: int) -> ss.AnnotatedDocument:
+  """An article of 3 sentences; the first two have salient spans."""
+  sentences = [(f"Person{k} Smith was born in City{k} in {1800 + k}.",
+                [f"Person{k} Smith", f"City{k}", f"{1800 + k}"]),
+               (f"The river Flow{k} runs through the valley.", [f"Flow{k}"]),
+               ("Nothing salient happens here.", [])]
+  text = " ".join(s for s, _ in sentences)
+  data = text.encode()
+  s_starts, s_limits, p_starts, p_limits = [], [], [], []
+  for sentence, subs in sentences:
+    start = data.index(sentence.encode())
+    s_starts.append(start)
+    s_limits.append(start + len(sentence.encode()))
+    for sub in subs:
+      p = start + sentence.encode().index(sub.encode())
+      p_starts.append(p)
+      p_limits.append(p + len(sub.encode()))
+  return ss.AnnotatedDocument(f"Article {k}", text, tuple(s_starts),
+                              tuple(s_limits), tuple(p_starts),
+                              tuple(p_limits))
+
+
+@pytest.fixture(scope="module")
+def annotated(tmp_path_factory):
+  root = tmp_path_factory.mktemp("annotated")
+  docs = [_document(k) for k in range(24)]
+  ss.write_annotated(str(root / "part-0.tfr.gz"), docs[:10])
+  ss.write_annotated(str(root / "part-1.tfr.gz"), docs[10:])
+  return root
+
+
+@pytest.fixture(scope="module")
+def beam_cache(annotated, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("beam") / "cache")
+  manifest = qc.build_query_cache(str(annotated / "part-*.tfr.gz"), out,
+                                  num_shards=4, seed=7)
+  return out, manifest
+
+
+def test_beam_job_end_to_end(beam_cache, annotated):
+  out, manifest = beam_cache
+  tok = tokenizer_lib.Tokenizer()
+  assert manifest["num_queries"] == 48  # 2 sentences with spans x 24
+  assert sorted(os.listdir(out)) == sorted(manifest["shard_files"] +
+                                           ["manifest.json"])
+  assert not [p for p in os.listdir(os.path.dirname(out)) if ".tmp-" in p]
+  assert manifest["query_config"] == {
+      "query_length": 96, "max_masks": 10, "mask_limit": 94,
+      "masking": "salient", "random_token_rate": 0.15, "span_length_p": 0.2}
+  assert manifest["source_files"] == [str(annotated / "part-0.tfr.gz"),
+                                      str(annotated / "part-1.tfr.gz")]
+  with open(tok.vocab_path, "rb") as f:
+    assert manifest["vocab_sha256"] == hashlib.sha256(f.read()).hexdigest()
+  stream = qc.QueryStream(out, seed=0, batch_size=8)
+  queries = stream.head(48)
+  sentences = {}  # doc hash -> the wordpieces of its sentences with spans
+  for k in range(24):
+    doc = _document(k)
+    texts = [s.decode() for _, s, spans in doc.sentences_with_spans()
+             if spans]
+    sentences[blocks.title_hash(doc.title)] = {
+        tuple(ids.tolist()) for ids, _, _ in tok.tokenize_with_offsets(texts)}
+  assert collections.Counter(queries["source_doc_hash"].tolist()) == {
+      h: 2 for h in sentences}
+  restored_all = collections.Counter()
+  for i in range(48):
+    n = int(queries["mlm_weights"][i].sum())
+    assert 1 <= n <= 10
+    positions = queries["mlm_positions"][i][:n]
+    assert (queries["query_ids"][i][positions] == tok.mask_id).all()
+    restored = queries["query_ids"][i].copy()
+    restored[positions] = queries["mlm_targets"][i][:n]
+    length = int(queries["query_mask"][i].sum())
+    assert restored[0] == tok.cls_id and restored[length - 1] == tok.sep_id
+    doc_hash = int(queries["source_doc_hash"][i])
+    assert tuple(restored[1:length - 1].tolist()) in sentences[doc_hash]
+    restored_all[(doc_hash, tuple(restored[1:length - 1].tolist()))] += 1
+  assert len(restored_all) == 48  # every sentence with a span, once
+
+
+def test_beam_job_is_deterministic(beam_cache, annotated, tmp_path):
+  out, manifest = beam_cache
+  again = qc.build_query_cache(str(annotated / "part-*.tfr.gz"),
+                               str(tmp_path / "again"), num_shards=4, seed=7)
+  assert again["shard_rows"] == manifest["shard_rows"]
+  for name in manifest["shard_files"]:
+    with open(os.path.join(out, name), "rb") as a, open(
+        tmp_path / "again" / name, "rb") as b:
+      assert a.read() == b.read()
+
+
+def test_beam_job_errors(beam_cache, annotated, tmp_path):
+  out, _ = beam_cache
+  pattern = str(annotated / "part-*.tfr.gz")
+  with pytest.raises(FileExistsError, match="already exists"):
+    qc.build_query_cache(pattern, out, num_shards=4)
+  with pytest.raises(FileNotFoundError, match="no annotated file matches"):
+    qc.build_query_cache(str(tmp_path / "none-*"), str(tmp_path / "c"))
+  bad = tmp_path / "bad.tfr"
+  bad.write_bytes(b"this is not a TFRecord file" * 10)
+  with pytest.raises(Exception, match="bad.tfr: not a readable annotated"):
+    qc.build_query_cache(str(bad), str(tmp_path / "c"))
+  with pytest.raises(ValueError, match="shards got no query"):
+    qc.build_query_cache(str(annotated / "part-0.tfr.gz"),
+                         str(tmp_path / "c"), num_shards=64)
+  # Nothing half-written is left behind.
+  assert not [p for p in os.listdir(tmp_path) if p.startswith("c")]
