@@ -213,6 +213,7 @@ def _retriever(model: str, dtype: str):
   from realm_jax.checkpoint_import import importers
   from realm_jax.data import tokenizer
   from realm_jax.model import bert as bert_lib
+  from realm_jax.model import cpu
   from realm_jax.model import functional
   from realm_jax.model import realm
 
@@ -231,9 +232,10 @@ def _retriever(model: str, dtype: str):
     config = realm.RetrieverConfig(bert=bert_lib.BertConfig(),
                                    projection_size=128, pooling="pooler")
     _, params = functional.init(lambda r: realm.Retriever(config, rngs=r))
-  # As embed_block_store(bfloat16=True) does: compute dtype only.
-  config = dataclasses.replace(
-      config, bert=dataclasses.replace(config.bert, dtype=dtype))
+  # As embed_block_store(bfloat16=True) does: compute dtype only. The CPU
+  # options too, as a CPU index builder with models/cpu.gin runs.
+  config = cpu.for_cpu(dataclasses.replace(
+      config, bert=dataclasses.replace(config.bert, dtype=dtype)))
   return config, params
 
 

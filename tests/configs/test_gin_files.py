@@ -9,6 +9,7 @@ import pytest
 from realm_jax import gin_cli
 from realm_jax.eval import qa_eval
 from realm_jax.index import builder
+from realm_jax.model import cpu as model_cpu
 from realm_jax.model import realm
 from realm_jax.training import finetune, ict, pretrain, qa_inputs
 
@@ -129,6 +130,8 @@ def test_cpu_tuning_only_in_cpu_experiments(path, monkeypatch):
         model.reader.span_head_batching}
     assert options == ({"per_sequence", 16, "per_row"} if cpu
                        else {"whole_batch", 32})
+    # cpu.gin and realm_jax.model.cpu (for Python entry points) agree.
+    assert (model_cpu.for_cpu(model) == model) == cpu
     assert gin_cli.gin_asks_for_cpu_xla_flag() == cpu
     gin_cli.apply_gin_xla_flags()
     assert (gin_cli.CPU_XLA_FLAG in os.environ.get("XLA_FLAGS", "")) == cpu

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from realm_jax.model import bert as bert_lib
+from realm_jax.model import cpu
 from realm_jax.model import functional
 from realm_jax.model.bert import Bert, BertConfig
 from realm_jax.model.realm import (Embedder, Reader, ReaderConfig, Realm,
@@ -63,6 +64,18 @@ def test_defaults_are_the_plain_implementations():
   assert BertConfig().attention_batching == "whole_batch"
   assert BertConfig().dropout_mask_bits == 32
   assert ReaderConfig().span_head_batching == "whole_batch"
+
+
+def test_for_cpu_sets_every_option_in_every_tower():
+  tuned = cpu.for_cpu(tiny.tiny_realm())
+  for bert in (tuned.retriever.bert, tuned.reader.bert):
+    assert (bert.attention_batching, bert.dropout_mask_bits) == (
+        "per_sequence", 16)
+  assert tuned.reader.span_head_batching == "per_row"
+  # Only the options change.
+  assert tuned.reader.span_hidden_size == 8
+  assert tuned.retriever.projection_size == 16
+  assert cpu.for_cpu(tiny.tiny_bert()) == tuned.reader.bert
 
 
 def test_per_sequence_attention_only_for_batches_that_miss_the_cache():
