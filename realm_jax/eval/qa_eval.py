@@ -50,8 +50,7 @@ import jax
 from realm_jax.core import checkpoints, io_utils, parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
-from realm_jax.eval.qa_model import (QAModel, QAResult, load_qa_index,
-                                     load_qa_model)
+from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
 from realm_jax.index import publish
 from realm_jax.model.realm import RealmConfig
 from realm_jax.training import qa_inputs
@@ -488,7 +487,8 @@ def _job(dry_run: bool) -> None:
   result = module.run_eval_job(
       checkpoint_dir=checkpoint_dir, output_dir=output_dir,
       examples=examples, model_config=model_config,
-      index=load_qa_index(index_dir, store, model_config, index_step),
+      index=publish.load_frozen_index(index_dir, store, model_config,
+                                      step=index_step, what="--index_dir"),
       store=store, qa_config=qa_config, config=config, mesh=kwargs["mesh"],
       steps=None if f.step < 0 else [f.step],
       timeout=f.timeout_seconds or None)

@@ -183,24 +183,6 @@ def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
   return core.unflatten(out)
 
 
-def load_qa_index(index_dir: str, store, model_config: RealmConfig,
-                  step: int | None = None) -> publish.PublishedIndex:
-  """A published index checked against the block store and the model.
-
-  Args:
-    index_dir: an index root (`<step>/` + LATEST), or a directory holding
-      one as `index/` (a pre-training workdir), as fine-tuning accepts.
-    store: the block store.
-    model_config: the model (embedding size).
-    step: the index step; None = LATEST.
-
-  Raises:
-    publish.IndexRejectedError: nothing published, corrupt, or built for
-      another corpus or embedding size.
-  """
-  return publish.load_frozen_index(index_dir, store, model_config, step=step)
-
-
 class QAModel:
   """Answers questions with REALM over a frozen published index.
 
@@ -490,7 +472,8 @@ def load_qa_model(*, model_config: RealmConfig, store,
     step: checkpoint step (default: the newest).
     init_from: imported weights instead of a checkpoint (see
       `realm_jax.training.init`).
-    index_dir: published index root (overrides the workdir's).
+    index_dir: published index root, or a directory holding one as
+      `index/` (overrides the workdir's).
     index_step: index step (default: LATEST).
     **kwargs: more `QAModel` arguments (qa_config, mesh, batch_size, ...).
 
@@ -509,8 +492,8 @@ def load_qa_model(*, model_config: RealmConfig, store,
   if init_from:
     return QAModel.from_init(
         init_from, model_config=model_config, store=store,
-        index=load_qa_index(index_dir, store, model_config, index_step),
-        **kwargs)
+        index=publish.load_frozen_index(index_dir, store, model_config,
+                                        step=index_step), **kwargs)
   if not checkpoint_dir:
     raise ValueError("No weights: give workdir, checkpoint_dir or init_from.")
   if step is None:
@@ -524,6 +507,6 @@ def load_qa_model(*, model_config: RealmConfig, store,
       index_step = None
   return QAModel.from_checkpoint(
       checkpoint_dir, step, model_config=model_config, store=store,
-      index=load_qa_index(index_dir, store, model_config, index_step),
-      **kwargs)
+      index=publish.load_frozen_index(index_dir, store, model_config,
+                                      step=index_step), **kwargs)
 

@@ -18,7 +18,7 @@ from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval, qa_model
-from realm_jax.index import builder
+from realm_jax.index import builder, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
@@ -54,7 +54,7 @@ def setup(tmp_path_factory):
       retriever_params=params["retriever"], retriever_config=config.retriever,
       store=store, root=str(workdir / "index"), step=0,
       config=builder.BuilderConfig(searcher_kind="exact"))
-  index = qa_model.load_qa_index(str(workdir / "index"), store, config)
+  index = publish.load_frozen_index(str(workdir / "index"), store, config)
   model = qa_model.QAModel(config, params, index, store, QA_CONFIG,
                            batch_size=4)
   return dict(store=store, config=config, params=params, graphdef=graphdef,
