@@ -99,6 +99,7 @@ def write_questions(store, path: str, n: int, seed: int = 0) -> None:
 
 def model_config(name: str):
   import dataclasses  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import cpu  # pylint: disable=g-import-not-at-top
   from realm_jax.model.bert import BertConfig  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig  # pylint: disable=g-import-not-at-top
   if name == "tiny":
@@ -110,9 +111,9 @@ def model_config(name: str):
                       intermediate_size=1536, gelu_approximate=False)
     retriever = RetrieverConfig(bert=bert, projection_size=None,
                                 pooling="mean", normalize=True)
-  return RealmConfig(retriever=retriever,
-                     reader=ReaderConfig(bert=dataclasses.replace(bert),
-                                         mlm_head=False))
+  return cpu.for_cpu(RealmConfig(
+      retriever=retriever,
+      reader=ReaderConfig(bert=dataclasses.replace(bert), mlm_head=False)))
 
 
 def publish_random_index(store, root: str, dim: int) -> None:

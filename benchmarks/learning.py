@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 
 from realm_jax import gin_cli  # pylint: disable=wrong-import-position
 
-gin_cli.default_xla_flags()
+gin_cli.add_cpu_xla_flag()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 CONDITIONS = ("init", "ict", "realm", "frozen", "stale30", "random_masks",

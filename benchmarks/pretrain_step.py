@@ -65,6 +65,7 @@ def step_flops(cfg, batch: int, cands: int, masks: int, lq=96, ld=288,
 
 def build(name: str):
   import dataclasses  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import cpu  # pylint: disable=g-import-not-at-top
   from realm_jax.model.bert import BertConfig  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig  # pylint: disable=g-import-not-at-top
   if name == "tiny":
@@ -76,9 +77,9 @@ def build(name: str):
                       intermediate_size=1536, gelu_approximate=False)
     retriever = RetrieverConfig(bert=bert, projection_size=None,
                                 pooling="mean", normalize=True)
-  return RealmConfig(retriever=retriever,
-                     reader=ReaderConfig(bert=dataclasses.replace(bert),
-                                         span_head=False))
+  return cpu.for_cpu(RealmConfig(
+      retriever=retriever,
+      reader=ReaderConfig(bert=dataclasses.replace(bert), span_head=False)))
 
 
 def time_steps(cfg, batch_size: int, steps: int, seconds: float | None = None):
@@ -92,8 +93,8 @@ def time_steps(cfg, batch_size: int, steps: int, seconds: float | None = None):
   mesh = parallel.make_mesh()
   tx = optimizer.bert_optimizer(learning_rate=1e-4, num_train_steps=1000)
   step = loop.make_train_step(pretrain.make_loss_fn(graphdef), tx, mesh)
-  state = {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
-           "opt_state": tx.init(params)}
+  state = loop.TrainState(jax.numpy.zeros((), jax.numpy.int32), params,
+                          tx.init(params))
   batch = tiny.random_pretraining_batch(
       np.random.default_rng(0), batch=batch_size, candidates=8,
       query_len=96, doc_len=288, num_masks=10,

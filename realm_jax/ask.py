@@ -99,6 +99,7 @@ def main(argv: Sequence[str]) -> None:
   # `--gin.X=Y` arguments, which absl cannot define, were left out of argv.
   _, bindings = gin_cli.split_gin_flags(sys.argv)
   gin_cli.parse(f.gin_file, list(f.gin_bindings) + bindings)
+  gin_cli.apply_gin_xla_flags()  # Before any JAX work (models/cpu.gin).
   model_config = qa_eval.configured(RealmConfig)
   qa_config = qa_eval.configured(qa_inputs.QAConfig)
   store = block_store.BlockStore.open(f.block_store)
@@ -119,6 +120,5 @@ def main(argv: Sequence[str]) -> None:
 if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.default_xla_flags()
   _define_flags()
   app.run(main, argv=gin_cli.split_gin_flags(sys.argv)[0])

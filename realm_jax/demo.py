@@ -30,7 +30,7 @@ import os
 from realm_jax import gin_cli
 
 # Faster XLA CPU dots on jax 0.10 (see BUILD.md); set before JAX starts.
-gin_cli.default_xla_flags()
+gin_cli.add_cpu_xla_flag()  # The demo is a CPU run.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -49,6 +49,7 @@ from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.index import builder as builder_lib
+from realm_jax.model import cpu
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig
 from realm_jax.training import finetune, pretrain, qa_inputs
@@ -123,11 +124,11 @@ def demo_realm_config(name: str, span_head: bool = False) -> RealmConfig:
     bert = BertConfig(vocab_size=30522, hidden_size=384, num_layers=6,
                       num_heads=12, intermediate_size=1536,
                       gelu_approximate=False)
-  return RealmConfig(
+  return cpu.for_cpu(RealmConfig(
       retriever=RetrieverConfig(bert=bert, projection_size=None,
                                 pooling="mean", normalize=True,
                                 null_score="learned"),
-      reader=ReaderConfig(bert=bert, span_head=span_head))
+      reader=ReaderConfig(bert=bert, span_head=span_head)))
 
 
 class _BuilderThread(threading.Thread):

@@ -45,10 +45,6 @@ def add_cpu_xla_flag() -> None:
                       CPU_XLA_FLAG)
 
 
-# The name the Python entry points used before the flag became opt-in.
-default_xla_flags = add_cpu_xla_flag
-
-
 def cpu_xla_flag(enabled: bool = False) -> bool:
   """Whether the operative gin config asks for `CPU_XLA_FLAG`.
 

@@ -79,6 +79,12 @@ def host_copy(tree):
   return jax.tree_util.tree_map(one, tree)
 
 
+def local_rows(array: jax.Array) -> np.ndarray:
+  """This process's rows of a batch-sharded global array, in order."""
+  shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start)
+  return np.concatenate([np.asarray(s.data) for s in shards])
+
+
 def data_parallel(fn: Callable[..., Any], mesh: Mesh | None, *, in_specs,
                   out_specs) -> Callable[..., Any]:
   """`fn` compiled to run pmap-style over the `data` axis of `mesh`.

@@ -101,13 +101,6 @@ def _retrying(fn: Callable[[], Any], what: str, config: BuilderConfig):
       time.sleep(delay)
 
 
-# Transitional names: the workdir layout and the step listing are
-# `realm_jax.core.checkpoints`'; these stay until the callers outside this
-# package that still use them (pre-training, a few tests) are switched.
-index_root = checkpoints.index_root
-finalized_steps = checkpoints.finalized_steps
-
-
 def build_and_publish(*, retriever_params: Any,
                       retriever_config: RetrieverConfig, store, root: str,
                       step: int, config: BuilderConfig = BuilderConfig(),

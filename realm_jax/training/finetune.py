@@ -46,10 +46,8 @@ blocks and the gold spans like any other answer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import json
 import math
 import re
 import time
@@ -61,20 +59,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from realm_jax.core import lease as lease_lib
-from realm_jax.core import distributed, io_utils
+from realm_jax.core import distributed, parallel
 from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import pretrain, qa_inputs
-from realm_jax.core import checkpoints, parallel
 from realm_jax.training import init as init_lib
+from realm_jax.training import loop, pretrain, qa_inputs
 from realm_jax.training import optimizer as optimizer_lib
-from realm_jax.core import preemption
-from realm_jax.training import loop
 
 # Batch features the per-core step reads (retrieved ids stay on the host).
 DEVICE_FEATURES = ("question_ids", "question_mask", "retrieved_embeddings",
@@ -142,9 +136,9 @@ class FinetuneConfig:
   reader_length: int = 320
   max_span_width: int | None = None
   index_step: int | None = None
-  checkpoint_every: int = 500
+  checkpoint_every: int = 1000
   keep_checkpoints: int = 5
-  log_every: int = 10
+  log_every: int = 100
   seed: int = 0
 
   def __post_init__(self):
@@ -157,11 +151,6 @@ class FinetuneConfig:
       raise ValueError("FinetuneConfig.num_train_steps must be >= 1.")
     if self.num_epochs is not None and self.num_epochs <= 0:
       raise ValueError("FinetuneConfig.num_epochs must be > 0.")
-    if self.batch_size < 1 or self.batch_size % jax.device_count():
-      raise ValueError(
-          f"batch_size={self.batch_size} does not divide over "
-          f"{jax.device_count()} devices; use a multiple of the device "
-          "count.")
     if self.learning_rate <= 0:
       raise ValueError("FinetuneConfig.learning_rate must be > 0.")
     for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
@@ -191,9 +180,10 @@ class FinetuneConfig:
 class QuestionSet:
   """Tokenized training questions and their answers, batched by step.
 
-  The order is `pretrain.QuerySet`'s: the global batch of step s is a pure
-  function of (seed, s), so a resumed run sees the batches it would have
-  seen. Every host holds all questions and takes its slice of each global
+  The global batch of step s is a pure function of (seed, s) (epoch e =
+  s * B // N uses permutation(seed, e)), so a resumed run sees the batches
+  it would have seen. Every host holds all questions (a QA training set is
+  small: NQ's 79k questions take ~20 MB) and takes its slice of each global
   batch, so the batches do not depend on the number of hosts.
   """
 
@@ -205,9 +195,9 @@ class QuestionSet:
     self.examples = mine
     q = qa_inputs.tokenize_questions(tokenizer, [e.question for e in mine],
                                      question_length)
-    self._order = pretrain.QuerySet(
-        {"query_ids": q["question_ids"], "query_mask": q["question_mask"],
-         "example_index": np.arange(len(mine))}, seed)
+    self.question_ids, self.question_mask = (q["question_ids"],
+                                             q["question_mask"])
+    self.seed = seed
     self.answer_ids: list[list[np.ndarray]] | None = None
     if not any(e.is_regex for e in mine):
       # One batched tokenizer call for all answers of the shard.
@@ -218,6 +208,25 @@ class QuestionSet:
         self.answer_ids.append([p for p in pieces[at:at + len(e.answers)]
                                 if len(p)])
         at += len(e.answers)
+
+  @classmethod
+  def read(cls, config: FinetuneConfig, tokenizer) -> "QuestionSet":
+    """The run's training questions (every host reads them all).
+
+    Every host takes its slice of each step's global batch, so batches do
+    not depend on the number of hosts, and a restart replays them exactly.
+    """
+    report = qa_lib.QAReadReport()
+    examples = qa_lib.read_qa_jsonl(config.train_jsonl, report,
+                                    regex_answers=config.regex_answers)
+    if not examples:
+      raise ValueError(f"{config.train_jsonl}: no usable question "
+                       f"({report.malformed} malformed lines).")
+    logging.info("%s: %d questions (%d malformed lines skipped)",
+                 config.train_jsonl, len(examples), report.malformed)
+    seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
+    return cls(examples, tokenizer, question_length=config.question_length,
+               seed=seed)
 
   def __len__(self) -> int:
     return len(self.examples)
@@ -231,10 +240,15 @@ class QuestionSet:
       batch_size: the global batch size.
       rows: this host's slice of the global batch.
     """
-    b = {k: v[rows] for k, v in self._order.batch(step, batch_size).items()}
-    return ({"question_ids": b["query_ids"],
-             "question_mask": b["query_mask"]},
-            [int(i) for i in b["example_index"]])
+    first, size, idx = step * batch_size, len(self.examples), []
+    while len(idx) < batch_size:  # Epochs wrap inside a batch.
+      epoch, offset = divmod(first + len(idx), size)
+      order = np.random.default_rng([self.seed, epoch]).permutation(size)
+      idx += list(order[offset:offset + batch_size - len(idx)])
+    idx = np.asarray(idx)[rows]
+    return ({"question_ids": self.question_ids[idx],
+             "question_mask": self.question_mask[idx]},
+            [int(i) for i in idx])
 
 
 def regex_answer_strings(patterns: Sequence[str], texts: Sequence[str],
@@ -294,53 +308,6 @@ def answers_for_batch(questions: QuestionSet, example_index: Sequence[int],
     out.append([p for p in flat[at:at + len(row)] if len(p)])
     at += len(row)
   return out
-
-
-# ----------------------------------------------------------------------------
-# The frozen index
-# ----------------------------------------------------------------------------
-
-
-def resolve_index_root(index_dir: str) -> str:
-  """`index_dir`, or `index_dir/index` when only that has a LATEST."""
-  nested = io_utils.join(index_dir, "index")
-  if (publish.read_latest(index_dir) is None
-      and publish.read_latest(nested) is not None):
-    return nested
-  return index_dir
-
-
-def load_frozen_index(index_dir: str, store, model: RealmConfig, *,
-                      step: int | None = None,
-                      num_retrieved: int | None = None
-                      ) -> publish.PublishedIndex:
-  """Loads the published index and checks it serves this store and model.
-
-  Raises:
-    publish.IndexRejectedError: nothing published, a corrupt index, another
-      corpus (fingerprint or row count), another embedding size, or fewer
-      blocks than `num_retrieved`.
-  """
-  root = resolve_index_root(index_dir)
-  dim = model.retriever.embedding_size
-  try:
-    index = publish.load_index(
-        root, step, publish.Expectation(store.fingerprint, len(store), dim))
-  except publish.IndexRejectedError as e:
-    raise publish.IndexRejectedError(
-        f"FinetuneConfig.index_dir={index_dir!r} cannot serve this "
-        f"fine-tuning run: {e} Fine-tuning needs an index published over "
-        f"FinetuneConfig.block_store ({len(store)} blocks, corpus "
-        f"fingerprint {store.fingerprint}) with embeddings of this model's "
-        f"retriever (embedding size {dim}); build one with "
-        "`python -m realm_jax.index.builder --one_shot` or point index_dir "
-        "at the matching index.") from e
-  if num_retrieved is not None and num_retrieved > index.manifest["rows"]:
-    raise publish.IndexRejectedError(
-        f"FinetuneConfig.num_retrieved={num_retrieved} exceeds the "
-        f"{index.manifest['rows']} blocks of the index at {root}; lower "
-        "num_retrieved.")
-  return index
 
 
 # ----------------------------------------------------------------------------
@@ -459,21 +426,68 @@ def _step_functions(model: RealmConfig, mesh, learning_rate: float,
           pretrain.make_query_embedder(graphdef, mesh))
 
 
+class QAInput:
+  """The batches of fine-tuning: questions -> frozen MIPS -> QA features.
+
+  Host input work and the query tower's forward pass (a device computation
+  the input needs) are timed apart and logged per step.
+  """
+
+  def __init__(self, config: FinetuneConfig, qa_config, questions, index,
+               store, tokenizer, embed_queries, mesh):
+    self.config, self.qa_config = config, qa_config
+    self.questions, self.index, self.store = questions, index, store
+    self.tokenizer, self.embed_queries, self.mesh = (tokenizer,
+                                                     embed_queries, mesh)
+    per_host = distributed.check_divisible(
+        "batch_size", config.batch_size, jax.process_count(),
+        by_what="hosts")
+    self.host_rows = slice(jax.process_index() * per_host,
+                           (jax.process_index() + 1) * per_host)
+    self.input_seconds = self.query_seconds = 0.
+    self.steps = 0
+
+  def batch(self, step: int, state) -> dict[str, jax.Array]:
+    # The next batch's retrieval needs the updated query tower anyway; wait
+    # here so that the input timings below do not include the last step.
+    jax.block_until_ready(state.params)
+    t_input = time.time()
+    local, example_index = self.questions.batch(
+        step, self.config.batch_size, self.host_rows)
+    q = parallel.shard_batch(self.mesh, local)
+    t_query = time.time()
+    q_emb = parallel.local_rows(self.embed_queries(
+        state.params, q["question_ids"], q["question_mask"]))
+    t_query = time.time() - t_query
+    retrieved_ids, _ = self.index.search(q_emb, self.config.num_retrieved)
+    answer_ids = answers_for_batch(self.questions, example_index,
+                                   retrieved_ids, self.store, self.tokenizer)
+    batch = qa_inputs.qa_batch(local, retrieved_ids, self.index.embeddings,
+                               self.store, self.qa_config,
+                               answer_ids=answer_ids)
+    device_batch = parallel.shard_batch(
+        self.mesh, {k: batch[k] for k in DEVICE_FEATURES})
+    self.query_seconds += t_query
+    self.input_seconds += time.time() - t_input - t_query
+    self.steps += 1
+    return device_batch
+
+  def log_metrics(self, step: int, metrics: dict[str, float]
+                  ) -> dict[str, float]:
+    metrics.update(
+        index_step=self.index.step,
+        epoch=step * self.config.batch_size / len(self.questions),
+        input_seconds_per_step=self.input_seconds / max(self.steps, 1),
+        query_embedding_seconds_per_step=(self.query_seconds
+                                          / max(self.steps, 1)))
+    self.input_seconds = self.query_seconds = 0.
+    self.steps = 0
+    return metrics
+
+
 def train(*, config: FinetuneConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
-  """Runs (or resumes) the job under an exclusive lease on its workdir
-  (`realm_jax.core.lease`: a second job on the same workdir is refused)."""
-  with contextlib.ExitStack() as leases:
-    leases.enter_context(lease_lib.job_lease(config.workdir,
-                                             "finetune trainer"))
-    return _train(config=config, model=model,
-                  operative_config=operative_config, stop_after=stop_after)
-
-
-def _train(*, config: FinetuneConfig, model: RealmConfig,
-           operative_config: str = "", stop_after: int | None = None
-           ) -> list[dict[str, float]]:
   """Runs (or resumes) open-QA fine-tuning.
 
   Resume precedence: the newest checkpoint in `config.workdir` >
@@ -492,8 +506,64 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
     ValueError: a model without a span head or another max span width, or
       no usable training question.
     publish.IndexRejectedError: the index does not match the block store or
-      the model (see `load_frozen_index`).
+      the model (see `index.publish.load_frozen_index`).
   """
+  loop.check_batch_size(config.batch_size)
+  with loop.Run(config.workdir, job="finetune trainer",
+                keep_checkpoints=config.keep_checkpoints,
+                operative_config=operative_config) as run:
+    qa_config = _check_model(config, model)
+    store = block_store.BlockStore.open(config.block_store)
+    tokenizer = Tokenizer()
+    store.check_vocab(tokenizer.vocab_path)
+    index = publish.load_frozen_index(config.index_dir, store, model,
+                                      step=config.index_step,
+                                      num_retrieved=config.num_retrieved,
+                                      what="FinetuneConfig.index_dir")
+    questions = QuestionSet.read(config, tokenizer)
+    seed, num_steps = questions.seed, config.total_steps(len(questions))
+    logging.info("fine-tuning: %d steps of %d (%.2f epochs); frozen index "
+                 "%d (%d blocks) from %s; K=%d R=%d", num_steps,
+                 config.batch_size, num_steps * config.batch_size
+                 / len(questions), index.step, index.manifest["rows"],
+                 config.index_dir, config.num_retrieved,
+                 config.num_reader_blocks)
+    _, fresh = functional.init(lambda r: Realm(model, rngs=r), seed)
+    tx, train_step, embed_queries = _step_functions(
+        model, run.mesh, config.learning_rate, num_steps,
+        config.warmup_steps)
+    state, _, meta = run.init_or_restore(
+        fresh, tx, lambda: init_lib.initial_params(model, fresh,
+                                                   config.init_from))
+    if meta.get("index_step") not in (None, index.step):
+      logging.warning("the checkpoint was trained against index %s, this "
+                      "run serves index %d", meta.get("index_step"),
+                      index.step)
+    inputs = QAInput(config, qa_config, questions, index, store, tokenizer,
+                     embed_queries, run.mesh)
+    meta = {"seed": seed, "index_step": index.step,
+            "corpus_fingerprint": store.fingerprint}
+    return run.loop(
+        state, train_step, inputs.batch, num_train_steps=num_steps,
+        checkpoint_every=config.checkpoint_every, log_every=config.log_every,
+        batch_size=config.batch_size, seed=seed,
+        save=lambda step, state: run.save(step, state.params,
+                                          state.opt_state, meta),
+        learning_rate=optimizer_lib.learning_rate_schedule(
+            learning_rate=config.learning_rate, num_train_steps=num_steps,
+            warmup_steps=config.warmup_steps),
+        log_line=("loss %.4f (retriever %.4f reader %.4f) positive@K %.2f "
+                  "span@R %.2f span_correct %.2f",
+                  ("loss", "retriever_loss", "reader_loss",
+                   "has_positive_in_top_k", "has_gold_span_in_top_r",
+                   "reader_span_correct")),
+        hooks=loop.Hooks(log_metrics=inputs.log_metrics),
+        stop_after=stop_after)
+
+
+def _check_model(config: FinetuneConfig, model: RealmConfig
+                 ) -> qa_inputs.QAConfig:
+  """The run's QA shapes, once the reader is known to fit them."""
   if not model.reader.span_head:
     raise ValueError("Fine-tuning needs the reader's span head; set "
                      "ReaderConfig.span_head = True.")
@@ -503,168 +573,7 @@ def _train(*, config: FinetuneConfig, model: RealmConfig,
         f"FinetuneConfig.max_span_width={config.max_span_width} but the "
         f"reader scores spans up to ReaderConfig.max_span_width={span_width}"
         "; set them equal (or leave FinetuneConfig.max_span_width None).")
-  qa_config = config.qa_config(span_width)
-  is_chief = jax.process_index() == 0
-
-  # -- Data: the frozen index over the knowledge corpus, the questions.
-  store = block_store.BlockStore.open(config.block_store)
-  tokenizer = Tokenizer()
-  store.check_vocab(tokenizer.vocab_path)
-  index = load_frozen_index(config.index_dir, store, model,
-                            step=config.index_step,
-                            num_retrieved=config.num_retrieved)
-  report = qa_lib.QAReadReport()
-  examples = qa_lib.read_qa_jsonl(config.train_jsonl, report,
-                                  regex_answers=config.regex_answers)
-  if not examples:
-    raise ValueError(f"{config.train_jsonl}: no usable question "
-                     f"({report.malformed} malformed lines).")
-  # Every host holds all questions and takes its slice of each step's
-  # global batch: batches do not depend on the number of hosts, and a
-  # restart replays them exactly.
-  seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
-  questions = QuestionSet(examples, tokenizer,
-                          question_length=config.question_length, seed=seed)
-  per_host = distributed.check_divisible("batch_size", config.batch_size,
-                                         jax.process_count(),
-                                         by_what="hosts")
-  host_rows = slice(jax.process_index() * per_host,
-                    (jax.process_index() + 1) * per_host)
-  num_steps = config.total_steps(len(examples))
-  logging.info(
-      "fine-tuning on %d questions (%d malformed lines skipped), %d steps "
-      "of %d (%.2f epochs); frozen index %d (%d blocks) from %s; K=%d R=%d",
-      len(examples), report.malformed, num_steps, config.batch_size,
-      num_steps * config.batch_size / len(examples), index.step,
-      index.manifest["rows"], config.index_dir, config.num_retrieved,
-      config.num_reader_blocks)
-
-  writer = loop.start_run(config.workdir, operative_config,
-                               is_chief=is_chief)
-
-  # -- Model, optimizer, state.
-  mesh = parallel.make_mesh()
-  _, fresh = functional.init(lambda r: Realm(model, rngs=r), seed)
-  tx, train_step, embed_queries = _step_functions(
-      model, mesh, config.learning_rate, num_steps, config.warmup_steps)
-  ckpt = checkpoints.TrainCheckpointer(
-      checkpoints.checkpoint_dir(config.workdir),
-      keep=config.keep_checkpoints)
-  start_step = ckpt.latest_step()
-  replicated = parallel.replicated(mesh)
-  if start_step is not None:
-    def as_abstract(tree):
-      return jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                         sharding=replicated), tree)
-
-    params, opt_state, meta = ckpt.restore(
-        start_step, as_abstract(fresh),
-        as_abstract(jax.eval_shape(tx.init, fresh)))
-    logging.info("resumed from %s step %d (%s)", ckpt.directory, start_step,
-                 meta)
-    if meta.get("index_step") not in (None, index.step):
-      logging.warning("the checkpoint was trained against index %s, this "
-                      "run serves index %d", meta.get("index_step"),
-                      index.step)
-  else:
-    params = init_lib.initial_params(model, fresh, config.init_from)
-    params = jax.device_put(params, replicated)
-    opt_state = jax.device_put(tx.init(params), replicated)
-    start_step = 0
-  state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
-                                  replicated),
-           "params": params, "opt_state": opt_state}
-
-  def save(step):
-    ckpt.save(step, state["params"], state["opt_state"],
-              {"seed": seed, "index_step": index.step,
-               "corpus_fingerprint": store.fingerprint}, force=True)
-
-  # -- The loop.
-  preempted = preemption.Preemption()
-  history, base_rng = [], jax.random.key(seed)
-  step, t_last, steps_since_log = start_step, time.time(), 0
-  # Host input work, and the query tower's forward pass (a device
-  # computation the input needs), timed apart.
-  input_seconds = query_seconds = 0.
-  end = num_steps if stop_after is None else min(num_steps,
-                                                 start_step + stop_after)
-  while step < end:
-    # The next batch's retrieval needs the updated query tower anyway; wait
-    # here so that the input timings below do not include the last step.
-    jax.block_until_ready(state["params"])
-    t_input = time.time()
-    local, example_index = questions.batch(step, config.batch_size,
-                                           host_rows)
-    q = parallel.shard_batch(mesh, local)
-    t_query = time.time()
-    q_emb = pretrain.local_rows(embed_queries(
-        state["params"], q["question_ids"], q["question_mask"]))
-    t_query = time.time() - t_query
-    query_seconds += t_query
-    retrieved_ids, _ = index.search(q_emb, config.num_retrieved)
-    answer_ids = answers_for_batch(questions, example_index, retrieved_ids,
-                                   store, tokenizer)
-    batch = qa_inputs.qa_batch(local, retrieved_ids, index.embeddings, store,
-                               qa_config, answer_ids=answer_ids)
-    device_batch = parallel.shard_batch(
-        mesh, {k: batch[k] for k in DEVICE_FEATURES})
-    input_seconds += time.time() - t_input - t_query
-    state, metrics = train_step(state, device_batch, base_rng)
-    step += 1
-    steps_since_log += 1
-    if step % config.log_every == 0 or step == end:
-      metrics = {k: float(v) for k, v in
-                 parallel.host_copy(metrics).items()}
-      now = time.time()
-      metrics.update(
-          index_step=index.step,
-          epoch=step * config.batch_size / len(examples),
-          seconds_per_step=(now - t_last) / steps_since_log,
-          input_seconds_per_step=input_seconds / steps_since_log,
-          query_embedding_seconds_per_step=query_seconds / steps_since_log,
-          examples_per_second=config.batch_size * steps_since_log
-          / (now - t_last))
-      t_last, steps_since_log = now, 0
-      input_seconds = query_seconds = 0.
-      writer.write_scalars(step, metrics)
-      history.append(dict(metrics, step=step))
-      if is_chief:
-        io_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
-                               dict(metrics, step=step))
-      logging.info(
-          "step %d: loss %.4f (retriever %.4f reader %.4f) positive@K %.2f "
-          "span@R %.2f span_correct %.2f, %.1f questions/s", step,
-          metrics["loss"], metrics["retriever_loss"], metrics["reader_loss"],
-          metrics["has_positive_in_top_k"], metrics["has_gold_span_in_top_r"],
-          metrics["reader_span_correct"], metrics["examples_per_second"])
-    # The stop decision is process 0's, so every host stops at one step.
-    stop = bool(distributed.broadcast_from_chief(
-        np.int32(preempted.requested))) if jax.process_count() > 1 else (
-            preempted.requested)
-    if step % config.checkpoint_every == 0 or step == end or stop:
-      save(step)
-    if stop:
-      logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
-                      "step %d, exiting.", step)
-      break
-  preempted.close()
-  ckpt.wait_until_finished()
-  if step >= num_steps and is_chief:
-    checkpoints.write_done_marker(ckpt.directory, step)
-  writer.flush()
-  ckpt.close()
-  if is_chief:
-    # Appended across restarts, so it holds the whole run.
-    path = io_utils.join(config.workdir, "history.json")
-    earlier = []
-    if io_utils.as_path(path).exists():
-      earlier = [h for h in json.loads(io_utils.read_text(path))
-                 if h["step"] <= start_step]
-    io_utils.write_json(path, earlier + history)
-  distributed.barrier("finetune-exit")
-  return history
+  return config.qa_config(span_width)
 
 
 if __name__ == "__main__":

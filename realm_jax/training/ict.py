@@ -23,26 +23,20 @@ read an ICT run directly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import time
 
 from absl import logging
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 import numpy as np
 
-from realm_jax.core import io_utils
-from realm_jax.core import lease as lease_lib
+from realm_jax.core import parallel
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
-from realm_jax.core import checkpoints, parallel
 from realm_jax.training import init as init_lib
-from realm_jax.core import preemption
 from realm_jax.training import loop
 from realm_jax.training import optimizer as optimizer_lib
 
@@ -99,11 +93,6 @@ class IctTrainConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"IctTrainConfig.{name}={getattr(self, name)} must "
                          "be >= 1.")
-    if self.batch_size % jax.device_count():
-      raise ValueError(
-          f"batch_size={self.batch_size} does not divide over "
-          f"{jax.device_count()} devices; use a multiple of the device "
-          "count.")
     if self.batch_size < 2:
       raise ValueError("batch_size must be >= 2: ICT needs in-batch "
                        "negatives.")
@@ -348,22 +337,12 @@ def _check_model(model: RealmConfig, store: block_store.BlockStore,
 def train(*, config: IctTrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
-  """Runs (or resumes) the job under an exclusive lease on its workdir
-  (`realm_jax.core.lease`: a second job on the same workdir is refused)."""
-  with contextlib.ExitStack() as leases:
-    leases.enter_context(lease_lib.job_lease(config.workdir,
-                                             "ict trainer"))
-    return _train(config=config, model=model,
-                  operative_config=operative_config, stop_after=stop_after)
-
-
-def _train(*, config: IctTrainConfig, model: RealmConfig,
-           operative_config: str = "", stop_after: int | None = None
-           ) -> list[dict[str, float]]:
   """Runs (or resumes) ICT training of the retriever.
 
   Resume precedence: the newest checkpoint in `config.workdir`, else
-  `config.init_from`, else a fresh initialisation.
+  `config.init_from`, else a fresh initialisation. Only the retriever is in
+  the train state; the reader sits beside it, replicated, and is only ever
+  saved.
 
   Args:
     config: the run.
@@ -374,121 +353,49 @@ def _train(*, config: IctTrainConfig, model: RealmConfig,
   Returns:
     The logged metrics, one dict per logged step.
   """
-  is_chief = jax.process_index() == 0
-  writer = loop.start_run(config.workdir, operative_config,
-                               is_chief=is_chief)
+  loop.check_batch_size(config.batch_size)
+  with loop.Run(config.workdir, job="ict trainer",
+                keep_checkpoints=config.keep_checkpoints,
+                operative_config=operative_config) as run:
+    store = block_store.BlockStore.open(config.block_store)
+    block_length = min(config.block_length, store.max_block_len)
+    if config.block_length < store.max_block_len:
+      logging.warning("block_length=%d < the store's max_block_len=%d: ICT "
+                      "sees truncated blocks.", config.block_length,
+                      store.max_block_len)
+    _check_model(model, store, config, block_length)
+    examples = IctExamples(
+        store, config=dataclasses.replace(config.pair_config(),
+                                          block_length=block_length),
+        batch_size=config.batch_size // jax.process_count(),
+        seed=config.seed, shard_index=jax.process_index(),
+        num_shards=jax.process_count())
+    schedule = dict(learning_rate=config.learning_rate,
+                    num_train_steps=config.num_train_steps,
+                    warmup_steps=config.warmup_steps)
+    tx = optimizer_lib.bert_optimizer(**schedule)
+    _, fresh = functional.init(lambda r: Realm(model, rngs=r), config.seed)
+    state, params, _ = run.init_or_restore(
+        fresh, tx, lambda: init_lib.initial_params(model, fresh,
+                                                   config.init_from),
+        trained=lambda p: p["retriever"])
+    meta = {"seed": config.seed, "job": "ict",
+            "block_store_fingerprint": store.fingerprint}
 
-  # -- Data: ICT pairs from this host's blocks.
-  store = block_store.BlockStore.open(config.block_store)
-  block_length = min(config.block_length, store.max_block_len)
-  if config.block_length < store.max_block_len:
-    logging.warning("block_length=%d < the store's max_block_len=%d: ICT "
-                    "sees truncated blocks.", config.block_length,
-                    store.max_block_len)
-  _check_model(model, store, config, block_length)
-  local_batch = config.batch_size // jax.process_count()
-  examples = IctExamples(
-      store, config=dataclasses.replace(config.pair_config(),
-                                        block_length=block_length),
-      batch_size=local_batch, seed=config.seed,
-      shard_index=jax.process_index(), num_shards=jax.process_count())
+    def save(step, state):
+      run.save(step, {"retriever": state.params, "reader": params["reader"]},
+               state.opt_state, meta)
 
-  # -- Model, optimizer, state. Only the retriever is in the train state;
-  # the reader sits beside it, replicated, and is only ever saved.
-  mesh = parallel.make_mesh()
-  replicated = parallel.replicated(mesh)
-  _, fresh = functional.init(lambda r: Realm(model, rngs=r), config.seed)
-  graphdef = retriever_graphdef(model)
-  tx = optimizer_lib.bert_optimizer(
-      learning_rate=config.learning_rate,
-      num_train_steps=config.num_train_steps,
-      warmup_steps=config.warmup_steps)
-  lr_schedule = optimizer_lib.learning_rate_schedule(
-      learning_rate=config.learning_rate,
-      num_train_steps=config.num_train_steps,
-      warmup_steps=config.warmup_steps)
-  ckpt = checkpoints.TrainCheckpointer(
-      checkpoints.checkpoint_dir(config.workdir),
-      keep=config.keep_checkpoints)
-  start_step = ckpt.latest_step()
-  if start_step is not None:
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                       sharding=replicated), fresh)
-    abstract_opt = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=replicated),
-        jax.eval_shape(tx.init, fresh["retriever"]))
-    params, opt_state, meta = ckpt.restore(start_step, abstract, abstract_opt)
-    logging.info("resumed from %s step %d (%s)", ckpt.directory, start_step,
-                 meta)
-  else:
-    params = jax.device_put(
-        init_lib.initial_params(model, fresh, config.init_from), replicated)
-    opt_state = jax.device_put(tx.init(params["retriever"]), replicated)
-    start_step = 0
-  reader = params["reader"]
-  state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
-                                  replicated),
-           "params": params["retriever"], "opt_state": opt_state}
-  train_step = loop.make_train_step(make_loss_fn(graphdef), tx, mesh)
-  meta = {"seed": config.seed, "job": "ict",
-          "block_store_fingerprint": store.fingerprint}
-
-  def save(step):
-    ckpt.save(step, {"retriever": state["params"], "reader": reader},
-              state["opt_state"], meta, force=True)
-
-  # -- The loop. Batches are built on the host while the previous step runs
-  # on the devices (dispatch is asynchronous).
-  preempted = preemption.Preemption()
-  history, base_rng = [], jax.random.key(config.seed)
-  step, t_last, steps_since_log = start_step, time.time(), 0
-  end = config.num_train_steps if stop_after is None else min(
-      config.num_train_steps, start_step + stop_after)
-  while step < end:
-    batch = parallel.shard_batch(mesh, examples.batch(step))
-    state, metrics = train_step(state, batch, base_rng)
-    step += 1
-    steps_since_log += 1
-    if step % config.log_every == 0 or step == end:
-      metrics = {k: float(v) for k, v in parallel.host_copy(metrics).items()}
-      now = time.time()
-      metrics.update(
-          learning_rate=float(lr_schedule(step - 1)),
-          seconds_per_step=(now - t_last) / steps_since_log,
-          examples_per_second=config.batch_size * steps_since_log
-          / (now - t_last))
-      t_last, steps_since_log = now, 0
-      writer.write_scalars(step, metrics)
-      history.append(dict(metrics, step=step))
-      if is_chief:
-        io_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
-                               dict(metrics, step=step))
-      logging.info("step %d: loss %.4f accuracy %.3f (of %d blocks), "
-                   "%.3f s/step, %.1f examples/s", step, metrics["loss"],
-                   metrics["accuracy"], config.batch_size,
-                   metrics["seconds_per_step"],
-                   metrics["examples_per_second"])
-    if step % config.checkpoint_every == 0 or step == end or (
-        preempted.requested):
-      save(step)
-    if preempted.requested:
-      logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
-                      "step %d, exiting.", step)
-      break
-  preempted.close()
-  ckpt.wait_until_finished()
-  if step >= config.num_train_steps and is_chief:
-    checkpoints.write_done_marker(ckpt.directory, step)
-  writer.flush()
-  ckpt.close()
-  if is_chief:
-    io_utils.write_json(io_utils.join(config.workdir, "history.json"),
-                         history)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("ict_train_done")
-  return history
+    return run.loop(
+        state, loop.make_train_step(make_loss_fn(retriever_graphdef(model)),
+                                    tx, run.mesh),
+        lambda step, _: parallel.shard_batch(run.mesh, examples.batch(step)),
+        num_train_steps=config.num_train_steps,
+        checkpoint_every=config.checkpoint_every, log_every=config.log_every,
+        batch_size=config.batch_size, seed=config.seed, save=save,
+        learning_rate=optimizer_lib.learning_rate_schedule(**schedule),
+        log_line=("loss %.4f accuracy %.3f", ("loss", "accuracy")),
+        stop_after=stop_after)
 
 
 if __name__ == "__main__":

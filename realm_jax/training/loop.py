@@ -1,14 +1,63 @@
-"""The training loop every trainer shares."""
+"""The training loop every trainer shares (ICT, REALM pre-training, QA).
+
+A trainer is a config, an input, a loss and a short `train`:
+
+    with loop.Run(config.workdir, job="ict trainer", ...) as run:
+      state = run.init_or_restore(fresh, tx, initial_params)
+      history = run.loop(state, train_step, make_batch, ...)
+
+`Run` owns everything around the step, so the trainers cannot drift apart:
+the workdir and its exclusive lease (`core.lease`), the operative config,
+TensorBoard/JSON metrics, orbax checkpoints (restored with abstract
+replicated shardings), preemption with one stop decision for all hosts,
+the checkpoint cadence, the `DONE` marker, `history.json` across restarts
+and the exit barrier. Trainer-specific work plugs in as small hooks
+(`Hooks`): a host-synchronised index swap before a step, an inline index
+refresh after a checkpoint, extra metrics and checks at a log step.
+
+Workdir paths may be local or `gs://`: files go through `core.io_utils`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import json
+import time
+from typing import Any, Callable, Mapping, Sequence
 
+from absl import logging
+import flax.struct
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
-from realm_jax.core import io_utils
-from realm_jax.core import parallel
+from realm_jax.core import checkpoints, distributed, io_utils, parallel
+from realm_jax.core import lease as lease_lib
+from realm_jax.core import preemption as preemption_lib
+
+
+@flax.struct.dataclass
+class TrainState:
+  """What one step changes: the step count, the trained params, Adam."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def check_batch_size(batch_size: int) -> None:
+  """Raises ValueError unless the global batch splits over the devices.
+
+  Checked when a run starts, not when its config is built: building a
+  config must not start JAX (gin parsing, dry runs, tests).
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size} must be >= 1.")
+  distributed.check_divisible("batch_size", batch_size, jax.device_count(),
+                              by_what="devices")
 
 
 def start_run(workdir: io_utils.PathLike, operative_config: str, *,
@@ -32,25 +81,243 @@ def make_train_step(loss_fn: parallel.LossFn, optimizer, mesh,
                     grad_norm_groups: tuple[str, ...] = ()):
   """A jitted `train_step(state, batch, rng) -> (state, metrics)`.
 
-  `state` is a dict {"step", "params", "opt_state"}; it is donated. The
-  optimizer update runs on the replicated gradients outside `shard_map`, so
-  every device applies the same update to its replica. Metrics hold the
-  loss, the global gradient norm and `grad_norm_<group>` for each top-level
-  key of the params named in `grad_norm_groups`.
+  `state` is a `TrainState`; it is donated. The optimizer update runs on
+  the replicated gradients outside `shard_map`, so every device applies the
+  same update to its replica. Metrics hold the loss, the global gradient
+  norm and `grad_norm_<group>` for each top-level key of the params named
+  in `grad_norm_groups`.
   """
   grad_fn = parallel.data_parallel_value_and_grad(loss_fn, mesh)
 
   @functools.partial(jax.jit, donate_argnums=(0,))
-  def train_step(state, batch, rng):
-    step_rng = jax.random.fold_in(rng, state["step"])
-    loss, grads, metrics = grad_fn(state["params"], batch, step_rng)
-    updates, opt_state = optimizer.update(grads, state["opt_state"],
-                                          state["params"])
-    params = optax.apply_updates(state["params"], updates)
+  def train_step(state: TrainState, batch, rng):
+    step_rng = jax.random.fold_in(rng, state.step)
+    loss, grads, metrics = grad_fn(state.params, batch, step_rng)
+    updates, opt_state = optimizer.update(grads, state.opt_state,
+                                          state.params)
+    params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     for group in grad_norm_groups:
       metrics[f"grad_norm_{group}"] = optax.tree.norm(grads[group])
-    return {"step": state["step"] + 1, "params": params,
-            "opt_state": opt_state}, metrics
+    return TrainState(state.step + 1, params, opt_state), metrics
 
   return train_step
+
+
+@dataclasses.dataclass
+class Hooks:
+  """Trainer-specific work at fixed points of `Run.loop`.
+
+  Attributes:
+    before_step: `(step) -> None`, before the batch of `step` is built
+      (pre-training swaps in a fresh index here, on every host at the same
+      step).
+    after_checkpoint: `(step, state) -> None`, after checkpoint `step` was
+      saved (pre-training's inline index refresh).
+    log_metrics: `(step, metrics) -> metrics`, at a log step: adds metrics
+      and runs checks (collapse warnings); its return is what is logged.
+  """
+
+  before_step: Callable[[int], None] | None = None
+  after_checkpoint: Callable[[int, TrainState], None] | None = None
+  log_metrics: Callable[[int, dict[str, float]], dict[str, float]] | None = (
+      None)
+
+
+def _abstract(tree, sharding):
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding),
+      tree)
+
+
+class Run:
+  """A training job's workdir, checkpoints and loop; a context manager.
+
+  Entering takes an exclusive lease on the workdir (and on each of
+  `lease_paths`, e.g. the index directory an inline-index trainer
+  publishes to), so a second job on the same workdir is refused with
+  `LeaseHeldError` before it reads anything; only process 0 holds it.
+  The run writes to the workdir from `init_or_restore` on, so a trainer
+  checks its inputs in between and a refused input leaves nothing behind.
+  """
+
+  def __init__(self, workdir: str, *, job: str, keep_checkpoints: int,
+               operative_config: str = "",
+               lease_paths: Sequence[tuple[str, str]] = ()):
+    """Args:
+      workdir: checkpoints/, summaries/, metrics.jsonl, history.json.
+      job: names the job in logs and in the lease ("ict trainer").
+      keep_checkpoints: orbax retention.
+      operative_config: gin's operative config, saved in the workdir.
+      lease_paths: (directory, holder description) leased besides workdir.
+    """
+    self.workdir, self.job = workdir, job
+    self.is_chief = jax.process_index() == 0
+    self._keep = keep_checkpoints
+    self._operative_config = operative_config
+    self._leases = [(workdir, job)] + list(lease_paths)
+    self._stack = contextlib.ExitStack()
+    self.mesh = parallel.make_mesh()
+    self.replicated = parallel.replicated(self.mesh)
+
+  def __enter__(self) -> "Run":
+    with contextlib.ExitStack() as stack:
+      for path, holder in self._leases:
+        stack.enter_context(lease_lib.job_lease(path, holder))
+      self._stack = stack.pop_all()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._stack.close()
+
+  def _start(self) -> None:
+    """Writes to the workdir only once the trainer's inputs checked out."""
+    self.writer = start_run(self.workdir, self._operative_config,
+                            is_chief=self.is_chief)
+    self.ckpt = checkpoints.TrainCheckpointer(
+        checkpoints.checkpoint_dir(self.workdir), keep=self._keep)
+    self._stack.callback(self.ckpt.close)
+
+  # -- State ------------------------------------------------------------------
+
+  def init_or_restore(self, fresh, tx: optax.GradientTransformation,
+                      initial_params: Callable[[], Any], *,
+                      trained: Callable[[Any], Any] = lambda p: p
+                      ) -> tuple[TrainState, Any, dict[str, Any]]:
+    """The newest checkpoint's state, else a fresh one from `initial_params`.
+
+    Args:
+      fresh: freshly initialised parameters of the whole model: the shapes
+        (and dtypes) a checkpoint is restored into.
+      tx: the optimizer.
+      initial_params: `() -> params` of the whole model for a run without
+        a checkpoint (init_from, warm starts); called only then.
+      trained: the subtree of the params the optimizer trains (ICT trains
+        the retriever only; the rest is carried and saved unchanged).
+
+    Returns:
+      (state, params of the whole model, checkpoint meta or {}); state and
+      params replicated over the mesh.
+    """
+    self._start()
+    start = self.ckpt.latest_step()
+    if start is not None:
+      params, opt_state, meta = self.ckpt.restore(
+          start, _abstract(fresh, self.replicated),
+          _abstract(jax.eval_shape(tx.init, trained(fresh)),
+                    self.replicated))
+      logging.info("%s: resumed from %s step %d (%s)", self.job,
+                   self.ckpt.directory, start, meta)
+    else:
+      params = jax.device_put(initial_params(), self.replicated)
+      opt_state = jax.device_put(tx.init(trained(params)), self.replicated)
+      start, meta = 0, {}
+    step = jax.device_put(jnp.asarray(start, jnp.int32), self.replicated)
+    return TrainState(step, trained(params), opt_state), params, meta
+
+  def save(self, step: int, params, opt_state, meta: Mapping[str, Any]
+           ) -> None:
+    """Checkpoint `step` (asynchronous; `params` holds retriever + reader)."""
+    self.ckpt.save(step, params, opt_state, dict(meta), force=True)
+
+  # -- The loop ---------------------------------------------------------------
+
+  def loop(self, state: TrainState, train_step, make_batch: Callable[
+      [int, TrainState], Mapping[str, jax.Array]], *,
+           num_train_steps: int, checkpoint_every: int, log_every: int,
+           batch_size: int, seed: int, save: Callable[[int, TrainState],
+                                                     None],
+           learning_rate: Callable[[int], float] | None = None,
+           log_line: tuple[str, Sequence[str]] = ("loss %.4f", ("loss",)),
+           hooks: Hooks = Hooks(), stop_after: int | None = None
+           ) -> list[dict[str, float]]:
+    """Trains from `state.step` to `num_train_steps` (or a stop request).
+
+    Args:
+      state: the replicated train state to start from.
+      train_step: `(state, batch, rng) -> (state, metrics)`.
+      make_batch: `(step, state) -> device batch` of step `step` (a pure
+        function of the step, so a restarted run replays the same batches).
+      num_train_steps: the run's total steps.
+      checkpoint_every: checkpoint period in steps; the last step and a
+        stop request checkpoint too.
+      log_every: metrics period in steps (and the last step).
+      batch_size: the global batch, for examples/s.
+      seed: dropout keys derive from it (and the step).
+      save: `(step, state) -> None` writes checkpoint `step`.
+      learning_rate: the schedule `step -> learning rate`, logged.
+      log_line: (format, metric names) of the one log line per logged
+        step, after "step N:"; seconds per step and examples/s follow.
+      hooks: trainer-specific work, see `Hooks`.
+      stop_after: return after this many steps of this call (tests).
+
+    Returns:
+      The metrics logged by this call, one dict per logged step.
+    """
+    start = int(jax.device_get(state.step))
+    end = num_train_steps if stop_after is None else min(
+        num_train_steps, start + stop_after)
+    metrics_path = io_utils.join(self.workdir, "metrics.jsonl")
+    preempted = preemption_lib.Preemption()
+    history, base_rng = [], jax.random.key(seed)
+    step, t_last, since_log = start, time.time(), 0
+    try:
+      while step < end:
+        if hooks.before_step:
+          hooks.before_step(step)
+        state, metrics = train_step(state, make_batch(step, state), base_rng)
+        step += 1
+        since_log += 1
+        if step % log_every == 0 or step == end:
+          now = time.time()
+          metrics = {k: float(v)
+                     for k, v in parallel.host_copy(metrics).items()}
+          metrics.update(seconds_per_step=(now - t_last) / since_log,
+                         examples_per_second=batch_size * since_log
+                         / (now - t_last))
+          if learning_rate is not None:
+            metrics["learning_rate"] = float(learning_rate(step - 1))
+          t_last, since_log = now, 0
+          if hooks.log_metrics:
+            metrics = hooks.log_metrics(step, metrics)
+          self.writer.write_scalars(step, metrics)
+          history.append(dict(metrics, step=step))
+          if self.is_chief:
+            io_utils.append_jsonl(metrics_path, dict(metrics, step=step))
+          fmt, names = log_line
+          logging.info("step %d: " + fmt + ", %.3f s/step, %.1f examples/s",
+                       step, *[metrics[n] for n in names],
+                       metrics["seconds_per_step"],
+                       metrics["examples_per_second"])
+        # Process 0 decides, so every host stops after the same step.
+        stop = bool(distributed.broadcast_from_chief(
+            np.int32(preempted.requested))) if jax.process_count() > 1 else (
+                preempted.requested)
+        if step % checkpoint_every == 0 or step == end or stop:
+          save(step, state)
+          if hooks.after_checkpoint:
+            hooks.after_checkpoint(step, state)
+        if stop:
+          logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
+                          "step %d, exiting.", step)
+          break
+    finally:
+      preempted.close()
+    self.ckpt.wait_until_finished()
+    if step >= num_train_steps and self.is_chief:
+      checkpoints.write_done_marker(self.ckpt.directory, step)
+    self.writer.flush()
+    if self.is_chief:
+      self._write_history(start, history)
+    distributed.barrier(f"{self.job}: exit")
+    return history
+
+  def _write_history(self, start: int, history: list[dict[str, float]]
+                     ) -> None:
+    """history.json holds the whole run: earlier calls' entries are kept."""
+    path = io_utils.join(self.workdir, "history.json")
+    earlier = []
+    if io_utils.as_path(path).exists():
+      earlier = [h for h in json.loads(io_utils.read_text(path))
+                 if h["step"] <= start]
+    io_utils.write_json(path, earlier + history)

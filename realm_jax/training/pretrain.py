@@ -21,17 +21,13 @@ rebuilt in-process right after a checkpoint every `checkpoint_every` steps
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.core import lease as lease_lib
-from realm_jax.core import distributed, io_utils
+from realm_jax.core import checkpoints, distributed, io_utils, parallel
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.data import salient_spans
@@ -40,12 +36,8 @@ from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import mlm_warmup
-from realm_jax.core import checkpoints, parallel
-from realm_jax.training import realm_inputs
 from realm_jax.training import init as init_lib
-from realm_jax.core import preemption
-from realm_jax.training import loop
+from realm_jax.training import loop, mlm_warmup, realm_inputs
 from realm_jax.training import optimizer as optimizer_lib
 
 INDEX_MODES = ("inline", "builder")
@@ -65,8 +57,9 @@ class PretrainConfig:
       file, glob or comma-separated list of them).
     init_from: initial weights when the workdir has no checkpoint (see
       `realm_jax.training.init`).
-    num_train_steps: total steps.
-    batch_size: global batch (queries per step); must divide by devices.
+    num_train_steps: total steps (REALM: 200k).
+    batch_size: global batch (queries per step; REALM: 512); must divide
+      by the device count.
     learning_rate: peak learning rate (REALM: 3e-5); the reader's when the
       retriever has its own schedule.
     warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
@@ -90,8 +83,10 @@ class PretrainConfig:
     query_length, reader_length: 96 and 384 (= 96 + 288) in REALM.
     checkpoint_every: checkpoint (and, inline, index refresh) period.
     keep_checkpoints: orbax retention; >= 5 when a builder reads them.
-    index_mode: "inline" or "builder".
-    searcher: "exact" or "scann" (inline index).
+    index_mode: "builder" (REALM: a separate job refreshes the index) or
+      "inline" (rebuilt in-process after each checkpoint: small CPU runs,
+      exactly reproducible restarts).
+    searcher: "scann" or "exact" (inline index).
     index_wait_seconds: builder mode: how long to wait for the first index.
     log_every: metrics period.
     hubness_warning: warn once when the share of the queries since the last
@@ -111,8 +106,8 @@ class PretrainConfig:
   block_store: str
   annotated: str
   init_from: str | None = None
-  num_train_steps: int = 1000
-  batch_size: int = 8
+  num_train_steps: int = 200_000
+  batch_size: int = 512
   learning_rate: float = 3e-5
   warmup_steps: int | None = None
   retriever_learning_rate_multiplier: float = 1.0
@@ -125,12 +120,12 @@ class PretrainConfig:
   max_masks: int = 10
   query_length: int = 96
   reader_length: int = 384
-  checkpoint_every: int = 100
+  checkpoint_every: int = 500
   keep_checkpoints: int = 5
-  index_mode: str = "inline"
-  searcher: str = "exact"
+  index_mode: str = "builder"
+  searcher: str = "scann"
   index_wait_seconds: float = 600.0
-  log_every: int = 10
+  log_every: int = 100
   hubness_warning: float = 0.3
   null_probability_warning: float = 0.9
   stale_index_warning: float = 4.0
@@ -141,11 +136,6 @@ class PretrainConfig:
     if self.index_mode not in INDEX_MODES:
       raise ValueError(f"index_mode={self.index_mode!r}; use one of "
                        f"{INDEX_MODES}.")
-    if self.batch_size % jax.device_count():
-      raise ValueError(
-          f"batch_size={self.batch_size} does not divide over "
-          f"{jax.device_count()} devices; use a multiple of the device "
-          "count.")
     if self.index_mode == "builder" and self.keep_checkpoints < 5:
       raise ValueError("keep_checkpoints must be >= 5 when an index builder "
                        "reads the checkpoints.")
@@ -240,22 +230,14 @@ def make_loss_fn(graphdef, null_document: bool = True):
 
 
 def make_query_embedder(graphdef, mesh):
-  """jit(shard_map) of the query tower over the data axis."""
-  data = jax.sharding.PartitionSpec(parallel.DATA_AXIS)
-
+  """The query tower over the data axis: (params, ids, mask) -> [B, D]."""
   def per_core(params, ids, mask):
     return functional.bind(graphdef, params).retriever.embed_queries(ids,
                                                                      mask)
 
-  return jax.jit(jax.shard_map(
-      per_core, mesh=mesh,
-      in_specs=(jax.sharding.PartitionSpec(), data, data), out_specs=data))
-
-
-def local_rows(array: jax.Array) -> np.ndarray:
-  """This process's rows of a batch-sharded global array, in order."""
-  shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start)
-  return np.concatenate([np.asarray(s.data) for s in shards])
+  return parallel.data_parallel(
+      per_core, mesh, in_specs=(parallel.REPLICATED, parallel.BATCH,
+                                parallel.BATCH), out_specs=parallel.BATCH)
 
 
 # ----------------------------------------------------------------------------
@@ -356,25 +338,142 @@ class StalenessMonitor:
 # ----------------------------------------------------------------------------
 
 
+class RetrievalInput:
+  """The batches of pre-training: masked queries -> MIPS -> reader inputs.
+
+  Owns the served index: in builder mode a watcher swaps in the builder's
+  newest index before a step (at the same step on every host); inline,
+  `refresh` rebuilds it right after a checkpoint. Every host embeds its
+  queries, searches and builds its rows of the global batch.
+  """
+
+  def __init__(self, config: PretrainConfig, model: RealmConfig, graphdef,
+               store, queries, mesh):
+    self.config, self.model, self.store, self.queries = (config, model,
+                                                         store, queries)
+    self.mesh = mesh
+    self.embed_queries = make_query_embedder(graphdef, mesh)
+    self.guard = CollapseGuard(config)
+    self.index_root = checkpoints.index_root(config.workdir)
+    self.expect = publish.Expectation(store.fingerprint, len(store),
+                                      model.retriever.embedding_size)
+    per_host = distributed.check_divisible(
+        "batch_size", config.batch_size, jax.process_count(),
+        by_what="hosts")
+    self.host_rows = slice(jax.process_index() * per_host,
+                           (jax.process_index() + 1) * per_host)
+    margin = int(min(np.bincount(store.doc_indices).max(), len(store) - 1))
+    self.search_k = min(len(store), config.num_candidates + margin)
+    if self.search_k - margin < config.num_candidates:
+      raise ValueError(f"The block store has {len(store)} blocks; too few "
+                       f"for {config.num_candidates} candidates outside a "
+                       "query's own article.")
+    self.index = self.watcher = self.staleness = None
+
+  def serve(self, start_step: int, state, ckpt) -> None:
+    """Loads the first index (waiting for the builder, or building it)."""
+    if self.config.index_mode == "builder":
+      self.watcher = publish.IndexWatcher(self.index_root, self.expect)
+      self.staleness = StalenessMonitor(self.config, self.watcher)
+      self.index = self.watcher.wait_for_index(
+          timeout=self.config.index_wait_seconds)
+    # Inline, index s is always built right after checkpoint s; a resumed
+    # run serves the index of its own step (rebuilt if the previous run
+    # died before publishing it) and so replays the same trajectory.
+    elif publish.read_latest(self.index_root) == start_step:
+      self.index = publish.load_index(self.index_root, start_step,
+                                      self.expect)
+    else:
+      self.refresh(start_step, state, ckpt)
+    logging.info("serving index %d at step %d", self.index.step, start_step)
+
+  def refresh(self, step: int, state, ckpt) -> None:
+    """Inline mode: embeds the corpus with `state`'s retriever, publishes."""
+    ckpt.wait_until_finished()  # Index s only after checkpoint s is durable.
+    builder_lib.build_and_publish(
+        retriever_params=parallel.host_copy(state.params["retriever"]),
+        retriever_config=self.model.retriever, store=self.store,
+        root=self.index_root, step=step,
+        config=builder_lib.BuilderConfig(searcher_kind=self.config.searcher))
+    self.index = publish.load_index(self.index_root, step, self.expect)
+
+  def before_step(self, step: int) -> None:
+    if self.watcher is not None:
+      if self.watcher.maybe_swap():
+        self.index = self.watcher.current
+      self.staleness.check(step, self.index.step)
+
+  def batch(self, step: int, state) -> dict[str, jax.Array]:
+    c = self.config
+    local = {k: v[self.host_rows] for k, v in
+             self.queries.batch(step, c.batch_size).items()}
+    q = parallel.shard_batch(self.mesh, {k: local[k] for k in
+                                         ("query_ids", "query_mask")})
+    q_emb = parallel.local_rows(self.embed_queries(state.params, q["query_ids"],
+                                          q["query_mask"]))
+    hits, _ = self.index.search(q_emb, self.search_k)
+    candidates = realm_inputs.select_candidates(
+        hits, self.store.doc_hash, local["source_doc_hash"], c.num_candidates)
+    self.guard.add_top1(candidates[:, 0])
+    # Never a trivial retrieval: no candidate from the query's own article.
+    if (self.store.doc_hash[candidates]
+        == local["source_doc_hash"][:, None]).any():
+      raise AssertionError("a query's own article reached its candidates")
+    return parallel.shard_batch(self.mesh, realm_inputs.pretraining_batch(
+        local, candidates, self.store, doc_len=self.store.max_block_len,
+        reader_len=c.reader_length, null_document=c.null_document))
+
+  def log_metrics(self, step: int, metrics: dict[str, float]
+                  ) -> dict[str, float]:
+    metrics.update(hubness=self.guard.hubness(), index_step=self.index.step,
+                   index_staleness=step - self.index.step)
+    self.guard.check(step, metrics)
+    return metrics
+
+  def close(self, workdir: str, is_chief: bool) -> None:
+    if self.watcher is not None:
+      self.watcher.close()
+      if is_chief:
+        io_utils.write_json(
+            io_utils.join(workdir, "index_swaps.json"),
+            [{"index_step": s, "loaded_at": l, "swapped_at": w}
+             for s, l, w in self.watcher.swap_log])
+
+
+def make_optimizer(config: PretrainConfig):
+  """REALM's optimizer with the run's retriever schedule."""
+  return optimizer_lib.realm_optimizer(
+      learning_rate=config.learning_rate,
+      num_train_steps=config.num_train_steps,
+      warmup_steps=config.warmup_steps,
+      retriever_learning_rate_multiplier=(
+          config.retriever_learning_rate_multiplier),
+      freeze_retriever_steps=config.freeze_retriever_steps,
+      unused=UNUSED_BY_PRETRAINING,
+      bias_correction=config.adam_bias_correction)
+
+
+def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
+                    fresh, queries, store, is_chief: bool):
+  """`init_from`, then the MLM-head warm start when the config asks."""
+  params = init_lib.initial_params(model, fresh, config.init_from)
+  if not config.mlm_head_warmup_steps:
+    return params
+  # Every host runs the same deterministic warm start on the same queries,
+  # so the replicated parameters agree.
+  params, report = mlm_warmup.warm_start_mlm_head(
+      params, graphdef, queries.arrays, sep_id=int(store.manifest["sep_id"]),
+      store=store, reader_length=config.reader_length,
+      steps=config.mlm_head_warmup_steps, seed=config.seed)
+  if is_chief:
+    io_utils.write_json(io_utils.join(config.workdir, "mlm_head_warmup.json"),
+                        report)
+  return params
+
+
 def train(*, config: PretrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
-  """Runs (or resumes) the job under an exclusive lease on its workdir
-  (`realm_jax.core.lease`: a second job on the same workdir is refused)."""
-  with contextlib.ExitStack() as leases:
-    leases.enter_context(lease_lib.job_lease(config.workdir,
-                                             "pretrain trainer"))
-    if config.index_mode == "inline":  # It publishes the indices itself.
-      leases.enter_context(lease_lib.job_lease(
-          builder_lib.index_root(config.workdir), "pretrain trainer (inline "
-          "index)"))
-    return _train(config=config, model=model,
-                  operative_config=operative_config, stop_after=stop_after)
-
-
-def _train(*, config: PretrainConfig, model: RealmConfig,
-           operative_config: str = "", stop_after: int | None = None
-           ) -> list[dict[str, float]]:
   """Runs (or resumes) REALM pre-training.
 
   Args:
@@ -386,208 +485,66 @@ def _train(*, config: PretrainConfig, model: RealmConfig,
   Returns:
     The logged metrics, one dict per logged step.
   """
-  is_chief = jax.process_index() == 0
-  writer = loop.start_run(config.workdir, operative_config,
-                               is_chief=is_chief)
+  loop.check_batch_size(config.batch_size)
+  inline = config.index_mode == "inline"  # Publishes the indices itself.
+  index_lease = (checkpoints.index_root(config.workdir),
+                 "pretrain trainer (inline index)")
+  with loop.Run(config.workdir, job="pretrain trainer",
+                keep_checkpoints=config.keep_checkpoints,
+                operative_config=operative_config,
+                lease_paths=[index_lease] if inline else []) as run:
+    store = block_store.BlockStore.open(config.block_store)
+    tokenizer = Tokenizer()
+    store.check_vocab(tokenizer.vocab_path)
+    # Every host reads the same query order and takes its slice of each
+    # step's global batch: the batches (and so the losses) do not depend on
+    # the number of hosts, and a restart replays them exactly.
+    seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
+    queries = QuerySet.from_annotated(
+        config.annotated, tokenizer, config=realm_query_config(config),
+        seed=seed)
+    graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
+                                      config.seed)
+    tx = make_optimizer(config)
+    state, _, _ = run.init_or_restore(fresh, tx, lambda: _initial_params(
+        config, model, graphdef, fresh, queries, store, run.is_chief))
+    start_step = int(jax.device_get(state.step))
+    inputs = RetrievalInput(config, model, graphdef, store, queries,
+                            run.mesh)
 
-  # -- Data: the knowledge corpus and the masked queries.
-  store = block_store.BlockStore.open(config.block_store)
-  tokenizer = Tokenizer()
-  store.check_vocab(tokenizer.vocab_path)
-  query_config = realm_query_config(config)
-  # Every host holds the query set and takes its slice of each step's
-  # global batch: the batches (and so the losses) do not depend on the
-  # number of hosts, and a restart replays them exactly.
-  seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
-  queries = QuerySet.from_annotated(
-      config.annotated, tokenizer, config=query_config, seed=seed)
-  per_host = distributed.check_divisible("batch_size", config.batch_size,
-                                         jax.process_count(),
-                                         by_what="hosts")
-  host_rows = slice(jax.process_index() * per_host,
-                    (jax.process_index() + 1) * per_host)
-  margin = int(min(np.bincount(store.doc_indices).max(), len(store) - 1))
-  search_k = min(len(store), config.num_candidates + margin)
-  if search_k - margin < config.num_candidates:
-    raise ValueError(f"The block store has {len(store)} blocks; too few for "
-                     f"{config.num_candidates} candidates outside a query's "
-                     "own article.")
+    def save(step, state):
+      run.save(step, state.params, state.opt_state, {"seed": config.seed})
 
-  # -- Model, optimizer, state.
-  mesh = parallel.make_mesh()
-  graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
-                                    config.seed)
-  tx = optimizer_lib.realm_optimizer(
-      learning_rate=config.learning_rate,
-      num_train_steps=config.num_train_steps,
-      warmup_steps=config.warmup_steps,
-      retriever_learning_rate_multiplier=(
-          config.retriever_learning_rate_multiplier),
-      freeze_retriever_steps=config.freeze_retriever_steps,
-      unused=UNUSED_BY_PRETRAINING,
-      bias_correction=config.adam_bias_correction)
-  ckpt = checkpoints.TrainCheckpointer(
-      checkpoints.checkpoint_dir(config.workdir),
-      keep=config.keep_checkpoints)
-  start_step = ckpt.latest_step()
-  replicated = parallel.replicated(mesh)
-  if start_step is not None:
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                       sharding=replicated), fresh)
-    abstract_opt = jax.eval_shape(tx.init, fresh)
-    abstract_opt = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=replicated), abstract_opt)
-    params, opt_state, meta = ckpt.restore(start_step, abstract, abstract_opt)
-    logging.info("resumed from %s step %d (%s)", ckpt.directory, start_step,
-                 meta)
-  else:
-    params = init_lib.initial_params(model, fresh, config.init_from)
-    if config.mlm_head_warmup_steps:
-      # Every host runs the same deterministic warm start on the same
-      # queries, so the replicated parameters agree.
-      params, report = mlm_warmup.warm_start_mlm_head(
-          params, graphdef, queries.arrays,
-          sep_id=int(store.manifest["sep_id"]), store=store,
-          reader_length=config.reader_length,
-          steps=config.mlm_head_warmup_steps, seed=config.seed)
-      if is_chief:
-        io_utils.write_json(io_utils.join(config.workdir,
-                                           "mlm_head_warmup.json"), report)
-    params = jax.device_put(params, replicated)
-    opt_state = jax.device_put(tx.init(params), replicated)
-    start_step = 0
-  state = {"step": jax.device_put(jnp.asarray(start_step, jnp.int32),
-                                  replicated),
-           "params": params, "opt_state": opt_state}
-  train_step = loop.make_train_step(
-      make_loss_fn(graphdef, config.null_document), tx, mesh,
-      grad_norm_groups=("retriever", "reader"))
-  embed_queries = make_query_embedder(graphdef, mesh)
+    def after_checkpoint(step, state):
+      if inline and step < config.num_train_steps:
+        inputs.refresh(step, state, run.ckpt)
 
-  # -- The index: inline refresh, or a watcher on the builder's output.
-  index_root = builder_lib.index_root(config.workdir)
-  expect = publish.Expectation(store.fingerprint, len(store),
-                               model.retriever.embedding_size)
-  builder_config = builder_lib.BuilderConfig(searcher_kind=config.searcher)
-
-  def save(step):
-    ckpt.save(step, state["params"], state["opt_state"],
-              {"seed": config.seed}, force=True)
-
-  def inline_refresh(step):
-    ckpt.wait_until_finished()  # Index s only after checkpoint s is durable.
-    # Every host embeds its share of the blocks; process 0 publishes.
-    builder_lib.build_and_publish(
-        retriever_params=parallel.host_copy(state["params"]["retriever"]),
-        retriever_config=model.retriever, store=store, root=index_root,
-        step=step, config=builder_config)
-    return publish.load_index(index_root, step, expect)
-
-  watcher = None
-  if config.index_mode == "builder":
-    if ckpt.latest_step() is None:
-      save(start_step)  # The builder embeds these weights first.
-    watcher = publish.IndexWatcher(index_root, expect)
-    index = watcher.wait_for_index(timeout=config.index_wait_seconds)
-  else:
-    # Inline, index s is always built right after checkpoint s; a resumed
-    # run serves the index of its own step (rebuilt if the previous run died
-    # before publishing it) and so replays the same trajectory.
-    if ckpt.latest_step() is None:
-      save(start_step)
-    if publish.read_latest(index_root) == start_step:
-      index = publish.load_index(index_root, start_step, expect)
-    else:
-      index = inline_refresh(start_step)
-  logging.info("serving index %d at step %d", index.step, start_step)
-
-  # -- The loop.
-  preempted = preemption.Preemption()
-  guard = CollapseGuard(config)
-  staleness = StalenessMonitor(config, watcher) if watcher else None
-  history, base_rng = [], jax.random.key(config.seed)
-  step, t_last, steps_since_log = start_step, time.time(), 0
-  end = config.num_train_steps if stop_after is None else min(
-      config.num_train_steps, start_step + stop_after)
-  while step < end:
-    if watcher is not None:
-      if watcher.maybe_swap():
-        index = watcher.current
-      staleness.check(step, index.step)
-    local = {k: v[host_rows] for k, v in
-             queries.batch(step, config.batch_size).items()}
-    q = parallel.shard_batch(mesh, {k: local[k] for k in ("query_ids",
-                                                          "query_mask")})
-    q_emb = local_rows(embed_queries(state["params"], q["query_ids"],
-                                     q["query_mask"]))
-    hits, _ = index.search(q_emb, search_k)
-    candidates = realm_inputs.select_candidates(
-        hits, store.doc_hash, local["source_doc_hash"], config.num_candidates)
-    guard.add_top1(candidates[:, 0])
-    # Never a trivial retrieval: no candidate from the query's own article.
-    if (store.doc_hash[candidates] == local["source_doc_hash"][:, None]).any():
-      raise AssertionError("a query's own article reached its candidates")
-    batch = realm_inputs.pretraining_batch(
-        local, candidates, store, doc_len=store.max_block_len,
-        reader_len=config.reader_length,
-        null_document=config.null_document)
-    state, metrics = train_step(state, parallel.shard_batch(mesh, batch),
-                                base_rng)
-    step += 1
-    steps_since_log += 1
-    if step % config.log_every == 0 or step == end:
-      metrics = {k: float(v) for k, v in parallel.host_copy(metrics).items()}
-      now = time.time()
-      metrics.update(
-          hubness=guard.hubness(),
-          index_step=index.step, index_staleness=step - index.step,
-          seconds_per_step=(now - t_last) / steps_since_log,
-          examples_per_second=config.batch_size * steps_since_log
-          / (now - t_last))
-      t_last, steps_since_log = now, 0
-      writer.write_scalars(step, metrics)
-      history.append(dict(metrics, step=step))
-      if is_chief:
-        io_utils.append_jsonl(io_utils.join(config.workdir, "metrics.jsonl"),
-                               dict(metrics, step=step))
-      logging.info("step %d: loss %.4f utility %.4f mlm_acc %.3f "
-                   "p(null) %.3f hubness %.3f staleness %d, %.2f s/step",
-                   step, metrics["loss"], metrics["retrieval_utility"],
-                   metrics["mlm_correct"], metrics["null_probability"],
-                   metrics["hubness"], metrics["index_staleness"],
-                   metrics["seconds_per_step"])
-      guard.check(step, metrics)
-    # The stop decision is process 0's, so every host stops at one step.
-    stop = bool(distributed.broadcast_from_chief(
-        np.int32(preempted.requested))) if jax.process_count() > 1 else (
-            preempted.requested)
-    if step % config.checkpoint_every == 0 or step == end or stop:
-      save(step)
-      if config.index_mode == "inline" and step < config.num_train_steps:
-        index = inline_refresh(step)
-    if stop:
-      logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
-                      "step %d, exiting.", step)
-      break
-  preempted.close()
-  ckpt.wait_until_finished()
-  if step >= config.num_train_steps and is_chief:
-    checkpoints.write_done_marker(ckpt.directory, step)
-  if watcher is not None:
-    watcher.close()
-    if is_chief:
-      io_utils.write_json(io_utils.join(config.workdir, "index_swaps.json"),
-                  [{"index_step": s, "loaded_at": l, "swapped_at": w}
-                   for s, l, w in watcher.swap_log])
-  writer.flush()
-  ckpt.close()
-  if is_chief:
-    io_utils.write_json(io_utils.join(config.workdir, "history.json"),
-                         history)
-  distributed.barrier("pretrain-exit")
-  return history
+    if run.ckpt.latest_step() is None:
+      save(start_step, state)  # The builder (or inline refresh) embeds these.
+    inputs.serve(start_step, state, run.ckpt)
+    try:
+      return run.loop(
+          state, loop.make_train_step(
+              make_loss_fn(graphdef, config.null_document), tx, run.mesh,
+              grad_norm_groups=("retriever", "reader")),
+          inputs.batch, num_train_steps=config.num_train_steps,
+          checkpoint_every=config.checkpoint_every,
+          log_every=config.log_every, batch_size=config.batch_size,
+          seed=config.seed, save=save,
+          learning_rate=optimizer_lib.learning_rate_schedule(
+              learning_rate=config.learning_rate,
+              num_train_steps=config.num_train_steps,
+              warmup_steps=config.warmup_steps),
+          log_line=("loss %.4f utility %.4f mlm_acc %.3f p(null) %.3f "
+                    "hubness %.3f staleness %d",
+                    ("loss", "retrieval_utility", "mlm_correct",
+                     "null_probability", "hubness", "index_staleness")),
+          hooks=loop.Hooks(before_step=inputs.before_step,
+                           after_checkpoint=after_checkpoint,
+                           log_metrics=inputs.log_metrics),
+          stop_after=stop_after)
+    finally:
+      inputs.close(config.workdir, run.is_chief)
 
 
 if __name__ == "__main__":

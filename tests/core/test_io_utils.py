@@ -74,7 +74,7 @@ def test_remote_paths_stay_remote():
   assert io_utils.join(epath.Path("gs://bucket/run"),
                        "checkpoints") == "gs://bucket/run/checkpoints"
   assert checkpoints.checkpoint_dir("gs://b/r") == "gs://b/r/checkpoints"
-  assert builder.index_root("gs://b/r") == "gs://b/r/index"
+  assert checkpoints.index_root("gs://b/r") == "gs://b/r/index"
 
 
 def test_remote_writes_and_appends():
@@ -350,7 +350,7 @@ def test_checkpoints_and_run_files_take_epath(tmp_path, as_epath):
   ckpt.save(3, params, {"count": np.zeros(())}, force=True)
   ckpt.wait_until_finished()
   ckpt.close()
-  assert builder.finalized_steps(wrap(ckpt_dir)) == [3]
+  assert checkpoints.finalized_steps(wrap(ckpt_dir)) == [3]
   restored = checkpoints.restore_retriever(wrap(ckpt_dir), 3)
   np.testing.assert_array_equal(restored["w"], params["retriever"]["w"])
   assert not checkpoints.is_done(wrap(ckpt_dir))

@@ -85,6 +85,7 @@ def test_every_writing_job_leases_what_it_writes(tmp_path):
   """Trainers lease their workdir; the index builder (and an inline-index
   trainer) the index directory; the evaluation job its output directory."""
   from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   from realm_jax.index import builder  # pylint: disable=g-import-not-at-top
   from realm_jax.testing import knowledge_world, tiny  # pylint: disable=g-import-not-at-top
   from realm_jax.training import finetune, ict, pretrain  # pylint: disable=g-import-not-at-top
@@ -107,7 +108,7 @@ def test_every_writing_job_leases_what_it_writes(tmp_path):
     for name, job in jobs.items():
       with pytest.raises(lease_lib.LeaseHeldError, match="someone else"):
         job()
-  with lease_lib.Lease(builder.index_root(workdir), job="someone else"):
+  with lease_lib.Lease(checkpoints.index_root(workdir), job="someone else"):
     with pytest.raises(lease_lib.LeaseHeldError, match="someone else"):
       builder.run_builder(workdir=workdir, store=None,
                           retriever_config=model.retriever)

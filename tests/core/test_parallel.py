@@ -106,15 +106,15 @@ def test_train_step_reduces_loss_on_a_fixed_batch():
   mesh = parallel.make_mesh()
   optimizer = optax.adam(3e-3)
   step = loop.make_train_step(loss_fn, optimizer, mesh)
-  state = {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
-           "opt_state": optimizer.init(params)}
+  state = loop.TrainState(jax.numpy.zeros((), jax.numpy.int32), params,
+                          optimizer.init(params))
   batch = parallel.shard_batch(
       mesh, tiny.random_pretraining_batch(np.random.default_rng(1), batch=8))
   losses_seen = []
   for _ in range(15):
     state, metrics = step(state, batch, jax.random.key(0))
     losses_seen.append(float(metrics["loss"]))
-  assert int(state["step"]) == 15
+  assert int(state.step) == 15
   assert losses_seen[-1] < 0.7 * losses_seen[0], losses_seen
 
 

@@ -77,7 +77,7 @@ def _children_of(pid):
 
 
 def test_sigterm_stops_both_cleanly_and_publishes_the_last_index(tmp_path):
-  from realm_jax.index import builder, publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   proc, workdir = _launch(tmp_path)
   try:
@@ -99,7 +99,7 @@ def test_sigterm_stops_both_cleanly_and_publishes_the_last_index(tmp_path):
   assert last is not None and last >= 3
   assert not checkpoints.is_done(checkpoints.checkpoint_dir(workdir))
   # The trainer's last (SIGTERM) checkpoint became the last index.
-  assert publish.read_latest(builder.index_root(workdir)) == last
+  assert publish.read_latest(checkpoints.index_root(workdir)) == last
 
 
 def test_a_dead_builder_ends_the_run_with_its_status(tmp_path):

@@ -20,7 +20,7 @@ from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
-from realm_jax.testing import corpus
+from realm_jax.testing import corpus, tiny
 from realm_jax.training import finetune, qa_inputs
 from realm_jax.core import checkpoints, parallel
 
@@ -164,7 +164,7 @@ def _qa_batch(setup, model, n):
   """A QA batch over the frozen index with fixed retrievals (8 of 9)."""
   tok = Tokenizer()
   store = setup["store"]
-  index = finetune.load_frozen_index(setup["index"], store, model)
+  index = publish.load_frozen_index(setup["index"], store, model)
   questions = qa_inputs.tokenize_questions(tok, [q for q, _ in QA[:n]], 16)
   rng = np.random.default_rng(0)
   retrieved = np.stack([rng.permutation(len(store))[:8] for _ in range(n)])
@@ -262,7 +262,7 @@ def test_index_of_another_corpus_or_size_is_refused(setup, tmp_path):
   with pytest.raises(publish.IndexRejectedError, match="num_retrieved"):
     finetune.train(config=config, model=setup["model"])
   # A workdir holding index/ is accepted for the index root itself.
-  assert finetune.resolve_index_root(str(setup["root"])) == setup["index"]
+  assert publish.resolve_index_root(str(setup["root"])) == setup["index"]
   # Nothing was trained or written for a refused index.
   assert not glob.glob(str(tmp_path / "w*" / "checkpoints" / "*"))
 
@@ -273,8 +273,10 @@ def test_config_checks():
     finetune.FinetuneConfig(**kwargs)
   with pytest.raises(ValueError, match="exactly one of"):
     finetune.FinetuneConfig(**kwargs, num_train_steps=3, num_epochs=1.0)
-  with pytest.raises(ValueError, match="does not divide over 8 devices"):
-    finetune.FinetuneConfig(**kwargs, num_epochs=1.0, batch_size=12)
+  with pytest.raises(ValueError, match="does not divide evenly over 8 dev"):
+    # Checked when the run starts (building a config never starts JAX).
+    finetune.train(config=finetune.FinetuneConfig(
+        **kwargs, num_epochs=1.0, batch_size=12), model=tiny.tiny_realm())
   with pytest.raises(ValueError, match="num_reader_blocks=6 exceeds"):
     finetune.FinetuneConfig(**kwargs, num_epochs=1.0, num_retrieved=5,
                             num_reader_blocks=6)

@@ -80,7 +80,7 @@ def test_the_pretraining_job_warms_the_head_on_a_fresh_start(world, tmp_path):
       workdir=workdir, block_store=world.block_store, annotated=world.train,
       num_train_steps=1, batch_size=8, num_candidates=2, query_length=32,
       reader_length=96, max_masks=2, checkpoint_every=1,
-      mlm_head_warmup_steps=40)
+      index_mode="inline", searcher="exact", mlm_head_warmup_steps=40)
   pretrain.train(config=config, model=model)
   with open(os.path.join(workdir, "mlm_head_warmup.json")) as f:
     report = json.load(f)

@@ -211,4 +211,4 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
   assert published == [0]
   stale = [w for w in warnings if "STALE INDEX" in w]
   assert len(stale) == 1 and "step 3" in stale[0], warnings
-  assert builder.index_root(workdir) in stale[0]
+  assert checkpoints.index_root(workdir) in stale[0]
