@@ -1,14 +1,15 @@
 r"""Salient-span annotation throughput and span statistics.
 
-Runs the real annotation job (`salient_spans.annotate_corpus`) on the same
-documents with 1 worker process and with N, then reads the annotated output
+Runs the real annotation job (`annotate_job.annotate_corpus`, a Beam
+pipeline) on the same documents with Beam's in-process DirectRunner and with
+N worker processes (`--direct_num_workers=N
+--direct_running_mode=multi_processing`), then reads the annotated output
 back and measures what pre-training will see. Prints one JSON line per
 measurement:
 
-  annotate_corpus     sentences/s of the annotation phase (spaCy load and
-                      worker start-up included), end to end (staging the
-                      documents included) and per CPU-second, per process
-                      count
+  annotate_corpus     sentences/s of the whole pipeline (reading, pipeline
+                      and worker start-up, spaCy load included) and per
+                      CPU-second, per process count
   salient_spans       spans per sentence, share of sentences with a span and
                       with a span usable as a REALM query (1..10 wordpieces),
                       entity vs date share, counts per type
@@ -32,6 +33,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from realm_jax.data import annotate_job
 from realm_jax.data import salient_spans
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.data import wikipedia
@@ -39,7 +41,8 @@ from realm_jax.data import wikipedia
 _INPUT_PATH = flags.DEFINE_string(
     "input_path", None, "Corpus; default: the gensim Wikipedia slice.")
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", os.cpu_count() or 2, "N for the multi-process run.")
+    "num_processes", os.cpu_count() or 2,
+    "N for the multi-process run (Beam's --direct_num_workers).")
 _MAX_DOCUMENTS = flags.DEFINE_integer(
     "max_documents", None, "Only the first N documents.")
 
@@ -60,11 +63,13 @@ def _run_job(input_path: str, processes: int,
   output_dir = os.path.join(workdir, f"p{processes}")
   cpu_start = _cpu_seconds()
   start = time.time()
-  report = salient_spans.annotate_corpus(
+  pipeline_args = [] if processes == 1 else [
+      f"--direct_num_workers={processes}",
+      "--direct_running_mode=multi_processing"]
+  report = annotate_job.annotate_corpus(
       input_path=input_path, output_dir=output_dir,
-      # Several shards per process so the pool stays busy to the end.
-      num_shards=max(2, 4 * processes), num_processes=processes,
-      max_documents=max_documents)
+      num_shards=max(2, 4 * processes), max_documents=max_documents,
+      pipeline_args=pipeline_args)
   total = time.time() - start
   cpu = _cpu_seconds() - cpu_start
   _emit({
@@ -72,13 +77,14 @@ def _run_job(input_path: str, processes: int,
       "processes": processes,
       "documents": report["documents"],
       "sentences": report["sentences"],
-      "annotation_seconds": round(report["annotation_seconds"], 2),
+      "job_seconds": round(report["annotation_seconds"], 2),
       "sentences_per_second": round(report["sentences_per_second"], 1),
       "end_to_end_seconds": round(total, 2),
       "end_to_end_sentences_per_second": round(report["sentences"] / total,
                                                1),
-      # CPU time of this process and its (finished) workers: throughput per
-      # core, which other load on a shared machine does not distort.
+      # CPU time of this process and its (finished) Beam worker processes:
+      # throughput per core, which other load on a shared machine does not
+      # distort.
       "cpu_seconds": round(cpu, 2),
       "sentences_per_cpu_second": round(report["sentences"] / cpu, 1),
       "cpu_count": os.cpu_count(),

@@ -95,15 +95,16 @@ def _bindings(name: str, args) -> list[str]:
 def _wiki_world(directory: str, num_documents: int):
   """The enwiki slice: block store, and X split into train / held-out
   articles (every 4th held out); returns (block_store, train, heldout)."""
-  from realm_jax.data import corpus_job, salient_spans, wikipedia  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import annotate_job, corpus_job, salient_spans, wikipedia  # pylint: disable=g-import-not-at-top
   store_dir = os.path.join(directory, "blocks")
   if not os.path.exists(os.path.join(store_dir, "manifest.json")):
     corpus_job.build_corpus(output_dir=store_dir, max_block_len=128,
                             max_documents=num_documents)
   annotated = os.path.join(directory, "annotated")
-  salient_spans.annotate_corpus(
-      input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
-      num_shards=1, max_documents=num_documents)
+  if not os.path.exists(annotated):  # (the job's output appears whole)
+    annotate_job.annotate_corpus(
+        input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
+        num_shards=1, max_documents=num_documents)
   train, heldout = (os.path.join(directory, f"{n}.tfr.gz")
                     for n in ("train", "heldout"))
   if not os.path.exists(heldout):

@@ -32,16 +32,17 @@ def main():
   parser.add_argument("--workdir", default=None)
   args = parser.parse_args()
   root = args.workdir or tempfile.mkdtemp(prefix="refresh_")
-  from realm_jax.data import corpus_job, salient_spans, wikipedia  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import annotate_job, corpus_job, wikipedia  # pylint: disable=g-import-not-at-top
   store = os.path.join(root, "blocks")
   if not os.path.exists(store):
     corpus_job.build_corpus(output_dir=store,
                             max_documents=args.max_documents,
                             max_block_len=128)
   annotated = os.path.join(root, "annotated")
-  salient_spans.annotate_corpus(
-      input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
-      num_shards=1, max_documents=args.max_documents)
+  if not os.path.exists(annotated):  # (the job's output appears whole)
+    annotate_job.annotate_corpus(
+        input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
+        num_shards=1, max_documents=args.max_documents)
   workdir = os.path.join(root, "run")
   bindings = [
       f"WORKDIR='{workdir}'", f"BLOCK_STORE='{store}'",

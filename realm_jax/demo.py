@@ -44,7 +44,7 @@ import jax
 from realm_jax import ask as ask_lib
 from realm_jax.core import checkpoints
 from realm_jax.data import block_store
-from realm_jax.data import corpus_job, demo_qa, salient_spans, wikipedia
+from realm_jax.data import annotate_job, corpus_job, demo_qa, wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
@@ -247,9 +247,9 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
 
   t = time.time()
   annotated_dir = os.path.join(config.workdir, "annotated")
-  report = salient_spans.annotate_corpus(
+  report = annotate_job.annotate_corpus(
       input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated_dir,
-      num_shards=1, num_processes=1, max_documents=config.num_documents)
+      num_shards=1, max_documents=config.num_documents, overwrite=True)
   _log("salient_spans", sentences=report.get("sentences"),
        spans=report.get("spans"), seconds=round(time.time() - t, 1))
 

@@ -23,31 +23,20 @@ of tf.train.Example with `title`, `text` (bytes), `sentence_byte_start`,
 UTF-8 byte offsets into text, limits exclusive) and optional `span_type`,
 `uid`; both corpora read through `read_annotated`.
 
-`annotate_corpus`: (1) one pass over the input deals documents round-robin
-into `num_shards` staging JSONL files (document k -> shard k % n), so a dump
-is parsed once whatever the number of workers; (2) a pool of spawned
-workers, each loading spaCy once, turns staging shard i into
-`annotated-<i>-of-<n>.tfr.gz` (temp file + rename). Finished shards are
-skipped when the job is run again.
+The corpus job is `realm_jax.data.annotate_job` (an Apache Beam pipeline
+mapping `annotate_document` over the documents):
 
-  python -m realm_jax.data.salient_spans --input_path=... --output_dir=...
+  python -m realm_jax.data.annotate_job --input_path=... --output_dir=...
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
-import json
-import multiprocessing
 import os
 import re
-import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from absl import app
-from absl import flags
-from absl import logging
 import numpy as np
 
 from realm_jax.data import wikipedia
@@ -236,8 +225,8 @@ def annotate_document(
 ) -> AnnotatedDocument:
   """Finds sentences and salient spans (entities + dates) of one document.
 
-  A pure function of its arguments (given the spaCy pipeline), so a Beam or
-  multiprocess job can map it over a corpus.
+  A pure function of its arguments (given the spaCy pipeline), so a Beam
+  job can map it over a corpus (`annotate_job`).
 
   Args:
     title: article title.
@@ -563,266 +552,10 @@ def _parse_record(raw: bytes, report: AnnotationReport,
   return doc
 
 
-# ------------------------------------------------------------------ job ----
+# --------------------------------------------------------------- shards ----
 
 
 def shard_path(output_dir: str, index: int, num_shards: int) -> str:
-  """Path of annotated shard `index` of `num_shards`."""
+  """Path of annotated shard `index` of `num_shards` (`annotate_job`)."""
   return os.path.join(
       output_dir, f"annotated-{index:05d}-of-{num_shards:05d}.tfr.gz")
-
-
-def _staging_path(output_dir: str, index: int, num_shards: int) -> str:
-  return os.path.join(output_dir, ".staging",
-                      f"documents-{index:05d}-of-{num_shards:05d}.jsonl")
-
-
-def _write_json(path: str, obj: Any) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
-
-
-def _stage_documents(*, input_path: str, output_dir: str, num_shards: int,
-                     max_documents: int | None) -> dict[str, Any]:
-  """Phase 1: deals documents round-robin into staging JSONL shards."""
-  os.makedirs(os.path.join(output_dir, ".staging"), exist_ok=True)
-  tmp_paths = [_staging_path(output_dir, i, num_shards) + ".tmp"
-               for i in range(num_shards)]
-  files = [open(p, "w", encoding="utf-8") for p in tmp_paths]
-  reader_report = wikipedia.Report()
-  count, start = 0, time.time()
-  try:
-    for doc in wikipedia.iter_documents(input_path, reader_report):
-      if max_documents is not None and count >= max_documents:
-        break
-      files[count % num_shards].write(json.dumps(
-          {"uid": str(count), "title": doc.title, "text": doc.text},
-          ensure_ascii=False) + "\n")
-      count += 1
-      if count % 1000 == 0:
-        logging.info("Staged %d documents (%.1f docs/s).", count,
-                     count / (time.time() - start))
-  finally:
-    for f in files:
-      f.close()
-  for i, p in enumerate(tmp_paths):
-    os.replace(p, _staging_path(output_dir, i, num_shards))
-  return {"documents": count, "reader": reader_report.summary()}
-
-
-_WORKER_NLP = None
-
-
-def _init_worker(spacy_model: str, verbosity: int) -> None:
-  """Pool initializer: loads spaCy once per worker process."""
-  global _WORKER_NLP
-  logging.set_verbosity(verbosity)
-  _WORKER_NLP = load_nlp(spacy_model)
-
-
-def _annotate_shard(args: tuple[str, int, int]) -> dict[str, Any]:
-  """Phase 2 for one shard: staging JSONL -> annotated TFRecord + report."""
-  output_dir, index, num_shards = args
-  nlp = _WORKER_NLP
-  splitter = wikipedia.split_sentences
-  report = AnnotationReport()
-  start = last_log = time.time()
-
-  def annotated() -> Iterator[AnnotatedDocument]:
-    nonlocal last_log
-    path = _staging_path(output_dir, index, num_shards)
-    with open(path, encoding="utf-8") as f:
-      for line_number, line in enumerate(f, 1):
-        try:
-          d = json.loads(line)
-          doc = annotate_document(d["title"], d["text"], nlp,
-                                  sentence_splitter=splitter, uid=d["uid"])
-        except (ValueError, KeyError, UnicodeError) as e:
-          logging.warning("%s:%d: skipped (%s).", path, line_number, e)
-          report.skip(f"document_{type(e).__name__}")
-          continue
-        if not doc.sentence_byte_starts:
-          report.skip("document_without_sentences")
-          continue
-        report.add_document(doc)
-        yield doc
-        if time.time() - last_log > 30:
-          last_log = time.time()
-          logging.info("Shard %d/%d: %d documents, %d sentences, %.1f "
-                       "sentences/s.", index, num_shards, report.documents,
-                       report.sentences, report.sentences / (last_log - start))
-
-  write_annotated(shard_path(output_dir, index, num_shards), annotated())
-  seconds = time.time() - start
-  result = report.to_dict()
-  result.update(shard=index, seconds=seconds)
-  _write_json(_shard_report_path(output_dir, index, num_shards), result)
-  return result
-
-
-def _shard_report_path(output_dir: str, index: int, num_shards: int) -> str:
-  return shard_path(output_dir, index, num_shards)[:-len(".tfr.gz")] + (
-      ".report.json")
-
-
-def _shard_done(output_dir: str, index: int, num_shards: int) -> bool:
-  # The report is written after the shard: both exist only when it is done.
-  return (os.path.exists(shard_path(output_dir, index, num_shards)) and
-          os.path.exists(_shard_report_path(output_dir, index, num_shards)))
-
-
-def annotate_corpus(
-    *,
-    input_path: str,
-    output_dir: str,
-    num_shards: int,
-    num_processes: int = 1,
-    spacy_model: str = SPACY_MODEL,
-    max_documents: int | None = None,
-    keep_staging: bool = False,
-) -> dict[str, Any]:
-  """Annotates a corpus with salient spans into sharded TFRecords.
-
-  Resumable: a shard whose `annotated-<i>-of-<n>.tfr.gz` (and its report)
-  exists is not recomputed when the job is run again.
-
-  Args:
-    input_path: Wikipedia dump (.xml.bz2) or JSONL `{"title", "text"}`, read
-      by `wikipedia.iter_documents`.
-    output_dir: where shards, per-shard reports and `report.json` go.
-    num_shards: number of output shards (documents dealt round-robin).
-    num_processes: worker processes (spawned; each loads spaCy once). 1 runs
-      in this process.
-    spacy_model: spaCy package name.
-    max_documents: stop after this many input documents (for trials).
-    keep_staging: keep the staging JSONL shards after success.
-
-  Returns:
-    The report: documents, sentences, spans, skipped items by reason, span
-    types, per-run throughput. Also written to `output_dir/report.json`.
-
-  Raises:
-    ValueError: on bad arguments or when `output_dir` holds a staging area of
-      a different run.
-  """
-  if num_shards < 1 or num_processes < 1:
-    raise ValueError(f"num_shards ({num_shards}) and num_processes "
-                     f"({num_processes}) must be >= 1.")
-  os.makedirs(output_dir, exist_ok=True)
-  start = time.time()
-  todo = [i for i in range(num_shards)
-          if not _shard_done(output_dir, i, num_shards)]
-  logging.info("%d of %d shards to annotate in %s.", len(todo), num_shards,
-               output_dir)
-  marker = os.path.join(output_dir, ".staging", "COMPLETE.json")
-  run = {"input_path": os.path.abspath(input_path), "num_shards": num_shards,
-         "max_documents": max_documents}
-  staging: dict[str, Any] | None = None
-  if todo:
-    if os.path.exists(marker):
-      with open(marker, encoding="utf-8") as f:
-        staging = json.load(f)
-      if staging["run"] != run:
-        raise ValueError(
-            f"{output_dir} holds a staging area of another run "
-            f"({staging['run']}, this one is {run}); use another output_dir "
-            "or delete that one.")
-      logging.info("Reusing staged documents in %s.", marker)
-    else:
-      staging = _stage_documents(input_path=input_path, output_dir=output_dir,
-                                 num_shards=num_shards,
-                                 max_documents=max_documents)
-      staging["run"] = run
-      _write_json(marker, staging)
-      logging.info("Staged %d documents in %.1fs.", staging["documents"],
-                   time.time() - start)
-
-  annotate_start = time.time()
-  new = AnnotationReport()
-
-  def log_progress(done: int, result: dict[str, Any]) -> None:
-    new.merge(AnnotationReport.from_dict(result))
-    logging.info(
-        "Shard %d done (%d sentences, %.1fs); %d/%d shards, %.1f sentences/s "
-        "overall.", result["shard"], result["sentences"], result["seconds"],
-        done, len(todo), new.sentences / (time.time() - annotate_start))
-
-  tasks = [(output_dir, i, num_shards) for i in todo]
-  init_args = (spacy_model, logging.get_verbosity())
-  if min(num_processes, len(todo)) == 1:
-    _init_worker(*init_args)
-    for done, result in enumerate(map(_annotate_shard, tasks), 1):
-      log_progress(done, result)
-  elif todo:
-    # Leaving the `with` terminates the workers, also on an error.
-    with multiprocessing.get_context("spawn").Pool(
-        min(num_processes, len(todo)), initializer=_init_worker,
-        initargs=init_args) as pool:
-      for done, result in enumerate(
-          pool.imap_unordered(_annotate_shard, tasks), 1):
-        log_progress(done, result)
-
-  report = AnnotationReport()
-  for i in range(num_shards):
-    with open(_shard_report_path(output_dir, i, num_shards),
-              encoding="utf-8") as f:
-      report.merge(AnnotationReport.from_dict(json.load(f)))
-  seconds = time.time() - annotate_start
-  result = report.to_dict()
-  result.update(
-      num_shards=num_shards,
-      shards_annotated_now=len(todo),
-      num_processes=num_processes,
-      annotation_seconds=seconds,
-      sentences_per_second=(new.sentences / seconds if todo else None),
-      staging=staging)
-  _write_json(os.path.join(output_dir, "report.json"), result)
-  if not keep_staging:
-    staging_dir = os.path.join(output_dir, ".staging")
-    for path in glob.glob(os.path.join(staging_dir, "*")):
-      os.remove(path)
-    if os.path.isdir(staging_dir):
-      os.rmdir(staging_dir)
-  logging.info("Annotation report: %s", json.dumps(result, sort_keys=True))
-  return result
-
-
-# ----------------------------------------------------------------- main ----
-
-_FLAGS = flags.FLAGS
-
-
-def _define_flags() -> None:
-  """Defines the job's flags; only when run as a program, so that importing
-  this module next to other jobs' modules never clashes on flag names."""
-  flags.DEFINE_string(
-      "input_path", None,
-      "Wikipedia dump (.xml.bz2) or JSONL {title, text}; default: the gensim "
-      "Wikipedia slice.")
-  flags.DEFINE_string("output_dir", None, "Output directory.")
-  flags.DEFINE_integer("num_shards", 8, "Output shards.")
-  flags.DEFINE_integer("num_processes", max(1, (os.cpu_count() or 2) - 1),
-                       "Worker processes.")
-  flags.DEFINE_integer("max_documents", None, "Only the first N documents.")
-  flags.DEFINE_string("spacy_model", SPACY_MODEL, "spaCy NER package.")
-  flags.mark_flag_as_required("output_dir")
-
-
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  input_path = _FLAGS.input_path
-  if input_path is None:
-    input_path = wikipedia.default_wikipedia_dump()
-  annotate_corpus(input_path=input_path, output_dir=_FLAGS.output_dir,
-                  num_shards=_FLAGS.num_shards,
-                  num_processes=_FLAGS.num_processes,
-                  spacy_model=_FLAGS.spacy_model,
-                  max_documents=_FLAGS.max_documents)
-
-
-if __name__ == "__main__":
-  _define_flags()
-  app.run(main)

@@ -1,5 +1,6 @@
 """Tests of salient-span annotation and the annotated record format."""
 
+import itertools
 import json
 import os
 
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from realm_jax.data import annotate_job
 from realm_jax.data import salient_spans as ss
+from realm_jax.data import wikipedia
 
 
 @pytest.fixture(scope="module")
@@ -214,54 +217,80 @@ def _write_jsonl(path, docs):
       f.write(json.dumps(d, ensure_ascii=False) + "\n")
 
 
-def test_annotate_corpus_is_resumable(tmp_path):
+def _shards(out, num_shards):
+  return [list(ss.read_annotated(ss.shard_path(str(out), i, num_shards)))
+          for i in range(num_shards)]
+
+
+def _expected(documents, nlp, num_shards):
+  """What the job must write: document i annotated alone, in shard
+  i % num_shards, each shard in document order."""
+  docs = [ss.annotate_document(title, text, nlp, uid=str(i))
+          for i, (title, text) in enumerate(documents)]
+  return [docs[k::num_shards] for k in range(num_shards)]
+
+
+def test_annotate_corpus_beam_job(tmp_path, nlp):
   corpus = tmp_path / "corpus.jsonl"
   _write_jsonl(corpus, CORPUS)
   out = tmp_path / "out"
-  report = ss.annotate_corpus(input_path=str(corpus), output_dir=str(out),
-                              num_shards=2, num_processes=1)
-  shards = [ss.shard_path(str(out), i, 2) for i in range(2)]
-  assert os.path.basename(shards[1]) == "annotated-00001-of-00002.tfr.gz"
-  by_shard = [[d.title for d in ss.read_annotated(p)] for p in shards]
-  titles = [d["title"] for d in CORPUS]
-  kept = [t for t in titles if t in by_shard[0] + by_shard[1]]
-  # Round-robin over the documents the reader kept.
-  assert by_shard == [kept[0::2], kept[1::2]]
-  assert {"Ada Lovelace", "Alan Turing", "Grace Hopper", "Kraków"} <= set(
-      kept)
-  assert report["documents"] == len(kept)
-  assert report["spans"] > 4 and report["shards_annotated_now"] == 2
+  report = annotate_job.annotate_corpus(str(corpus), str(out), num_shards=3)
+  names = sorted(os.listdir(out))
+  assert names == ["annotated-00000-of-00003.tfr.gz",
+                   "annotated-00001-of-00003.tfr.gz",
+                   "annotated-00002-of-00003.tfr.gz", "report.json"]
+  # The JSONL reader skips the empty document; the others are dealt
+  # round-robin, each annotated as `annotate_document` does it alone.
+  kept = [(d["title"], d["text"]) for d in CORPUS[:4]]
+  assert _shards(out, 3) == _expected(kept, nlp, 3)
+  assert report["documents"] == 4 and report["shard_documents"] == [2, 1, 1]
+  assert report["spans"] > 4 and report["reader"]["skipped"] == {
+      "empty_article": 1}
+  assert report["span_types"]["DATE"] >= 3
   with open(out / "report.json", encoding="utf-8") as f:
-    assert json.load(f)["sentences"] == report["sentences"]
-  assert not (out / ".staging").exists()
-  assert not [p for p in os.listdir(out) if ".tmp" in p]
+    assert json.load(f) == report
+  assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
 
-  # Restart after losing shard 1: shard 0 is not recomputed.
-  mtime = os.stat(shards[0]).st_mtime_ns
-  os.remove(shards[1])
-  again = ss.annotate_corpus(input_path=str(corpus), output_dir=str(out),
-                             num_shards=2, num_processes=1)
-  assert again["shards_annotated_now"] == 1
-  assert os.stat(shards[0]).st_mtime_ns == mtime
-  assert [d.title for d in ss.read_annotated(shards[1])] == by_shard[1]
-  assert again["spans"] == report["spans"]
-  # Everything done: nothing recomputed, not even the staging.
-  third = ss.annotate_corpus(input_path=str(corpus), output_dir=str(out),
-                             num_shards=2, num_processes=1)
-  assert third["shards_annotated_now"] == 0
+  with pytest.raises(FileExistsError, match="out"):
+    annotate_job.annotate_corpus(str(corpus), str(out), num_shards=3)
 
 
-def test_annotate_corpus_multiprocess_matches_single(tmp_path):
-  corpus = tmp_path / "corpus.jsonl"
-  _write_jsonl(corpus, CORPUS[:4])
-  ss.annotate_corpus(input_path=str(corpus), output_dir=str(tmp_path / "one"),
-                     num_shards=2, num_processes=1)
-  ss.annotate_corpus(input_path=str(corpus), output_dir=str(tmp_path / "two"),
-                     num_shards=2, num_processes=2)
-  for i in range(2):
-    assert (list(ss.read_annotated(ss.shard_path(str(tmp_path / "one"), i, 2)))
-            == list(ss.read_annotated(
-                ss.shard_path(str(tmp_path / "two"), i, 2))))
+def test_annotate_corpus_wikipedia_dump_multiprocess(tmp_path, nlp):
+  """A dump's markup is removed on the workers; the output is that of the
+  sequential reader, whatever the runner's mode."""
+  dump = wikipedia.default_wikipedia_dump()
+  out = tmp_path / "out"
+  report = annotate_job.annotate_corpus(
+      dump, str(out), num_shards=2, max_documents=3, pipeline_args=[
+          "--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+  documents = list(itertools.islice(
+      wikipedia.iter_documents(dump, wikipedia.Report()), 3))
+  assert _shards(out, 2) == _expected(
+      [(d.title, d.text) for d in documents], nlp, 2)
+  assert report["documents"] == 3 and report["reader"]["documents"] == 3
+
+
+def test_annotate_corpus_bad_input_names_the_file(tmp_path):
+  out = tmp_path / "out"
+  with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    annotate_job.annotate_corpus(str(tmp_path / "missing.jsonl"), str(out),
+                                 num_shards=1)
+  (tmp_path / "corpus.csv").write_text("a,b\n")
+  with pytest.raises(ValueError, match="corpus.csv: unknown corpus format"):
+    annotate_job.annotate_corpus(str(tmp_path / "corpus.csv"), str(out),
+                                 num_shards=1)
+  # A corrupt file fails in the pipeline: the error names it, and the
+  # existing output is left as it was (no half-written output).
+  out.mkdir()
+  (out / "keep.txt").write_text("old")
+  bad = tmp_path / "corpus.jsonl.gz"
+  bad.write_bytes(b"not gzip data")
+  with pytest.raises(ValueError, match=r"corpus.jsonl.gz: cannot read"):
+    annotate_job.annotate_corpus(str(bad), str(out), num_shards=2,
+                                 overwrite=True)
+  assert os.listdir(out) == ["keep.txt"]
+  assert sorted(os.listdir(tmp_path)) == ["corpus.csv", "corpus.jsonl.gz",
+                                          "out"]
 
 
 def test_annotated_document_sentences_with_spans():
