@@ -51,6 +51,7 @@ trained on here; the masked-token metrics use the held-out articles
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
 
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store, examples, query_cache  # pylint: disable=g-import-not-at-top
   from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
   from realm_jax.eval import pretrain_eval  # pylint: disable=g-import-not-at-top
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
@@ -215,16 +216,16 @@ def main(argv=None) -> None:
   store = block_store.BlockStore.open(store_dir)
   base = [f"WORKDIR = '{args.workdir}'",
           f"BLOCK_STORE = '{store_dir}'",
-          f"ANNOTATED = '{train_x}'",
+          f"QUERIES = '{os.path.join(args.workdir, 'queries_salient')}'",
           f"pretrain.PretrainConfig.num_train_steps = {args.steps}",
           f"pretrain.PretrainConfig.checkpoint_every = {args.refresh_every}",
           f"pretrain.PretrainConfig.seed = {args.seed}"] + list(args.gin)
   gin, model = _configs(gin_files, base)
   recipe = gin.get_configurable(pretrain.PretrainConfig)()
-  heldout = pretrain.QuerySet.from_annotated(
+  heldout = examples.read_realm_queries(
       heldout_x, Tokenizer(),
       config=pretrain.realm_query_config(recipe, masking="salient"),
-      seed=args.seed).arrays
+      seed=args.seed)
   if args.max_heldout:
     keep = np.sort(np.random.default_rng(args.seed).permutation(
         len(heldout["query_ids"]))[:args.max_heldout])
@@ -298,6 +299,15 @@ def main(argv=None) -> None:
   # warm-up with their own settings (same optimiser state, same step).
   warmup = recipe.freeze_retriever_steps
 
+  def queries_for(config):
+    """The training sentences masked the condition's way (built once)."""
+    path = os.path.join(args.workdir, f"queries_{config.masking}")
+    if not os.path.exists(path):
+      query_cache.build_query_cache(
+          train_x, path, query_config=pretrain.realm_query_config(config),
+          seed=args.seed, num_shards=1)
+    return path
+
   def run(condition):
     workdir = os.path.join(args.workdir, condition)
     gin, model = _configs(gin_files, base + [
@@ -305,6 +315,7 @@ def main(argv=None) -> None:
         "pretrain.PretrainConfig.keep_checkpoints = 1000"]
         + start_from + _bindings(condition, args))
     config = gin.get_configurable(pretrain.PretrainConfig)()
+    config = dataclasses.replace(config, queries=queries_for(config))
     ckpt_dir = checkpoints.checkpoint_dir(workdir)
     shared = condition not in ("realm", "realm_original") and warmup
     if shared and not os.path.exists(ckpt_dir):

@@ -32,7 +32,7 @@ def main():
   parser.add_argument("--workdir", default=None)
   args = parser.parse_args()
   root = args.workdir or tempfile.mkdtemp(prefix="refresh_")
-  from realm_jax.data import annotate_job, corpus_job, wikipedia  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import annotate_job, corpus_job, examples, query_cache, wikipedia  # pylint: disable=g-import-not-at-top
   store = os.path.join(root, "blocks")
   if not os.path.exists(store):
     corpus_job.build_corpus(output_dir=store,
@@ -43,10 +43,16 @@ def main():
     annotate_job.annotate_corpus(
         input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
         num_shards=1, max_documents=args.max_documents)
+  queries = os.path.join(root, "queries48")
+  if not os.path.exists(queries):
+    query_cache.build_query_cache(
+        f"{annotated}/*.tfr.gz", queries, num_shards=1,
+        query_config=examples.RealmQueryConfig(query_length=48,
+                                               mask_limit=46))
   workdir = os.path.join(root, "run")
   bindings = [
       f"WORKDIR='{workdir}'", f"BLOCK_STORE='{store}'",
-      f"ANNOTATED='{annotated}/*.tfr.gz'",
+      f"QUERIES='{queries}'",
       f"pretrain.PretrainConfig.num_train_steps={args.steps}",
       f"pretrain.PretrainConfig.checkpoint_every={args.checkpoint_every}",
       "pretrain.PretrainConfig.index_mode='builder'",

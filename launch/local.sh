@@ -4,12 +4,13 @@
 # the trainer swaps in each index the builder publishes).
 #
 # Usage:
-#   launch/local.sh WORKDIR BLOCK_STORE ANNOTATED [MODEL_GIN] [-- GIN_BINDING...]
+#   launch/local.sh WORKDIR BLOCK_STORE QUERIES [MODEL_GIN] [-- GIN_BINDING...]
 #   DRY_RUN=1 launch/local.sh ...     # print the two commands only
 #
 # MODEL_GIN defaults to models/tiny.gin (any file under gin_configs/ or a
-# path). Extra arguments after `--` are gin bindings for the trainer, e.g.
-#   launch/local.sh /tmp/run /tmp/blocks '/tmp/ann/*.tfr.gz' \
+# path). QUERIES is a query cache (python -m realm_jax.data.query_cache).
+# Extra arguments after `--` are gin bindings for the trainer, e.g.
+#   launch/local.sh /tmp/run /tmp/blocks /tmp/queries \
 #       models/minilm_l6.gin -- "INIT_FROM='minilm'" \
 #       "pretrain.PretrainConfig.num_train_steps=1000"
 # Logs: WORKDIR/logs/{trainer,builder}.log. SIGTERM or Ctrl-C stops both
@@ -18,10 +19,10 @@
 set -euo pipefail
 
 if [ $# -lt 3 ]; then
-  sed -n '2,18p' "$0"
+  sed -n '2,19p' "$0"
   exit 2
 fi
-workdir=$1 block_store=$2 annotated=$3
+workdir=$1 block_store=$2 queries=$3
 shift 3
 model_gin=models/tiny.gin
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then
@@ -34,7 +35,7 @@ python=${PYTHON:-python}
 trainer=("$python" -m realm_jax.training.pretrain
   "--gin_file=$model_gin" --gin_file=runs/pretrain.gin
   "--gin.WORKDIR='$workdir'" "--gin.BLOCK_STORE='$block_store'"
-  "--gin.ANNOTATED='$annotated'"
+  "--gin.QUERIES='$queries'"
   "--gin.pretrain.PretrainConfig.index_mode='builder'")
 for binding in "$@"; do
   trainer+=("--gin_bindings=$binding")

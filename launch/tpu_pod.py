@@ -15,7 +15,7 @@ Example (launch/README.md walks through a whole run):
 
   python launch/tpu_pod.py train --name=realm-v4 --zone=us-central2-b \\
       --workdir=gs://bucket/run1 --block_store=/var/tmp/realm/blocks \\
-      --annotated='gs://bucket/ann/*.tfr.gz' --gin_file=models/bert_base.gin \\
+      --queries=/mnt/data/queries --gin_file=models/bert_base.gin \\
       --gin_file=runs/pretrain.gin --gin=INIT_FROM='"minilm"' --dry_run
 
 Flags may also come from a file, one per line: `tpu_pod.py train @pod.args`.
@@ -91,7 +91,9 @@ class LaunchConfig:
     gin_files: trainer / ICT gin files (model + run, or an experiment).
     gin_bindings: extra bindings X=Y for the trainer / ICT job.
     block_store: the knowledge corpus Z, as the hosts see it.
-    annotated: the salient-span annotated corpus X (glob), for train.
+    queries: the pre-training corpus X as a query cache directory on a
+      disk every host mounts (python -m realm_jax.data.query_cache), for
+      train.
     model_gin: the model gin file for the builder (default: the one under
       models/ among gin_files).
     index_mode: the trainer's PretrainConfig.index_mode ("builder": a
@@ -125,7 +127,7 @@ class LaunchConfig:
   gin_files: tuple[str, ...] = ()
   gin_bindings: tuple[str, ...] = ()
   block_store: str | None = None
-  annotated: str | None = None
+  queries: str | None = None
   model_gin: str | None = None
   index_mode: str = "builder"
   env: tuple[str, ...] = ()
@@ -257,7 +259,7 @@ def check_required(cfg: LaunchConfig, subcommand: str) -> None:
              "as the hosts see it (python -m realm_jax.data.corpus_job)")
     for flag, path in (("workdir", cfg.workdir),
                        ("block_store", cfg.block_store),
-                       ("annotated", cfg.annotated)):
+                       ("queries", cfg.queries)):
       # The jobs start inside the checkout: a relative path would name a
       # different directory on every host.
       if path and not (path.startswith("gs://") or path.startswith("/")):
@@ -269,9 +271,9 @@ def check_required(cfg: LaunchConfig, subcommand: str) -> None:
              f"--gin_file=runs/{SUBCOMMAND_JOBS[subcommand]}.gin) or an "
              "experiment file")
   if subcommand == "train":
-    _require(cfg, subcommand, "annotated", "the salient-span annotated "
-             "corpus, e.g. '/mnt/data/annotated/*.tfr.gz' "
-             "(python -m realm_jax.data.salient_spans)")
+    _require(cfg, subcommand, "queries", "the query cache every host "
+             "mounts, e.g. '/mnt/data/queries' "
+             "(python -m realm_jax.data.query_cache)")
   if subcommand == "builder":
     _require(cfg, subcommand, "builder_vm", "the index builder runs on its "
              "own host (a TPU VM or a Compute Engine VM), never on the "
@@ -508,7 +510,7 @@ def job_argv(cfg: LaunchConfig, job: str) -> list[str]:
     argv += [f"--gin.WORKDIR={_gin_string(cfg.workdir)}",
              f"--gin.BLOCK_STORE={_gin_string(cfg.block_store)}"]
     if job == "pretrain":
-      argv += [f"--gin.ANNOTATED={_gin_string(cfg.annotated)}",
+      argv += [f"--gin.QUERIES={_gin_string(cfg.queries)}",
                "--gin.pretrain.PretrainConfig.index_mode="
                f"{_gin_string(cfg.index_mode)}"]
     bindings = cfg.gin_bindings
@@ -671,7 +673,7 @@ def _common_flags() -> argparse.ArgumentParser:
   g.add_argument("--gin", action="append", default=[],
                  help="Gin binding X=Y for train/ict (repeatable).")
   g.add_argument("--block_store", help="Block store path on the hosts.")
-  g.add_argument("--annotated", help="Annotated corpus glob (train).")
+  g.add_argument("--queries", help="Query cache directory (train).")
   g.add_argument("--model_gin", help="Builder's model gin (default: the "
                  "--gin_file under models/).")
   g.add_argument("--index_mode", default="builder",

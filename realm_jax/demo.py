@@ -44,7 +44,8 @@ import jax
 from realm_jax import ask as ask_lib
 from realm_jax.core import checkpoints
 from realm_jax.data import block_store
-from realm_jax.data import annotate_job, corpus_job, demo_qa, wikipedia
+from realm_jax.data import annotate_job, corpus_job, demo_qa, query_cache
+from realm_jax.data import wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
@@ -53,6 +54,9 @@ from realm_jax.model import cpu
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig
 from realm_jax.training import finetune, pretrain, qa_inputs
+
+# Wordpieces of a pre-training query (the demo's sentences are short).
+QUERY_LENGTH = 48
 
 # Questions the demo answers at the end, with their evidence: held out from
 # fine-tuning (from dev.jsonl).
@@ -154,7 +158,7 @@ class _BuilderThread(threading.Thread):
 
 
 def _pretrain(config: DemoConfig, store, store_dir: str,
-              annotated: str) -> tuple[list[dict[str, Any]], str, list[int]]:
+              queries: str) -> tuple[list[dict[str, Any]], str, list[int]]:
   """REALM pre-training with the index builder beside it."""
   run_dir = os.path.join(config.workdir, "pretrain")
   model = demo_realm_config(config.model)
@@ -172,7 +176,7 @@ def _pretrain(config: DemoConfig, store, store_dir: str,
       timeout=1800.0, on_publish=on_publish)
   builder.start()
   run = pretrain.PretrainConfig(
-      workdir=run_dir, block_store=store_dir, annotated=annotated,
+      workdir=run_dir, block_store=store_dir, queries=queries,
       init_from="minilm" if config.model == "minilm" else None,
       num_train_steps=config.train_steps,
       batch_size=config.batch_size, learning_rate=1e-4, warmup_steps=1,
@@ -185,8 +189,8 @@ def _pretrain(config: DemoConfig, store, store_dir: str,
       # MiniLM's package has no MLM head: fit the random one to the
       # corpus's masks first, so masked-LM accuracy can leave 0.
       mlm_head_warmup_steps=100 if config.model == "minilm" else 0,
-      num_candidates=config.num_candidates, query_length=48,
-      reader_length=48 + config.max_block_len,
+      num_candidates=config.num_candidates, query_length=QUERY_LENGTH,
+      reader_length=QUERY_LENGTH + config.max_block_len,
       checkpoint_every=config.checkpoint_every, index_mode="builder",
       searcher=config.searcher, index_wait_seconds=1800.0, log_every=1,
       seed=config.seed)
@@ -254,8 +258,18 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
        spans=report.get("spans"), seconds=round(time.time() - t, 1))
 
   t = time.time()
-  history, pretrain_dir, published = _pretrain(
-      config, store, store_dir, os.path.join(annotated_dir, "*.tfr.gz"))
+  queries = os.path.join(config.workdir, "queries")
+  manifest = query_cache.build_query_cache(
+      os.path.join(annotated_dir, "*.tfr.gz"), queries, overwrite=True,
+      num_shards=1, seed=config.seed, query_config=pretrain.realm_query_config(
+          pretrain.PretrainConfig(workdir="", block_store="", queries="",
+                                  query_length=QUERY_LENGTH)))
+  _log("query_cache", queries=manifest["num_queries"],
+       seconds=round(time.time() - t, 1))
+
+  t = time.time()
+  history, pretrain_dir, published = _pretrain(config, store, store_dir,
+                                               queries)
   for h in history:
     _log("pretrain", step=h["step"], loss=round(h["loss"], 4),
          retrieval_utility=round(h["retrieval_utility"], 4),

@@ -19,9 +19,9 @@ from realm_jax.training import pretrain
 STEPS = 4
 
 
-def _bindings(workdir, store, annotated):
+def _bindings(workdir, store, queries):
   return [f"WORKDIR='{workdir}'", f"BLOCK_STORE='{store}'",
-          f"ANNOTATED='{annotated}'",
+          f"QUERIES='{queries}'",
           f"pretrain.PretrainConfig.num_train_steps={STEPS}",
           "pretrain.PretrainConfig.checkpoint_every=2",
           "pretrain.PretrainConfig.query_length=32",
@@ -41,10 +41,13 @@ def _losses(workdir):
 
 def test_two_processes_match_one(tmp_path):
   store, annotated = corpus.make_tiny_corpus(str(tmp_path / "corpus"))
+  # Two shards: each process streams its own one.
+  queries = corpus.make_query_cache(annotated, str(tmp_path / "queries"),
+                                    num_shards=2, query_length=32)
   single = str(tmp_path / "single")
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_tiny_cpu.gin"],
-                _bindings(single, store, annotated))
+                _bindings(single, store, queries))
   pretrain.train(config=gin.get_configurable(pretrain.PretrainConfig)(),
                  model=gin.get_configurable(pretrain.RealmConfig)())
   gin.clear_config()
@@ -56,7 +59,7 @@ def test_two_processes_match_one(tmp_path):
   procs = [subprocess.Popen(
       [sys.executable, "-m", "realm_jax.testing.multiprocess",
        f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
-       f"--process_id={i}", "--", *_bindings(multi, store, annotated)],
+       f"--process_id={i}", "--", *_bindings(multi, store, queries)],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
   outputs = [p.communicate(timeout=600)[0] for p in procs]

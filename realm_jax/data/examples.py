@@ -298,6 +298,42 @@ def realm_queries_from_document(
   return queries
 
 
+def read_realm_queries(pattern: str, tokenizer, *, config: RealmQueryConfig,
+                       seed: int = 0, max_queries: int | None = None
+                       ) -> dict[str, np.ndarray]:
+  """A small set of REALM queries, in memory, stacked (evaluation sets).
+
+  Training streams its queries from a cache (`data.query_cache`); this
+  reads a held-out file or two for measurements, and stops after
+  `max_queries`.
+
+  Args:
+    pattern: annotated record files (a file, glob or comma-separated list).
+    tokenizer: a `tokenizer.Tokenizer`.
+    config: lengths and masking mode.
+    seed: the masking seed.
+    max_queries: stop after this many queries (None: all).
+
+  Returns:
+    `REALM_QUERY_FEATURES` arrays with a leading query axis.
+
+  Raises:
+    ValueError: no sentence of the files has a usable salient span.
+  """
+  rng = np.random.default_rng([seed, 0])
+  queries: list[dict[str, np.ndarray]] = []
+  for doc in salient_spans_lib.read_annotated(
+      [p for p in pattern.split(",") if p]):
+    queries += realm_queries_from_document(doc, tokenizer, rng, config)
+    if max_queries is not None and len(queries) >= max_queries:
+      queries = queries[:max_queries]
+      break
+  if not queries:
+    raise ValueError(f"{pattern}: no REALM queries (no sentence with a "
+                     "usable salient span).")
+  return {k: np.stack([q[k] for q in queries]) for k in REALM_QUERY_FEATURES}
+
+
 # -------------------------------------------------------------- ICT pair ----
 
 

@@ -38,6 +38,9 @@ from realm_jax.model import functional
 from realm_jax.training import realm_inputs
 
 
+# Queries the warm start reads (the first ones of the run's query stream).
+MAX_QUERIES = 1024
+
 def _reader_inputs(queries: Mapping[str, np.ndarray], sep_id: int, store,
                    block_ids: np.ndarray | None, reader_length: int
                    ) -> dict[str, np.ndarray]:
@@ -123,7 +126,8 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
                         queries: Mapping[str, np.ndarray], *, sep_id: int,
                         store=None, reader_length: int = 0,
                         steps: int = 200, batch_size: int = 256,
-                        learning_rate: float = 3e-3, max_queries: int = 1024,
+                        learning_rate: float = 3e-3,
+                        max_queries: int = MAX_QUERIES,
                         seed: int = 0) -> tuple[dict[str, Any],
                                                 dict[str, float]]:
   """Fits `reader/mlm_head` to the queries' masks; returns (params, report).

@@ -16,7 +16,11 @@ rebuilt in-process right after a checkpoint every `checkpoint_every` steps
     python -m realm_jax.training.pretrain \\
         --gin_file=experiments/pretrain_tiny_cpu.gin \\
         --gin.WORKDIR="'/tmp/run'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
-        --gin.ANNOTATED="'/tmp/annotated/*.tfr.gz'"
+        --gin.QUERIES="'/tmp/queries'"
+
+QUERIES is a query cache: the annotated corpus X masked once, offline, by
+the Beam job `python -m realm_jax.data.query_cache`; each host streams its
+shards of it (`data.query_cache.QueryStream`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 from realm_jax.core import checkpoints, distributed, io_utils, parallel
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
-from realm_jax.data import salient_spans
+from realm_jax.data import query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
@@ -53,8 +57,10 @@ class PretrainConfig:
   Attributes:
     workdir: checkpoints/, index/, summaries and the operative config.
     block_store: the knowledge corpus Z (a block store directory).
-    annotated: REALM annotated records of the pre-training corpus X (a
-      file, glob or comma-separated list of them).
+    queries: the pre-training corpus X as a query cache directory (masked
+      REALM queries written by `python -m realm_jax.data.query_cache` with
+      this run's query_length, max_masks and masking; its shard count a
+      multiple of the host count).
     init_from: initial weights when the workdir has no checkpoint (see
       `realm_jax.training.init`).
     num_train_steps: total steps (REALM: 200k).
@@ -104,7 +110,7 @@ class PretrainConfig:
 
   workdir: str
   block_store: str
-  annotated: str
+  queries: str
   init_from: str | None = None
   num_train_steps: int = 200_000
   batch_size: int = 512
@@ -163,55 +169,6 @@ def realm_query_config(config: PretrainConfig, masking: str | None = None
       max_masks=min(config.max_masks, config.query_length - 4),
       mask_limit=config.query_length - 2,
       masking=masking or config.masking)
-
-
-class QuerySet:
-  """REALM queries held as stacked numpy arrays, batched by step number.
-
-  The batch of step s is a pure function of (seed, s): epoch e = s * B // N
-  uses permutation(seed, e). A restarted run therefore sees exactly the
-  batches it would have seen. Each host keeps its own shard of the queries.
-  """
-
-  def __init__(self, arrays: dict[str, np.ndarray], seed: int):
-    self.arrays = arrays
-    self.size = len(arrays["query_ids"])
-    self.seed = seed
-    if self.size == 0:
-      raise ValueError("No REALM queries: the annotated corpus has no "
-                       "sentence with a usable salient span.")
-
-  @classmethod
-  def from_annotated(cls, pattern: str, tokenizer: Tokenizer, *,
-                     config: examples_lib.RealmQueryConfig, seed: int,
-                     shard_index: int = 0, num_shards: int = 1) -> "QuerySet":
-    paths = [p for p in pattern.split(",") if p]
-    rng = np.random.default_rng([seed, shard_index])
-    queries: list[dict[str, np.ndarray]] = []
-    report = salient_spans.AnnotationReport()
-    for i, doc in enumerate(salient_spans.read_annotated(paths,
-                                                         report=report)):
-      if i % num_shards == shard_index:
-        queries += examples_lib.realm_queries_from_document(
-            doc, tokenizer, rng, config)
-    logging.info("host %d/%d: %d REALM queries (%s masking) from %s",
-                 shard_index, num_shards, len(queries), config.masking,
-                 report.to_dict())
-    if not queries:
-      raise ValueError(f"{pattern}: no REALM queries (no sentence with a "
-                       "usable salient span).")
-    return cls({k: np.stack([q[k] for q in queries]) for k in queries[0]},
-               seed)
-
-  def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
-    first = step * batch_size
-    idx = []
-    while len(idx) < batch_size:
-      epoch, offset = divmod(first + len(idx), self.size)
-      order = np.random.default_rng([self.seed, epoch]).permutation(
-          self.size)
-      idx += list(order[offset:offset + batch_size - len(idx)])
-    return {k: v[np.asarray(idx)] for k, v in self.arrays.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -357,11 +314,6 @@ class RetrievalInput:
     self.index_root = checkpoints.index_root(config.workdir)
     self.expect = publish.Expectation(store.fingerprint, len(store),
                                       model.retriever.embedding_size)
-    per_host = distributed.check_divisible(
-        "batch_size", config.batch_size, jax.process_count(),
-        by_what="hosts")
-    self.host_rows = slice(jax.process_index() * per_host,
-                           (jax.process_index() + 1) * per_host)
     margin = int(min(np.bincount(store.doc_indices).max(), len(store) - 1))
     self.search_k = min(len(store), config.num_candidates + margin)
     if self.search_k - margin < config.num_candidates:
@@ -405,8 +357,7 @@ class RetrievalInput:
 
   def batch(self, step: int, state) -> dict[str, jax.Array]:
     c = self.config
-    local = {k: v[self.host_rows] for k, v in
-             self.queries.batch(step, c.batch_size).items()}
+    local = self.queries.batch(step)  # This host's rows of global `step`.
     q = parallel.shard_batch(self.mesh, {k: local[k] for k in
                                          ("query_ids", "query_mask")})
     q_emb = parallel.local_rows(self.embed_queries(state.params, q["query_ids"],
@@ -431,6 +382,7 @@ class RetrievalInput:
     return metrics
 
   def close(self, workdir: str, is_chief: bool) -> None:
+    self.queries.close()
     if self.watcher is not None:
       self.watcher.close()
       if is_chief:
@@ -462,7 +414,8 @@ def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
   # Every host runs the same deterministic warm start on the same queries,
   # so the replicated parameters agree.
   params, report = mlm_warmup.warm_start_mlm_head(
-      params, graphdef, queries.arrays, sep_id=int(store.manifest["sep_id"]),
+      params, graphdef, queries.head(mlm_warmup.MAX_QUERIES),
+      sep_id=int(store.manifest["sep_id"]),
       store=store, reader_length=config.reader_length,
       steps=config.mlm_head_warmup_steps, seed=config.seed)
   if is_chief:
@@ -496,13 +449,15 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     store = block_store.BlockStore.open(config.block_store)
     tokenizer = Tokenizer()
     store.check_vocab(tokenizer.vocab_path)
-    # Every host reads the same query order and takes its slice of each
-    # step's global batch: the batches (and so the losses) do not depend on
-    # the number of hosts, and a restart replays them exactly.
-    seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
-    queries = QuerySet.from_annotated(
-        config.annotated, tokenizer, config=realm_query_config(config),
-        seed=seed)
+    # Each host streams its shards of the cache; the global batch of a step
+    # is the same for any host count, and a restart replays it exactly.
+    queries = query_cache.QueryStream(
+        config.queries, batch_size=config.batch_size,
+        seed=int(distributed.broadcast_from_chief(np.int64(config.seed))),
+        process_index=jax.process_index(),
+        process_count=jax.process_count())
+    queries.check(realm_query_config(config),
+                  vocab_sha256=query_cache.file_sha256(tokenizer.vocab_path))
     graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                       config.seed)
     tx = make_optimizer(config)

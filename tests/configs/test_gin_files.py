@@ -31,7 +31,7 @@ def test_there_are_gin_files():
 
 # Macros that run files leave %gin.REQUIRED for the user to set.
 REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
-            "ANNOTATED = '/tmp/a'", "TRAIN_JSONL = '/tmp/q.jsonl'",
+            "QUERIES = '/tmp/a'", "TRAIN_JSONL = '/tmp/q.jsonl'",
             "INDEX_DIR = '/tmp/i'", "INIT_FROM = 'scratch'"]
 
 

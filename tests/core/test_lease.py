@@ -97,7 +97,7 @@ def test_every_writing_job_leases_what_it_writes(tmp_path):
       "pretrain": lambda: pretrain.train(
           config=pretrain.PretrainConfig(
               workdir=workdir, block_store=files.block_store,
-              annotated=files.train), model=model),
+              queries="unread", index_mode="inline"), model=model),
       "ict": lambda: ict.train(config=ict.IctTrainConfig(
           workdir=workdir, block_store=files.block_store), model=model),
       "finetune": lambda: finetune.train(config=finetune.FinetuneConfig(

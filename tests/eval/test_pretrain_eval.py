@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from realm_jax.data import block_store, qa, salient_spans
+from realm_jax.data import block_store, examples, qa, salient_spans
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import pretrain_eval
 from realm_jax.index import embed
@@ -65,12 +65,11 @@ def test_metrics_match_an_independent_computation(world):
   files, store, people = world
   model = _tiny_model()
   _, params = functional.init(lambda r: Realm(model, rngs=r), 3)
-  config = pretrain.PretrainConfig(workdir="", block_store="", annotated="",
+  config = pretrain.PretrainConfig(workdir="", block_store="", queries="",
                                    query_length=32, reader_length=96,
                                    max_masks=2, num_candidates=3)
-  queries = pretrain.QuerySet.from_annotated(
-      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config),
-      seed=0).arrays
+  queries = examples.read_realm_queries(
+      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config))
   gold_of = knowledge_world.gold_blocks(store, people)
   gold = np.asarray([gold_of[int(h)] for h in queries["source_doc_hash"]])
   got = pretrain_eval.evaluate(params, model, store, queries, gold,
@@ -116,12 +115,11 @@ def test_real_text_mode_and_qa_recall(world):
   files, store, people = world
   model = _tiny_model()
   graphdef, params = functional.init(lambda r: Realm(model, rngs=r), 3)
-  config = pretrain.PretrainConfig(workdir="", block_store="", annotated="",
+  config = pretrain.PretrainConfig(workdir="", block_store="", queries="",
                                    query_length=32, reader_length=96,
                                    max_masks=2, num_candidates=3)
-  queries = pretrain.QuerySet.from_annotated(
-      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config),
-      seed=0).arrays
+  queries = examples.read_realm_queries(
+      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config))
   questions = [qa.QAExample(f"where was {p.name} born?", (p.city,))
                for p in people]
   got = pretrain_eval.evaluate(params, model, store, queries, None,

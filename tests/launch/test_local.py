@@ -15,7 +15,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 def test_local_launcher_dry_run():
   out = subprocess.run(
       ["bash", os.path.join(ROOT, "launch", "local.sh"), "/tmp/run",
-       "/tmp/blocks", "/tmp/ann/*.tfr.gz", "models/minilm_l6.gin", "--",
+       "/tmp/blocks", "/tmp/queries", "models/minilm_l6.gin", "--",
        "INIT_FROM='minilm'"],
       env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True,
       check=True).stdout.strip().splitlines()
@@ -28,7 +28,7 @@ def test_local_launcher_dry_run():
   assert "--gin_file=models/minilm_l6.gin" in builder
   assert trainer[1:3] == ["-m", "realm_jax.training.pretrain"]
   assert "--gin.WORKDIR='/tmp/run'" in trainer
-  assert "--gin.ANNOTATED='/tmp/ann/*.tfr.gz'" in trainer
+  assert "--gin.QUERIES='/tmp/queries'" in trainer
   assert "--gin.pretrain.PretrainConfig.index_mode='builder'" in trainer
   assert "--gin_bindings=INIT_FROM='minilm'" in trainer
 
@@ -42,6 +42,8 @@ def test_local_launcher_usage():
 def _launch(tmp_path, steps=1000):
   from realm_jax.testing import corpus  # pylint: disable=g-import-not-at-top
   store, annotated = corpus.make_tiny_corpus(str(tmp_path / "corpus"))
+  queries = corpus.make_query_cache(annotated, str(tmp_path / "queries"),
+                                    query_length=32)
   workdir = str(tmp_path / "run")
   bindings = [f"pretrain.PretrainConfig.{k}={v}" for k, v in (
       ("num_train_steps", steps), ("batch_size", 8), ("num_candidates", 2),
@@ -50,7 +52,7 @@ def _launch(tmp_path, steps=1000):
       ("index_wait_seconds", 300.0))]
   proc = subprocess.Popen(
       ["bash", os.path.join(ROOT, "launch", "local.sh"), workdir, store,
-       annotated, "models/tiny.gin", "--", *bindings],
+       queries, "models/tiny.gin", "--", *bindings],
       env=dict(os.environ, PYTHON=sys.executable), cwd=ROOT,
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
       start_new_session=True)

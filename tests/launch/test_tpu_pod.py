@@ -41,7 +41,7 @@ WORKDIR = "gs://my-bucket/realm/run1"
 DATA = ["--workdir=" + WORKDIR, "--block_store=/mnt/data/blocks"]
 TRAIN = POD + DATA + [
     "--gin_file=models/bert_base.gin", "--gin_file=runs/pretrain.gin",
-    "--annotated=/mnt/data/ann/*.tfr.gz"]
+    "--queries=/mnt/data/queries"]
 BUILDER = POD + DATA + ["--gin_file=models/bert_base.gin",
                         "--builder_vm=realm-builder"]
 
@@ -206,7 +206,7 @@ def test_train_on_all_workers(capsys):
   values = dict(b.split(" = ", 1) for b in bindings)
   assert ast.literal_eval(values["WORKDIR"]) == WORKDIR
   assert ast.literal_eval(values["BLOCK_STORE"]) == "/mnt/data/blocks"
-  assert ast.literal_eval(values["ANNOTATED"]) == "/mnt/data/ann/*.tfr.gz"
+  assert ast.literal_eval(values["QUERIES"]) == "/mnt/data/queries"
   assert ast.literal_eval(
       values["pretrain.PretrainConfig.index_mode"]) == "builder"
   assert values["INIT_FROM"] == "'checkpoint:gs://b/ict/checkpoints'"
@@ -364,8 +364,8 @@ def test_exec(capsys):
     (["logs", *POD, "--job=builder"], "logs needs --builder_vm"),
     (["train", *[a for a in TRAIN if not a.startswith("--workdir")]],
      "train needs --workdir"),
-    (["train", *[a for a in TRAIN if not a.startswith("--annotated")]],
-     "train needs --annotated"),
+    (["train", *[a for a in TRAIN if not a.startswith("--queries")]],
+     "train needs --queries"),
     (["train", *[a for a in TRAIN if not a.startswith("--gin_file")]],
      "train needs --gin_file"),
     (["train", *TRAIN, "--gin=batch_size"], "is not a gin binding X=Y"),
@@ -416,7 +416,7 @@ def test_start_script_starts_the_job_in_the_background(tmp_path):
   cfg = tpu_pod.LaunchConfig(
       name="realm-v4", zone="us-central2-b", workdir=WORKDIR,
       gin_files=("models/tiny.gin", "runs/pretrain.gin"),
-      block_store="/data/blocks", annotated="/data/ann/*.tfr.gz",
+      block_store="/data/blocks", queries="/data/queries",
       gin_bindings=("INIT_FROM='minilm'",), remote_dir=remote_dir,
       env=("XLA_FLAGS=--a --b",))
   (cmd,) = tpu_pod.commands(cfg, "train")

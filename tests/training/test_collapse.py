@@ -15,7 +15,7 @@ from absl import logging as absl_logging
 
 from realm_jax import gin_cli
 from realm_jax.model.realm import RealmConfig
-from realm_jax.testing import knowledge_world
+from realm_jax.testing import corpus, knowledge_world
 from realm_jax.training import ict, pretrain
 from realm_jax.core import checkpoints
 
@@ -31,21 +31,24 @@ def world_and_ict(tmp_path_factory):
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      f"ANNOTATED = '{files.train}'",
+      "QUERIES = 'unused'",
       "ict.IctTrainConfig.num_train_steps = 30",
       "ict.IctTrainConfig.batch_size = 16",
       "realm.RetrieverConfig.null_score = 'embedding'"])
   ict.train(config=gin.get_configurable(ict.IctTrainConfig)(),
             model=gin.get_configurable(RealmConfig)())
   gin.clear_config()
-  return files, checkpoints.checkpoint_dir(workdir)
+  # The queries pretrain_world_cpu.gin reads (query_length 32, 2 masks).
+  queries = corpus.make_query_cache(files.train, str(root / "queries"),
+                                    query_length=32, max_masks=2)
+  return files, queries, checkpoints.checkpoint_dir(workdir)
 
 
-def _pretrain(workdir, files, ict_ckpts, bindings):
+def _pretrain(workdir, files, queries, ict_ckpts, bindings):
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      f"ANNOTATED = '{files.train}'",
+      f"QUERIES = '{queries}'",
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
       "pretrain.PretrainConfig.batch_size = 16",
@@ -65,7 +68,7 @@ def test_the_guard_reports_each_collapse_once(monkeypatch):
   warnings = []
   monkeypatch.setattr(absl_logging, "warning",
                       lambda msg, *a: warnings.append(msg % a))
-  config = pretrain.PretrainConfig(workdir="", block_store="", annotated="")
+  config = pretrain.PretrainConfig(workdir="", block_store="", queries="")
   guard = pretrain.CollapseGuard(config)
   guard.add_top1(np.array([3, 3, 3, 5]))
   guard.add_top1(np.array([3, 3, 1, 3]))
@@ -82,11 +85,12 @@ def test_the_guard_reports_each_collapse_once(monkeypatch):
 
 
 def test_the_recipe_does_not_collapse(tmp_path, world_and_ict, monkeypatch):
-  files, ict_ckpts = world_and_ict
+  files, queries, ict_ckpts = world_and_ict
   warnings = []
   monkeypatch.setattr(absl_logging, "warning",
                       lambda msg, *a: warnings.append(msg % a))
-  history = _pretrain(str(tmp_path / "recipe"), files, ict_ckpts, [])
+  history = _pretrain(str(tmp_path / "recipe"), files, queries, ict_ckpts,
+                      [])
   assert {"grad_norm_retriever", "grad_norm_reader", "hubness",
           "null_probability"} <= set(history[-1])
   for h in history:

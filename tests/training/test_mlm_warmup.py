@@ -9,11 +9,12 @@ import jax
 import numpy as np
 import pytest
 
+from realm_jax.data import examples
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional
 from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
                                    RetrieverConfig)
-from realm_jax.testing import knowledge_world, tiny
+from realm_jax.testing import corpus, knowledge_world, tiny
 from realm_jax.training import mlm_warmup, pretrain
 from realm_jax.core import checkpoints
 
@@ -25,14 +26,12 @@ def world(tmp_path_factory):
 
 
 def _queries(files, query_length=32):
-  config = pretrain.PretrainConfig(workdir="", block_store="",
-                                   annotated=files.train,
+  config = pretrain.PretrainConfig(workdir="", block_store="", queries="",
                                    query_length=query_length,
                                    reader_length=query_length + 64,
                                    max_masks=2)
-  return pretrain.QuerySet.from_annotated(
-      files.train, Tokenizer(), config=pretrain.realm_query_config(config),
-      seed=0).arrays
+  return examples.read_realm_queries(
+      files.train, Tokenizer(), config=pretrain.realm_query_config(config))
 
 
 def test_only_the_head_moves_and_heldout_accuracy_rises(world):
@@ -77,7 +76,9 @@ def test_the_pretraining_job_warms_the_head_on_a_fresh_start(world, tmp_path):
                       reader=ReaderConfig(bert=bert))
   workdir = str(tmp_path / "run")
   config = pretrain.PretrainConfig(
-      workdir=workdir, block_store=world.block_store, annotated=world.train,
+      workdir=workdir, block_store=world.block_store,
+      queries=corpus.make_query_cache(world.train, str(tmp_path / "queries"),
+                                      query_length=32, max_masks=2),
       num_train_steps=1, batch_size=8, num_candidates=2, query_length=32,
       reader_length=96, max_masks=2, checkpoint_every=1,
       index_mode="inline", searcher="exact", mlm_head_warmup_steps=40)

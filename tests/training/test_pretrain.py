@@ -27,15 +27,18 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def tiny_corpus(tmp_path_factory):
-  return corpus.make_tiny_corpus(str(tmp_path_factory.mktemp("corpus")))
+  directory = str(tmp_path_factory.mktemp("corpus"))
+  store, annotated = corpus.make_tiny_corpus(directory)
+  return store, corpus.make_query_cache(
+      annotated, os.path.join(directory, "queries"), query_length=32)
 
 
 def _bindings(workdir, tiny_corpus, **overrides):
-  store, annotated = tiny_corpus
+  store, queries = tiny_corpus
   values = {"num_train_steps": STEPS, "checkpoint_every": 2,
             "query_length": 32, "reader_length": 64, **overrides}
   return [f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
-          f"ANNOTATED = '{annotated}'"] + [
+          f"QUERIES = '{queries}'"] + [
               f"pretrain.PretrainConfig.{k} = {v!r}" for k, v in
               values.items()]
 
