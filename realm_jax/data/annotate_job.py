@@ -12,7 +12,7 @@ TFRecords of tf.train.Example):
   Reshuffle  spreads the documents over the workers (without it, a runner
              fuses the annotation into the one reading worker).
   Annotate   a DoFn that loads spaCy once per worker (`setup`), removes the
-             markup of dump pages (`wikipedia.clean_wikitext`) and annotates
+             markup of dump pages (`wikitext.clean_wikitext`) and annotates
              (`salient_spans.annotate_document`; uid = the document number).
   Write      document i goes to shard i % num_shards, each shard sorted by i,
              as `annotated-<k>-of-<n>.tfr.gz` (`salient_spans.shard_path`);
@@ -54,6 +54,7 @@ from apache_beam.options import pipeline_options
 from realm_jax.core import io_utils
 from realm_jax.data import salient_spans
 from realm_jax.data import wikipedia
+from realm_jax.data import wikitext
 
 REPORT = "report.json"
 _SHARD_STATS = ".shard_stats.json"
@@ -166,7 +167,7 @@ class AnnotateFn(beam.DoFn):
     index, title, text = element
     try:
       if self._wikitext:
-        text = wikipedia.clean_wikitext(text)
+        text = wikitext.clean_wikitext(text)
         if not text:  # as `wikipedia.iter_wikipedia_dump` counts it
           yield self._skip(index, "empty_article")
           return

@@ -12,6 +12,7 @@ from xml.sax import saxutils
 import pytest
 
 from realm_jax.data import wikipedia
+from realm_jax.data import wikitext as wikitext_lib
 
 _NS10 = "http://www.mediawiki.org/xml/export-0.10/"
 
@@ -225,7 +226,7 @@ def test_default_dump_is_the_gensim_slice():
     ("Text.<ref>Unclosed ''quote</ref> More.", "Text. More."),
 ])
 def test_clean_wikitext(wikitext, expected):
-  assert wikipedia.clean_wikitext(wikitext) == expected
+  assert wikitext_lib.clean_wikitext(wikitext) == expected
 
 
 def test_clean_wikitext_on_real_article():
