@@ -2,8 +2,8 @@ r"""Pre-training input: in-memory queries (before) vs the query cache (after).
 
 Builds a synthetic annotated corpus (real-looking sentences about made-up
 people, places, organisations and dates, with their salient spans), then
-measures, each condition in a fresh subprocess (peak RSS from
-`resource.getrusage` in the child):
+measures, each condition in a fresh subprocess (peak RSS of the child:
+VmHWM, see `_peak_rss_mb`):
 
   before        what pre-training did: every host reads every annotated
                 record and holds every query (`salient_spans.read_annotated`
@@ -156,6 +156,16 @@ def write_corpus(directory: str, num_sentences: int) -> str:
 
 
 def _peak_rss_mb() -> float:
+  """This process's peak RSS. Linux keeps `getrusage`'s ru_maxrss across
+  exec, so a child would report the forking parent's peak; VmHWM belongs
+  to the new address space."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
