@@ -36,8 +36,8 @@ part of each step's batch from the result:
   slightly).
 
 A reader holds no per-row state of its own; ArrayRecord keeps each opened
-shard's chunk offsets in memory (~8 bytes a row of this host's shards, 10 MB
-for 1.25M rows). Opening reads the shards' footers only, so the time to the
+shard's chunk offsets in memory (~14 bytes a row of this host's shards,
+~17 MB for 1.25M rows). Opening reads the shards' footers only, so the time to the
 first batch does not grow with the corpus.
 """
 
@@ -62,7 +62,7 @@ from realm_jax.data import examples as examples_lib
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 # Random access: one record per chunk, no read-ahead. The chunk index stays
-# in memory (~8 bytes a row of this host's shards): the "offloaded" index
+# in memory (~14 bytes a row of this host's shards): the "offloaded" index
 # re-reads it from the footer on every access, 100x slower at 125k rows.
 _WRITER_OPTIONS = "group_size:1"
 _READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
