@@ -24,7 +24,6 @@ read an ICT run directly.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from absl import logging
 import jax
@@ -116,47 +115,6 @@ class IctTrainConfig:
 # ----------------------------------------------------------------------------
 
 
-def sentence_counts(store: block_store.BlockStore,
-                    block_ids: np.ndarray) -> np.ndarray:
-  """Number of sentences of each block, as `examples.sentence_bounds` counts.
-
-  Vectorised over the store's flat arrays (13M blocks take seconds, not the
-  minutes of a Python loop); a leading fragment (a sentence begun in the
-  previous block) counts as a sentence.
-
-  Args:
-    store: the block store.
-    block_ids: int [n] block ids.
-
-  Returns:
-    int64 [n]; 0 for an empty body.
-  """
-  def load(name):
-    # The store's local files (a gs:// store is read from its local copy).
-    return np.load(os.path.join(store.local_path, name + ".npy"),
-                   mmap_mode="r")
-
-  body_offsets, sentence_offsets = load("body_offsets"), load(
-      "sentence_offsets")
-  sentence_starts = load("sentence_starts")
-  block_ids = np.asarray(block_ids, np.int64)
-  out = np.zeros(len(block_ids), np.int64)
-  chunk = 1 << 20
-  for lo in range(0, len(block_ids), chunk):
-    ids = block_ids[lo:lo + chunk]
-    lengths = body_offsets[ids + 1] - body_offsets[ids]
-    first, last = sentence_offsets[ids], sentence_offsets[ids + 1]
-    per_block = (last - first).astype(np.int64)
-    owner = np.repeat(np.arange(len(ids)), per_block)
-    within = np.arange(per_block.sum()) - np.repeat(
-        np.cumsum(per_block) - per_block, per_block)
-    starts = sentence_starts[np.repeat(first, per_block) + within]
-    inner = (starts > 0) & (starts < lengths[owner])
-    out[lo:lo + chunk] = (np.bincount(owner[inner], minlength=len(ids)) +
-                          (lengths > 0))
-  return out
-
-
 class IctExamples:
   """ICT pairs from this host's blocks, batched by step number.
 
@@ -191,13 +149,9 @@ class IctExamples:
     self.batch_size = batch_size
     self.seed = seed
     self.shard_index = shard_index
-    self.special = examples_lib.SpecialIds(
-        pad_id=int(store.manifest["pad_id"]),
-        cls_id=int(store.manifest["cls_id"]),
-        sep_id=int(store.manifest["sep_id"]),
-        mask_id=int(store.manifest.get("mask_id", 103)))
+    self.special = store.special_ids()
     shard = np.arange(shard_index, len(store), num_shards, dtype=np.int64)
-    counts = sentence_counts(store, shard)
+    counts = store.sentence_counts(shard)
     self.block_ids = shard[counts >= 2]
     if len(self.block_ids) < batch_size:
       logging.warning(

@@ -123,7 +123,7 @@ def test_sentence_counts_match_sentence_bounds(store_dir, tmp_path):
   want = [len(examples.sentence_bounds(len(store.body_ids(i)),
                                        store.sentence_starts(i)))
           for i in ids]
-  np.testing.assert_array_equal(ict.sentence_counts(store, ids), want)
+  np.testing.assert_array_equal(store.sentence_counts(ids), want)
   assert min(want) == 1 and max(want) >= 3  # The corpus has both kinds.
   # A store on a non-local filesystem is read from its local cache copy.
   ram_fs.register()
@@ -131,7 +131,7 @@ def test_sentence_counts_match_sentence_bounds(store_dir, tmp_path):
   io_utils.copy_tree(store_dir, remote)
   cached = block_store.BlockStore.open(remote, cache_dir=tmp_path)
   assert cached.local_path.startswith(str(tmp_path))
-  np.testing.assert_array_equal(ict.sentence_counts(cached, ids), want)
+  np.testing.assert_array_equal(cached.sentence_counts(ids), want)
 
 
 def test_examples_are_a_pure_function_of_step_distinct_and_sharded(
@@ -140,7 +140,7 @@ def test_examples_are_a_pure_function_of_step_distinct_and_sharded(
   config = examples.IctConfig(query_length=16, block_length=32)
   make = lambda **kw: ict.IctExamples(store, config=config, seed=3, **kw)
   a, b = make(batch_size=8), make(batch_size=8)
-  counts = ict.sentence_counts(store, np.arange(len(store)))
+  counts = store.sentence_counts(np.arange(len(store)))
   np.testing.assert_array_equal(a.block_ids, np.flatnonzero(counts >= 2))
   for step in (0, 1, 5):
     batch_a, batch_b = a.batch(step), b.batch(step)
