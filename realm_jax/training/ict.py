@@ -296,16 +296,9 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
   Resume precedence: the newest checkpoint in `config.workdir`, else
   `config.init_from`, else a fresh initialisation. Only the retriever is in
   the train state; the reader sits beside it, replicated, and is only ever
-  saved.
-
-  Args:
-    config: the run.
-    model: the REALM model config (the reader is carried along unchanged).
-    operative_config: gin's operative config text, saved in the workdir.
-    stop_after: return after this many steps of this call (tests).
-
-  Returns:
-    The logged metrics, one dict per logged step.
+  saved. `operative_config` (gin's) is saved in the workdir; `stop_after`
+  returns after that many steps of this call (tests). Returns the logged
+  metrics, one dict per logged step (`loop.Run.loop`).
   """
   loop.check_batch_size(config.batch_size)
   with loop.Run(config.workdir, job="ict trainer",
