@@ -18,7 +18,6 @@ From Python:
 from __future__ import annotations
 
 import json
-import sys
 from typing import Sequence
 
 from realm_jax.eval import qa_eval
@@ -67,9 +66,6 @@ def format_result(result: QAResult, snippet_chars: int = 200) -> str:
 
 def _define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_multi_string("gin_file", [], "Gin config files (a model "
-                            "file, e.g. models/tiny.gin).")
-  flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings.")
   flags.DEFINE_string("workdir", None, "A run's workdir (checkpoints/ and "
                       "index/ inside).")
   flags.DEFINE_string("checkpoint_dir", None, "Checkpoint directory.")
@@ -87,21 +83,24 @@ def _define_flags() -> None:
   flags.DEFINE_bool("json", False, "One JSON object per question.")
 
 
-def main(argv: Sequence[str]) -> None:
+def _job(dry_run: bool, args: Sequence[str]) -> None:
+  """`gin_cli.run`'s job: gin is parsed, the XLA flags are set and the
+  distributed runtime is joined when this runs."""
+  import gin  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  questions = list(f.question) + list(argv[1:])
+  questions = list(f.question) + list(args)
+  model_config = qa_eval.configured(RealmConfig)
+  qa_config = qa_eval.configured(qa_inputs.QAConfig)
+  if dry_run:
+    print(gin.operative_config_str())
+    print(model_config)
+    print(qa_config)
+    return
   if not questions:
     raise SystemExit('Ask something: python -m realm_jax.ask ... "Where was '
                      'Mozart born?"')
-  # `--gin.X=Y` arguments, which absl cannot define, were left out of argv.
-  _, bindings = gin_cli.split_gin_flags(sys.argv)
-  gin_cli.parse(f.gin_file, list(f.gin_bindings) + bindings)
-  gin_cli.apply_gin_xla_flags()  # Before any JAX work (models/cpu.gin).
-  model_config = qa_eval.configured(RealmConfig)
-  qa_config = qa_eval.configured(qa_inputs.QAConfig)
   store = block_store.BlockStore.open(f.block_store)
   model = qa_model_lib.load_qa_model(
       model_config=model_config, store=store, workdir=f.workdir,
@@ -118,7 +117,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   _define_flags()
-  app.run(main, argv=gin_cli.split_gin_flags(sys.argv)[0])
+  gin_cli.run(_job, positional_args=True)

@@ -135,8 +135,11 @@ def training_job(module_name: str, config_class: str
   return job
 
 
-def run(job: Callable[[bool], None]) -> None:
+def run(job: Callable[..., None], *, positional_args: bool = False) -> None:
   """absl entry point: parses gin flags, then calls `job(dry_run)`.
+
+  With `positional_args`, the job is `job(dry_run, args)` and gets the
+  command line's positional arguments (e.g. `ask`'s questions).
 
   Order matters: gin is parsed before anything starts JAX, so that the
   XLA flags the config asks for (`apply_gin_xla_flags`) are in place when
@@ -150,7 +153,6 @@ def run(job: Callable[[bool], None]) -> None:
   argv, extra = split_gin_flags(sys.argv)
 
   def main(args):
-    del args
     f = flags.FLAGS
     parse(f.gin_file, list(f.gin_bindings) + extra)
     apply_gin_xla_flags()
@@ -158,6 +160,9 @@ def run(job: Callable[[bool], None]) -> None:
     # (REALM_JAX_DISTRIBUTED=1 or an explicit coordinator); a no-op otherwise.
     from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
     distributed.maybe_initialize()
-    job(f.dry_run)
+    if positional_args:
+      job(f.dry_run, list(args[1:]))
+    else:
+      job(f.dry_run)
 
   app.run(main, argv=argv)

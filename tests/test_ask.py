@@ -172,6 +172,15 @@ def test_cli_json(setup):
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines()
           if line.startswith("{")]
+  # The common job convention: --dry_run prints the resolved configs only.
+  dry = subprocess.run(
+      [sys.executable, "-m", "realm_jax.ask", "--dry_run",
+       "--block_store=/nonexistent", "--gin_file=models/tiny.gin",
+       "--gin_file=runs/eval.gin", *bindings],
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+  assert dry.returncode == 0, dry.stderr[-3000:]
+  assert "RealmConfig(" in dry.stdout and "QAConfig(" in dry.stdout
   assert [r["question"] for r in rows] == [QUESTIONS[0], QUESTIONS[4]]
   for row in rows:
     want = ask_lib.ask(row["question"], setup["model"], top_k=2)
