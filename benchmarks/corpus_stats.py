@@ -1,16 +1,18 @@
 """Corpus job statistics and throughput on the embedded enwiki slice.
 
 Prints one JSON line per measurement:
-- `corpus_job` (once per --num_workers value): articles, blocks, sentences,
-  body wordpieces, blocks/article, wordpieces/block, seconds, articles/s,
-  blocks/s of `build_corpus`, and the store fingerprint (equal across
-  worker counts);
+- `corpus_job` (once per --num_workers value: Beam's DirectRunner with that
+  many worker processes, chunks of --documents_per_chunk articles):
+  articles, blocks, sentences, body wordpieces, blocks/article,
+  wordpieces/block, seconds, articles/s, blocks/s of `build_corpus`, and
+  the store fingerprint (equal across worker counts);
 - `phase`: seconds of each stage run alone (read + clean markup, sentence
   splitting, tokenization), to show where the time goes;
 - `retriever_inputs`: blocks/s of `BlockStore.retriever_inputs` over the
   whole store (the index builder's input path).
 
   python benchmarks/corpus_stats.py [--input_path=...] [--num_workers=1,2]
+      [--documents_per_chunk=16]
 """
 
 import json
@@ -31,7 +33,10 @@ from realm_jax.data.tokenizer import Tokenizer
 _INPUT_PATH = flags.DEFINE_string(
     "input_path", None, "Corpus to build (default: the gensim enwiki slice).")
 _NUM_WORKERS = flags.DEFINE_list(
-    "num_workers", ["1", "2"], "Cleaning processes to compare.")
+    "num_workers", ["1", "2"], "Beam worker processes to compare (1: the "
+    "DirectRunner in this process).")
+_CHUNK = flags.DEFINE_integer(
+    "documents_per_chunk", 16, "Articles per unit of parallel work.")
 
 
 def _emit(record):
@@ -48,8 +53,11 @@ def main(argv: Sequence[str]) -> None:
     for workers in (int(w) for w in _NUM_WORKERS.value):
       start = time.perf_counter()
       store, report = corpus_job.build_corpus(
-          input_path=input_path, num_workers=workers,
-          output_dir=os.path.join(tmp, f"store_{workers}"))
+          input_path=input_path, documents_per_chunk=_CHUNK.value,
+          output_dir=os.path.join(tmp, f"store_{workers}"),
+          pipeline_args=[f"--direct_num_workers={workers}",
+                         "--direct_running_mode=multi_processing"]
+          if workers > 1 else [])
       seconds = time.perf_counter() - start
       kept = report.kept
       _emit({

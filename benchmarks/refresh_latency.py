@@ -67,8 +67,8 @@ def main():
       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   builder = subprocess.Popen(
       [sys.executable, "-m", "realm_jax.index.builder",
-       f"--workdir={workdir}", f"--block_store={store}",
        "--gin_file=models/tiny.gin", "--gin_file=runs/index_builder.gin",
+       f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
        f"--gin.builder.BuilderConfig.searcher_kind='{args.searcher}'",
        "--gin.builder.BuilderConfig.poll_seconds=0.5",
        "--gin.builder.BuilderConfig.keep=1000"],

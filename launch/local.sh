@@ -41,8 +41,8 @@ for binding in "$@"; do
   trainer+=("--gin_bindings=$binding")
 done
 builder=("$python" -m realm_jax.index.builder
-  "--workdir=$workdir" "--block_store=$block_store"
-  "--gin_file=$model_gin" --gin_file=runs/index_builder.gin)
+  "--gin_file=$model_gin" --gin_file=runs/index_builder.gin
+  "--gin.WORKDIR='$workdir'" "--gin.BLOCK_STORE='$block_store'")
 
 if [ -n "${DRY_RUN:-}" ]; then
   printf '%q ' "${builder[@]}"; echo '&'

@@ -499,21 +499,16 @@ def log_path(cfg: LaunchConfig, job: str) -> str:
 
 def job_argv(cfg: LaunchConfig, job: str) -> list[str]:
   """The job's arguments after `python` (gin flags as the job reads them)."""
-  argv = ["-m", JOB_MODULES[job]]
-  if job == "builder":
-    argv += [f"--workdir={cfg.workdir}", f"--block_store={cfg.block_store}",
-             f"--gin_file={builder_model_gin(cfg)}",
-             f"--gin_file={BUILDER_RUN_GIN}"]
-    bindings = cfg.builder_gin
-  else:
-    argv += [f"--gin_file={f}" for f in cfg.gin_files]
-    argv += [f"--gin.WORKDIR={_gin_string(cfg.workdir)}",
-             f"--gin.BLOCK_STORE={_gin_string(cfg.block_store)}"]
-    if job == "pretrain":
-      argv += [f"--gin.QUERIES={_gin_string(cfg.queries)}",
-               "--gin.pretrain.PretrainConfig.index_mode="
-               f"{_gin_string(cfg.index_mode)}"]
-    bindings = cfg.gin_bindings
+  gin_files = ((builder_model_gin(cfg), BUILDER_RUN_GIN) if job == "builder"
+               else cfg.gin_files)
+  argv = ["-m", JOB_MODULES[job], *[f"--gin_file={f}" for f in gin_files],
+          f"--gin.WORKDIR={_gin_string(cfg.workdir)}",
+          f"--gin.BLOCK_STORE={_gin_string(cfg.block_store)}"]
+  if job == "pretrain":
+    argv += [f"--gin.QUERIES={_gin_string(cfg.queries)}",
+             "--gin.pretrain.PretrainConfig.index_mode="
+             f"{_gin_string(cfg.index_mode)}"]
+  bindings = cfg.builder_gin if job == "builder" else cfg.gin_bindings
   # Last, so that they override the bindings above (gin: last one wins).
   for binding in bindings:
     key, value = _split_binding("--gin", binding)

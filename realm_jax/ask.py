@@ -3,10 +3,14 @@
 The command line of the answering model (`realm_jax.eval.qa_model`, where
 the model itself lives, shared with the evaluation):
 
-    python -m realm_jax.ask --workdir=W --block_store=B \\
-        --gin_file=experiments/eval_tiny_cpu.gin "Where was Mozart born?"
-    python -m realm_jax.ask --init_from=orqa:CKPT --index_dir=I \\
-        --block_store=B --gin_file=models/bert_base.gin --json "..."
+    python -m realm_jax.ask --gin_file=experiments/eval_tiny_cpu.gin \\
+        --gin.WORKDIR="'W'" --gin.BLOCK_STORE="'B'" "Where was Mozart born?"
+    python -m realm_jax.ask --gin_file=models/bert_base.gin \\
+        --gin_file=runs/eval.gin --gin.INIT_FROM="'orqa:CKPT'" \\
+        --gin.INDEX_DIR="'I'" --gin.BLOCK_STORE="'B'" --json "..."
+
+The weights, index and blocks are `qa_eval.EvalConfig`'s (runs/eval.gin);
+--json, --top_k and --snippet_chars only change how answers are shown.
 
 From Python:
 
@@ -66,48 +70,35 @@ def format_result(result: QAResult, snippet_chars: int = 200) -> str:
 
 def _define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("workdir", None, "A run's workdir (checkpoints/ and "
-                      "index/ inside).")
-  flags.DEFINE_string("checkpoint_dir", None, "Checkpoint directory.")
-  flags.DEFINE_integer("step", -1, "Checkpoint step (default newest).")
-  flags.DEFINE_string("init_from", None, "Imported weights, e.g. "
-                      "orqa:<ckpt> or hf_realm:<file>.")
-  flags.DEFINE_string("index_dir", None, "Published index root.")
-  flags.DEFINE_integer("index_step", -1, "Index step (default LATEST).")
-  flags.DEFINE_string("block_store", None, "Block store directory.",
-                      required=True)
-  flags.DEFINE_multi_string("question", [], "A question (or give them as "
-                            "positional arguments).")
   flags.DEFINE_integer("top_k", 5, "Evidence blocks per answer.")
   flags.DEFINE_integer("snippet_chars", 200, "Evidence text shown.")
   flags.DEFINE_bool("json", False, "One JSON object per question.")
 
 
-def _job(dry_run: bool, args: Sequence[str]) -> None:
+def _job(dry_run: bool, questions: Sequence[str]) -> None:
   """`gin_cli.run`'s job: gin is parsed, the XLA flags are set and the
   distributed runtime is joined when this runs."""
   import gin  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  questions = list(f.question) + list(args)
+  config = qa_eval.configured(qa_eval.EvalConfig)
   model_config = qa_eval.configured(RealmConfig)
   qa_config = qa_eval.configured(qa_inputs.QAConfig)
   if dry_run:
     print(gin.operative_config_str())
-    print(model_config)
-    print(qa_config)
+    print(config, model_config, qa_config, sep="\n")
     return
   if not questions:
     raise SystemExit('Ask something: python -m realm_jax.ask ... "Where was '
                      'Mozart born?"')
-  store = block_store.BlockStore.open(f.block_store)
+  qa_eval.require(config, block_store="BLOCK_STORE")
   model = qa_model_lib.load_qa_model(
-      model_config=model_config, store=store, workdir=f.workdir,
-      checkpoint_dir=f.checkpoint_dir,
-      step=None if f.step < 0 else f.step, init_from=f.init_from,
-      index_dir=f.index_dir,
-      index_step=None if f.index_step < 0 else f.index_step,
+      model_config=model_config,
+      store=block_store.BlockStore.open(config.block_store),
+      workdir=config.workdir, checkpoint_dir=config.checkpoint_dir,
+      step=config.step, init_from=config.init_from,
+      index_dir=config.index_dir, index_step=config.index_step,
       qa_config=qa_config, batch_size=1, num_evidence=f.top_k)
   for result in model.predict(questions, num_evidence=f.top_k):
     if f.json:

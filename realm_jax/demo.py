@@ -35,11 +35,11 @@ from realm_jax import gin_cli
 
 # Faster XLA CPU dots on jax 0.10 (see BUILD.md); set before JAX starts.
 gin_cli.add_cpu_xla_flag()  # The demo is a CPU run.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import shutil
+import textwrap
 import threading
 import time
 from typing import Any, Sequence
@@ -132,7 +132,8 @@ def _paths(config: DemoConfig) -> dict[str, str]:
       annotated=os.path.join(w, f"annotated_{config.num_documents}docs"),
       queries=os.path.join(w, "queries"),
       pretrain=os.path.join(w, "pretrain"),
-      finetune=os.path.join(w, "finetune"), eval=os.path.join(w, "eval"))
+      finetune=os.path.join(w, "finetune"), eval=os.path.join(w, "eval"),
+      ask_gin=os.path.join(w, "ask.gin"))
 
 
 def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
@@ -324,26 +325,48 @@ def _showcase(qa_model) -> int:
   return right
 
 
-def _explain(config: DemoConfig, results: dict[str, dict[str, float]],
-             paths: dict[str, str], right: int) -> None:
-  dev, train = results["dev"], results["train"]
-  print(f"""
-What these numbers mean: fine-tuning saw {train['num_examples']} questions
-for a few dozen steps, so the reader fits the questions it trained on (train
-exact match {train['exact_match']:.2f}) and rarely answers new ones (dev
-{dev['exact_match']:.2f}; {right} of the {len(DEMO_QUESTIONS)} questions above).
-What does carry over is retrieval: for {dev['recall@5']:.0%} of the held-out
-questions a block with the answer is in the top 5. A reader that answers
-unseen questions needs REALM's scale: ~80k NQ questions, BERT-base and an
-accelerator (BUILD.md, recipes in docs/recipes.md).
+def write_ask_gin(config: DemoConfig, run, paths: dict[str, str]) -> str:
+  """A gin file for `python -m realm_jax.ask` with the fine-tuned run's
+  model, question lengths and paths (runs/eval.gin's macros)."""
+  files = ["models/minilm_l6.gin"] + (
+      ["models/tiny.gin"] if config.model == "tiny" else []) + [
+          "models/cpu.gin", "runs/eval.gin"]
+  lines = [f"# `python -m realm_jax.ask --gin_file={paths['ask_gin']} "
+           '"question"`: the demo\'s fine-tuned model.']
+  lines += [f"include '{f}'" for f in files] + [
+      'realm.RetrieverConfig.null_score = "learned"',
+      f"qa_inputs.QAConfig.question_length = {run.question_length}",
+      f"qa_inputs.QAConfig.num_retrieved = {run.num_retrieved}",
+      f"qa_inputs.QAConfig.num_reader_blocks = {run.num_reader_blocks}",
+      f"qa_inputs.QAConfig.reader_length = {run.reader_length}",
+      f"WORKDIR = {paths['finetune']!r}",
+      f"INDEX_DIR = {checkpoints.index_root(paths['pretrain'])!r}",
+      f"BLOCK_STORE = {paths['blocks']!r}"]
+  with open(paths["ask_gin"], "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  return paths["ask_gin"]
 
+
+def _explain(config: DemoConfig, results: dict[str, dict[str, float]],
+             paths: dict[str, str], right: int, finetune_steps: int) -> None:
+  dev, train = results["dev"], results["train"]
+  print("\n" + textwrap.fill(
+      f"What to expect from this CPU run: the reader was fine-tuned for "
+      f"{finetune_steps} steps on {train['num_examples']} questions. It can "
+      f"fit the questions it trained on (train exact match "
+      f"{train['exact_match']:.2f}) but rarely answers new ones (dev "
+      f"{dev['exact_match']:.2f}; {right} of the {len(DEMO_QUESTIONS)} "
+      "above): a reader that answers unseen questions needs REALM's scale "
+      "(~80k NQ questions, BERT-base, thousands of accelerator steps; see "
+      "docs/recipes.md). Retrieval is what carries over: for "
+      f"{dev['recall@5']:.0%} of the held-out questions a block holding the "
+      "answer is among the top 5.", width=78))
+  print(f"""
 Go on from here:
   predictions with evidence: {paths['eval']}/predictions_dev.jsonl
   training curves:           tensorboard --logdir={config.workdir}
   ask your own questions:    python -m realm_jax.ask \\
-      --gin_file={FINETUNE_GIN} --workdir={paths['finetune']} \\
-      --index_dir={paths['pretrain']}/index --block_store={paths['blocks']} \\
-      "who wrote atlas shrugged?"
+      --gin_file={paths['ask_gin']} "who wrote atlas shrugged?"
 """, flush=True)
 
 
@@ -371,6 +394,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   ft_history = _train("finetune", finetune.train, run, model, operative,
                       _FINETUNE_FIELDS)
   finetune_seconds = time.time() - t
+  write_ask_gin(config, run, paths)
 
   t = time.time()
   qa_model = qa_model_lib.load_qa_model(
@@ -413,7 +437,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
       train_exact_match=results["train"]["exact_match"],
       train_recall_at_5=results["train"]["recall@5"],
       showcase_right=right, workdir=config.workdir)
-  _explain(config, results, paths, right)
+  _explain(config, results, paths, right, run.num_train_steps)
   return summary
 
 
@@ -421,6 +445,8 @@ def main(argv: Sequence[str]) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  from realm_jax.core import logs  # pylint: disable=g-import-not-at-top
+  logs.quiet_libraries(f.verbosity)
   config = DemoConfig(workdir=f.workdir, num_documents=f.num_documents,
                       train_steps=f.train_steps,
                       finetune_steps=f.finetune_steps)

@@ -16,6 +16,7 @@ From Python: `export_model(params, realm_config, output_dir)`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -181,3 +182,55 @@ def export_model(params: dict[str, Any], config: RealmConfig,
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return output_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+  """What `python -m realm_jax.export` writes (runs/export.gin binds it).
+
+  Attributes:
+    workdir: a run's workdir or its checkpoints/ directory; the checkpoint
+      carries the model config.
+    output_dir: the export directory to create.
+    step: checkpoint step (default: the newest).
+    vocab_path: the vocabulary to ship (default: BERT uncased).
+  """
+  workdir: str
+  output_dir: str
+  step: int | None = None
+  vocab_path: str | None = None
+
+
+def export_checkpoint(config: ExportConfig) -> str:
+  """Exports checkpoint `step` of `workdir` with the configs it carries."""
+  from realm_jax import api  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+  saved = api.config_of(config.workdir, config.step)
+  directory = api.checkpoint_directory(config.workdir)
+  step = (checkpoints.newest_step(directory) if config.step is None
+          else config.step)
+  model = dataclass_json.from_dict(RealmConfig, saved["model_config"],
+                                   f"{directory}/{step}/meta:model_config")
+  params = checkpoints.restore_items(directory, step, checkpoints.PARAM_ITEMS)
+  out = export_model(params, model, config.output_dir,
+                     vocab_path=config.vocab_path, run_configs=dict(
+                         saved, source=f"{directory}/{step}"))
+  print(f"exported step {step} of {directory} to {out}")
+  return out
+
+
+if __name__ == "__main__":
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+
+  def _job(dry_run: bool) -> None:
+    import gin  # pylint: disable=g-import-not-at-top
+    # The module gin registered (`python -m` runs a second copy as
+    # __main__).
+    from realm_jax import export as module  # pylint: disable=g-import-not-at-top
+    config = gin.get_configurable(module.ExportConfig)()
+    if dry_run:
+      print(gin.operative_config_str(), config)
+    else:
+      module.export_checkpoint(config)
+
+  gin_cli.run(_job, defaults=["include 'runs/export.gin'"])

@@ -1,7 +1,7 @@
 """Gin at the edges: `--gin_file` (repeatable), `--gin.X=Y`, `--dry_run`.
 
-Every job's `__main__` calls `run(job)`; `job(dry_run)` builds its configs
-with `gin.get_configurable(...)()` and runs. `--gin.A.b=V` becomes the
+Every job's `__main__` calls `run(job)` (Beam data jobs: `run_data_job`);
+`job(dry_run)` builds its configs with `gin.get_configurable(...)()`. `--gin.A.b=V` becomes the
 binding `A.b = V` (t5x's convention); `--gin_bindings` works too.
 Relative gin file paths are looked up in the working directory, then in the
 repository's `gin_configs/`.
@@ -14,8 +14,15 @@ import os
 import sys
 from typing import Callable, Sequence
 
-GIN_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "gin_configs")
+from realm_jax.core import logs
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# A source checkout keeps the gin files beside the package; a wheel carries
+# them inside it (setup.py maps gin_configs/ to realm_jax/gin_configs).
+GIN_CONFIGS = next(
+    (d for d in (os.path.join(os.path.dirname(_PACKAGE), "gin_configs"),
+                 os.path.join(_PACKAGE, "gin_configs")) if os.path.isdir(d)),
+    os.path.join(_PACKAGE, "gin_configs"))
 
 
 # jax 0.10.2's XLA:CPU fuses dots into YNNPACK kernels that run on one
@@ -108,21 +115,30 @@ def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
     logger.removeFilter(probe_filter)
 
 
+def _configured(module_name: str, config_class: str, gin_file: str = ""):
+  """(module, `module.<config_class>` as gin binds it). The class is looked
+  up in the imported module (not `__main__`, where `python -m` runs a
+  second copy that gin has not registered)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import gin  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(module_name)
+  try:
+    factory = gin.get_configurable(getattr(module, config_class))
+  except ValueError as e:  # Not registered: no gin file mentions it.
+    raise SystemExit(f"{config_class} is not configured: pass --gin_file="
+                     f"{gin_file or '...'} and set its paths.") from e
+  return module, factory()
+
+
 def training_job(module_name: str, config_class: str
                  ) -> Callable[[bool], None]:
-  """The `job(dry_run)` of a trainer module with `train(config, model, ...)`.
-
-  Builds `module.<config_class>` and `RealmConfig` from gin. The classes are
-  looked up in the imported module (not `__main__`, where `python -m` runs
-  a second copy that gin has not registered).
-  """
+  """The `job(dry_run)` of a trainer module with `train(config, model, ...)`:
+  builds `module.<config_class>` and `RealmConfig` from gin."""
 
   def job(dry_run: bool) -> None:
-    import importlib  # pylint: disable=g-import-not-at-top
     import gin  # pylint: disable=g-import-not-at-top
     from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
-    module = importlib.import_module(module_name)
-    config = gin.get_configurable(getattr(module, config_class))()
+    module, config = _configured(module_name, config_class)
     model = gin.get_configurable(RealmConfig)()
     if dry_run:
       print(gin.operative_config_str())
@@ -135,11 +151,41 @@ def training_job(module_name: str, config_class: str
   return job
 
 
-def run(job: Callable[..., None], *, positional_args: bool = False) -> None:
+def run_data_job(module_name: str, config_class: str, gin_file: str,
+                 defaults: Sequence[str] = ()) -> None:
+  """`run` of a Beam data job: `module.run(config, pipeline_args)`.
+
+  `config` is `module.<config_class>` as `gin_file` (and the command line)
+  bind it; the flags absl does not know are the Beam pipeline options.
+  `defaults`: bindings parsed before the command line's (the macros that
+  a trainer's gin files require and the job does not read).
+  """
+
+  def job(dry_run: bool, pipeline_args: list[str]) -> None:
+    import gin  # pylint: disable=g-import-not-at-top
+    module, config = _configured(module_name, config_class, gin_file)
+    if dry_run:
+      print(gin.operative_config_str())
+      print(config, "Beam options:", pipeline_args)
+    else:
+      module.run(config, pipeline_args)
+
+  run(job, pipeline_args=True, distributed=False, defaults=defaults)
+
+
+def run(job: Callable[..., None], *, positional_args: bool = False,
+        pipeline_args: bool = False, distributed: bool = True,
+        defaults: Sequence[str] = ()) -> None:
   """absl entry point: parses gin flags, then calls `job(dry_run)`.
 
   With `positional_args`, the job is `job(dry_run, args)` and gets the
-  command line's positional arguments (e.g. `ask`'s questions).
+  command line's positional arguments (e.g. `ask`'s questions); with
+  `pipeline_args` (the Beam data jobs), the flags absl does not know too
+  (Beam's options, `--runner=...`). `distributed=False` never joins the JAX
+  distributed runtime (nor imports JAX): data jobs use no accelerator, and
+  on a pod host whose launcher sets REALM_JAX_DISTRIBUTED=1 they would wait
+  for the trainer's processes. `defaults`: bindings parsed before the
+  command line's.
 
   Order matters: gin is parsed before anything starts JAX, so that the
   XLA flags the config asks for (`apply_gin_xla_flags`) are in place when
@@ -154,15 +200,21 @@ def run(job: Callable[..., None], *, positional_args: bool = False) -> None:
 
   def main(args):
     f = flags.FLAGS
-    parse(f.gin_file, list(f.gin_bindings) + extra)
+    logs.quiet_libraries(f.verbosity)
+    parse(f.gin_file, [*defaults, *f.gin_bindings, *extra])
     apply_gin_xla_flags()
-    # Multi-host: joins the pod's JAX runtime when the launcher asks for it
-    # (REALM_JAX_DISTRIBUTED=1 or an explicit coordinator); a no-op otherwise.
-    from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
-    distributed.maybe_initialize()
-    if positional_args:
+    if distributed:
+      # Multi-host: joins the pod's JAX runtime when the launcher asks for
+      # it (REALM_JAX_DISTRIBUTED=1 or an explicit coordinator); a no-op
+      # otherwise.
+      from realm_jax.core import distributed as dist  # pylint: disable=g-import-not-at-top
+      dist.maybe_initialize()
+      logs.hide_gpus_from_tensorflow()
+    if positional_args or pipeline_args:
       job(f.dry_run, list(args[1:]))
     else:
       job(f.dry_run)
 
-  app.run(main, argv=argv)
+  app.run(main, argv=argv, flags_parser=(
+      (lambda a: flags.FLAGS(a, known_only=True)) if pipeline_args
+      else app.parse_flags_with_usage))

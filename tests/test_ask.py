@@ -162,10 +162,10 @@ def test_cli_json(setup):
                       f"--gin.QAConfig.{f.name}={getattr(QA_CONFIG, f.name)}"
                       for f in dataclasses.fields(QA_CONFIG)]
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask",
-       f"--workdir={setup['workdir']}",
-       f"--block_store={setup['store'].path}", "--gin_file=models/tiny.gin",
-       "--gin_file=runs/eval.gin", *bindings, "--json", "--top_k=2",
+      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+       "--gin_file=runs/eval.gin", *bindings,
+       f"--gin.WORKDIR='{setup['workdir']}'",
+       f"--gin.BLOCK_STORE='{setup['store'].path}'", "--json", "--top_k=2",
        QUESTIONS[0], QUESTIONS[4]],
       capture_output=True, text=True, timeout=120,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
@@ -175,12 +175,13 @@ def test_cli_json(setup):
   # The common job convention: --dry_run prints the resolved configs only.
   dry = subprocess.run(
       [sys.executable, "-m", "realm_jax.ask", "--dry_run",
-       "--block_store=/nonexistent", "--gin_file=models/tiny.gin",
+       "--gin.BLOCK_STORE='/nonexistent'", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *bindings],
       capture_output=True, text=True, timeout=120,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert dry.returncode == 0, dry.stderr[-3000:]
   assert "RealmConfig(" in dry.stdout and "QAConfig(" in dry.stdout
+  assert "block_store='/nonexistent'" in dry.stdout
   assert [r["question"] for r in rows] == [QUESTIONS[0], QUESTIONS[4]]
   for row in rows:
     want = ask_lib.ask(row["question"], setup["model"], top_k=2)

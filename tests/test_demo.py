@@ -43,6 +43,19 @@ def test_demo_runs_every_stage(tmp_path, capsys):
   assert out.count("   gold: ") == len(demo.DEMO_QUESTIONS)
   assert out.count("RIGHT") + out.count("WRONG") == len(demo.DEMO_QUESTIONS)
   assert "python -m realm_jax.ask" in out and "tensorboard" in out
+  # The ask hint's gin file resolves to the fine-tuned run's QA settings.
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_cli.parse([str(tmp_path / "ask.gin")], [])
+  qa = gin.get_configurable(qa_inputs.QAConfig)()
+  assert (qa.question_length, qa.num_retrieved, qa.num_reader_blocks,
+          qa.reader_length) == (16, 8, 2, 16 + 48)
+  assert gin.get_configurable(qa_eval.EvalConfig)().workdir == str(
+      tmp_path / "finetune")
+  gin.clear_config()
   # The builder beside the trainer published index 0 (what the trainer
   # started from), each checkpoint's index, and the final step's (which
   # fine-tuning freezes).

@@ -4,7 +4,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -106,3 +105,43 @@ def test_refuses_to_overwrite_and_names_a_missing_config(tmp_path):
     export.export_model(params, config, str(tmp_path / "taken"))
   with pytest.raises(FileNotFoundError, match="realm_config.json"):
     exported.load_exported(str(tmp_path / "taken"))
+
+
+def test_export_of_a_checkpoint_uses_the_config_it_carries(tmp_path):
+  """A trainer's checkpoint (configs in its meta) -> export -> the same
+  parameters and config, with no model gin file anywhere."""
+  from realm_jax.core import checkpoints, dataclass_json  # pylint: disable=g-import-not-at-top
+  config = RealmConfig(
+      retriever=RetrieverConfig(bert=BERT, projection_size=16,
+                                pooling="cls"),
+      reader=ReaderConfig(bert=BERT, span_head=True))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 3)
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "run" / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(7, params, {"count": np.zeros((), np.int32)},
+            {"model_config": dataclass_json.to_dict(config),
+             "task_class": "FinetuneConfig", "task_config": {},
+             "operative_config": "# gin"}, force=True)
+  ckpt.close()
+  out = export.export_checkpoint(export.ExportConfig(
+      workdir=str(tmp_path / "run"), output_dir=str(tmp_path / "out")))
+  config2, params2 = exported.load_exported(out)
+  assert config2 == config
+  flat, flat2 = core.flatten(params), core.flatten(params2)
+  assert set(flat) == set(flat2)
+  for path in flat:
+    np.testing.assert_array_equal(np.asarray(flat[path]), flat2[path])
+  with open(os.path.join(out, "realm_config.json")) as f:
+    assert json.load(f)["source"].endswith("/7")
+
+
+def test_init_from_an_export(tmp_path):
+  from realm_jax.training import init  # pylint: disable=g-import-not-at-top
+  config = RealmConfig(retriever=RetrieverConfig(bert=BERT, pooling="mean"),
+                       reader=ReaderConfig(bert=BERT))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 5)
+  _, fresh = functional.init(lambda r: Realm(config, rngs=r), 6)
+  out = export.export_model(params, config, str(tmp_path / "e"))
+  got = init.initial_params(config, fresh, f"export:{out}")
+  for path, value in core.flatten(params).items():
+    np.testing.assert_array_equal(core.flatten(got)[path], np.asarray(value))

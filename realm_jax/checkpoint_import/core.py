@@ -137,20 +137,6 @@ class SafetensorsSource(Source):
     return self._file.get_tensor(name)
 
 
-class DictSource(Source):
-  """Arrays already in memory (tests, conversions)."""
-
-  def __init__(self, arrays: Mapping[str, np.ndarray], path: str = "<dict>"):
-    self._arrays = dict(arrays)
-    self.path = path
-
-  def shapes(self):
-    return {k: tuple(np.shape(v)) for k, v in self._arrays.items()}
-
-  def get(self, name):
-    return np.asarray(self._arrays[name])
-
-
 def flatten(tree: Mapping[str, Any], prefix: Path = ()) -> dict[Path, Any]:
   out = {}
   for key, value in tree.items():

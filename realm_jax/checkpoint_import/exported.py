@@ -23,12 +23,11 @@ Hugging Face files (never from anything executable).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from realm_jax.checkpoint_import import core, importers
-from realm_jax.core import dataclass_json
+from realm_jax.core import dataclass_json, io_utils
 from realm_jax.model.realm import Embedder, RealmConfig, Reader
 
 CONFIG_FILE = "realm_config.json"
@@ -73,19 +72,13 @@ def st_module_dirs(config) -> dict[str, str]:
   return dirs
 
 
-def read_config(directory: str) -> tuple[RealmConfig, dict[str, Any]]:
-  """(RealmConfig, the whole realm_config.json) of an export."""
-  path = os.path.join(directory, CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(
-        f"{path} not found: {directory} is not a realm_jax export (write one "
-        "with `python -m realm_jax.export`).")
-  with open(path, encoding="utf-8") as f:
-    data = json.load(f)
-  if "model" not in data:
-    raise ValueError(f"{path}: no 'model' field (the RealmConfig).")
+def read_config(directory: str) -> RealmConfig:
+  """The RealmConfig of an export (its realm_config.json)."""
+  data = io_utils.read_manifest(
+      directory, what="realm_jax export", name=CONFIG_FILE, fields=("model",),
+      build="write one with `python -m realm_jax.export`")
   return dataclass_json.from_dict(RealmConfig, data["model"],
-                                  f"{path}:model"), data
+                                  f"{directory}/{CONFIG_FILE}:model")
 
 
 def _tower(directory: str, config) -> dict[str, Any]:
@@ -110,7 +103,7 @@ def _tower(directory: str, config) -> dict[str, Any]:
 
 def load_exported(directory: str) -> tuple[RealmConfig, dict[str, Any]]:
   """(RealmConfig, {"retriever": ..., "reader": ...}) of an export."""
-  config, _ = read_config(directory)
+  config = read_config(directory)
   retriever = {"query_embedder": _tower(os.path.join(directory, "retriever"),
                                         config.retriever)}
   if not config.retriever.share_towers:

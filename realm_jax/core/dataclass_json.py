@@ -19,8 +19,8 @@ T = TypeVar("T")
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-  """A (nested) config dataclass as JSON-ready dicts."""
-  return json.loads(json.dumps(dataclasses.asdict(config)))
+  """A (nested) config dataclass as JSON-ready dicts (paths as strings)."""
+  return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
 def _convert(value: Any, kind: Any, where: str) -> Any:

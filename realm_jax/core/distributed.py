@@ -170,9 +170,6 @@ def barrier(name: str) -> None:
 
   A no-op for a single process. Every process must call it with the same
   name, in the same order; a mismatch fails instead of hanging silently.
-
-  Args:
-    name: identifies the barrier, e.g. "train_done".
   """
   if jax.process_count() == 1:
     return
@@ -184,15 +181,10 @@ def broadcast_from_chief(pytree: Any) -> Any:
 
   Use it for anything every process must agree on but may compute
   differently: seeds, "stop now" decisions, the step of the index to load.
-
-  Args:
-    pytree: arrays or scalars; every process must pass the same structure,
-      shapes and dtypes (only process 0's values are used).
-
-  Returns:
-    The same structure with numpy leaves holding process 0's values.
-    Booleans stay booleans; with several processes other dtypes go through
-    JAX, so 64-bit leaves come back 32-bit unless `jax_enable_x64` is set.
+  Every process must pass the same structure, shapes and dtypes. The leaves
+  come back as numpy arrays; booleans stay booleans, and with several
+  processes other dtypes go through JAX, so 64-bit leaves come back 32-bit
+  unless `jax_enable_x64` is set.
   """
   leaves, treedef = jax.tree_util.tree_flatten(pytree)
   leaves = [np.asarray(x) for x in leaves]
@@ -207,21 +199,10 @@ def broadcast_from_chief(pytree: Any) -> Any:
 
 def check_divisible(what: str, n: int, by: int, *,
                     by_what: str | None = None) -> int:
-  """Checks that `n` splits evenly into `by` parts and returns `n // by`.
+  """Checks that size `what`=`n` splits evenly into `by` parts; `n // by`.
 
-  Args:
-    what: the name of the size the user controls, e.g. "batch_size".
-    n: its value.
-    by: what it must split over, e.g. `jax.device_count()`.
-    by_what: what `by` counts, e.g. "devices (4 hosts x 4 chips)"; it makes
-      the error message say where the divisor comes from.
-
-  Returns:
-    `n // by`, the size of each part.
-
-  Raises:
-    ValueError: if `by` < 1, `n` < 0, or `by` does not divide `n`; the
-      message names the nearest valid values.
+  `by_what` says what `by` counts (e.g. "devices (4 hosts x 4 chips)") in
+  the error message, which names the nearest valid values.
   """
   if by < 1:
     raise ValueError(f"Cannot split {what}={n} over {by} "

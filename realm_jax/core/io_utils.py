@@ -19,12 +19,13 @@ What differs between the two kinds of storage, and how it is handled:
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
-
 import os
 import shutil
 import tempfile
-from typing import Any, Union
+from typing import Any, Callable, Sequence, Union
 
 from etils import epath
 
@@ -260,6 +261,33 @@ def local_copy(path: PathLike, key: str, *,
   return dest
 
 
+def package_file(package: str, *parts: str, install: str) -> str:
+  """A file inside an installed package, found without importing it.
+
+  Raises:
+    FileNotFoundError: the package or the file is missing; the message ends
+      with `install` (how to install it, or what to pass instead).
+  """
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(f"The Python package {package} is not "
+                            f"installed; {install}.")
+  path = os.path.join(spec.submodule_search_locations[0], *parts)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} is missing from the installed "
+                            f"{package}; {install}.")
+  return path
+
+
+def sha256_file(path: PathLike) -> str:
+  """The sha256 hex digest of a local or remote file's bytes."""
+  digest = hashlib.sha256()
+  with as_path(path).open("rb") as f:
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
 def write_json(path: PathLike, obj: Any) -> None:
   """Writes JSON atomically (local: temp file + rename; GCS: one upload)."""
   atomic_write_text(path, json.dumps(obj, indent=1))
@@ -268,3 +296,50 @@ def write_json(path: PathLike, obj: Any) -> None:
 def append_jsonl(path: PathLike, record: dict[str, Any]) -> None:
   """Appends one JSON line (on GCS: rewrites the small file; no appends)."""
   append_text(path, json.dumps(record) + "\n")
+
+
+def read_manifest(
+    directory: PathLike, *, what: str, build: str,
+    format_version: int | None = None, fields: Sequence[str] = (),
+    check: Callable[[dict[str, Any]], Any] | None = None,
+    name: str = "manifest.json",
+    missing_error: type[Exception] = FileNotFoundError,
+    error: type[ValueError] = ValueError) -> dict[str, Any]:
+  """Parses and checks `<directory>/<name>`, the JSON manifest of a `what`.
+
+  Every error names the file, what is wrong and what to do about it, so
+  the stores, caches and indices that have a manifest fail alike.
+
+  Args:
+    directory: what the manifest describes (local or remote).
+    what: its kind for the messages ("block store").
+    build: how to make one ("build it with `python -m ...`").
+    format_version: the `format_version` this code reads; None: unchecked.
+    fields: keys the manifest must have.
+    check: `manifest -> Any`: more checks; its KeyError, TypeError or
+      ValueError reports a corrupt manifest.
+    name: the manifest's file name.
+    missing_error: raised when the directory or the manifest is missing.
+    error: raised for a corrupt or outdated manifest.
+  """
+  path = join(directory, name)
+  if not as_path(directory).is_dir():
+    raise missing_error(f"{what} {directory} does not exist; {build}.")
+  if not as_path(path).exists():
+    raise missing_error(f"{path} is missing: {directory} is a partial "
+                        f"{what} (an interrupted build?); rebuild it.")
+  try:
+    manifest = json.loads(read_text(path))
+    missing = [key for key in fields if key not in manifest]
+    if missing:
+      raise KeyError(f"no {missing}")
+    if check is not None:
+      check(manifest)
+  except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    raise error(f"{path} is corrupt ({e!r}); rebuild the {what}.") from e
+  if format_version is not None and manifest.get(
+      "format_version") != format_version:
+    raise error(f"{path}: format_version {manifest.get('format_version')} "
+                f"is not {format_version}; rebuild the {what} with this "
+                "version.")
+  return manifest

@@ -95,15 +95,6 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh | None, *, in_specs,
   A pytree argument takes one spec for all its leaves (e.g. BATCH for a
   batch dict). Without a mesh (one device) it is plain `jax.jit(fn)`, so
   callers that run on a single device need no second code path.
-
-  Args:
-    fn: the per-device function.
-    mesh: a mesh with a `data` axis (`make_mesh`), or None.
-    in_specs: one spec per positional argument of `fn`.
-    out_specs: the spec of the output (a tuple for several outputs).
-
-  Returns:
-    The jitted function, taking global arrays.
   """
   if mesh is None:
     return jax.jit(fn)

@@ -113,14 +113,6 @@ def _special_ids(vocab_path: str) -> dict[str, int]:
           "sep_id": index["[SEP]"], "mask_id": index["[MASK]"]}
 
 
-def _sha256_file(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      digest.update(chunk)
-  return digest.hexdigest()
-
-
 def write_block_store(
     blocks: Iterable[blocks_lib.Block],
     out_dir: str,
@@ -158,11 +150,6 @@ def write_block_store(
 
   Returns:
     The opened store.
-
-  Raises:
-    FileExistsError: if `out_dir` exists and not `overwrite`.
-    ValueError: if a block breaks the length bound or the doc order, or
-      there are no blocks.
   """
   if not io_utils.is_local(out_dir):
     return _write_remote_store(
@@ -237,7 +224,7 @@ def write_block_store(
         "num_blocks": num_blocks,
         "num_documents": num_documents,
         "max_block_len": max_block_len,
-        "vocab_sha256": _sha256_file(tokenizer_vocab_path),
+        "vocab_sha256": io_utils.sha256_file(tokenizer_vocab_path),
         **_special_ids(tokenizer_vocab_path),
         "source": source,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -246,11 +233,10 @@ def write_block_store(
         "signatures": signature_entry,
         **(extra_manifest or {}),
     }
-    with open(os.path.join(tmp_dir, "manifest.json"), "w") as f:
-      json.dump(manifest, f, indent=1)
+    io_utils.write_json(os.path.join(tmp_dir, "manifest.json"), manifest)
     if report is not None:
-      with open(os.path.join(tmp_dir, "report.json"), "w") as f:
-        json.dump(report.summary(), f, indent=1)
+      io_utils.write_json(os.path.join(tmp_dir, "report.json"),
+                          report.summary())
     BlockStore.open(tmp_dir)  # refuse to publish what cannot be read back
     io_utils.replace_local_dir(tmp_dir, out_dir)
   except BaseException:
@@ -308,9 +294,6 @@ class BlockStore:
         local (True also helps with a slow network mount).
       cache_dir: the cache directory (default `io_utils.cache_root()`).
 
-    Returns:
-      The store; arrays are memory-mapped, not loaded.
-
     Raises:
       FileNotFoundError: if the directory, manifest or an array is missing.
       ValueError: if the manifest or an array is corrupt or inconsistent.
@@ -325,29 +308,10 @@ class BlockStore:
                        "cannot be memory-mapped; open it with cache=True "
                        "(the default) or copy it to a local disk.")
     path = os.fspath(path)
-    manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.isdir(path):
-      raise FileNotFoundError(
-          f"block store {path} does not exist; build it with "
-          "`python -m realm_jax.data.corpus_job --output_dir=...`.")
-    if not os.path.exists(manifest_path):
-      raise FileNotFoundError(
-          f"{manifest_path} is missing: {path} is not a complete block store "
-          "(an interrupted build?); rebuild it.")
-    try:
-      with open(manifest_path) as f:
-        manifest = json.load(f)
-      files = manifest["files"]
-      num_blocks = int(manifest["num_blocks"])
-      num_documents = int(manifest["num_documents"])
-      int(manifest["cls_id"]), int(manifest["sep_id"]), int(manifest["pad_id"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-      raise ValueError(f"{manifest_path} is corrupt ({e!r}); rebuild the "
-                       "block store.") from e
-    if manifest.get("format_version") != FORMAT_VERSION:
-      raise ValueError(
-          f"{manifest_path}: format_version {manifest.get('format_version')} "
-          f"is not {FORMAT_VERSION}; rebuild the store with this version.")
+    manifest = _read_manifest(path)
+    files = manifest["files"]
+    num_blocks = int(manifest["num_blocks"])
+    num_documents = int(manifest["num_documents"])
     arrays = {}
     for name, dtype in _ARRAYS:
       file_path = os.path.join(path, name + ".npy")
@@ -432,7 +396,7 @@ class BlockStore:
 
   def check_vocab(self, vocab_path: str) -> None:
     """Raises ValueError unless the store was tokenized with `vocab_path`."""
-    if _sha256_file(vocab_path) != self.manifest["vocab_sha256"]:
+    if io_utils.sha256_file(vocab_path) != self.manifest["vocab_sha256"]:
       raise ValueError(
           f"{self.path} was tokenized with another vocabulary than "
           f"{vocab_path}; rebuild the store with this vocab or use the "
@@ -447,9 +411,6 @@ class BlockStore:
     `vocab_path`, `<store>/vocab.txt` and the default BERT vocabulary whose
     sha256 is the manifest's `vocab_sha256` (never a hard-coded 103: another
     vocabulary puts [MASK] elsewhere).
-
-    Args:
-      vocab_path: the store's vocab.txt, if the manifest lacks `mask_id`.
 
     Raises:
       ValueError: if the manifest lacks `mask_id` and no candidate
@@ -473,7 +434,7 @@ class BlockStore:
       pass
     for path in candidates:
       if (path and os.path.exists(path) and
-          _sha256_file(path) == self.manifest.get("vocab_sha256")):
+          io_utils.sha256_file(path) == self.manifest.get("vocab_sha256")):
         return _special_ids(path)["mask_id"]
     raise ValueError(
         f"{self.path}/manifest.json has no mask_id and none of "
@@ -486,13 +447,8 @@ class BlockStore:
 
     Vectorised over the flat arrays (13M blocks take seconds, not the
     minutes of a Python loop over `sentence_starts`); a leading fragment (a
-    sentence begun in the previous block) counts as a sentence.
-
-    Args:
-      block_ids: int [n] block ids.
-
-    Returns:
-      int64 [n]; 0 for an empty body.
+    sentence begun in the previous block) counts as a sentence; an empty
+    body has 0. Returns int64 [n] for `block_ids` int [n].
     """
     body_offsets = self._a["body_offsets"]
     sentence_offsets = self._a["sentence_offsets"]
@@ -571,12 +527,8 @@ class BlockStore:
 
     Segment 0 is `[CLS] title [SEP]`, segment 1 is `body [SEP]`. Built
     with whole-batch numpy gathers (no Python loop over blocks). If
-    `seq_len` is shorter than the stored blocks, the body is truncated
-    first, then the title.
-
-    Args:
-      block_ids: int array [n] of block ids.
-      seq_len: output length (>= 3).
+    `seq_len` (>= 3) is shorter than the stored blocks, the body is
+    truncated first, then the title.
 
     Returns:
       {"token_ids", "input_mask", "segment_ids"}: int32 [n, seq_len].
@@ -612,14 +564,8 @@ class BlockStore:
   def bodies(self, block_ids, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Body wordpieces (no title, no special tokens), zero-padded.
 
-    For the reader input `[CLS] x [SEP] body [SEP]`.
-
-    Args:
-      block_ids: int array [n] of block ids.
-      max_len: columns of the output; longer bodies are truncated.
-
-    Returns:
-      (ids int32 [n, max_len], lengths int32 [n]).
+    For the reader input `[CLS] x [SEP] body [SEP]`; longer bodies are cut
+    to `max_len`. Returns (ids int32 [n, max_len], lengths int32 [n]).
     """
     ids = self._ids(block_ids)
     starts = self._a["body_offsets"][ids]
@@ -659,12 +605,25 @@ def _scatter(out: np.ndarray, flat: np.ndarray, starts: np.ndarray,
       np.repeat(np.asarray(starts, np.int64), lengths) + within]
 
 
-def _cache_key(fingerprint: str, manifest_text: str) -> str:
+def _read_manifest(path: str) -> dict[str, Any]:
+  def check(manifest):
+    for key in ("num_blocks", "num_documents", "cls_id", "sep_id", "pad_id"):
+      int(manifest[key])
+
+  return io_utils.read_manifest(
+      path, what="block store", format_version=FORMAT_VERSION,
+      fields=("files", "fingerprint"), check=check,
+      build="build it with `python -m realm_jax.data.corpus_job "
+      "--output_dir=...`")
+
+
+def _cache_key(manifest: dict[str, Any]) -> str:
   """The cache entry of a store: its content fingerprint and the manifest's
   own hash (its metadata)."""
+  text = json.dumps(manifest, sort_keys=True)
   return "blocks-{}-{}".format(
-      "".join(c for c in fingerprint if c.isalnum())[:32],
-      hashlib.sha256(manifest_text.encode()).hexdigest()[:12])
+      "".join(c for c in manifest["fingerprint"] if c.isalnum())[:32],
+      hashlib.sha256(text.encode()).hexdigest()[:12])
 
 
 def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
@@ -684,8 +643,6 @@ def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
   shutil.rmtree(build_dir, ignore_errors=True)
   try:
     store = write_block_store(blocks, build_dir, **kwargs)
-    manifest_text = io_utils.read_text(os.path.join(build_dir,
-                                                    "manifest.json"))
     logging.info("uploading block store to %s", out_dir)
     if remote.exists():
       # Unpublish the old store first: without its manifest no reader
@@ -695,7 +652,7 @@ def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
     io_utils.copy_tree(build_dir, remote, skip=("manifest.json",))
     io_utils.copy_file(os.path.join(build_dir, "manifest.json"),
                        remote / "manifest.json")
-    cached = os.path.join(root, _cache_key(store.fingerprint, manifest_text))
+    cached = os.path.join(root, _cache_key(store.manifest))
     del store  # Unmap before moving.
     if os.path.exists(cached):
       shutil.rmtree(build_dir)
@@ -714,19 +671,7 @@ def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
 
 def _cached_store(source: str, cache_dir: io_utils.PathLike | None) -> str:
   """The local cache copy of the store at `source` (see `BlockStore.open`)."""
-  manifest_path = io_utils.as_path(source) / "manifest.json"
-  if not manifest_path.exists():
-    raise FileNotFoundError(
-        f"{manifest_path} is missing: {source} is not a complete block "
-        "store; build it with `python -m realm_jax.data.corpus_job "
-        "--output_dir=...`.")
-  text = manifest_path.read_text()
-  try:
-    fingerprint = str(json.loads(text)["fingerprint"])
-  except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise ValueError(f"{manifest_path} is corrupt ({e!r}); rebuild the "
-                     "block store.") from e
-  local = io_utils.local_copy(source, _cache_key(fingerprint, text),
+  local = io_utils.local_copy(source, _cache_key(_read_manifest(source)),
                               cache_dir=cache_dir)
   logging.info("block store %s is mapped from its local copy %s", source,
                local)

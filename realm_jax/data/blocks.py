@@ -31,17 +31,11 @@ DEFAULT_MAX_BLOCK_LEN = 288
 NUM_SPECIAL_TOKENS = 3
 
 def title_hash(title: str) -> int:
-  """Stable 63-bit hash of an article title (NFC-normalised).
+  """Stable 63-bit hash (non-negative int64) of an NFC-normalised title.
 
   Identifies the article a block came from, so that the query's own article
   can be excluded from its retrieval candidates. blake2b rather than
   Python's `hash`, which is salted per process.
-
-  Args:
-    title: the article title.
-
-  Returns:
-    A non-negative int that fits in int64.
   """
   digest = hashlib.blake2b(
       unicodedata.normalize("NFC", title).encode("utf-8"),
@@ -109,17 +103,11 @@ class _CharOffsets:
 
   def char_offsets(self, text: str, byte_offsets: np.ndarray
                    ) -> tuple[np.ndarray, bool]:
-    """Character index holding each byte offset of the tokenizer.
-
-    Args:
-      text: the text given to the tokenizer.
-      byte_offsets: byte offsets as the tokenizer reported them.
-
-    Returns:
-      (char_offsets, exact); exact is False when the character-wise mapping
-      disagrees with the normalised length of the whole text (then the
-      offsets are approximate but still monotonic and inside the text).
-    """
+    """(char_offsets, exact): the character of `text` (the tokenizer's
+    input) holding each of the tokenizer's `byte_offsets`. `exact` is False
+    when the character-wise mapping disagrees with the normalised length of
+    the whole text (the offsets are then approximate but still monotonic
+    and inside the text)."""
     byte_offsets = np.asarray(byte_offsets, np.int64)
     if text.isascii():
       # One byte per character, before and after normalisation.
@@ -249,29 +237,47 @@ class _Packer:
     return chunks
 
 
+def _tokenized(records: Iterable[tuple[str, str]], tokenizer: Tokenizer,
+               batch_sentences: int = 8192):
+  """(title, text, title_ids, sentences, sentence_ids) of each record: its
+  sentences' character spans and wordpieces, tokenized in batches of about
+  `batch_sentences` strings (the tokenizer is much faster on batches)."""
+  records = iter(records)
+  while True:
+    batch, num_sentences = [], 0
+    for title, text in records:
+      batch.append((title, text, wikipedia.split_sentences(text)))
+      num_sentences += len(batch[-1][2]) + 1
+      if num_sentences >= batch_sentences:
+        break
+    if not batch:
+      return
+    texts = []
+    for title, text, sentences in batch:
+      texts.append(title)
+      texts.extend(text[s:e] for s, e in sentences)
+    ids = iter(tokenizer.tokenize(texts))
+    for title, text, sentences in batch:
+      title_ids = next(ids).astype(np.int32)
+      yield (title, text, title_ids, sentences,
+             list(itertools.islice(ids, len(sentences))))
+
+
 def pack_blocks(
     documents: Iterable[wikipedia.Document],
     tokenizer: Tokenizer,
     *,
     max_block_len: int = DEFAULT_MAX_BLOCK_LEN,
     report: wikipedia.Report | None = None,
-    batch_sentences: int = 8192,
 ) -> Iterator[Block]:
   """Splits documents into sentences and packs them greedily into blocks.
 
-  Each block satisfies 3 + len(title_ids) + len(body_ids) <= max_block_len.
-  The blocks of an article cover all of its text, in order. Articles whose
-  title alone leaves no room for a body are skipped
-  (`title_leaves_no_room`), as are articles without a single wordpiece
-  (`no_tokens`).
-
-  Args:
-    documents: articles in corpus order.
-    tokenizer: the WordPiece tokenizer.
-    max_block_len: wordpieces per retriever input, special tokens included.
-    report: receives counts (blocks, sentences, skips, long sentences split).
-    batch_sentences: sentences tokenized per tokenizer call (the tokenizer is
-      much faster on batches).
+  Each block satisfies 3 + len(title_ids) + len(body_ids) <= max_block_len
+  (wordpieces, special tokens included). The blocks of an article cover all
+  of its text, in order. Articles whose title alone leaves no room for a
+  body are skipped (`title_leaves_no_room`), as are articles without a
+  single wordpiece (`no_tokens`); `report` counts blocks, sentences, skips
+  and long sentences split.
 
   Yields:
     Blocks in corpus order; `doc_index` counts the articles that produced
@@ -280,39 +286,21 @@ def pack_blocks(
   report = report if report is not None else wikipedia.Report()
   packer = _Packer(tokenizer, max_block_len, report)
   doc_index = 0
-  documents = iter(documents)
-  while True:
-    batch = []
-    num_sentences = 0
-    for document in documents:
-      sentences = wikipedia.split_sentences(document.text)
-      batch.append((document, sentences))
-      num_sentences += len(sentences) + 1
-      if num_sentences >= batch_sentences:
-        break
-    if not batch:
-      return
-    texts = []
-    for document, sentences in batch:
-      texts.append(document.title)
-      texts.extend(document.text[s:e] for s, e in sentences)
-    ids = iter(tokenizer.tokenize(texts))
-    for document, sentences in batch:
-      title_ids = next(ids).astype(np.int32)
-      sentence_ids = list(itertools.islice(ids, len(sentences)))
-      where = f"'{document.title}'"
-      if NUM_SPECIAL_TOKENS + len(title_ids) >= max_block_len:
-        report.skip("title_leaves_no_room", where,
-                    f"{len(title_ids)} title wordpieces, max_block_len "
-                    f"{max_block_len}")
-        continue
-      if not any(len(x) for x in sentence_ids):
-        report.skip("no_tokens", where)
-        continue
-      report.keep("documents")
-      yield from packer.pack(doc_index, document, title_ids, sentences,
-                             sentence_ids)
-      doc_index += 1
+  for title, text, title_ids, sentences, sentence_ids in _tokenized(
+      ((d.title, d.text) for d in documents), tokenizer):
+    where = f"'{title}'"
+    if NUM_SPECIAL_TOKENS + len(title_ids) >= max_block_len:
+      report.skip("title_leaves_no_room", where,
+                  f"{len(title_ids)} title wordpieces, max_block_len "
+                  f"{max_block_len}")
+      continue
+    if not any(len(x) for x in sentence_ids):
+      report.skip("no_tokens", where)
+      continue
+    report.keep("documents")
+    yield from packer.pack(doc_index, wikipedia.Document(title, text),
+                           title_ids, sentences, sentence_ids)
+    doc_index += 1
 
 
 # -----------------------------------------------------------------------------
@@ -325,24 +313,13 @@ def read_orqa_blocks(
     titles_tfr: str,
     report: wikipedia.Report | None = None,
 ) -> Iterator[tuple[str, str]]:
-  """Reads the released block and title TFRecord files in lockstep.
+  """(title, block_text) of the released TFRecord files, read in lockstep.
 
   Each record is one UTF-8 string. Record i of both files is block i, so no
   record is ever skipped: invalid UTF-8 is decoded with replacement
-  characters and counted (`invalid_utf8_replaced`).
-
-  Args:
-    blocks_tfr: TFRecord file of block texts.
-    titles_tfr: TFRecord file of their titles.
-    report: receives the notes.
-
-  Yields:
-    (title, block_text) pairs in record order.
-
-  Raises:
-    FileNotFoundError: if a file is missing.
-    wikipedia.CorruptDumpError: if a file is corrupt or the two files hold
-      different numbers of records.
+  characters and counted (`invalid_utf8_replaced`). Raises
+  FileNotFoundError for a missing file, `wikipedia.CorruptDumpError` for a
+  corrupt one or files with different numbers of records.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   report = report if report is not None else wikipedia.Report()
@@ -386,67 +363,48 @@ def pack_orqa_blocks(
     *,
     max_block_len: int = DEFAULT_MAX_BLOCK_LEN,
     report: wikipedia.Report | None = None,
-    batch_size: int = 4096,
+    first_record: int = 0,
 ) -> Iterator[Block]:
   """Turns released (title, block_text) records into blocks one-for-one.
 
-  Records are not re-packed, so block i is record i. A body that does not
-  fit is truncated to the budget (`block_truncated`; the block text is cut
-  where its last kept wordpiece ends) and a title that leaves no room for a
-  body is truncated to leave one wordpiece (`title_truncated`). Consecutive
+  Records are not re-packed, so block i is record i (numbered from
+  `first_record` in the report's messages). A body that does not fit is
+  truncated to the budget (`block_truncated`; the block text is cut where
+  its last kept wordpiece ends) and a title that leaves no room for a body
+  is truncated to leave one wordpiece (`title_truncated`). Consecutive
   records with the same title are one article.
-
-  Args:
-    records: (title, text) pairs, e.g. from `read_orqa_blocks`.
-    tokenizer: the WordPiece tokenizer.
-    max_block_len: wordpieces per retriever input, special tokens included.
-    report: receives the counts.
-    batch_size: records tokenized per tokenizer call.
-
-  Yields:
-    One block per record.
   """
   report = report if report is not None else wikipedia.Report()
   char_offsets = _CharOffsets(tokenizer)
-  doc_index, last_title, record_index = -1, None, -1
-  records = iter(records)
-  while batch := list(itertools.islice(records, batch_size)):
-    texts, spans = [], []
-    for title, text in batch:
-      sentences = wikipedia.split_sentences(text)
-      spans.append(sentences)
-      texts.append(title)
-      texts.extend(text[s:e] for s, e in sentences)
-    ids = iter(tokenizer.tokenize(texts))
-    for (title, text), sentences in zip(batch, spans):
-      title_ids = next(ids).astype(np.int32)
-      sentence_ids = list(itertools.islice(ids, len(sentences)))
-      record_index += 1
-      if title != last_title:
-        doc_index, last_title = doc_index + 1, title
-        report.keep("documents")
-      where = f"record {record_index} '{title[:80]}'"
-      if NUM_SPECIAL_TOKENS + len(title_ids) >= max_block_len:
-        report.note("title_truncated", where)
-        title_ids = title_ids[:max_block_len - NUM_SPECIAL_TOKENS - 1]
-      budget = max_block_len - NUM_SPECIAL_TOKENS - len(title_ids)
-      lengths = np.array([len(x) for x in sentence_ids], np.int64)
-      starts = np.cumsum(np.concatenate([[0], lengths[:-1]])).astype(np.int64)
-      body_ids = (np.concatenate(sentence_ids) if sentence_ids else
-                  np.zeros([0], np.int64)).astype(np.int32)
-      if len(body_ids) > budget:
-        report.note("block_truncated", where,
-                    f"{len(body_ids)} wordpieces > budget {budget}")
-        text = _truncate_text(text, sentences, starts, budget, tokenizer,
-                              char_offsets, report, where)
-        body_ids = body_ids[:budget]
-      keep = (lengths > 0) & (starts < len(body_ids))
-      report.keep("blocks")
-      report.keep("sentences", int(keep.sum()))
-      report.keep("body_tokens", len(body_ids))
-      yield Block(doc_index=doc_index, title=title, title_ids=title_ids,
-                  text=text, body_ids=body_ids,
-                  sentence_starts=starts[keep].astype(np.int32))
+  doc_index, last_title, record_index = -1, None, first_record - 1
+  for title, text, title_ids, sentences, sentence_ids in _tokenized(
+      records, tokenizer):
+    record_index += 1
+    if title != last_title:
+      doc_index, last_title = doc_index + 1, title
+      report.keep("documents")
+    where = f"record {record_index} '{title[:80]}'"
+    if NUM_SPECIAL_TOKENS + len(title_ids) >= max_block_len:
+      report.note("title_truncated", where)
+      title_ids = title_ids[:max_block_len - NUM_SPECIAL_TOKENS - 1]
+    budget = max_block_len - NUM_SPECIAL_TOKENS - len(title_ids)
+    lengths = np.array([len(x) for x in sentence_ids], np.int64)
+    starts = np.cumsum(np.concatenate([[0], lengths[:-1]])).astype(np.int64)
+    body_ids = (np.concatenate(sentence_ids) if sentence_ids else
+                np.zeros([0], np.int64)).astype(np.int32)
+    if len(body_ids) > budget:
+      report.note("block_truncated", where,
+                  f"{len(body_ids)} wordpieces > budget {budget}")
+      text = _truncate_text(text, sentences, starts, budget, tokenizer,
+                            char_offsets, report, where)
+      body_ids = body_ids[:budget]
+    keep = (lengths > 0) & (starts < len(body_ids))
+    report.keep("blocks")
+    report.keep("sentences", int(keep.sum()))
+    report.keep("body_tokens", len(body_ids))
+    yield Block(doc_index=doc_index, title=title, title_ids=title_ids,
+                text=text, body_ids=body_ids,
+                sentence_starts=starts[keep].astype(np.int32))
 
 
 def _truncate_text(text, sentences, starts, budget, tokenizer, char_offsets,

@@ -1,109 +1,191 @@
-"""Corpus job: documents -> sentences -> blocks of <= 288 wordpieces -> store.
+r"""Corpus job: documents -> sentences -> blocks of <= 288 wordpieces -> store.
 
-Builds the knowledge corpus Z as a memory-mapped block store (see
-`realm_jax.data.blocks`) from one of:
-- a Wikipedia `*-pages-articles*.xml(.bz2)` dump (default: the enwiki slice
-  inside the gensim wheel);
-- a JSONL file of `{"title": str, "text": str}` lines;
-- the released ORQA/REALM corpus, `blocks.tfr` + `titles.tfr` (block i =
-  record i, so the released `block_emb` rows pair with the store).
+Builds the knowledge corpus Z as a memory-mapped block store (`blocks`,
+`block_store`) from a Wikipedia `*-pages-articles*.xml(.bz2)` dump (default:
+the enwiki slice inside the gensim wheel), a JSONL file of `{"title": str,
+"text": str}` lines, or the released ORQA/REALM `blocks.tfr` + `titles.tfr`
+(block i = record i, so the released `block_emb` rows pair with the store).
+An Apache Beam pipeline:
 
-  python -m realm_jax.data.corpus_job --output_dir=/data/corpus
-  python -m realm_jax.data.corpus_job --num_workers=16 \
-      --input_path=enwiki-20181220-pages-articles.xml.bz2 \
-      --output_dir=/data/enwiki
+  Read   one sequential pass (a dump cannot be split): documents numbered
+         in file order, in chunks of `documents_per_chunk` (ORQA: never
+         inside an article).
+  Pack   per chunk, on the workers: remove a dump's markup (the slow part),
+         split sentences, tokenize and pack (`blocks.pack_blocks`) into a
+         temporary file.
+  Store  the launching process streams the chunks in order into
+         `write_block_store` (arrays, manifest, report.json: what was kept
+         and skipped, by reason), which publishes the store atomically.
 
-The store directory also holds `report.json`: what was kept and skipped, by
-reason, with the first examples of each.
+The store and report are those of a sequential pass, whatever the runner or
+the chunking. The command line follows the gin convention (`gin_cli`);
+other flags are Beam options (DirectRunner by default; BUILD.md):
+
+  python -m realm_jax.data.corpus_job --gin_file=runs/corpus.gin \
+      --gin.INPUT_PATH="'enwiki-20181220-pages-articles.xml.bz2'" \
+      --gin.OUTPUT_DIR="'/data/enwiki'" \
+      --direct_num_workers=16 --direct_running_mode=multi_processing
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import multiprocessing
-import os
-import time
-from typing import Iterator, Sequence
+import dataclasses
+import functools
+import pickle
+from typing import Any, Iterator, Sequence
 
-from absl import app
-from absl import flags
 from absl import logging
+import apache_beam as beam
 
+from realm_jax.core import io_utils
+from realm_jax.data import beam_utils
 from realm_jax.data import block_store
 from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.data import wikipedia
-from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.data import wikitext
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusConfig:
+  """What `build_corpus` makes (runs/corpus.gin binds the paths).
+
+  Attributes:
+    output_dir: the block store directory to create (a gs://... store is
+      built in the local cache and uploaded, manifest last).
+    input_path: a dump (`*.xml[.bz2]`), a JSONL file, ORQA's `blocks.tfr`
+      or its directory (with `titles.tfr`); default: the gensim slice.
+    vocab_path: WordPiece vocab.txt; default: BERT uncased.
+    max_block_len: wordpieces of `[CLS] title [SEP] body [SEP]`.
+    max_documents: only the first N documents (a dump's pages are counted
+      before markup removal; ORQA: records).
+    orqa_titles_path: ORQA `titles.tfr`; default: beside `blocks.tfr`.
+    max_article_chars, max_title_chars: longer ones are skipped
+      (`enormous_article`, `title_too_long`).
+    allow_truncated: keep the pages read before a dump's XML or
+      compression error instead of failing.
+    documents_per_chunk: the unit of parallel work.
+    overwrite: replace an existing store at `output_dir`.
+  """
+  output_dir: str
+  input_path: str | None = None
+  vocab_path: str | None = None
+  max_block_len: int = blocks_lib.DEFAULT_MAX_BLOCK_LEN
+  max_documents: int | None = None
+  orqa_titles_path: str | None = None
+  max_article_chars: int = wikipedia.DEFAULT_MAX_ARTICLE_CHARS
+  max_title_chars: int = wikipedia.DEFAULT_MAX_TITLE_CHARS
+  allow_truncated: bool = False
+  documents_per_chunk: int = 256
+  overwrite: bool = False
+
+  def __post_init__(self):
+    if self.max_block_len < blocks_lib.NUM_SPECIAL_TOKENS + 2:
+      raise ValueError(
+          f"max_block_len={self.max_block_len} leaves no room for a title "
+          "and a body; use at least 5 (REALM uses 288).")
+    for name in ("max_documents", "documents_per_chunk"):
+      if getattr(self, name) is not None and getattr(self, name) <= 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be positive.")
 
 
 def _orqa_files(input_path: str,
                 titles_path: str | None) -> tuple[str, str] | None:
   """(blocks.tfr, titles.tfr) if `input_path` names the ORQA corpus."""
-  if os.path.isdir(input_path):
-    blocks_tfr = os.path.join(input_path, "blocks.tfr")
-    if not os.path.exists(blocks_tfr):
+  if io_utils.as_path(input_path).is_dir():
+    blocks_tfr = io_utils.join(input_path, "blocks.tfr")
+    if not io_utils.as_path(blocks_tfr).exists():
       raise FileNotFoundError(
           f"{input_path} is a directory without blocks.tfr; pass a dump, a "
           "JSONL file or the directory of the ORQA blocks.tfr/titles.tfr.")
-    return blocks_tfr, titles_path or os.path.join(input_path, "titles.tfr")
+    return blocks_tfr, titles_path or io_utils.join(input_path, "titles.tfr")
   if input_path.endswith((".tfr", ".tfrecord", ".tfrecords")):
-    return input_path, titles_path or os.path.join(
-        os.path.dirname(input_path), "titles.tfr")
+    return input_path, titles_path or io_utils.join(
+        str(io_utils.as_path(input_path).parent), "titles.tfr")
   return None
 
 
-def _log_progress(blocks: Iterator[blocks_lib.Block], log_every: int,
-                  start: float) -> Iterator[blocks_lib.Block]:
-  """Passes blocks through, logging throughput every `log_every` articles."""
-  num_blocks, next_log = 0, log_every
-  for block in blocks:
-    if block.doc_index >= next_log:
-      seconds = max(time.perf_counter() - start, 1e-9)
-      logging.info(
-          "corpus: %d articles, %d blocks, %.1f articles/s, %.1f blocks/s",
-          block.doc_index, num_blocks, block.doc_index / seconds,
-          num_blocks / seconds)
-      next_log += log_every
-    num_blocks += 1
-    yield block
+def _read_chunks(input_path: str, *, size: int, whole_titles: bool,
+                 **kwargs) -> Iterator[tuple[int, tuple[int, str, str]]]:
+  """The Read step: (chunk, (index, title, text)); with `whole_titles`, a
+  chunk never ends between two records of one title (ORQA's articles)."""
+  chunk, count, last = 0, 0, None
+  for index, title, text in beam_utils.read_documents(input_path, **kwargs):
+    if count >= size and not (whole_titles and title == last):
+      chunk, count = chunk + 1, 0
+    count, last = count + 1, title
+    yield chunk, (index, title, text)
 
 
-def build_corpus(
-    *,
-    output_dir: str,
-    input_path: str | None = None,
-    vocab_path: str | None = None,
-    max_block_len: int = blocks_lib.DEFAULT_MAX_BLOCK_LEN,
-    max_documents: int | None = None,
-    orqa_titles_path: str | None = None,
-    max_article_chars: int = wikipedia.DEFAULT_MAX_ARTICLE_CHARS,
-    max_title_chars: int = wikipedia.DEFAULT_MAX_TITLE_CHARS,
-    allow_truncated: bool = False,
-    num_workers: int = 1,
-    overwrite: bool = False,
-    log_every: int = 1000,
-) -> tuple[block_store.BlockStore, wikipedia.Report]:
-  """Builds a block store from a dump, a JSONL file or the ORQA corpus.
+@functools.lru_cache(maxsize=2)
+def _tokenizer(vocab_path: str) -> tokenizer_lib.Tokenizer:
+  return tokenizer_lib.Tokenizer(vocab_path)  # once per worker process
 
-  Args:
-    output_dir: the block store directory to create (written to a temp
-      directory beside it and renamed when complete; a gs://... directory
-      is built in the local cache and uploaded, manifest last).
-    input_path: a Wikipedia dump (`*.xml[.bz2]`), a JSONL file, ORQA's
-      `blocks.tfr` or a directory holding `blocks.tfr` and `titles.tfr`.
-      Default: the enwiki slice shipped with gensim.
-    vocab_path: WordPiece vocab.txt; default: BERT uncased.
-    max_block_len: wordpieces per retriever input `[CLS] title [SEP] body
-      [SEP]`.
-    max_documents: stop after this many articles (ORQA: records).
-    orqa_titles_path: ORQA `titles.tfr`; default: beside `blocks.tfr`.
-    max_article_chars: longer articles are skipped (`enormous_article`).
-    max_title_chars: longer titles are skipped (`title_too_long`).
-    allow_truncated: keep the pages of a dump read before an XML or
-      compression error instead of failing.
-    num_workers: processes cleaning wikitext (the slowest step on a dump).
-    overwrite: replace an existing store at `output_dir`.
-    log_every: log throughput every this many articles.
+
+def pack_chunk(item, *, tmp_dir: str, vocab_path: str, max_block_len: int,
+               orqa: bool, is_dump: bool, input_path: str) -> dict[str, Any]:
+  """The Pack step: (chunk, [(index, title, text)]) -> its blocks' file;
+  returns the chunk's report and documents (`doc_index` counts from 0)."""
+  chunk, rows = item
+  rows = sorted(rows)
+  report = wikipedia.Report()
+  tokenizer = _tokenizer(vocab_path)
+  if orqa:
+    blocks = blocks_lib.pack_orqa_blocks(
+        [(title, text) for _, title, text in rows], tokenizer,
+        max_block_len=max_block_len, report=report, first_record=rows[0][0])
+  else:
+
+    def documents():
+      for _, title, text in rows:
+        if is_dump:  # as `wikipedia.iter_wikipedia_dump` does it
+          text = wikitext.clean_wikitext(text)
+          if not text:
+            report.skip("empty_article", f"{input_path}: page '{title}'",
+                        "no text left after removing markup")
+            continue
+          report.keep("articles_read")
+        yield wikipedia.Document(title=title, text=text)
+
+    blocks = blocks_lib.pack_blocks(documents(), tokenizer,
+                                    max_block_len=max_block_len, report=report)
+  blocks = list(blocks)
+  io_utils.atomic_write_bytes(io_utils.join(tmp_dir, f"chunk-{chunk}.pkl"),
+                              pickle.dumps(blocks, protocol=5))
+  beam.metrics.Metrics.counter("corpus", "blocks").inc(len(blocks))
+  return {"shard": chunk, "report": report.summary(),
+          "documents": blocks[-1].doc_index + 1 if blocks else 0}
+
+
+def _merge_report(report: wikipedia.Report, summary: dict[str, Any]) -> None:
+  """Adds a `Report.summary()` to `report` (merged in document order, the
+  first examples of each reason are the sequential pass's)."""
+  report.kept.update(summary["kept"])
+  report.skipped.update(summary["skipped"])
+  report.notes.update(summary["notes"])
+  for reason, examples in summary["examples"].items():
+    kept = report.examples.setdefault(reason, [])
+    kept += examples[:report.max_examples - len(kept)]
+
+
+def _merged_blocks(out: beam_utils.ShardedOutput, stats: list[dict[str, Any]],
+                   report: wikipedia.Report) -> Iterator[blocks_lib.Block]:
+  """The chunks' blocks in corpus order, `doc_index` counted over all."""
+  progress = beam_utils.Progress("corpus: chunks stored", len(stats))
+  first_doc = 0
+  for s in stats:
+    _merge_report(report, s["report"])
+    data = io_utils.as_path(out.path(f"chunk-{s['shard']}.pkl")).read_bytes()
+    for block in pickle.loads(data):
+      yield dataclasses.replace(block, doc_index=first_doc + block.doc_index)
+    first_doc += s["documents"]
+    progress.add()
+
+
+def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
+                 ) -> tuple[block_store.BlockStore, wikipedia.Report]:
+  """Builds a block store: `CorpusConfig(**fields)` with the Beam options
+  `pipeline_args` (default DirectRunner).
 
   Returns:
     (the opened store, the report of kept and skipped records).
@@ -113,115 +195,56 @@ def build_corpus(
     FileExistsError: if `output_dir` exists and not `overwrite`.
     wikipedia.CorruptDumpError: for a malformed dump or TFRecord file.
   """
-  if max_block_len < blocks_lib.NUM_SPECIAL_TOKENS + 2:
-    raise ValueError(
-        f"max_block_len={max_block_len} leaves no room for a title and a "
-        "body; use at least 5 (REALM uses 288).")
-  if max_documents is not None and max_documents <= 0:
-    raise ValueError(f"max_documents={max_documents} must be positive or "
-                     "None (all documents).")
-  if num_workers < 1:
-    raise ValueError(f"num_workers={num_workers} must be >= 1.")
-  input_path = input_path or wikipedia.default_wikipedia_dump()
-  tokenizer = Tokenizer(vocab_path)
+  config = CorpusConfig(**fields)
+  input_path = io_utils.absolute(config.input_path or
+                                 wikipedia.default_wikipedia_dump())
+  orqa = _orqa_files(input_path, config.orqa_titles_path)
+  if not orqa:
+    beam_utils.check_input(input_path)
+  vocab_path = config.vocab_path or tokenizer_lib.default_vocab_path()
   report = wikipedia.Report()
-  start = time.perf_counter()
-  logging.info("corpus: building %s from %s (max_block_len %d)", output_dir,
-               input_path, max_block_len)
-  with contextlib.ExitStack() as stack:
-    orqa = _orqa_files(input_path, orqa_titles_path)
-    if orqa:
-      records = blocks_lib.read_orqa_blocks(*orqa, report=report)
-      if max_documents is not None:
-        records = itertools.islice(records, max_documents)
-      blocks = blocks_lib.pack_orqa_blocks(
-          records, tokenizer, max_block_len=max_block_len, report=report)
-    else:
-      kwargs = {}
-      if wikipedia.is_wikipedia_dump(input_path):
-        kwargs["allow_truncated"] = allow_truncated
-        if num_workers > 1:
-          # spawn, not fork: TensorFlow's threads in this process make fork
-          # unsafe, and the workers need only mwparserfromhell.
-          pool = stack.enter_context(multiprocessing.get_context(
-              "spawn").Pool(num_workers))
-          kwargs["pool"] = pool
-      documents = wikipedia.iter_documents(
-          input_path, report, max_article_chars=max_article_chars,
-          max_title_chars=max_title_chars, **kwargs)
-      if max_documents is not None:
-        documents = itertools.islice(documents, max_documents)
-      blocks = blocks_lib.pack_blocks(
-          documents, tokenizer, max_block_len=max_block_len, report=report)
+  with beam_utils.ShardedOutput(config.output_dir, marker="manifest.json",
+                                overwrite=config.overwrite) as out:
+    reader_stats = out.path(".reader_stats.json")
+    pipeline, runner = beam_utils.pipeline(pipeline_args)
+    logging.info("corpus: %s -> %s (max_block_len %d, runner %s)",
+                 input_path, out.output_dir, config.max_block_len, runner)
+    kwargs = (dict(orqa_titles=orqa[1]) if orqa else dict(
+        max_article_chars=config.max_article_chars,
+        max_title_chars=config.max_title_chars,
+        allow_truncated=config.allow_truncated))
+    with pipeline:
+      _ = (pipeline
+           | "Input" >> beam.Create([orqa[0] if orqa else input_path])
+           | "Read" >> beam.FlatMap(
+               _read_chunks, size=config.documents_per_chunk,
+               whole_titles=bool(orqa), max_documents=config.max_documents,
+               stats_path=reader_stats, **kwargs)
+           | "Pack" >> out.write_shards(functools.partial(
+               pack_chunk, tmp_dir=out.tmp_dir, vocab_path=vocab_path,
+               max_block_len=config.max_block_len, orqa=bool(orqa),
+               is_dump=wikipedia.is_wikipedia_dump(input_path),
+               input_path=input_path), "corpus"))
+    _merge_report(report, out.load(reader_stats))
+    stats = sorted(out.load(out.stats, []), key=lambda s: s["shard"])
     store = block_store.write_block_store(
-        _log_progress(blocks, log_every, start), output_dir,
-        tokenizer_vocab_path=tokenizer.vocab_path,
-        source=os.path.abspath(input_path), max_block_len=max_block_len,
-        overwrite=overwrite, report=report)
-  seconds = time.perf_counter() - start
-  logging.info(
-      "corpus: done in %.1f s: %d articles, %d blocks (%.1f articles/s, "
-      "%.1f blocks/s), fingerprint %s", seconds, store.num_documents,
-      len(store), store.num_documents / seconds, len(store) / seconds,
-      store.fingerprint)
+        _merged_blocks(out, stats, report), out.output_dir,
+        tokenizer_vocab_path=vocab_path, source=input_path,
+        max_block_len=config.max_block_len, overwrite=config.overwrite,
+        report=report)
+  logging.info("corpus: %s: %d articles, %d blocks, fingerprint %s",
+               out.output_dir, store.num_documents, len(store),
+               store.fingerprint)
   report.log_summary()
   return store, report
 
 
-# -----------------------------------------------------------------------------
-# Command line.
-# -----------------------------------------------------------------------------
-
-def _define_flags() -> None:
-  """Defines the flags; only when run as a program, so that importing this
-  module next to other jobs never clashes on flag names."""
-  # pylint: disable=unused-variable
-  flags.DEFINE_string(
-      "output_dir", None, "Block store directory to create.", required=True)
-  flags.DEFINE_string(
-      "input_path", None, "Wikipedia dump, JSONL file, or ORQA blocks.tfr (or "
-      "its directory). Default: the enwiki slice shipped with gensim.")
-  flags.DEFINE_string(
-      "vocab_path", None, "WordPiece vocab.txt (default: BERT uncased).")
-  flags.DEFINE_integer(
-      "max_block_len", blocks_lib.DEFAULT_MAX_BLOCK_LEN,
-      "Wordpieces per [CLS] title [SEP] body [SEP].")
-  flags.DEFINE_integer(
-      "max_documents", None, "Stop after this many articles (ORQA: records).")
-  flags.DEFINE_string(
-      "orqa_titles_path", None, "ORQA titles.tfr (default: beside blocks.tfr).")
-  flags.DEFINE_integer(
-      "max_article_chars", wikipedia.DEFAULT_MAX_ARTICLE_CHARS,
-      "Skip longer articles.")
-  flags.DEFINE_integer(
-      "max_title_chars", wikipedia.DEFAULT_MAX_TITLE_CHARS,
-      "Skip articles with longer titles.")
-  flags.DEFINE_boolean(
-      "allow_truncated", False,
-      "Keep the pages read before a dump's XML/compression error.")
-  flags.DEFINE_integer(
-      "num_workers", 1, "Processes cleaning wikitext.")
-  flags.DEFINE_boolean(
-      "overwrite", False, "Replace an existing store.")
-  flags.DEFINE_integer(
-      "log_every", 1000, "Log throughput every this many articles.")
-
-
-def main(argv: Sequence[str]) -> None:
-  """Runs `build_corpus` with the command-line flags."""
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  f = flags.FLAGS
-  build_corpus(
-      output_dir=f.output_dir, input_path=f.input_path,
-      vocab_path=f.vocab_path, max_block_len=f.max_block_len,
-      max_documents=f.max_documents, orqa_titles_path=f.orqa_titles_path,
-      max_article_chars=f.max_article_chars,
-      max_title_chars=f.max_title_chars, allow_truncated=f.allow_truncated,
-      num_workers=f.num_workers, overwrite=f.overwrite,
-      log_every=f.log_every)
+def run(config: CorpusConfig, pipeline_args: Sequence[str]) -> None:
+  """The command line's job (`gin_cli.run_data_job`)."""
+  build_corpus(pipeline_args=pipeline_args, **dataclasses.asdict(config))
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  gin_cli.run_data_job("realm_jax.data.corpus_job", "CorpusConfig",
+                       "runs/corpus.gin")

@@ -217,9 +217,8 @@ def realm_query(
       use sentences with a usable span.
     source_doc_hash: `blocks.title_hash` of the sentence's article, used to
       drop that article from the retrieved candidates.
-    rng: random generator.
-    special: special token ids.
-    config: lengths and masking mode.
+    rng, special, config: the random generator, special token ids, lengths
+      and masking mode.
 
   Returns:
     A dict of numpy arrays: query_ids [query_length] int32 (masked),
@@ -270,16 +269,8 @@ def realm_queries_from_document(
 
   Every masking mode uses the sentences that have at least one salient span,
   so the ablations differ from REALM only in what is masked, not in which
-  sentences become queries. Sentences are tokenized in one batch.
-
-  Args:
-    doc: an annotated document.
-    tokenizer: a `tokenizer.Tokenizer`.
-    rng: random generator.
-    config: lengths and masking mode.
-
-  Returns:
-    The queries, in sentence order (see `realm_query`).
+  sentences become queries. Sentences are tokenized in one batch; the
+  queries come in sentence order (see `realm_query`).
   """
   from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
   doc_hash = blocks.title_hash(doc.title)
@@ -304,21 +295,10 @@ def read_realm_queries(pattern: str, tokenizer, *, config: RealmQueryConfig,
   """A small set of REALM queries, in memory, stacked (evaluation sets).
 
   Training streams its queries from a cache (`data.query_cache`); this
-  reads a held-out file or two for measurements, and stops after
-  `max_queries`.
-
-  Args:
-    pattern: annotated record files (a file, glob or comma-separated list).
-    tokenizer: a `tokenizer.Tokenizer`.
-    config: lengths and masking mode.
-    seed: the masking seed.
-    max_queries: stop after this many queries (None: all).
-
-  Returns:
-    `REALM_QUERY_FEATURES` arrays with a leading query axis.
-
-  Raises:
-    ValueError: no sentence of the files has a usable salient span.
+  reads a held-out file or two (`pattern`: a file, glob or comma-separated
+  list of annotated records) for measurements, and stops after
+  `max_queries`. Returns `REALM_QUERY_FEATURES` arrays with a leading query
+  axis.
   """
   rng = np.random.default_rng([seed, 0])
   queries: list[dict[str, np.ndarray]] = []
@@ -379,13 +359,8 @@ def ict_pair(
 ) -> dict[str, np.ndarray] | None:
   """Builds one Inverse Cloze Task (pseudo-query, block) pair.
 
-  Args:
-    body_ids: [n] wordpieces of the block body.
-    sentence_starts: token offsets in `body_ids` where sentences start.
-    title_ids: wordpieces of the block's article title.
-    rng: random generator.
-    special: special token ids.
-    config: lengths and removal probability.
+  `sentence_starts` are the token offsets in `body_ids` where sentences
+  start.
 
   Returns:
     query_ids / query_mask / query_segment_ids [query_length] int32,

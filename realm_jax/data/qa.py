@@ -25,8 +25,8 @@ Everything fine-tuning and evaluation need to know about QA examples
   `gold_spans` / `gold_spans_batch` find the reader's positive spans as
   occurrences of an answer's wordpieces in a block's wordpieces.
 
-Run `python -m realm_jax.data.qa --jsonl=PATH [--regex_answers]` to check a
-file and print its report.
+Run `python -m realm_jax.data.qa PATH... [--regex_answers]` to check files
+and print their report.
 """
 
 from __future__ import annotations
@@ -620,21 +620,21 @@ def gold_spans(
 # ---------------------------------------------------------------- main
 
 
-def main(argv: Sequence[str]) -> None:
-  """Checks QA JSONL files and prints their report."""
-  del argv
+def _check_job(dry_run: bool, paths: Sequence[str]) -> None:
+  """`gin_cli.run`'s job: checks QA JSONL files and prints their report."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+  if not paths:
+    raise SystemExit("usage: python -m realm_jax.data.qa FILE.jsonl ... "
+                     "[--regex_answers]")
   report = QAReadReport()
-  for path in flags.FLAGS.jsonl:
+  for path in () if dry_run else paths:
     read_qa_jsonl(path, report, regex_answers=flags.FLAGS.regex_answers)
   print(json.dumps(dataclasses.asdict(report), indent=1))
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_multi_string("jsonl", None, "ORQA JSONL file(s) to check.")
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   flags.DEFINE_bool("regex_answers", False,
                     "Answers are regular expressions (CuratedTrec).")
-  flags.mark_flag_as_required("jsonl")
-  app.run(main)
+  gin_cli.run(_check_job, positional_args=True, distributed=False)

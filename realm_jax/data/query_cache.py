@@ -14,12 +14,10 @@ part of each step's batch from the result:
   masking config, vocabulary sha256, source files). A query goes to shard
   hash(file, index in file) % num_shards and each shard is sorted by (file,
   index), so the cache's content does not depend on the runner or on how
-  it split the work. Output appears atomically: shards are written under
-  `<output_dir>.tmp-<id>` and the directory is renamed (a remote
-  `output_dir` gets its manifest last, and readers need the manifest).
-  Beam options on the command line (`--runner=DataflowRunner --project=...`,
-  `--runner=FlinkRunner`, `--direct_num_workers=8 --direct_running_mode=
-  multi_processing`) go to the pipeline unchanged; see BUILD.md.
+  it split the work. The output appears atomically, manifest last
+  (`beam_utils.ShardedOutput`). The command line (runs/query_cache.gin)
+  masks as the pre-training run's gin files say (`QueryCacheConfig`);
+  other flags are Beam options (`--runner=DataflowRunner ...`; BUILD.md).
 
 * `QueryStream` is the trainer's reader. Row r of a global batch of B
   (N <= B shards) comes from shard k = floor(r * N / B): each shard fills
@@ -44,14 +42,14 @@ first batch does not grow with the corpus.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
-from typing import Any, Sequence
-import uuid
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import numpy as np
@@ -82,15 +80,6 @@ def query_features(config: examples_lib.RealmQueryConfig
           "mlm_targets": {"dtype": "int32", "shape": [m]},
           "mlm_weights": {"dtype": "float32", "shape": [m]},
           "source_doc_hash": {"dtype": "int64", "shape": []}}
-
-
-def file_sha256(path: str) -> str:
-  """sha256 of a file's bytes (the vocabulary a cache was tokenized with)."""
-  digest = hashlib.sha256()
-  with io_utils.as_path(path).open("rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      digest.update(chunk)
-  return digest.hexdigest()
 
 
 # -----------------------------------------------------------------------------
@@ -205,44 +194,26 @@ def output_shard(source_index: int, index_in_source: int, num_shards: int
 
 
 def read_manifest(cache_dir: str) -> dict[str, Any]:
-  """Parses and checks `<cache_dir>/manifest.json`.
+  """Parses and checks `<cache_dir>/manifest.json` (`io_utils.read_manifest`:
+  FileNotFoundError for no cache or manifest, ValueError for a corrupt or
+  outdated one)."""
 
-  Raises:
-    FileNotFoundError: no such directory or no manifest (not a finished
-      cache).
-    ValueError: a corrupt or incompatible manifest.
-  """
-  path = os.path.join(cache_dir, MANIFEST)
-  if not os.path.isdir(cache_dir):
-    raise FileNotFoundError(
-        f"query cache {cache_dir} does not exist; build it with `python -m "
-        "realm_jax.data.query_cache --annotated=... --output_dir=...`.")
-  if not os.path.exists(path):
-    raise FileNotFoundError(
-        f"{path} is missing: {cache_dir} is not a finished query cache (an "
-        "interrupted build?); rebuild it.")
-  try:
-    with open(path) as f:
-      manifest = json.load(f)
-    num_shards = int(manifest["num_shards"])
+  def check(manifest):
     rows = [int(r) for r in manifest["shard_rows"]]
-    features = manifest["features"]
     for name in examples_lib.REALM_QUERY_FEATURES:
-      np.dtype(features[name]["dtype"])
-      [int(d) for d in features[name]["shape"]]  # pylint: disable=expression-not-assigned
-  except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-    raise ValueError(f"{path} is corrupt ({e!r}); rebuild the cache.") from e
-  if manifest.get("format_version") != FORMAT_VERSION:
-    raise ValueError(f"{path}: format_version "
-                     f"{manifest.get('format_version')} is not "
-                     f"{FORMAT_VERSION}; rebuild the cache.")
-  if len(rows) != num_shards or min(rows, default=0) < 1:
-    raise ValueError(f"{path}: shard_rows {rows} must list {num_shards} "
-                     "non-empty shards; the manifest is corrupt.")
-  if int(manifest.get("num_queries", -1)) != sum(rows):
-    raise ValueError(f"{path}: num_queries {manifest.get('num_queries')} is "
-                     f"not the sum of shard_rows ({sum(rows)}).")
-  return manifest
+      np.dtype(manifest["features"][name]["dtype"])
+      [int(d) for d in manifest["features"][name]["shape"]]  # pylint: disable=expression-not-assigned
+    if len(rows) != int(manifest["num_shards"]) or min(rows, default=0) < 1:
+      raise ValueError(f"shard_rows {rows} must list num_shards "
+                       f"({manifest['num_shards']}) non-empty shards")
+    if int(manifest.get("num_queries", -1)) != sum(rows):
+      raise ValueError(f"num_queries {manifest.get('num_queries')} is not "
+                       f"the sum of shard_rows ({sum(rows)})")
+
+  return io_utils.read_manifest(
+      cache_dir, what="query cache", format_version=FORMAT_VERSION,
+      check=check, build="build it with `python -m realm_jax.data."
+      "query_cache --gin_file=runs/query_cache.gin ...`")
 
 
 def _open_shard(path: str, expected_rows: int):
@@ -309,12 +280,12 @@ class QueryStream:
       raise ValueError(
           f"{self.cache_dir} has {num_shards} shards, not a multiple of the "
           f"{process_count} hosts (each host reads whole shards); rebuild "
-          "the cache with --num_shards a multiple of the host count.")
+          "the cache with num_shards a multiple of the host count.")
     if num_shards > batch_size:
       raise ValueError(
           f"{self.cache_dir} has {num_shards} shards, more than the global "
           f"batch_size={batch_size} (every shard gives rows to every batch); "
-          "rebuild the cache with --num_shards <= the batch size.")
+          "rebuild the cache with num_shards <= the batch size.")
     if batch_size < 1 or batch_size % process_count:
       raise ValueError(f"batch_size={batch_size} must be a positive "
                        f"multiple of the {process_count} hosts.")
@@ -441,7 +412,6 @@ def _expand(patterns: Sequence[str]) -> list[str]:
 
 def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, int]:
   """(shard, [(file, index, record)]) -> one ArrayRecord file; its stats."""
-  from apache_beam import metrics  # pylint: disable=g-import-not-at-top
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   k, rows = item
   rows = sorted(rows, key=lambda r: (r[0], r[1]))
@@ -458,9 +428,6 @@ def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, int]:
   if not local:
     io_utils.copy_file(path, io_utils.join(tmp_dir, name))
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-  metrics.Metrics.counter("query_cache", "shards_written").inc()
-  logging.info("query cache: wrote shard %d of %d (%d queries, %d bytes)", k,
-               num_shards, len(rows), size)
   return {"shard": k, "rows": len(rows), "bytes": size}
 
 
@@ -516,30 +483,23 @@ def build_query_cache(
   Args:
     annotated: glob pattern(s) of annotated TFRecord files (a string may
       hold several, comma-separated; ".gz" files are gzip).
-    output_dir: the cache directory to create.
+    output_dir: the cache directory to create (`overwrite`: replace one).
     query_config: lengths and masking mode.
     seed: the masking seed (per-file seeds derive from it).
     num_shards: output shards; a multiple of every host count the cache
       will be read with. Each shard is sorted in one worker's memory
       (~1.2 kB per query), so keep shards under ~1M queries.
     vocab_path: BERT vocab.txt (default `tokenizer.default_vocab_path()`);
-      must be the block store's.
-    lower_case: as in `tokenizer.Tokenizer`.
-    pipeline_args: Beam pipeline options (`--runner=...`, ...); default
-      DirectRunner.
-    overwrite: replace an existing cache at `output_dir`.
+      must be the block store's. `lower_case`: as in `tokenizer.Tokenizer`.
+    pipeline_args: Beam options (`--runner=...`); default DirectRunner.
 
-  Returns:
-    The manifest written.
-
-  Raises:
-    FileExistsError: `output_dir` exists and not `overwrite`.
-    FileNotFoundError: a pattern matches no file.
-    ValueError: a malformed input file (named), no query at all, or an empty
-      shard (use fewer shards).
+  Returns the manifest written. Raises FileExistsError (`output_dir` exists
+  and not `overwrite`), FileNotFoundError (a pattern matches no file) or
+  ValueError (a malformed input file, named; no query at all; an empty
+  shard: use fewer shards).
   """
   import apache_beam as beam  # pylint: disable=g-import-not-at-top
-  from apache_beam.options import pipeline_options  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import beam_utils  # pylint: disable=g-import-not-at-top
   from realm_jax.data import tasks  # pylint: disable=g-import-not-at-top
   from realm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 
@@ -547,12 +507,8 @@ def build_query_cache(
     raise ValueError(f"num_shards={num_shards} must be >= 1.")
   patterns = ([p for p in annotated.split(",") if p]
               if isinstance(annotated, str) else list(annotated))
-  output_dir = io_utils.absolute(output_dir)
-  if io_utils.as_path(io_utils.join(output_dir, MANIFEST)).exists() or (
-      io_utils.is_local(output_dir) and os.path.exists(output_dir)):
-    if not overwrite:
-      raise FileExistsError(f"{output_dir} already exists; pass "
-                            "overwrite=True (--overwrite) or another path.")
+  output = beam_utils.ShardedOutput(output_dir, marker=MANIFEST,
+                                    overwrite=overwrite)
   files = _expand(patterns)
   vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
   spec = json.dumps([files, vocab_path, lower_case,
@@ -564,41 +520,30 @@ def build_query_cache(
                   lower_case=lower_case, query_config=query_config,
                   shuffle_buffer_size=None)
   task = tasks.register_pretrain_task(**register)
-  tmp_dir = f"{output_dir}.tmp-{uuid.uuid4().hex[:12]}"
-  io_utils.makedirs(tmp_dir)
-  stats_path = io_utils.join(tmp_dir, "shard_stats.json")
-  logging.info("query cache: %d annotated files -> %d shards in %s",
-               len(files), num_shards, output_dir)
   start = time.time()
-  try:
-    options = pipeline_options.PipelineOptions(list(pipeline_args))
-    with beam.Pipeline(options=options) as pipeline:
+  with output as out:
+    pipeline, runner = beam_utils.pipeline(pipeline_args)
+    logging.info("query cache: %d annotated files -> %d shards in %s "
+                 "(runner %s)", len(files), num_shards, out.output_dir, runner)
+    with pipeline:
       _ = (
           pipeline
           | "Queries" >> _preprocess_transform()(
               task, "train", preprocessors_seed=seed, add_provenance=True,
               setup_fn=_Register(register))
           | "Encode" >> beam.Map(_to_record, num_shards)
-          | "Group" >> beam.GroupByKey()
-          | "Write" >> beam.Map(write_shard, tmp_dir=tmp_dir,
-                                num_shards=num_shards)
-          | "Collect" >> beam.combiners.ToList()
-          | "Stats" >> beam.Map(lambda s: io_utils.atomic_write_text(
-              stats_path, json.dumps(s))))
-    stats = (json.loads(io_utils.read_text(stats_path))
-             if io_utils.as_path(stats_path).exists() else [])
-    io_utils.remove(stats_path)
+          | "Write" >> out.write_shards(functools.partial(
+              write_shard, tmp_dir=out.tmp_dir, num_shards=num_shards),
+                                        "query_cache", num_shards))
     manifest = finish_cache(
-        tmp_dir, output_dir, stats, num_shards=num_shards,
-        query_config=query_config, seed=seed,
-        vocab_sha256=file_sha256(vocab_path), source_files=files,
+        out.tmp_dir, out.output_dir, out.load(out.stats, []),
+        num_shards=num_shards, query_config=query_config, seed=seed,
+        vocab_sha256=io_utils.sha256_file(vocab_path), source_files=files,
         extra={"lower_case": lower_case, "seqio_task": task_name,
                "build_seconds": round(time.time() - start, 1)})
-  except BaseException:
-    io_utils.remove(tmp_dir)
-    raise
-  logging.info("query cache %s: %d queries in %d shards (%.0f s)", output_dir,
-               manifest["num_queries"], num_shards, time.time() - start)
+  logging.info("query cache %s: %d queries in %d shards (%.0f s)",
+               out.output_dir, manifest["num_queries"], num_shards,
+               time.time() - start)
   return manifest
 
 
@@ -607,22 +552,10 @@ def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
                  query_config: examples_lib.RealmQueryConfig, seed: int,
                  vocab_sha256: str, source_files: Sequence[str],
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
-  """Writes the manifest of the shards in `tmp_dir` and publishes them.
-
-  Args:
-    tmp_dir: holds the shards (`write_shard` of each).
-    output_dir: where the cache appears.
-    stats: what `write_shard` returned, one per non-empty shard.
-    num_shards, query_config, seed, vocab_sha256, source_files: for the
-      manifest.
-    extra: more manifest entries.
-
-  Returns:
-    The manifest.
-
-  Raises:
-    ValueError: no query at all, or a shard without queries.
-  """
+  """Writes the manifest of the shards in `tmp_dir` (`stats`: what
+  `write_shard` returned for each) and publishes them at `output_dir`;
+  returns the manifest. Raises ValueError for no query at all or a shard
+  without queries."""
   by_shard = {int(s["shard"]): s for s in stats}
   total = sum(s["rows"] for s in stats)
   if not total:
@@ -632,7 +565,7 @@ def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
   if empty:
     raise ValueError(
         f"{len(empty)} of {num_shards} shards got no query ({total} queries "
-        "in all); build the cache with fewer --num_shards.")
+        "in all); build the cache with fewer shards (num_shards).")
   manifest = {
       "format_version": FORMAT_VERSION,
       "num_shards": num_shards,
@@ -649,7 +582,11 @@ def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       **(extra or {}),
   }
-  _publish(tmp_dir, output_dir, manifest)
+  from realm_jax.data import beam_utils  # pylint: disable=g-import-not-at-top
+  beam_utils.publish(tmp_dir, output_dir, MANIFEST,
+                     json.dumps(manifest, indent=1), manifest["shard_files"],
+                     check=lambda d: QueryStream(  # refuse what is unreadable
+                         d, seed=0, batch_size=num_shards).close())
   return manifest
 
 
@@ -665,63 +602,59 @@ class _Register:
     tasks.register_pretrain_task(**self.kwargs)
 
 
-def _publish(tmp_dir: str, output_dir: str, manifest: dict[str, Any]) -> None:
-  """Manifest last, then the directory appears at `output_dir` at once."""
-  text = json.dumps(manifest, indent=1)
-  if io_utils.is_local(output_dir):
-    io_utils.atomic_write_text(os.path.join(tmp_dir, MANIFEST), text)
-    QueryStream(tmp_dir, seed=0, batch_size=manifest["num_shards"],
-                process_count=1).close()  # refuse to publish what cannot be read
-    io_utils.replace_local_dir(tmp_dir, output_dir)
-    return
-  # No atomic rename on object stores: readers need the manifest, so it
-  # goes last.
-  io_utils.remove(output_dir)
-  io_utils.makedirs(output_dir)
-  for name in manifest["shard_files"]:
-    io_utils.copy_file(io_utils.join(tmp_dir, name),
-                       io_utils.join(output_dir, name))
-  io_utils.atomic_write_text(io_utils.join(output_dir, MANIFEST), text)
-  io_utils.remove(tmp_dir)
-
-
 # -----------------------------------------------------------------------------
 # Command line.
 # -----------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str]) -> None:
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  f = flags.FLAGS
-  config = examples_lib.RealmQueryConfig(
-      query_length=f.query_length, max_masks=f.max_masks,
-      mask_limit=f.mask_limit or f.query_length - 2, masking=f.masking)
+def trainer_query_config(run) -> examples_lib.RealmQueryConfig:
+  """The queries of a pre-training run's config (as
+  `pretrain.realm_query_config`): masks end before the final 2 positions."""
+  return examples_lib.RealmQueryConfig(
+      query_length=run.query_length, masking=run.masking,
+      max_masks=min(run.max_masks, run.query_length - 4),
+      mask_limit=run.query_length - 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryCacheConfig:
+  """The command line's `build_query_cache` (runs/query_cache.gin binds the
+  paths). The masking is the trainer's: `trainer_config` is
+  `pretrain.PretrainConfig` as the gin files bind it (add the pre-training
+  run's file), read into `query_config` by `trainer_query_config`, so the
+  cache passes the trainer's `QueryStream.check`. `seed`: the masking
+  seed."""
+  annotated: str
+  output_dir: str
+  num_shards: int = 64
+  seed: int = 0
+  vocab_path: str | None = None
+  overwrite: bool = False
+  trainer_config: Callable[..., Any] | None = dataclasses.field(
+      default=None, repr=False)
+  query_config: examples_lib.RealmQueryConfig = dataclasses.field(
+      init=False, default=examples_lib.RealmQueryConfig())
+
+  def __post_init__(self):
+    if self.trainer_config:  # (its paths do not matter here)
+      object.__setattr__(self, "query_config", trainer_query_config(
+          self.trainer_config(workdir="", block_store="", queries="")))
+
+
+def run(config: QueryCacheConfig, pipeline_args: Sequence[str]) -> None:
+  """The command line's job (`gin_cli.run_data_job`)."""
   manifest = build_query_cache(
-      f.annotated, f.output_dir, query_config=config, seed=f.seed,
-      num_shards=f.num_shards, vocab_path=f.vocab_path,
-      pipeline_args=list(argv[1:]), overwrite=f.overwrite)
+      config.annotated, config.output_dir, query_config=config.query_config,
+      seed=config.seed, num_shards=config.num_shards,
+      vocab_path=config.vocab_path, pipeline_args=pipeline_args,
+      overwrite=config.overwrite)
   print(json.dumps({k: manifest[k] for k in ("num_shards", "num_queries",
                                              "build_seconds")}))
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("annotated", None,
-                      "Annotated TFRecord glob pattern(s), comma-separated.")
-  flags.DEFINE_string("output_dir", None, "The query cache directory.")
-  flags.DEFINE_integer("num_shards", 64, "Output shards: a multiple of the "
-                       "host count; ~1M queries per shard at most.")
-  flags.DEFINE_integer("seed", 0, "Masking seed.")
-  flags.DEFINE_enum("masking", "salient", list(examples_lib.MASKING_MODES),
-                    "Masking mode (REALM: salient).")
-  flags.DEFINE_integer("query_length", 96, "Wordpieces of a query.")
-  flags.DEFINE_integer("max_masks", 10, "Masked targets per query at most.")
-  flags.DEFINE_integer("mask_limit", 0, "Masks end before this position "
-                       "(0: query_length - 2, as in REALM).")
-  flags.DEFINE_string("vocab_path", None, "BERT vocab.txt (default: BERT "
-                      "uncased); the block store's.")
-  flags.DEFINE_bool("overwrite", False, "Replace an existing cache.")
-  flags.mark_flags_as_required(["annotated", "output_dir"])
-  # Flags this module does not define are Beam pipeline options.
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(argv, known_only=True))
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  gin_cli.run_data_job("realm_jax.data.query_cache", "QueryCacheConfig",
+                       "runs/query_cache.gin", defaults=[
+                           f"{m} = ''" for m in ("WORKDIR", "BLOCK_STORE",
+                                                 "QUERIES")])

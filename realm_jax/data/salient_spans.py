@@ -26,7 +26,8 @@ UTF-8 byte offsets into text, limits exclusive) and optional `span_type`,
 The corpus job is `realm_jax.data.annotate_job` (an Apache Beam pipeline
 mapping `annotate_document` over the documents):
 
-  python -m realm_jax.data.annotate_job --input_path=... --output_dir=...
+  python -m realm_jax.data.annotate_job --gin_file=runs/annotate.gin
+      --gin.INPUT_PATH="'...'" --gin.OUTPUT_DIR="'...'"
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import collections
 import dataclasses
 import os
 import re
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -219,37 +220,17 @@ def annotate_document(
     text: str,
     nlp,
     *,
-    sentence_splitter: Callable[[str], list[tuple[int, int]]] | None = None,
     entity_labels: frozenset[str] = ENTITY_LABELS,
     uid: str = "",
 ) -> AnnotatedDocument:
   """Finds sentences and salient spans (entities + dates) of one document.
 
-  A pure function of its arguments (given the spaCy pipeline), so a Beam
-  job can map it over a corpus (`annotate_job`).
-
-  Args:
-    title: article title.
-    text: article text (plain text, markup already removed).
-    nlp: the spaCy pipeline from `load_nlp()`.
-    sentence_splitter: text -> `[(char_start, char_end)]`; default:
-      `wikipedia.split_sentences`, the splitter the blocks use.
-    entity_labels: spaCy labels kept as salient entities.
-    uid: optional document id, stored with the record.
-
-  Returns:
-    The `AnnotatedDocument`, offsets in UTF-8 bytes; whitespace-only
-    sentences are dropped and sentence edges are stripped of whitespace.
+  A pure function of its arguments (given the spaCy pipeline from
+  `load_nlp()`), so a Beam job can map it over a corpus (`annotate_job`).
+  `text` is plain text; the sentences are those of
+  `wikipedia.split_sentences` (the splitter the blocks use).
   """
-  splitter = sentence_splitter or wikipedia.split_sentences
-  sentences = []
-  for start, end in splitter(text):
-    while start < end and text[start].isspace():
-      start += 1
-    while end > start and text[end - 1].isspace():
-      end -= 1
-    if end > start:
-      sentences.append((start, end))
+  sentences = wikipedia.split_sentences(text)
 
   byte_of = _char_to_byte_offsets(text)
   span_starts, span_limits, span_types = [], [], []
@@ -369,13 +350,8 @@ def write_annotated(path: str, docs: Iterable[AnnotatedDocument], *,
                     compression: str | None = None) -> int:
   """Writes documents as TFRecords, atomically (temp file + rename).
 
-  Args:
-    path: destination; gzip-compressed when it ends in ".gz".
-    docs: documents to write.
-    compression: "GZIP" or "" to override the choice by file name.
-
-  Returns:
-    The number of records written.
+  Gzip-compressed when `path` ends in ".gz" (`compression`: "GZIP" or ""
+  overrides that). Returns the number of records written.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tmp = f"{path}.tmp-{os.getpid()}"
@@ -426,26 +402,22 @@ def validate_document(
       len(span_starts) != len(span_limits) or
       (span_types and len(span_types) != len(span_starts))):
     return "record_offset_lists_differ_in_length"
-  n = len(text)
-  ss = np.asarray(sentence_starts, np.int64)
-  sl = np.asarray(sentence_limits, np.int64)
-  ok = (ss >= 0) & (ss < sl) & (sl <= n)
-  report.skip("sentence_outside_text", int(np.sum(~ok)))
-  good = ok.copy()
-  good[ok] = (_on_char_boundary(text, ss[ok]) &
-              _on_char_boundary(text, sl[ok]))
-  report.skip("sentence_not_on_char_boundary", int(np.sum(ok & ~good)))
+
+  def checked(starts, limits, what):
+    """(starts, limits, valid): inside the text and on character starts."""
+    s, l = np.asarray(starts, np.int64), np.asarray(limits, np.int64)
+    ok = (s >= 0) & (s < l) & (l <= len(text))
+    report.skip(f"{what}_outside_text", int(np.sum(~ok)))
+    good = ok.copy()
+    good[ok] = _on_char_boundary(text, s[ok]) & _on_char_boundary(text, l[ok])
+    report.skip(f"{what}_not_on_char_boundary", int(np.sum(ok & ~good)))
+    return s, l, good
+
+  ss, sl, good = checked(sentence_starts, sentence_limits, "sentence")
   ss, sl = ss[good], sl[good]
   order = np.argsort(ss, kind="stable")
   ss, sl = ss[order], sl[order]
-
-  ps = np.asarray(span_starts, np.int64)
-  pl = np.asarray(span_limits, np.int64)
-  ok = (ps >= 0) & (ps < pl) & (pl <= n)
-  report.skip("span_outside_text", int(np.sum(~ok)))
-  good = ok.copy()
-  good[ok] = _on_char_boundary(text, ps[ok]) & _on_char_boundary(text, pl[ok])
-  report.skip("span_not_on_char_boundary", int(np.sum(ok & ~good)))
+  ps, pl, good = checked(span_starts, span_limits, "span")
   # The sentence a span would belong to is the last one starting at or before
   # it; the span is kept only if it also ends inside that sentence.
   sentence = np.searchsorted(ss, ps, side="right") - 1
@@ -488,16 +460,10 @@ def read_annotated(
   Args:
     paths: a file, a glob pattern, or a list of either.
     report: counts documents, sentences, spans and what was skipped, by why.
-    strict: raise on the first bad record or bad offset instead of skipping.
+    strict: raise `InvalidRecordError` on the first bad record or bad offset
+      instead of skipping it (bad spans/sentences of a kept document are
+      dropped from it).
     compression: "GZIP" / "" to override the choice by file name (".gz").
-
-  Yields:
-    Valid documents; bad spans/sentences are dropped from them.
-
-  Raises:
-    InvalidRecordError: when `strict` and a record is malformed; the message
-      names the file, the record index and the problem.
-    FileNotFoundError: if a pattern matches nothing.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   report = report if report is not None else AnnotationReport()

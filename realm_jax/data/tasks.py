@@ -27,10 +27,6 @@ Per-host sharding: pass `shard_info=seqio.ShardInfo(index, num_shards)` to
 `get_dataset`. The annotated source shards by file when there are at least
 as many files as shards, else seqio shards the documents (document i goes to
 shard i % num_shards). Either way the shards are disjoint and cover the data.
-
-Registration is idempotent: registering a name again with the same spec
-returns the registered task; a different spec raises unless
-`overwrite=True`.
 """
 
 from __future__ import annotations
@@ -63,23 +59,12 @@ _SPEC_ATTRIBUTE = "realm_jax_spec"
 
 def add_task(name: str, spec: Any, build: Callable[[], dict[str, Any]], *,
              overwrite: bool = False) -> seqio.Task:
-  """Registers a seqio Task once per (name, spec); idempotent.
+  """Registers a seqio Task once per (name, spec); returns it.
 
-  Args:
-    name: task name.
-    spec: a description of what the task reads whose repr identifies it (a
-      frozen dataclass); registering the same name and spec again returns the
-      registered task.
-    build: returns the `seqio.TaskRegistry.add` keyword arguments (source,
-      output_features, preprocessors, ...); called only when registering.
-    overwrite: replace a task of this name registered with another spec.
-
-  Returns:
-    The registered task.
-
-  Raises:
-    ValueError: if `name` is registered with another spec and not
-      `overwrite`.
+  `spec` (a frozen dataclass) identifies what the task reads by its repr;
+  `build()` returns the `seqio.TaskRegistry.add` keyword arguments and is
+  called only when registering. A name registered with another spec is an
+  error unless `overwrite`.
   """
   if name in seqio.TaskRegistry.names():
     existing = seqio.TaskRegistry.get(name)
@@ -184,12 +169,7 @@ def _bert_tokenizer(vocab_path: str, lower_case: bool):
 
 def annotated_to_sentences(dataset: tf.data.Dataset, *, vocab_path: str,
                            lower_case: bool = True) -> tf.data.Dataset:
-  """Annotated documents -> tokenized sentences that hold salient spans.
-
-  Args:
-    dataset: parsed annotated records (`_ANNOTATED_FEATURES`).
-    vocab_path: BERT vocab.txt.
-    lower_case: as in `tokenizer.Tokenizer`.
+  """Parsed annotated records -> tokenized sentences with salient spans.
 
   Returns:
     Elements {ids, byte_starts, byte_limits: [T] int64 (offsets relative to
@@ -247,17 +227,10 @@ def mask_sentences(dataset: tf.data.Dataset, *,
                    config: examples_lib.RealmQueryConfig,
                    special: examples_lib.SpecialIds,
                    output_features=None) -> tf.data.Dataset:
-  """Tokenized sentences -> masked REALM queries (`examples.realm_query`).
+  """`annotated_to_sentences` output -> masked REALM queries.
 
-  Args:
-    dataset: output of `annotated_to_sentences`.
-    config: lengths and masking mode.
-    special: special token ids.
-    output_features: unused (seqio passes it).
-
-  Returns:
-    Elements with the `examples.REALM_QUERY_FEATURES`; sentences without a
-    usable span are dropped.
+  Elements with the `examples.REALM_QUERY_FEATURES` (`examples.realm_query`);
+  sentences without a usable span are dropped.
   """
   del output_features
   fn = functools.partial(_realm_query_numpy, special=special, config=config)
@@ -326,10 +299,7 @@ def register_pretrain_task(
     lower_case: lower-case before WordPiece (uncased vocabularies).
     query_config: lengths; its `masking` is replaced by `masking`.
     shuffle_buffer_size: Task shuffle buffer of queries.
-    overwrite: replace a task of this name registered with another spec.
-
-  Returns:
-    The registered seqio.Task.
+    overwrite: see `add_task`.
   """
   patterns = ((annotated_pattern,) if isinstance(annotated_pattern, str)
               else tuple(annotated_pattern))

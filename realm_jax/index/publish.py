@@ -72,14 +72,6 @@ def params_checksum(tree: Any) -> str:
   return h.hexdigest()
 
 
-def _sha256(path) -> str:
-  h = hashlib.sha256()
-  with io_utils.as_path(path).open("rb") as f:
-    for chunk in iter(lambda: f.read(1 << 22), b""):
-      h.update(chunk)
-  return h.hexdigest()
-
-
 def _files(directory: PathLike) -> dict[str, Any]:
   """{relative POSIX path: epath.Path} of the files under `directory`."""
   out = {}
@@ -104,7 +96,7 @@ def _file_checksums(directory: PathLike, *, hashes: bool = True
       continue
     out[rel] = {"bytes": int(path.stat().length)}
     if hashes:
-      out[rel]["sha256"] = _sha256(path)
+      out[rel]["sha256"] = io_utils.sha256_file(path)
   return out
 
 
@@ -192,25 +184,17 @@ class Expectation:
 
 def verify_index(directory: PathLike, expect: Expectation = Expectation(),
                  *, checksums: bool = True) -> dict[str, Any]:
-  """Checks a published index directory; returns its manifest.
-
-  Args:
-    directory: the index directory (local or remote).
-    expect: what the reader requires.
-    checksums: also check the file list and every file's sha256 (reads
-      every file).
+  """Checks a published index directory (local or remote); returns its
+  manifest. `checksums`: also check the file list and every file's sha256
+  (reads every file).
 
   Raises:
     IndexRejectedError: naming the directory and what is wrong.
   """
-  manifest_path = io_utils.as_path(directory) / MANIFEST
-  try:
-    manifest = json.loads(manifest_path.read_text())
-  except FileNotFoundError as e:
-    raise IndexRejectedError(f"{directory}: no {MANIFEST} (partial index?)"
-                             ) from e
-  except json.JSONDecodeError as e:
-    raise IndexRejectedError(f"{manifest_path} is corrupt: {e}") from e
+  manifest = io_utils.read_manifest(
+      directory, what="index", name=MANIFEST, missing_error=IndexRejectedError,
+      error=IndexRejectedError,
+      build="publish one with `python -m realm_jax.index.builder`")
   for key, want in (("corpus_fingerprint", expect.corpus_fingerprint),
                     ("rows", expect.rows), ("dim", expect.dim)):
     if want is not None and manifest.get(key) != want:
@@ -264,8 +248,7 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
     keep: how many published indices to keep (>= 1; LATEST always kept).
     extra: more manifest fields.
 
-  Returns:
-    The published directory.
+  Returns the published directory.
   """
   if keep < 1:
     raise ValueError(f"keep={keep} must be >= 1.")
@@ -446,9 +429,6 @@ def load_frozen_index(index_dir: PathLike, store, model, *,
     what: the setting `index_dir` came from, for the messages (e.g.
       "FinetuneConfig.index_dir" or "--index_dir").
 
-  Returns:
-    The verified index.
-
   Raises:
     IndexRejectedError: nothing published, a corrupt index, another corpus
       (fingerprint or row count), another embedding size, or fewer blocks
@@ -497,7 +477,6 @@ class IndexWatcher:
     self._pending: PublishedIndex | None = None
     self._seen: set[int] = set()
     self.rejected: dict[int, str] = {}
-    self.swaps = 0
     # (index step, loaded and verified at, swapped in at), wall-clock.
     self.swap_log: list[tuple[int, float, float]] = []
     self._loaded_at: dict[int, float] = {}
@@ -557,7 +536,6 @@ class IndexWatcher:
         return False
       self._current, self._pending = self._pending, None
       self._new.clear()
-      self.swaps += 1
       self.swap_log.append((self._current.step,
                             self._loaded_at.get(self._current.step, 0.0),
                             time.time()))
@@ -584,10 +562,6 @@ class IndexWatcher:
   @property
   def current_step(self) -> int | None:
     return None if self._current is None else self._current.step
-
-  def staleness(self, train_step: int) -> int | None:
-    """Train steps since the parameters the live index was built from."""
-    return None if self._current is None else train_step - self._current.step
 
   def close(self) -> None:
     self._stop.set()

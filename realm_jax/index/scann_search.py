@@ -18,7 +18,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.index.search_base import (ScannConfig, Searcher, as_config,
-                                         check_embeddings, check_positive_int)
+                                         check_embeddings)
 
 SCANN_SUBDIR = "scann"
 
@@ -49,18 +49,7 @@ class ScannSearcher(Searcher):
   def build(cls, embeddings: np.ndarray,
             config: ScannConfig | Mapping[str, Any] | None = None
            ) -> "ScannSearcher":
-    """Trains and builds a ScaNN index over `embeddings`.
-
-    Args:
-      embeddings: float32 [N, D].
-      config: a ScannConfig (or its dict); None = defaults.
-
-    Returns:
-      The searcher.
-
-    Raises:
-      ValueError: bad embeddings or a config that does not fit the corpus.
-    """
+    """Trains and builds a ScaNN index over `embeddings` float32 [N, D]."""
     config = as_config(ScannConfig, config)
     embeddings = np.ascontiguousarray(check_embeddings(embeddings))
     num_rows, dim = embeddings.shape
@@ -104,13 +93,6 @@ class ScannSearcher(Searcher):
       num_leaves_to_search: leaves searched per query (<= num_leaves).
       reordering_num_neighbors: candidates re-scored exactly; > 0 needs an
         index built with re-ordering, 0 returns AH estimates.
-
-    Returns:
-      A new ScannSearcher.
-
-    Raises:
-      ValueError: a brute-force index (nothing to tune), values out of
-        range, or re-ordering asked of an index built without it.
     """
     if self.resolved["brute_force"]:
       raise ValueError(
@@ -118,25 +100,22 @@ class ScannSearcher(Searcher):
           "brute_force_below_rows rows); it has no search parameters.")
     config, resolved = self.config, dict(self.resolved)
     if num_leaves_to_search is not None:
-      check_positive_int("with_search_params", "num_leaves_to_search",
-                          num_leaves_to_search)
+      # replace() validates the value (ScannConfig.__post_init__).
+      config = dataclasses.replace(config,
+                                   num_leaves_to_search=num_leaves_to_search)
       if num_leaves_to_search > resolved["num_leaves"]:
         raise ValueError(
             f"num_leaves_to_search={num_leaves_to_search} exceeds the "
             f"{resolved['num_leaves']} leaves of the index.")
       resolved["num_leaves_to_search"] = num_leaves_to_search
-      config = dataclasses.replace(config,
-                                   num_leaves_to_search=num_leaves_to_search)
     if reordering_num_neighbors is not None:
-      check_positive_int("with_search_params", "reordering_num_neighbors",
-                          reordering_num_neighbors, minimum=0)
+      config = dataclasses.replace(
+          config, reordering_num_neighbors=reordering_num_neighbors)
       if reordering_num_neighbors and not self.config.reordering_num_neighbors:
         raise ValueError(
             "this index was built without re-ordering "
             "(reordering_num_neighbors=0); rebuild it with "
             "reordering_num_neighbors > 0.")
-      config = dataclasses.replace(
-          config, reordering_num_neighbors=reordering_num_neighbors)
     return ScannSearcher(self.scann_searcher, config, resolved, self.num_rows,
                          self.dim)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -23,7 +22,7 @@ from typing import Any, ClassVar, Mapping, Type, TypeVar, Union
 from absl import logging
 import numpy as np
 
-from realm_jax.core import io_utils
+from realm_jax.core import checks, io_utils
 
 FORMAT_VERSION = 1
 METADATA_FILE = "searcher.json"
@@ -36,13 +35,6 @@ _SearcherT = TypeVar("_SearcherT", bound="Searcher")
 # -----------------------------------------------------------------------------
 
 
-def check_positive_int(owner: str, name: str, value: Any,
-                        minimum: int = 1) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(
-        f"{owner}.{name} must be an int >= {minimum}, got {value!r}.")
-
-
 @dataclasses.dataclass(frozen=True)
 class SearcherConfig:
   """JSON round trip shared by the searcher configs."""
@@ -53,17 +45,8 @@ class SearcherConfig:
 
   @classmethod
   def from_dict(cls: Type[ConfigT], values: Mapping[str, Any]) -> ConfigT:
-    """Builds the config from `to_dict()` output.
-
-    Args:
-      values: field name -> value.
-
-    Returns:
-      The config.
-
-    Raises:
-      ValueError: unknown field names, or values that fail validation.
-    """
+    """Builds the config from `to_dict()` output; ValueError for unknown
+    field names or values that fail validation."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
@@ -95,11 +78,8 @@ class ExactConfig(SearcherConfig):
       raise ValueError(
           f"ExactConfig.backend must be 'numpy' or 'jax', got "
           f"{self.backend!r}.")
-    if self.rows_per_block is not None:
-      check_positive_int("ExactConfig", "rows_per_block",
-                          self.rows_per_block)
-    check_positive_int("ExactConfig", "queries_per_block",
-                        self.queries_per_block)
+    checks.at_least(self, "rows_per_block", integer=True, optional=True)
+    checks.at_least(self, "queries_per_block", integer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,28 +144,23 @@ class ScannConfig(SearcherConfig):
   search_batch_size: int = 256
 
   def __post_init__(self):
-    name = "ScannConfig"
-    if self.num_leaves is not None:
-      check_positive_int(name, "num_leaves", self.num_leaves)
-    if self.num_leaves_to_search is not None:
-      check_positive_int(name, "num_leaves_to_search",
-                          self.num_leaves_to_search)
-      if (self.num_leaves is not None and
-          self.num_leaves_to_search > self.num_leaves):
-        raise ValueError(
-            f"ScannConfig.num_leaves_to_search={self.num_leaves_to_search} "
-            f"exceeds num_leaves={self.num_leaves}; search at most every "
-            "leaf.")
+    checks.at_least(self, "num_leaves", "num_leaves_to_search",
+                    "min_partition_size", integer=True, optional=True)
+    checks.at_least(self, "training_sample_size", "dims_per_block",
+                    "max_auto_leaves", "search_batch_size", integer=True)
+    checks.at_least(self, "reordering_num_neighbors",
+                    "brute_force_below_rows", "num_threads", minimum=0,
+                    integer=True)
+    if None not in (self.num_leaves, self.num_leaves_to_search) and (
+        self.num_leaves_to_search > self.num_leaves):
+      raise ValueError(
+          f"ScannConfig.num_leaves_to_search={self.num_leaves_to_search} "
+          f"exceeds num_leaves={self.num_leaves}; search at most every leaf.")
     if not (isinstance(self.leaves_search_fraction, (int, float)) and
             0 < self.leaves_search_fraction <= 1):
       raise ValueError(
           "ScannConfig.leaves_search_fraction must be in (0, 1], got "
           f"{self.leaves_search_fraction!r}.")
-    check_positive_int(name, "training_sample_size",
-                        self.training_sample_size)
-    if self.min_partition_size is not None:
-      check_positive_int(name, "min_partition_size", self.min_partition_size)
-    check_positive_int(name, "dims_per_block", self.dims_per_block)
     threshold = self.anisotropic_quantization_threshold
     if threshold is not None and not (
         isinstance(threshold, (int, float)) and math.isfinite(threshold) and
@@ -193,28 +168,14 @@ class ScannConfig(SearcherConfig):
       raise ValueError(
           "ScannConfig.anisotropic_quantization_threshold must be a positive "
           f"float or None (plain AH), got {threshold!r}.")
-    check_positive_int(name, "reordering_num_neighbors",
-                        self.reordering_num_neighbors, minimum=0)
-    check_positive_int(name, "brute_force_below_rows",
-                        self.brute_force_below_rows, minimum=0)
-    check_positive_int(name, "max_auto_leaves", self.max_auto_leaves)
-    check_positive_int(name, "num_threads", self.num_threads, minimum=0)
-    check_positive_int(name, "search_batch_size", self.search_batch_size)
 
   def resolve(self, num_rows: int, dim: int) -> dict[str, Any]:
     """The concrete ScaNN settings for a corpus of `num_rows` x `dim`.
 
-    Args:
-      num_rows: corpus rows N.
-      dim: embedding dimension.
-
-    Returns:
-      A dict with `brute_force` (bool) and, for a tree, `num_leaves`,
-      `num_leaves_to_search`, `min_partition_size`, `training_sample_size`,
-      `dims_per_block`.
-
-    Raises:
-      ValueError: more leaves than rows, or dims_per_block > dim.
+    A dict with `brute_force` (bool) and, for a tree, `num_leaves`,
+    `num_leaves_to_search`, `min_partition_size`, `training_sample_size`,
+    `dims_per_block`. ValueError for more leaves than rows, or
+    dims_per_block > dim.
     """
     if self.num_leaves is None and num_rows < self.brute_force_below_rows:
       return {"brute_force": True}
@@ -280,7 +241,7 @@ class ShardedConfig(SearcherConfig):
   shard_config: ShardConfig | None = None
 
   def __post_init__(self):
-    check_positive_int("ShardedConfig", "num_shards", self.num_shards)
+    checks.at_least(self, "num_shards", integer=True)
     if self.shard_kind not in SHARD_CONFIGS:
       raise ValueError(
           f"ShardedConfig.shard_kind must be one of {sorted(SHARD_CONFIGS)},"
@@ -337,19 +298,9 @@ def _first_non_finite_row(array: np.ndarray) -> int | None:
 
 
 def check_embeddings(embeddings: Any) -> np.ndarray:
-  """Checks a corpus embedding matrix and returns it as a numpy array.
-
-  Args:
-    embeddings: float32 array [num_rows, dim], row i = block i. A
-      `np.memmap` stays memory-mapped.
-
-  Returns:
-    `embeddings` as a numpy array (not copied when it already was one).
-
-  Raises:
-    ValueError: wrong type, dtype or rank, an empty corpus or dimension, or a
-      row holding NaN or inf.
-  """
+  """Checks a corpus embedding matrix float32 [num_rows, dim] (row i =
+  block i) and returns it as a numpy array, not copied when it already was
+  one (a `np.memmap` stays memory-mapped)."""
   if not isinstance(embeddings, np.ndarray):
     embeddings = np.asarray(embeddings)
   if embeddings.ndim != 2:
@@ -449,18 +400,10 @@ class Searcher(abc.ABC):
 
   def search_batched(self, queries: np.ndarray,
                      k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k rows by inner product for every query.
+    """Top-k rows by inner product for every query of float32 [Q, D].
 
-    Args:
-      queries: float32 [Q, D].
-      k: neighbours per query, 1 <= k <= num_rows.
-
-    Returns:
-      (ids int64 [Q, k], scores float32 [Q, k]), best first.
-
-    Raises:
-      ValueError: wrong dtype, rank or dim, NaN/inf queries, or k out of
-        range.
+    Returns (ids int64 [Q, k], scores float32 [Q, k]), best first, for
+    1 <= k <= num_rows; ValueError for bad queries or k.
     """
     queries = check_queries(queries, self.dim)
     k = check_k(k, self.num_rows)
@@ -490,11 +433,8 @@ class Searcher(abc.ABC):
     """Writes the searcher to `directory`, atomically.
 
     Everything goes to a temporary sibling directory that is renamed to
-    `directory` once complete, so readers never see a partial index; an
-    existing `directory` is replaced.
-
-    Args:
-      directory: destination path on a local disk.
+    `directory` (on a local disk) once complete, so readers never see a
+    partial index; an existing `directory` is replaced.
     """
     require_local(directory)
     directory = os.path.abspath(directory)
@@ -512,8 +452,7 @@ class Searcher(abc.ABC):
           "dim": self.dim,
           **extra,
       }
-      with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
-        json.dump(metadata, f, indent=1)
+      io_utils.write_json(os.path.join(tmp_dir, METADATA_FILE), metadata)
       io_utils.replace_local_dir(tmp_dir, directory)
     except BaseException:
       shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -523,17 +462,7 @@ class Searcher(abc.ABC):
 
   @classmethod
   def load(cls: Type[_SearcherT], directory: str) -> _SearcherT:
-    """Opens a searcher written by `save`.
-
-    Args:
-      directory: a directory written by `save` of this class.
-
-    Returns:
-      The searcher.
-
-    Raises:
-      ValueError: not a searcher directory, or one of another kind.
-    """
+    """Opens a searcher written by `save` of this class (else ValueError)."""
     metadata = read_metadata(directory)
     if metadata["kind"] != cls.kind:
       raise ValueError(
@@ -566,32 +495,12 @@ def require_local(directory: str) -> None:
 def read_metadata(directory: str) -> dict[str, Any]:
   """Reads and checks `searcher.json` of a saved searcher.
 
-  Args:
-    directory: a directory written by `Searcher.save`.
-
-  Returns:
-    The parsed metadata.
-
   Raises:
     ValueError: the file is missing, unreadable or of another format.
   """
   require_local(directory)
-  path = os.path.join(directory, METADATA_FILE)
-  if not os.path.isfile(path):
-    raise ValueError(
-        f"{directory} is not a saved searcher: {METADATA_FILE} is missing; "
-        "write one with Searcher.save().")
-  try:
-    with open(path) as f:
-      metadata = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"cannot read {path}: {e}; rebuild the index.") from e
-  missing = [key for key in ("format_version", "kind", "config", "num_rows",
-                             "dim") if key not in metadata]
-  if missing:
-    raise ValueError(f"{path} lacks {missing}; rebuild the index.")
-  if metadata["format_version"] != FORMAT_VERSION:
-    raise ValueError(
-        f"{path} has format_version {metadata['format_version']}, this code "
-        f"reads {FORMAT_VERSION}; rebuild the index with this version.")
-  return metadata
+  return io_utils.read_manifest(
+      directory, what="searcher", name=METADATA_FILE,
+      format_version=FORMAT_VERSION, missing_error=ValueError,
+      fields=("kind", "config", "num_rows", "dim"),
+      build="write one with Searcher.save()")

@@ -181,18 +181,7 @@ class ExactSearcher(Searcher):
   def build(cls, embeddings: np.ndarray,
             config: ExactConfig | Mapping[str, Any] | None = None
            ) -> "ExactSearcher":
-    """Wraps `embeddings` (no copy for numpy; a device copy for JAX).
-
-    Args:
-      embeddings: float32 [N, D].
-      config: an ExactConfig (or its dict); None = numpy defaults.
-
-    Returns:
-      The searcher.
-
-    Raises:
-      ValueError: bad embeddings or config.
-    """
+    """Wraps `embeddings` (no copy for numpy; a device copy for JAX)."""
     config = as_config(ExactConfig, config)
     return cls(check_embeddings(embeddings), config)
 
@@ -279,17 +268,9 @@ class ShardedSearcher(Searcher):
             num_shards: int | None = None) -> "ShardedSearcher":
     """Splits `embeddings` into contiguous row ranges, one searcher each.
 
-    Args:
-      embeddings: float32 [N, D].
-      config: a ShardedConfig (or its dict), or the config of every shard
-        (ExactConfig / ScannConfig) together with `num_shards`.
-      num_shards: overrides config.num_shards when given.
-
-    Returns:
-      The searcher; ids are global row ids.
-
-    Raises:
-      ValueError: bad embeddings or config, or more shards than rows.
+    `config` is a ShardedConfig (or its dict), or the config of every shard
+    (ExactConfig / ScannConfig) with `num_shards`, which overrides
+    config.num_shards when given. Ids are global row ids.
     """
     if isinstance(config, ExactConfig):
       config = ShardedConfig(shard_kind="exact", shard_config=config)
@@ -352,18 +333,7 @@ SEARCHERS: dict[str, Type[Searcher]] = {
 
 
 def read_metadata(directory: str) -> dict[str, Any]:
-  """Reads and checks `searcher.json` of a saved searcher of a known kind.
-
-  Args:
-    directory: a directory written by `Searcher.save`.
-
-  Returns:
-    The parsed metadata.
-
-  Raises:
-    ValueError: the file is missing, unreadable, of another format, or
-      names an unknown kind.
-  """
+  """`search_base.read_metadata`, refusing an unknown searcher kind."""
   metadata = search_base.read_metadata(directory)
   if metadata["kind"] not in SEARCHERS:
     raise ValueError(
@@ -373,17 +343,7 @@ def read_metadata(directory: str) -> dict[str, Any]:
 
 
 def load_searcher(directory: str) -> Searcher:
-  """Opens any searcher written by `Searcher.save`.
-
-  Args:
-    directory: the saved directory (it holds searcher.json).
-
-  Returns:
-    An ExactSearcher, ScannSearcher or ShardedSearcher.
-
-  Raises:
-    ValueError: not a saved searcher, or an unreadable one.
-  """
+  """Opens any searcher written by `Searcher.save` (ValueError if none)."""
   return SEARCHERS[read_metadata(directory)["kind"]].load(directory)
 
 
@@ -397,12 +357,6 @@ def build_searcher(embeddings: np.ndarray, kind: str = "scann",
     num_shards: > 1 splits the corpus into that many row ranges, one searcher
       of `kind` each (a ShardedSearcher).
     **config: fields of ScannConfig / ExactConfig.
-
-  Returns:
-    The searcher.
-
-  Raises:
-    ValueError: unknown kind or config field, bad embeddings.
   """
   if kind not in SHARD_CONFIGS:
     raise ValueError(

@@ -27,15 +27,8 @@ def _check_only_params(module: nnx.Module) -> None:
 
 def init(make_module: Callable[[nnx.Rngs], M],
          seed: int | jax.Array = 0) -> tuple[nnx.GraphDef[M], Params]:
-  """Creates a module and returns its graph definition and parameters.
-
-  Args:
-    make_module: called with an `nnx.Rngs`; returns the module.
-    seed: integer seed or PRNG key for the initialisers.
-
-  Returns:
-    `(graphdef, params)` where params is a nested dict of float32 arrays.
-  """
+  """`(graphdef, params)` of `make_module(nnx.Rngs(seed))`; params is a
+  nested dict of float32 arrays."""
   module = make_module(nnx.Rngs(seed))
   _check_only_params(module)
   graphdef, state = nnx.split(module, nnx.Param)

@@ -93,14 +93,6 @@ def pretraining_loss(
   return -jnp.sum(marginal * weights), jnp.sum(weights), metric_sums
 
 
-def retrieval_utility(retrieval_logits, mlm_logits, mlm_targets,
-                      mlm_weights) -> jax.Array:
-  """Mean over real masks of log p(y|x) - log p(y|null document, x)."""
-  _, weight_sum, sums = pretraining_loss(retrieval_logits, mlm_logits,
-                                         mlm_targets, mlm_weights)
-  return sums["retrieval_utility"] / jnp.maximum(weight_sum, 1.0)
-
-
 def retriever_marginal_loss(retrieval_logits: jax.Array,
                             positives: jax.Array,
                             valid: jax.Array | None = None) -> jax.Array:
@@ -126,18 +118,12 @@ def reader_marginal_loss(reader_logits: jax.Array,
                          positives: jax.Array) -> jax.Array:
   """Open-QA reader loss per question over (block, span) pairs.
 
-  Args:
-    reader_logits: [B, R, L, W] span scores with the block's retrieval logit
-      added; -inf marks inadmissible spans.
-    positives: bool [B, R, L, W], the span equals an answer.
-
-  Returns:
-    float32 [B]: -log sum_{positive (z, s)} p(z, s|x), 0 where no positive.
+  `reader_logits` [B, R, L, W] are span scores with the block's retrieval
+  logit added, -inf for inadmissible spans; `positives` bool [B, R, L, W]
+  marks the spans equal to an answer. Returns float32 [B]:
+  -log sum_{positive (z, s)} p(z, s|x), 0 where no positive.
   """
   batch = reader_logits.shape[0]
   logits = reader_logits.astype(jnp.float32).reshape(batch, -1)
-  valid = jnp.isfinite(logits)
-  pos = positives.reshape(batch, -1) & valid
-  log_norm, _ = masked_logsumexp(logits, valid)
-  log_pos, has_pos = masked_logsumexp(logits, pos)
-  return jnp.where(has_pos, log_norm - log_pos, 0.0)
+  return retriever_marginal_loss(logits, positives.reshape(batch, -1),
+                                 jnp.isfinite(logits))

@@ -204,18 +204,11 @@ class Retriever(nnx.Module):
   def __call__(self, query_ids, query_mask, candidate_ids, candidate_mask,
                candidate_segment_ids, *, null_document: bool = False,
                dropout_rng=None) -> jax.Array:
-    """Scores candidates [batch, candidates, doc_len] for queries [batch, q_len].
+    """Scores candidates [batch, candidates, doc_len] for queries [batch,
+    q_len]: float32 [batch, candidates].
 
-    Args:
-      query_ids, query_mask: int [batch, q_len].
-      candidate_ids, candidate_mask, candidate_segment_ids: int
-        [batch, candidates, doc_len].
-      null_document: candidate 0 is the null document, scored as
-        `config.null_score` says (with "learned" its tokens are not read).
-      dropout_rng: PRNG key or None.
-
-    Returns:
-      retrieval_logits: float32 [batch, candidates].
+    With `null_document`, candidate 0 is the null document, scored as
+    `config.null_score` says (with "learned" its tokens are not read).
     """
     q_rng, d_rng = (None, None) if dropout_rng is None else tuple(
         jax.random.split(dropout_rng))
@@ -450,16 +443,8 @@ class Reader(nnx.Module):
 
   def mlm_logits(self, token_ids, input_mask, segment_ids, mlm_positions, *,
                  dropout_rng=None) -> jax.Array:
-    """MLM logits at the masked positions only.
-
-    Args:
-      token_ids, input_mask, segment_ids: int [..., L] reader inputs.
-      mlm_positions: int [..., M] positions of the masks in each sequence.
-      dropout_rng: PRNG key or None.
-
-    Returns:
-      float32 [..., M, vocab].
-    """
+    """MLM logits float32 [..., M, vocab] at the masked positions only
+    (`mlm_positions` int [..., M]) of reader inputs int [..., L]."""
     if not self.config.mlm_head:
       raise ValueError("This reader was built without an MLM head "
                        "(ReaderConfig.mlm_head=False).")
@@ -473,14 +458,9 @@ class Reader(nnx.Module):
                   block_end, *, dropout_rng=None) -> jax.Array:
     """Span scores, -inf outside the document or wider than the maximum.
 
-    Args:
-      token_ids, input_mask, segment_ids: int [..., L] reader inputs.
-      block_start, block_end: int [...], first and last (inclusive) document
-        token positions in the reader input.
-      dropout_rng: PRNG key or None.
-
-    Returns:
-      float32 [..., L, max_span_width]; entry (s, w) scores tokens s..s+w.
+    For reader inputs int [..., L] whose document tokens are block_start ..
+    block_end (inclusive), float32 [..., L, max_span_width]; entry (s, w)
+    scores tokens s..s+w.
     """
     if not self.config.span_head:
       raise ValueError("This reader was built without a span head "
@@ -517,7 +497,6 @@ class Realm(nnx.Module):
         null document first); reader_ids/reader_mask/reader_segment_ids
         [B, C, Lr]; mlm_positions [B, M] (positions in the reader input).
       null_document: candidate 0 is the null document.
-      dropout_rng: PRNG key or None.
 
     Returns:
       retrieval_logits [B, C] and mlm_logits [B, C, M, vocab], float32.
@@ -547,7 +526,6 @@ class Realm(nnx.Module):
         [B, K, D] (frozen, from the index); retrieved_mask [B, K];
         reader_ids/reader_mask/reader_segment_ids [B, R, L] for the top R
         blocks; block_start/block_end [B, R].
-      dropout_rng: PRNG key or None.
 
     Returns:
       retrieval_logits [B, K] (-inf where retrieved_mask is False) and

@@ -15,28 +15,16 @@ step; the reference code ran one question per step):
      without a positive, summed over questions and divided by the global
      number of questions -> BERT's optimizer.
 
-What trains: the query tower and the reader (BERT + span head). The document
-index is frozen: documents are represented only by the embeddings stored in
-the published index, never re-embedded. With REALM's shared towers
-(`RetrieverConfig.share_towers=True`) the one retriever BERT is the query
-tower, so it trains, and the index embeddings simply stop matching what that
-BERT would now produce for the documents (as in ORQA and REALM fine-tuning);
-rebuild an index from the fine-tuned checkpoint only if you mean to change
-the retrieval corpus representation. Parameters the QA loss never uses --
-an unshared document tower, the reader's MLM head -- are kept exactly as
-loaded (their updates, weight decay included, are zeroed).
+What trains: the query tower and the reader (BERT + span head). The
+documents are represented only by the frozen embeddings of the published
+index: with REALM's shared towers the one retriever BERT trains as the query
+tower, and the index simply stops matching what it would now produce for the
+documents (as in ORQA and REALM fine-tuning). Parameters the QA loss never
+uses (an unshared document tower, the reader's MLM head) stay as loaded.
 
 Questions with no positive among the K blocks (or no gold span in the top R)
 stay in the batch, as in ORQA: their loss terms are zero, and they still
 count in the denominator, so the loss is an average over questions.
-
-A reader span head absent from `init_from` (REALM's pre-trained checkpoints
-have an MLM head only) keeps its fresh initialisation (`training.init`).
-
-CuratedTrec answers are regular expressions (`regex_answers=True`): for each
-question, every match of a pattern in the text of its retrieved blocks
-becomes a literal answer string, whose wordpieces then mark the has-answer
-blocks and the gold spans like any other answer.
 
     python -m realm_jax.training.finetune \\
         --gin_file=experiments/finetune_tiny_cpu.gin \\
@@ -57,36 +45,31 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from realm_jax.core import distributed, parallel
 from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import publish
+from realm_jax.index import embed, publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.training import init as init_lib
-from realm_jax.training import loop, pretrain, qa_inputs
+from realm_jax.training import loop, qa_inputs
 from realm_jax.training import optimizer as optimizer_lib
 
 # Batch features the per-core step reads (retrieved ids stay on the host).
-DEVICE_FEATURES = ("question_ids", "question_mask", "retrieved_embeddings",
-                   "retrieved_mask", "reader_ids", "reader_mask",
-                   "reader_segment_ids", "block_start", "block_end",
-                   "has_answer", "gold_spans")
+DEVICE_FEATURES = qa_inputs.MODEL_FEATURES + ("has_answer", "gold_spans")
 # (top-level, subtree) parameters the QA loss never reads: kept as loaded.
 UNUSED_BY_QA = (("retriever", "document_embedder"), ("reader", "mlm_head"))
 # Distinct literal answers taken from the regex matches of one question.
 MAX_REGEX_ANSWERS = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class FinetuneConfig:
-  """An open-QA fine-tuning run.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FinetuneConfig(loop.TrainConfig):
+  """An open-QA fine-tuning run (`loop.TrainConfig`; ORQA's defaults).
 
   Attributes:
-    workdir: checkpoints/, summaries, metrics and the operative config.
     train_jsonl: ORQA JSONL training questions
       `{"question": str, "answer": [str, ...]}`.
     index_dir: a published index root (`index/<step>/` + LATEST), frozen
@@ -96,16 +79,12 @@ class FinetuneConfig:
       `index/` is accepted too.
     block_store: the block store the index was built over (same corpus
       fingerprint).
-    init_from: initial weights when the workdir has no checkpoint (see
-      `realm_jax.training.init`), e.g. `checkpoint:<pretrain>/checkpoints`,
+    init_from: e.g. `checkpoint:<pretrain>/checkpoints`,
       `realm:<embedder>,<bert>` or `orqa:<ckpt>`.
     regex_answers: answers are regular expressions (CuratedTrec).
     num_train_steps: total steps; or set `num_epochs` instead.
     num_epochs: passes over the training questions (steps = ceil(epochs *
       questions / batch_size)); exactly one of the two must be set.
-    batch_size: global questions per step; must divide by the devices.
-    learning_rate: peak learning rate (ORQA / REALM: 1e-5).
-    warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
     question_length: `[CLS] question [SEP]` wordpieces (32).
     num_retrieved: K, blocks of the retriever's marginal (5000).
     num_reader_blocks: R, top blocks the reader reads (5).
@@ -113,33 +92,20 @@ class FinetuneConfig:
     max_span_width: widest answer span; None = the reader's
       `ReaderConfig.max_span_width` (10). If set it must equal that.
     index_step: which published index; None = LATEST.
-    checkpoint_every: checkpoint period in steps.
-    keep_checkpoints: orbax retention (>= 5 when an eval job polls them).
-    log_every: metrics period.
-    seed: question order and dropout derive from it.
   """
 
-  workdir: str
   train_jsonl: str
   index_dir: str
-  block_store: str
-  init_from: str | None = None
   regex_answers: bool = False
-  num_train_steps: int | None = None
   num_epochs: float | None = None
   batch_size: int = 16
   learning_rate: float = 1e-5
-  warmup_steps: int | None = None
   question_length: int = 32
   num_retrieved: int = 5000
   num_reader_blocks: int = 5
   reader_length: int = 320
   max_span_width: int | None = None
   index_step: int | None = None
-  checkpoint_every: int = 1000
-  keep_checkpoints: int = 5
-  log_every: int = 100
-  seed: int = 0
 
   def __post_init__(self):
     if (self.num_train_steps is None) == (self.num_epochs is None):
@@ -147,15 +113,9 @@ class FinetuneConfig:
           "Set exactly one of FinetuneConfig.num_train_steps and num_epochs "
           f"(got num_train_steps={self.num_train_steps}, num_epochs="
           f"{self.num_epochs}); set the other to None.")
-    if self.num_train_steps is not None and self.num_train_steps < 1:
-      raise ValueError("FinetuneConfig.num_train_steps must be >= 1.")
+    super().__post_init__()
     if self.num_epochs is not None and self.num_epochs <= 0:
       raise ValueError("FinetuneConfig.num_epochs must be > 0.")
-    if self.learning_rate <= 0:
-      raise ValueError("FinetuneConfig.learning_rate must be > 0.")
-    for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"FinetuneConfig.{name} must be >= 1.")
     self.qa_config(self.max_span_width or 1)  # Its checks, with its message.
 
   def qa_config(self, max_span_width: int) -> qa_inputs.QAConfig:
@@ -370,60 +330,24 @@ def make_loss_fn(graphdef):
   return loss_fn
 
 
-def keep_unused_frozen() -> optax.GradientTransformation:
-  """Zeroes the updates of `UNUSED_BY_QA` subtrees (after weight decay).
-
-  Their gradients are zero, but BERT's decoupled weight decay would still
-  shrink them; an unshared document tower must stay the one that embedded
-  the index.
-  """
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    del params
-    updates = dict(updates)
-    for top, sub in UNUSED_BY_QA:
-      if sub in updates.get(top, {}):
-        updates[top] = dict(updates[top])
-        updates[top][sub] = jax.tree_util.tree_map(jnp.zeros_like,
-                                                   updates[top][sub])
-    return updates, state
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def finetune_optimizer(*, learning_rate: float, num_train_steps: int,
-                       warmup_steps: int | None = None
-                       ) -> optax.GradientTransformation:
-  """BERT's optimizer, with the parameters the QA loss never uses frozen."""
-  return optax.chain(
-      optimizer_lib.bert_optimizer(learning_rate=learning_rate,
-                                   num_train_steps=num_train_steps,
-                                   warmup_steps=warmup_steps),
-      keep_unused_frozen())
-
-
 # ----------------------------------------------------------------------------
 # The trainer
 # ----------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=4)
-def _step_functions(model: RealmConfig, mesh, learning_rate: float,
-                    num_train_steps: int, warmup_steps: int | None):
+def _step_functions(model: RealmConfig, mesh, **schedule):
   """(optimizer, train_step, query embedder) for a model and schedule.
 
   Cached so that a job restarted in the same process (tests, notebooks)
-  reuses the compiled steps instead of compiling them again.
+  reuses the compiled steps instead of compiling them again. The optimizer
+  is BERT's; the parameters the QA loss never reads get no update (zero
+  gradients, no weight decay).
   """
   graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
-  tx = finetune_optimizer(learning_rate=learning_rate,
-                          num_train_steps=num_train_steps,
-                          warmup_steps=warmup_steps)
+  tx = optimizer_lib.bert_optimizer(**schedule, unused=UNUSED_BY_QA)
   return (tx, loop.make_train_step(make_loss_fn(graphdef), tx, mesh),
-          pretrain.make_query_embedder(graphdef, mesh))
+          embed.make_query_embedder(graphdef, mesh))
 
 
 class QAInput:
@@ -511,7 +435,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
   loop.check_batch_size(config.batch_size)
   with loop.Run(config.workdir, job="finetune trainer",
                 keep_checkpoints=config.keep_checkpoints,
-                operative_config=operative_config) as run:
+                operative_config=operative_config,
+                configs=(config, model)) as run:
     qa_config = _check_model(config, model)
     store = block_store.BlockStore.open(config.block_store)
     tokenizer = Tokenizer()
@@ -530,8 +455,7 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
                  config.num_reader_blocks)
     _, fresh = functional.init(lambda r: Realm(model, rngs=r), seed)
     tx, train_step, embed_queries = _step_functions(
-        model, run.mesh, config.learning_rate, num_steps,
-        config.warmup_steps)
+        model, run.mesh, **config.schedule(num_steps))
     state, _, meta = run.init_or_restore(
         fresh, tx, lambda: init_lib.initial_params(model, fresh,
                                                    config.init_from))
@@ -550,8 +474,7 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
         save=lambda step, state: run.save(step, state.params,
                                           state.opt_state, meta),
         learning_rate=optimizer_lib.learning_rate_schedule(
-            learning_rate=config.learning_rate, num_train_steps=num_steps,
-            warmup_steps=config.warmup_steps),
+            **config.schedule(num_steps)),
         log_line=("loss %.4f (retriever %.4f reader %.4f) positive@K %.2f "
                   "span@R %.2f span_correct %.2f",
                   ("loss", "retriever_loss", "reader_loss",

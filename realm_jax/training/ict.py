@@ -40,67 +40,38 @@ from realm_jax.training import loop
 from realm_jax.training import optimizer as optimizer_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class IctTrainConfig:
-  """An ICT warm-start run.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IctTrainConfig(loop.TrainConfig):
+  """An ICT warm-start run (`loop.TrainConfig`; the reference's defaults).
 
   Attributes:
-    workdir: checkpoints/, summaries/, metrics.jsonl, the operative config.
-    block_store: the knowledge corpus Z (a block store directory); ICT
-      pairs come from its blocks.
-    init_from: initial weights when the workdir has no checkpoint (see
-      `realm_jax.training.init`), e.g. "minilm" or "tf_bert:<ckpt>"; the
-      reader is saved as it comes from there.
-    num_train_steps: total steps (reference: 100k).
-    batch_size: GLOBAL batch = number of in-batch candidates per query
-      (reference: 4096); must divide by the device count.
-    learning_rate: peak learning rate (reference: 1e-4).
-    warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
+    block_store: ICT pairs come from its blocks.
+    init_from: e.g. "minilm" or "tf_bert:<ckpt>"; the reader is saved as it
+      comes from there.
+    batch_size: the number of in-batch candidates per query.
     query_length: wordpieces of `[CLS] sentence [SEP]` (reference: 64).
     block_length: wordpieces of `[CLS] title [SEP] body [SEP]` (288). Capped
       at the store's `max_block_len` (longer would only be padding); a
       shorter length truncates the blocks.
     remove_probability: chance the query sentence is cut from its block.
-    checkpoint_every: checkpoint period in steps.
-    keep_checkpoints: orbax retention (>= 5 if an index builder reads them).
-    log_every: metrics period in steps.
-    seed: initialisation, block order, sentences and dropout derive from it.
   """
 
-  workdir: str
-  block_store: str
-  init_from: str | None = None
   num_train_steps: int = 100_000
   batch_size: int = 4096
   learning_rate: float = 1e-4
-  warmup_steps: int | None = None
   query_length: int = 64
   block_length: int = 288
   remove_probability: float = 0.9
-  checkpoint_every: int = 1000
-  keep_checkpoints: int = 5
-  log_every: int = 100
-  seed: int = 0
 
   def __post_init__(self):
     for name in ("workdir", "block_store"):
       if not getattr(self, name):
         raise ValueError(f"IctTrainConfig.{name} is empty; set the "
                          f"{name.upper()} gin macro.")
-    for name in ("num_train_steps", "batch_size", "checkpoint_every",
-                 "keep_checkpoints", "log_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"IctTrainConfig.{name}={getattr(self, name)} must "
-                         "be >= 1.")
+    super().__post_init__()
     if self.batch_size < 2:
       raise ValueError("batch_size must be >= 2: ICT needs in-batch "
                        "negatives.")
-    if self.learning_rate <= 0:
-      raise ValueError(f"learning_rate={self.learning_rate} must be > 0 "
-                       "(reference ICT: 1e-4).")
-    if self.warmup_steps is not None and self.warmup_steps < 0:
-      raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0, or "
-                       "None for BERT's rule.")
     # Validates the lengths and the probability with their own messages.
     self.pair_config()
 
@@ -303,7 +274,8 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
   loop.check_batch_size(config.batch_size)
   with loop.Run(config.workdir, job="ict trainer",
                 keep_checkpoints=config.keep_checkpoints,
-                operative_config=operative_config) as run:
+                operative_config=operative_config,
+                configs=(config, model)) as run:
     store = block_store.BlockStore.open(config.block_store)
     block_length = min(config.block_length, store.max_block_len)
     if config.block_length < store.max_block_len:
@@ -317,10 +289,7 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
         batch_size=config.batch_size // jax.process_count(),
         seed=config.seed, shard_index=jax.process_index(),
         num_shards=jax.process_count())
-    schedule = dict(learning_rate=config.learning_rate,
-                    num_train_steps=config.num_train_steps,
-                    warmup_steps=config.warmup_steps)
-    tx = optimizer_lib.bert_optimizer(**schedule)
+    tx = optimizer_lib.bert_optimizer(**config.schedule())
     _, fresh = functional.init(lambda r: Realm(model, rngs=r), config.seed)
     state, params, _ = run.init_or_restore(
         fresh, tx, lambda: init_lib.initial_params(model, fresh,
@@ -340,7 +309,8 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
         num_train_steps=config.num_train_steps,
         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
         batch_size=config.batch_size, seed=config.seed, save=save,
-        learning_rate=optimizer_lib.learning_rate_schedule(**schedule),
+        learning_rate=optimizer_lib.learning_rate_schedule(
+            **config.schedule()),
         log_line=("loss %.4f accuracy %.3f", ("loss", "accuracy")),
         stop_after=stop_after)
 

@@ -13,6 +13,7 @@ always wins; this is only used when there is none):
   hf_realm:<model.safetensors>  a Hugging Face REALM state dict
   checkpoint:<dir>[@step]       a realm_jax checkpoint directory (ICT or
                                 pre-training output); newest step by default
+  export:<dir>                  a `python -m realm_jax.export` directory
 
 Imported trees are checked against the model's own tree: any leaf with
 another shape, or with no place in the model, is an error listing them all.
@@ -88,6 +89,10 @@ def _imported_tree(kind: str, arg: str, config: RealmConfig,
     _, params, _ = importers.load_hf_realm(
         arg, num_heads=config.reader.bert.num_heads)
     return params
+  if kind == "export":
+    from realm_jax.checkpoint_import import exported  # pylint: disable=g-import-not-at-top
+    _, params = exported.load_exported(arg)
+    return params
   if kind == "checkpoint":
     from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
     directory, _, step = arg.partition("@")
@@ -101,7 +106,7 @@ def _imported_tree(kind: str, arg: str, config: RealmConfig,
       ckpt.close()
   raise ValueError(
       f"Unknown init_from kind {kind!r}; use scratch, hf_bert:, tf_bert:, "
-      "realm:, orqa:, hf_realm: or checkpoint:.")
+      "realm:, orqa:, hf_realm:, export: or checkpoint:.")
 
 
 def initial_params(config: RealmConfig, fresh: Params,

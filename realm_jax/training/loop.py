@@ -34,9 +34,58 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from realm_jax.core import checkpoints, distributed, io_utils, parallel
+from realm_jax.core import checkpoints, checks, dataclass_json, distributed
+from realm_jax.core import io_utils
+from realm_jax.core import parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption as preemption_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """What every trainer's config has (each trainer sets its own defaults).
+
+  Attributes:
+    workdir: checkpoints/, summaries/, metrics.jsonl, the operative config.
+    block_store: the knowledge corpus Z (a block store directory).
+    init_from: initial weights when the workdir has no checkpoint (see
+      `realm_jax.training.init`).
+    num_train_steps: total steps.
+    batch_size: the global batch; must divide by the device count.
+    learning_rate: peak learning rate.
+    warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
+    checkpoint_every: checkpoint period in steps.
+    keep_checkpoints: orbax retention (>= 5 when another job polls them).
+    log_every: metrics period in steps.
+    seed: everything random derives from it.
+  """
+
+  workdir: str
+  block_store: str
+  init_from: str | None = None
+  num_train_steps: int | None = None
+  batch_size: int
+  learning_rate: float
+  warmup_steps: int | None = None
+  checkpoint_every: int = 1000
+  keep_checkpoints: int = 5
+  log_every: int = 100
+  seed: int = 0
+
+  def __post_init__(self):
+    checks.at_least(self, "num_train_steps", optional=True)
+    checks.at_least(self, "batch_size", "checkpoint_every",
+                    "keep_checkpoints", "log_every")
+    checks.at_least(self, "warmup_steps", minimum=0, optional=True)
+    if self.learning_rate <= 0:
+      raise ValueError(f"{type(self).__name__}.learning_rate="
+                       f"{self.learning_rate} must be > 0.")
+
+  def schedule(self, num_train_steps: int | None = None) -> dict[str, Any]:
+    """The learning rate schedule's arguments."""
+    return dict(learning_rate=self.learning_rate,
+                num_train_steps=num_train_steps or self.num_train_steps,
+                warmup_steps=self.warmup_steps)
 
 
 @flax.struct.dataclass
@@ -143,14 +192,23 @@ class Run:
 
   def __init__(self, workdir: str, *, job: str, keep_checkpoints: int,
                operative_config: str = "",
-               lease_paths: Sequence[tuple[str, str]] = ()):
+               lease_paths: Sequence[tuple[str, str]] = (),
+               configs: tuple[Any, Any] | None = None):
     """Args:
       workdir: checkpoints/, summaries/, metrics.jsonl, history.json.
       job: names the job in logs and in the lease ("ict trainer").
       keep_checkpoints: orbax retention.
       operative_config: gin's operative config, saved in the workdir.
       lease_paths: (directory, holder description) leased besides workdir.
+      configs: (task config, RealmConfig): every checkpoint's meta carries
+        them as JSON with the operative config, so `realm_jax.load` and the
+        QA jobs rebuild the model from the checkpoint alone.
     """
+    self._configs = {} if configs is None else {
+        "task_class": type(configs[0]).__name__,
+        "task_config": dataclass_json.to_dict(configs[0]),
+        "model_config": dataclass_json.to_dict(configs[1]),
+        "operative_config": operative_config}
     self.workdir, self.job = workdir, job
     self.is_chief = jax.process_index() == 0
     self._keep = keep_checkpoints
@@ -206,8 +264,8 @@ class Run:
           start, _abstract(fresh, self.replicated),
           _abstract(jax.eval_shape(tx.init, trained(fresh)),
                     self.replicated))
-      logging.info("%s: resumed from %s step %d (%s)", self.job,
-                   self.ckpt.directory, start, meta)
+      logging.info("%s: resumed from %s step %d", self.job,
+                   self.ckpt.directory, start)
     else:
       params = jax.device_put(initial_params(), self.replicated)
       opt_state = jax.device_put(tx.init(trained(params)), self.replicated)
@@ -218,7 +276,8 @@ class Run:
   def save(self, step: int, params, opt_state, meta: Mapping[str, Any]
            ) -> None:
     """Checkpoint `step` (asynchronous; `params` holds retriever + reader)."""
-    self.ckpt.save(step, params, opt_state, dict(meta), force=True)
+    self.ckpt.save(step, params, opt_state, {**self._configs, **meta},
+                   force=True)
 
   # -- The loop ---------------------------------------------------------------
 

@@ -63,20 +63,12 @@ def mask_features(params: dict[str, Any], graphdef,
                   store=None, block_ids: np.ndarray | None = None,
                   reader_length: int = 0,
                   batch_size: int = 64) -> dict[str, np.ndarray]:
-  """Reader hidden states at every real mask of `queries`.
+  """Reader hidden states at every real mask of stacked REALM `queries`.
 
-  Args:
-    params, graphdef: the model.
-    queries: stacked REALM queries.
-    sep_id: [SEP].
-    store, block_ids, reader_length: read each query with block
-      `block_ids[i]` of `store` in a reader input of `reader_length`;
-      without `block_ids`, with the null document.
-    batch_size: queries per forward pass.
-
-  Returns:
-    {"hidden": float32 [N, H], "targets": int32 [N]} over the N masks with
-    weight > 0.
+  Each query is read with block `block_ids[i]` of `store` in a reader input
+  of `reader_length`; without `block_ids`, with the null document. Returns
+  {"hidden": float32 [N, H], "targets": int32 [N]} over the N masks with
+  weight > 0.
   """
 
   @jax.jit

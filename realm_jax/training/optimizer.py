@@ -47,20 +47,7 @@ _BIAS_MARKER = "bias"
 
 
 def warmup_steps_for(num_train_steps: int) -> int:
-  """REALM's number of warmup steps: min(10000, max(100, steps / 10)).
-
-  `steps / 10` is rounded down (integer division), as `int(steps / 10)` in
-  the reference code does for non-negative step counts.
-
-  Args:
-    num_train_steps: total number of optimiser steps of the run.
-
-  Returns:
-    The number of linear-warmup steps, between 100 and 10,000.
-
-  Raises:
-    ValueError: if `num_train_steps` is not positive.
-  """
+  """REALM's warmup steps: min(10000, max(100, int(steps / 10)))."""
   if num_train_steps <= 0:
     raise ValueError(f"num_train_steps must be positive, got "
                      f"{num_train_steps}; pass the run's total step count.")
@@ -88,17 +75,7 @@ def learning_rate_schedule(*, learning_rate: float, num_train_steps: int,
   there is no warmup (BERT's `if num_warmup_steps:`). A `W >= N` is allowed,
   as in the reference: training then never leaves warmup.
 
-  Args:
-    learning_rate: peak learning rate.
-    num_train_steps: step at which the rate reaches 0.
-    warmup_steps: warmup length; None uses `warmup_steps_for(num_train_steps)`.
-
-  Returns:
-    An optax schedule mapping the int step count to a float32 rate.
-
-  Raises:
-    ValueError: on a negative rate, non-positive `num_train_steps` or a
-      negative `warmup_steps`.
+  `warmup_steps=None` uses `warmup_steps_for(num_train_steps)`.
   """
   if learning_rate < 0:
     raise ValueError(f"learning_rate must be >= 0, got {learning_rate}.")
@@ -150,15 +127,6 @@ def scale_by_adam_without_bias_correction(
 
   Moments are kept in float32 whatever the parameter dtype; the update is
   returned in the gradient's dtype.
-
-  Args:
-    b1: decay of the first moment.
-    b2: decay of the second moment.
-    eps: added to sqrt(nu) (outside the root, as in BERT).
-
-  Returns:
-    An optax GradientTransformation whose state is a
-    `ScaleByAdamWithoutBiasCorrectionState`.
   """
 
   def init_fn(params):
@@ -207,17 +175,8 @@ def _is_decayed(path: tuple[Any, ...]) -> bool:
 def decay_mask(params: Any, unused: Sequence[tuple[str, ...]] = ()) -> Any:
   """Which parameters get weight decay: not LayerNorm, not biases.
 
-  A leaf is excluded when any key on its path contains "layer_norm" (or
-  "layernorm"), case-insensitively, or when its own key contains "bias"
-  ("bias", "output_bias"), or when its path starts with one of `unused`.
-  Kernels and embeddings are decayed.
-
-  Args:
-    params: parameter pytree (nested dicts; arrays or ShapeDtypeStructs).
-    unused: key-path prefixes never decayed (see `bert_optimizer`).
-
-  Returns:
-    A pytree of Python bools with the structure of `params`.
+  Nor the subtrees whose key path starts with one of `unused` (see
+  `bert_optimizer`). Returns a pytree of Python bools like `params`.
   """
   prefixes = [tuple(p) for p in unused]
 
@@ -250,14 +209,8 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
   with `lr(t)` from `learning_rate_schedule`. `update` needs `params`.
 
   Args:
-    learning_rate: peak learning rate.
-    num_train_steps: total steps; the rate decays linearly to 0 there.
-    warmup_steps: linear-warmup steps; None uses `warmup_steps_for`.
-    weight_decay: decoupled weight-decay rate (not on LayerNorm / biases).
-    beta1: Adam first-moment decay.
-    beta2: Adam second-moment decay.
-    epsilon: Adam epsilon, added outside the square root.
-    clip_norm: gradients are clipped to this global norm first.
+    learning_rate, num_train_steps, warmup_steps: the schedule.
+    weight_decay, beta1, beta2, epsilon, clip_norm: as above.
     unused: key-path prefixes of subtrees the loss never reads, e.g.
       `(("reader", "span_head"),)` in pre-training. Their gradients are
       zero, so Adam leaves them alone; excluding them from weight decay
@@ -267,9 +220,6 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
       larger than Adam's for the first ~1000 updates; on the learning
       benchmark that made a reader trained from scratch memorise training
       facts instead of learning to read (docs/results/learning.md).
-
-  Returns:
-    An optax GradientTransformation (a chain; its state is a tuple).
 
   Raises:
     ValueError: if a hyper-parameter is out of range.
@@ -359,22 +309,10 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   one shared rate moved the retriever into a collapsed state within 50
   steps (docs/results/learning.md).
 
-  Args:
-    learning_rate: the reader's peak rate.
-    num_train_steps: total steps of the run.
-    warmup_steps: warmup of each part; None = BERT's rule on its length.
-    retriever_learning_rate_multiplier: the retriever's peak rate relative
-      to the reader's (0 freezes it for the whole run).
-    freeze_retriever_steps: steps before the retriever's first update.
-    unused: as in `bert_optimizer`, paths from the root (each part sees
-      the whole tree, the other part's leaves masked).
-    bias_correction: as in `bert_optimizer`.
-
-  Returns:
-    An optax GradientTransformation over {"retriever": ..., "reader": ...}.
-
-  Raises:
-    ValueError: on a negative multiplier or freeze.
+  `warmup_steps` applies to each part (None: BERT's rule on its length);
+  `unused` and `bias_correction` are as in `bert_optimizer` (`unused` paths
+  from the root: each part sees the whole tree, the other part's leaves
+  masked). A multiplier of 0 freezes the retriever for the whole run.
   """
   if retriever_learning_rate_multiplier < 0:
     raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
@@ -382,16 +320,12 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   if freeze_retriever_steps < 0:
     raise ValueError(f"freeze_retriever_steps must be >= 0, got "
                      f"{freeze_retriever_steps}.")
-  if retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps:
-    return bert_optimizer(learning_rate=learning_rate,
-                          num_train_steps=num_train_steps,
-                          warmup_steps=warmup_steps, unused=unused,
-                          bias_correction=bias_correction)
-
   reader = bert_optimizer(learning_rate=learning_rate,
                           num_train_steps=num_train_steps,
                           warmup_steps=warmup_steps, unused=unused,
                           bias_correction=bias_correction)
+  if retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps:
+    return reader
   # A retriever frozen for good (multiplier 0, or a freeze as long as the
   # run) keeps the same optimiser state structure, so a run can resume
   # from another's checkpoint with a different freeze or multiplier.

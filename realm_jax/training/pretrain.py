@@ -31,12 +31,14 @@ from absl import logging
 import jax
 import numpy as np
 
-from realm_jax.core import checkpoints, distributed, io_utils, parallel
+from realm_jax.core import checkpoints, checks, distributed, io_utils
+from realm_jax.core import parallel
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.data import query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder as builder_lib
+from realm_jax.index import embed
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
@@ -50,25 +52,16 @@ INDEX_MODES = ("inline", "builder")
 UNUSED_BY_PRETRAINING = (("reader", "span_head"),)
 
 
-@dataclasses.dataclass(frozen=True)
-class PretrainConfig:
-  """A REALM pre-training run.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig(loop.TrainConfig):
+  """A REALM pre-training run (`loop.TrainConfig`; REALM's defaults).
 
   Attributes:
-    workdir: checkpoints/, index/, summaries and the operative config.
-    block_store: the knowledge corpus Z (a block store directory).
     queries: the pre-training corpus X as a query cache directory (masked
       REALM queries written by `python -m realm_jax.data.query_cache` with
       this run's query_length, max_masks and masking; its shard count a
       multiple of the host count).
-    init_from: initial weights when the workdir has no checkpoint (see
-      `realm_jax.training.init`).
-    num_train_steps: total steps (REALM: 200k).
-    batch_size: global batch (queries per step; REALM: 512); must divide
-      by the device count.
-    learning_rate: peak learning rate (REALM: 3e-5); the reader's when the
-      retriever has its own schedule.
-    warmup_steps: None = BERT's rule, min(10000, max(100, steps / 10)).
+    learning_rate: the reader's when the retriever has its own schedule.
     retriever_learning_rate_multiplier: the retriever's peak rate relative
       to `learning_rate` (REALM: 1; 0 freezes the retriever).
     freeze_retriever_steps: reader warm-up: the retriever does not move for
@@ -87,14 +80,12 @@ class PretrainConfig:
       vocabulary logits are computed for this many slots per candidate, so
       corpora of short spans train faster with fewer.
     query_length, reader_length: 96 and 384 (= 96 + 288) in REALM.
-    checkpoint_every: checkpoint (and, inline, index refresh) period.
-    keep_checkpoints: orbax retention; >= 5 when a builder reads them.
+    checkpoint_every: also the inline index refresh period.
     index_mode: "builder" (REALM: a separate job refreshes the index) or
       "inline" (rebuilt in-process after each checkpoint: small CPU runs,
       exactly reproducible restarts).
     searcher: "scann" or "exact" (inline index).
     index_wait_seconds: builder mode: how long to wait for the first index.
-    log_every: metrics period.
     hubness_warning: warn once when the share of the queries since the last
       log whose top-1 block is the single most common one exceeds this.
     null_probability_warning: warn once when the mean p(null|x) of a
@@ -105,17 +96,12 @@ class PretrainConfig:
       a metric every `log_every` steps.
     stale_index_error: builder mode: stop with an error past this many
       intervals (0: never).
-    seed: everything random derives from it.
   """
 
-  workdir: str
-  block_store: str
   queries: str
-  init_from: str | None = None
   num_train_steps: int = 200_000
   batch_size: int = 512
   learning_rate: float = 3e-5
-  warmup_steps: int | None = None
   retriever_learning_rate_multiplier: float = 1.0
   freeze_retriever_steps: int = 0
   adam_bias_correction: bool = False
@@ -127,18 +113,17 @@ class PretrainConfig:
   query_length: int = 96
   reader_length: int = 384
   checkpoint_every: int = 500
-  keep_checkpoints: int = 5
   index_mode: str = "builder"
   searcher: str = "scann"
   index_wait_seconds: float = 600.0
-  log_every: int = 100
   hubness_warning: float = 0.3
   null_probability_warning: float = 0.9
   stale_index_warning: float = 4.0
   stale_index_error: float = 0.0
-  seed: int = 0
 
   def __post_init__(self):
+    super().__post_init__()
+    checks.at_least(self, "num_candidates")
     if self.index_mode not in INDEX_MODES:
       raise ValueError(f"index_mode={self.index_mode!r}; use one of "
                        f"{INDEX_MODES}.")
@@ -148,10 +133,6 @@ class PretrainConfig:
     if self.reader_length <= self.query_length:
       raise ValueError("reader_length must exceed query_length (the reader "
                        "reads [CLS] x [SEP] body [SEP]).")
-    for name in ("num_train_steps", "num_candidates", "checkpoint_every",
-                 "log_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"PretrainConfig.{name} must be >= 1.")
 
 
 # ----------------------------------------------------------------------------
@@ -184,17 +165,6 @@ def make_loss_fn(graphdef, null_document: bool = True):
     return losses.pretraining_loss(retrieval_logits, mlm_logits,
                                    batch["mlm_targets"], batch["mlm_weights"])
   return loss_fn
-
-
-def make_query_embedder(graphdef, mesh):
-  """The query tower over the data axis: (params, ids, mask) -> [B, D]."""
-  def per_core(params, ids, mask):
-    return functional.bind(graphdef, params).retriever.embed_queries(ids,
-                                                                     mask)
-
-  return parallel.data_parallel(
-      per_core, mesh, in_specs=(parallel.REPLICATED, parallel.BATCH,
-                                parallel.BATCH), out_specs=parallel.BATCH)
 
 
 # ----------------------------------------------------------------------------
@@ -309,7 +279,7 @@ class RetrievalInput:
     self.config, self.model, self.store, self.queries = (config, model,
                                                          store, queries)
     self.mesh = mesh
-    self.embed_queries = make_query_embedder(graphdef, mesh)
+    self.embed_queries = embed.make_query_embedder(graphdef, mesh)
     self.guard = CollapseGuard(config)
     self.index_root = checkpoints.index_root(config.workdir)
     self.expect = publish.Expectation(store.fingerprint, len(store),
@@ -395,9 +365,7 @@ class RetrievalInput:
 def make_optimizer(config: PretrainConfig):
   """REALM's optimizer with the run's retriever schedule."""
   return optimizer_lib.realm_optimizer(
-      learning_rate=config.learning_rate,
-      num_train_steps=config.num_train_steps,
-      warmup_steps=config.warmup_steps,
+      **config.schedule(),
       retriever_learning_rate_multiplier=(
           config.retriever_learning_rate_multiplier),
       freeze_retriever_steps=config.freeze_retriever_steps,
@@ -444,7 +412,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                  "pretrain trainer (inline index)")
   with loop.Run(config.workdir, job="pretrain trainer",
                 keep_checkpoints=config.keep_checkpoints,
-                operative_config=operative_config,
+                operative_config=operative_config, configs=(config, model),
                 lease_paths=[index_lease] if inline else []) as run:
     store = block_store.BlockStore.open(config.block_store)
     tokenizer = Tokenizer()
@@ -457,7 +425,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
         process_index=jax.process_index(),
         process_count=jax.process_count())
     queries.check(realm_query_config(config),
-                  vocab_sha256=query_cache.file_sha256(tokenizer.vocab_path))
+                  vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
     graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                       config.seed)
     tx = make_optimizer(config)
@@ -487,9 +455,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
           log_every=config.log_every, batch_size=config.batch_size,
           seed=config.seed, save=save,
           learning_rate=optimizer_lib.learning_rate_schedule(
-              learning_rate=config.learning_rate,
-              num_train_steps=config.num_train_steps,
-              warmup_steps=config.warmup_steps),
+              **config.schedule()),
           log_line=("loss %.4f utility %.4f mlm_acc %.3f p(null) %.3f "
                     "hubness %.3f staleness %d",
                     ("loss", "retrieval_utility", "mlm_correct",

@@ -24,9 +24,16 @@ from typing import Sequence
 
 import numpy as np
 
+from realm_jax.core import checks
 from realm_jax.data import qa as qa_lib
 from realm_jax.data import signatures
 from realm_jax.training import realm_inputs
+
+
+# What `Realm.qa_logits` reads from a `qa_batch`.
+MODEL_FEATURES = ("question_ids", "question_mask", "retrieved_embeddings",
+                  "retrieved_mask", "reader_ids", "reader_mask",
+                  "reader_segment_ids", "block_start", "block_end")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +60,8 @@ class QAConfig:
           f"{self.num_retrieved}; the reader reads the top retrieved blocks.")
     if self.reader_length <= self.question_length:
       raise ValueError("reader_length must exceed question_length.")
-    for name in ("question_length", "num_retrieved", "num_reader_blocks",
-                 "max_span_width"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"QAConfig.{name} must be >= 1.")
+    checks.at_least(self, "question_length", "num_retrieved",
+                    "num_reader_blocks", "max_span_width")
 
 
 def tokenize_questions(tokenizer, questions: Sequence[str], length: int
@@ -98,17 +103,11 @@ def qa_batch(questions: dict[str, np.ndarray], retrieved_ids: np.ndarray,
              ) -> dict[str, np.ndarray]:
   """The model batch for questions and their retrieved blocks.
 
-  Args:
-    questions: from `tokenize_questions`.
-    retrieved_ids: int [B, K] block ids in rank order (-1 = none found).
-    block_embeddings: the index's [num_blocks, D] matrix (may be mmap).
-    store: the block store the index was built from.
-    config: sizes.
-    answer_ids: per question, the wordpiece arrays of its answers
-      (`qa.tokenize_answers`); adds `has_answer` and `gold_spans`.
-
-  Returns:
-    Arrays as described in the module docstring, plus `retrieved_mask`.
+  Arrays as described in the module docstring, plus `retrieved_mask`, for
+  `retrieved_ids` int [B, K] in rank order (-1 = none found) and the
+  index's `block_embeddings` [num_blocks, D] (may be mmap). `answer_ids`
+  (per question, the wordpiece arrays of its answers from
+  `qa.tokenize_answers`) adds `has_answer` and `gold_spans`.
   """
   retrieved_ids = np.asarray(retrieved_ids, np.int64)
   b, k = retrieved_ids.shape
@@ -158,11 +157,6 @@ def has_answer(store, block_ids: np.ndarray,
   rule out most of the K blocks (`signatures.may_contain`, no false
   negatives) and the wordpiece match runs on the candidates only, instead
   of on all B x K x 288 stored pieces.
-
-  Args:
-    store: the block store.
-    block_ids: int [B, K] valid block ids.
-    answer_ids: per question, the wordpiece arrays of its answers.
   """
   b, k = block_ids.shape
   block_signatures = store.signatures

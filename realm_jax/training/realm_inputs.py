@@ -66,12 +66,9 @@ def reader_inputs(query_ids: np.ndarray, query_mask: np.ndarray,
                   ) -> dict[str, np.ndarray]:
   """`[CLS] x [SEP] body [SEP]` for every (query, candidate) pair.
 
-  Args:
-    query_ids, query_mask: int [B, Lq], `[CLS] x [SEP]` then padding.
-    bodies: int [B, C, Lb] candidate bodies (zero-padded), body_lengths
-      [B, C] (0 for the null document).
-    seq_len: reader length; bodies are truncated to fit.
-    sep_id, pad_id: special ids.
+  Queries int [B, Lq] are `[CLS] x [SEP]` then padding; `bodies` int
+  [B, C, Lb] (zero-padded, `body_lengths` [B, C], 0 for the null document)
+  are truncated to fit `seq_len`.
 
   Returns:
     {"token_ids", "input_mask", "segment_ids"} int32 [B, C, seq_len];
@@ -108,14 +105,11 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
   """The full model input of one REALM pre-training step.
 
   Args:
-    queries: stacked REALM queries (see `realm_jax.data.examples`):
-      query_ids/query_mask [B, Lq], mlm_positions/mlm_targets/mlm_weights
-      [B, M].
+    queries: stacked REALM queries (see `realm_jax.data.examples`).
     candidate_block_ids: int [B, k] retrieved blocks (source article
       already dropped, see `select_candidates`).
     block_store: a `realm_jax.data.block_store.BlockStore`.
-    doc_len: retriever document length (288).
-    reader_len: reader length (384 = 96 + 288).
+    doc_len, reader_len: retriever and reader lengths (288, 384 = 96 + 288).
     null_document: put the empty document first (REALM); without it the
       candidates are the k retrieved blocks only (an ablation; the
       "retrieval utility" metric then compares against the top block).

@@ -32,7 +32,8 @@ def test_there_are_gin_files():
 # Macros that run files leave %gin.REQUIRED for the user to set.
 REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
             "QUERIES = '/tmp/a'", "TRAIN_JSONL = '/tmp/q.jsonl'",
-            "INDEX_DIR = '/tmp/i'", "INIT_FROM = 'scratch'"]
+            "INDEX_DIR = '/tmp/i'", "INIT_FROM = 'scratch'",
+            "OUTPUT_DIR = '/tmp/o'", "ANNOTATED = '/tmp/a/*'"]
 
 
 @pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)
@@ -41,7 +42,7 @@ def test_gin_file_parses(path):
   try:
     gin_cli.parse([path], REQUIRED)
     name = os.path.basename(path)
-    if name.startswith("finetune"):
+    if name.startswith(("finetune", "demo_finetune")):
       config = gin.get_configurable(finetune.FinetuneConfig)()
       assert config.workdir == "/tmp/w"
     elif name.startswith("eval") or "/runs/eval" in path:
@@ -98,7 +99,8 @@ def test_add_cpu_xla_flag_adds_the_flag_once_and_respects_the_user(
 # Experiments that run on CPU; the others (and runs/*) size accelerator runs.
 CPU_EXPERIMENTS = {"eval_tiny_cpu.gin", "finetune_tiny_cpu.gin",
                    "ict_tiny_cpu.gin", "pretrain_tiny_cpu.gin",
-                   "pretrain_world_cpu.gin", "pretrain_minilm_wiki.gin"}
+                   "pretrain_world_cpu.gin", "pretrain_minilm_wiki.gin",
+                   "demo_pretrain.gin", "demo_finetune.gin"}
 RUN_AND_EXPERIMENT_FILES = [
     f for f in GIN_FILES if "/runs/" in f or "/experiments/" in f]
 

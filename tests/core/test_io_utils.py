@@ -251,7 +251,7 @@ def test_block_store_remote_cache(store_dir, tmp_path):
   assert store.text(0) == direct.text(0)
   with pytest.raises(ValueError, match="cannot be memory-mapped"):
     block_store.BlockStore.open(remote, cache=False)
-  with pytest.raises(FileNotFoundError, match="not a complete block store"):
+  with pytest.raises(FileNotFoundError, match="block store .* does not exist"):
     block_store.BlockStore.open(_ram("nothing"), cache_dir=tmp_path)
 
 

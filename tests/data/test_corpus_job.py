@@ -66,11 +66,13 @@ def test_build_from_orqa_directory(tmp_path):
     with tf.io.TFRecordWriter(str(tmp_path / name)) as writer:
       for record in records:
         writer.write(record[column].encode())
-  store, _ = corpus_job.build_corpus(input_path=str(tmp_path),
-                                     output_dir=str(tmp_path / "store"))
+  # Chunks of one record: Ada's two records stay in one chunk and article.
+  store, report = corpus_job.build_corpus(
+      input_path=str(tmp_path), output_dir=str(tmp_path / "store"),
+      documents_per_chunk=1)
   assert [(store.title(i), store.text(i)) for i in range(len(store))] == (
       records)
-  assert store.num_documents == 2
+  assert store.num_documents == 2 == report.kept["documents"]
   limited, _ = corpus_job.build_corpus(
       input_path=str(tmp_path / "blocks.tfr"), max_documents=2,
       output_dir=str(tmp_path / "limited"))
@@ -112,15 +114,34 @@ def _tiny_dump(path, n):
   return str(path)
 
 
-def test_parallel_cleaning_gives_the_same_store(tmp_path):
+def test_chunks_and_workers_give_the_same_store(tmp_path):
+  """The store and report are the sequential pass's, however the Beam job
+  cuts the work and whatever the runner's mode."""
   dump = _tiny_dump(tmp_path / "dump.xml.bz2", 30)
-  serial, _ = corpus_job.build_corpus(input_path=dump,
-                                      output_dir=str(tmp_path / "serial"))
-  parallel, _ = corpus_job.build_corpus(
-      input_path=dump, output_dir=str(tmp_path / "parallel"), num_workers=2)
-  assert len(serial) == 30
-  assert parallel.fingerprint == serial.fingerprint
-  assert serial.text(7) == "Page 7 is about topic 7. It has 7 facts."
+  whole, report = corpus_job.build_corpus(
+      input_path=dump, output_dir=str(tmp_path / "whole"))
+  chunked, chunked_report = corpus_job.build_corpus(
+      input_path=dump, output_dir=str(tmp_path / "chunked"),
+      documents_per_chunk=4, pipeline_args=[
+          "--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+  assert len(whole) == 30
+  assert chunked.fingerprint == whole.fingerprint
+  assert chunked_report.summary() == report.summary()
+  assert json.loads((tmp_path / "chunked" / "report.json").read_text()) == (
+      report.summary())
+  assert whole.text(7) == "Page 7 is about topic 7. It has 7 facts."
+  assert [whole.title(whole.document_blocks(d)[0]) for d in (0, 29)] == [
+      "Page 0", "Page 29"]
+  assert sorted(os.listdir(tmp_path)) == ["chunked", "dump.xml.bz2", "whole"]
+
+
+def test_corrupt_dump_fails_naming_the_file(tmp_path):
+  dump = tmp_path / "dump.xml.bz2"
+  dump.write_bytes(bz2.compress(b"<mediawiki><page><title>A</title>" * 3))
+  with pytest.raises(wikipedia.CorruptDumpError, match="dump.xml.bz2"):
+    corpus_job.build_corpus(input_path=str(dump),
+                            output_dir=str(tmp_path / "s"))
+  assert sorted(os.listdir(tmp_path)) == ["dump.xml.bz2"]
 
 
 def test_bad_arguments(tmp_path):
@@ -139,16 +160,17 @@ def test_command_line(tmp_path):
   path = _write_jsonl(tmp_path / "docs.jsonl", _RECORDS)
   out = tmp_path / "store"
   command = [sys.executable, "-m", "realm_jax.data.corpus_job",
-             f"--input_path={path}", f"--output_dir={out}",
-             "--max_block_len=64"]
+             "--gin_file=runs/corpus.gin", f"--gin.INPUT_PATH='{path}'",
+             f"--gin.OUTPUT_DIR='{out}'", "--gin.CorpusConfig.max_block_len=64",
+             "--runner=DirectRunner"]  # a Beam option
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   result = subprocess.run(command, capture_output=True, text=True, env=env,
-                          cwd=repo, check=False)
+                          cwd=tmp_path, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
-  assert block_store.BlockStore.open(str(out)).num_documents == 3
+  store = block_store.BlockStore.open(str(out))
+  assert store.num_documents == 3 and store.max_block_len == 64
   # A second run refuses to overwrite, naming the directory.
   result = subprocess.run(command, capture_output=True, text=True, env=env,
-                          cwd=repo, check=False)
+                          cwd=tmp_path, check=False)
   assert result.returncode != 0
   assert "already exists" in result.stderr and str(out) in result.stderr

@@ -272,6 +272,36 @@ def test_beam_job_is_deterministic(beam_cache, annotated, tmp_path):
       assert a.read() == b.read()
 
 
+def test_command_line_masks_as_the_trainer(annotated, tmp_path):
+  """The masking comes from pretrain.PretrainConfig's gin bindings, as
+  the trainer reads them: the cache passes the trainer's check."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "cache"
+  result = subprocess.run(
+      [sys.executable, "-m", "realm_jax.data.query_cache",
+       "--gin_file=runs/query_cache.gin",
+       f"--gin.ANNOTATED='{annotated}/part-*.tfr.gz'",
+       f"--gin.OUTPUT_DIR='{out}'", "--gin.QueryCacheConfig.num_shards=2",
+       "--gin.pretrain.PretrainConfig.query_length=32",
+       "--gin.pretrain.PretrainConfig.max_masks=2",
+       "--direct_num_workers=1"],  # a Beam option
+      capture_output=True, text=True, cwd=tmp_path, check=False,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
+                                query_length=32, max_masks=2)
+  stream = qc.QueryStream(str(out), seed=0, batch_size=2)
+  stream.check(pretrain.realm_query_config(run))
+  assert stream.manifest["num_shards"] == 2
+  assert stream.manifest["num_queries"] == 48
+  for fields in ({}, dict(query_length=8, masking="random_spans")):
+    run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
+                                  **fields)
+    assert qc.trainer_query_config(run) == pretrain.realm_query_config(run)
+
+
 def test_beam_job_errors(beam_cache, annotated, tmp_path):
   out, _ = beam_cache
   pattern = str(annotated / "part-*.tfr.gz")

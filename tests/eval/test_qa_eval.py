@@ -8,10 +8,12 @@ import string
 import subprocess
 import sys
 
+import gin
 import jax
 import numpy as np
 import pytest
 
+from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core
 from realm_jax.core import checkpoints, parallel
 from realm_jax.data import block_store
@@ -341,9 +343,11 @@ def test_eval_cli_one_step(setup, tmp_path):
   assert c.retriever.projection_size == 16
   proc = subprocess.run(
       [sys.executable, "-m", "realm_jax.eval.qa_eval",
-       f"--workdir={workdir}", f"--block_store={setup['store'].path}",
-       f"--qa_file={qa_file}", "--step=5", f"--output_dir={tmp_path / 'ev'}",
-       "--gin_file=models/tiny.gin", "--gin_file=runs/eval.gin", *bindings],
+       "--gin_file=models/tiny.gin", "--gin_file=runs/eval.gin", *bindings,
+       f"--gin.WORKDIR='{workdir}'",
+       f"--gin.BLOCK_STORE='{setup['store'].path}'",
+       f"--gin.QA_FILE='{qa_file}'", "--gin.EvalConfig.step=5",
+       f"--gin.EvalConfig.output_dir='{tmp_path / 'ev'}'"],
       capture_output=True, text=True, timeout=120,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -356,3 +360,23 @@ def test_eval_cli_one_step(setup, tmp_path):
     assert printed[key] == pytest.approx(expected[key]), key
   with open(tmp_path / "ev" / qa_eval.LEDGER) as f:
     assert list(json.load(f)["steps"]) == ["5"]
+
+
+@pytest.mark.parametrize("files,bindings,message", [
+    (["models/tiny.gin"], [],
+     r"Set BLOCK_STORE and QA_FILE: --gin.BLOCK_STORE=.*runs/eval.gin"),
+    (["models/tiny.gin", "runs/eval.gin"], ["BLOCK_STORE = '/b'"],
+     r"Set QA_FILE: --gin.QA_FILE="),
+    (["models/tiny.gin", "runs/eval.gin"],
+     ["BLOCK_STORE = '/b'", "QA_FILE = '/q'", "INIT_FROM = 'orqa:/c'"],
+     r"Set WORKDIR .*, or INDEX_DIR and INIT_FROM"),
+])
+def test_eval_cli_names_the_macro_of_a_missing_path(files, bindings,
+                                                    message):
+  gin.clear_config()
+  try:
+    gin_cli.parse(files, bindings)
+    with pytest.raises(SystemExit, match=message):
+      qa_eval._job(False)
+  finally:
+    gin.clear_config()

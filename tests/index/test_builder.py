@@ -3,16 +3,19 @@
 import os
 
 from etils import epath
+import gin
 import jax
 import numpy as np
 import pytest
 
+from realm_jax import gin_cli
+from realm_jax.checkpoint_import import core
 from realm_jax.core import checkpoints
 from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, embed, publish
 from realm_jax.model import functional
-from realm_jax.model.realm import Realm, Retriever
+from realm_jax.model.realm import Realm, RealmConfig, Retriever
 from realm_jax.testing import tiny
 
 TEXTS = [
@@ -35,13 +38,13 @@ def store(tmp_path_factory):
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
 
 
-def _params(seed):
-  return functional.init(lambda r: Realm(CONFIG, rngs=r), seed)[1]
+def _params(seed, config=CONFIG):
+  return functional.init(lambda r: Realm(config, rngs=r), seed)[1]
 
 
-def _direct_embeddings(retriever_params, store):
+def _direct_embeddings(retriever_params, store, config=CONFIG):
   graphdef, _ = functional.abstract_init(
-      lambda r: Retriever(CONFIG.retriever, rngs=r))
+      lambda r: Retriever(config.retriever, rngs=r))
   inputs = store.retriever_inputs(np.arange(len(store)), 16)
   return np.asarray(functional.bind(graphdef, retriever_params)
                     .embed_documents(inputs["token_ids"],
@@ -159,3 +162,58 @@ def test_publication_retries_then_fails_loudly(store, tmp_path,
     builder.publish_embeddings(embeddings=emb, store=store, root=root, step=1,
                                config=config)
   assert publish.read_latest(root) == 0
+
+
+def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
+                                                    capsys):
+  """`python -m realm_jax.index.builder`'s job, as gin_cli.run calls it:
+  paths are gin macros (runs/index_builder.gin); one_shot embeds the newest
+  checkpoint with the gin model's retriever and exits."""
+  workdir = str(tmp_path / "run")
+  gin.clear_config()
+  try:
+    gin_cli.parse(["models/tiny.gin"], [])
+    with pytest.raises(SystemExit, match=r"BuilderConfig.workdir is not set"
+                       r".*runs/index_builder.gin.*--gin.WORKDIR="):
+      builder._job(False)
+    gin.clear_config()
+    gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], [
+        f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
+        "builder.BuilderConfig.one_shot = True",
+        "builder.BuilderConfig.searcher_kind = 'exact'"])
+    builder._job(True)
+    assert f"workdir='{workdir}'" in capsys.readouterr().out
+    model = gin.get_configurable(RealmConfig)()
+    ckpt = checkpoints.TrainCheckpointer(checkpoints.checkpoint_dir(workdir),
+                                         keep=5, async_save=False)
+    params = _params(7, model)
+    ckpt.save(7, params, {"count": np.zeros(())}, {}, force=True)
+    ckpt.wait_until_finished()
+    builder._job(False)
+  finally:
+    gin.clear_config()
+  root = checkpoints.index_root(workdir)
+  assert publish.published_steps(root) == [7]
+  np.testing.assert_allclose(
+      publish.load_index(root).embeddings,
+      _direct_embeddings(params["retriever"], store, model), atol=2e-5)
+  # REALM's block_emb, published as it is (no model file needed).
+  emb = np.random.default_rng(1).normal(size=(len(store), 16)).astype(
+      np.float32)
+  prefix = core.write_tf_checkpoint(str(tmp_path / "encoded.ckpt"),
+                                    {"block_emb": emb})
+  gin.clear_config()
+  try:
+    gin_cli.parse(["runs/index_builder.gin"], [
+        f"WORKDIR = '{tmp_path / 'imported'}'", f"BLOCK_STORE = '{store.path}'",
+        f"builder.BuilderConfig.init_from = 'block_emb:{prefix}'",
+        "builder.BuilderConfig.searcher_kind = 'exact'"])
+    builder._job(False)
+  finally:
+    gin.clear_config()
+  index = publish.load_index(checkpoints.index_root(str(tmp_path /
+                                                        "imported")))
+  assert index.step == 0
+  np.testing.assert_array_equal(index.embeddings, emb)
+  with pytest.raises(ValueError, match="init_from='hf_realm:x'; use realm:"):
+    builder.BuilderConfig(init_from="hf_realm:x")

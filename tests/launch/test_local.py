@@ -23,9 +23,10 @@ def test_local_launcher_dry_run():
   builder, trainer = (shlex.split(line.rstrip(" &")) for line in out)
   assert out[0].endswith("&")  # The builder runs in the background.
   assert builder[1:3] == ["-m", "realm_jax.index.builder"]
-  assert "--workdir=/tmp/run" in builder
-  assert "--block_store=/tmp/blocks" in builder
-  assert "--gin_file=models/minilm_l6.gin" in builder
+  assert builder[3:] == ["--gin_file=models/minilm_l6.gin",
+                         "--gin_file=runs/index_builder.gin",
+                         "--gin.WORKDIR='/tmp/run'",
+                         "--gin.BLOCK_STORE='/tmp/blocks'"]
   assert trainer[1:3] == ["-m", "realm_jax.training.pretrain"]
   assert "--gin.WORKDIR='/tmp/run'" in trainer
   assert "--gin.QUERIES='/tmp/queries'" in trainer

@@ -241,10 +241,11 @@ def test_builder_on_a_separate_cpu_vm(capsys):
   env, argv, log = started_job(remote(cmd))
   assert env == []  # One process: no distributed initialisation.
   assert log == "logs/builder.log"
-  assert argv == ["-m", "realm_jax.index.builder", f"--workdir={WORKDIR}",
-                  "--block_store=/mnt/data/blocks",
+  assert argv == ["-m", "realm_jax.index.builder",
                   "--gin_file=models/bert_base.gin",
                   "--gin_file=runs/index_builder.gin",
+                  f'--gin.WORKDIR="{WORKDIR}"',
+                  '--gin.BLOCK_STORE="/mnt/data/blocks"',
                   "--gin.builder.BuilderConfig.bfloat16=True"]
 
 

@@ -340,3 +340,31 @@ def test_experiment_gin_files_build_their_configs(name):
                 1e-5, 5000, 5, 320)
     assert config.regex_answers == (name == "finetune_curatedtrec.gin")
     assert model.retriever.bert.hidden_size == 768
+
+
+def test_checkpoints_carry_their_configs_and_load_from_them(setup,
+                                                           reference_run):
+  """realm_jax.load rebuilds the answering model from the checkpoint alone
+  (model config, block store, index, QA sizes) and answers as a model
+  built from the same configs by hand."""
+  import realm_jax  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import qa_model  # pylint: disable=g-import-not-at-top
+  workdir, _ = reference_run
+  saved = realm_jax.config_of(workdir)
+  assert saved["task_class"] == "FinetuneConfig"
+  config = _config(setup, workdir)
+  loaded = realm_jax.load(workdir, batch_size=8)
+  assert loaded.model_config == qa_model.qa_model_config(setup["model"])
+  assert loaded.qa_config.question_length == config.question_length
+  assert loaded.qa_config.reader_length == config.reader_length
+  by_hand = qa_model.load_qa_model(
+      model_config=setup["model"], store=setup["store"], workdir=workdir,
+      index_dir=setup["index"], batch_size=8, qa_config=qa_inputs.QAConfig(
+          question_length=config.question_length,
+          num_retrieved=config.num_retrieved,
+          num_reader_blocks=config.num_reader_blocks,
+          reader_length=config.reader_length))
+  question = QA[0][0]
+  a, b = loaded.ask(question), by_hand.predict([question])[0]
+  assert (a.prediction, a.block_id) == (b.prediction, b.block_id)
+  np.testing.assert_allclose(a.score, b.score, rtol=1e-6)

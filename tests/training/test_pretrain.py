@@ -154,11 +154,11 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
                              stderr=subprocess.PIPE, text=True)
   builder = subprocess.Popen(
       [sys.executable, "-m", "realm_jax.index.builder",
-       f"--workdir={workdir}", f"--block_store={store}",
        "--gin_file=models/tiny.gin", "--gin_file=runs/index_builder.gin",
+       f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
        "--gin.builder.BuilderConfig.searcher_kind='exact'",
        "--gin.builder.BuilderConfig.poll_seconds=0.2",
-       "--timeout_seconds=600"],
+       "--gin.builder.BuilderConfig.timeout_seconds=600"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
     _, trainer_log = trainer.communicate(timeout=600)

@@ -1,0 +1,113 @@
+"""`realm_jax.load`: a trained REALM in three lines.
+
+    import realm_jax
+    model = realm_jax.load("/tmp/realm_demo/finetune")
+    print(model.ask("who wrote atlas shrugged?").prediction)
+
+`load` takes a fine-tuning run's workdir (or its checkpoints/ directory)
+and reads everything from the checkpoint: the model config, the run's
+config (block store, index, question and reader lengths), and the weights.
+It also takes an export (`python -m realm_jax.export`), which carries the
+model config but no corpus: give `block_store` and `index_dir` then.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from realm_jax.checkpoint_import import exported
+from realm_jax.core import checkpoints, dataclass_json, io_utils
+from realm_jax.data import block_store as block_store_lib
+from realm_jax.eval import qa_model as qa_model_lib
+from realm_jax.eval.qa_model import QAModel
+from realm_jax.index import publish
+from realm_jax.model.realm import RealmConfig
+from realm_jax.training import finetune, qa_inputs
+
+
+def checkpoint_directory(path: str) -> str:
+  """`path`'s checkpoints/ if it is a workdir, else `path` itself."""
+  inside = checkpoints.checkpoint_dir(path)
+  return inside if io_utils.as_path(inside).exists() else path
+
+
+def _configs_of(directory: str, step: int) -> dict[str, Any]:
+  meta = checkpoints.read_meta(directory, step)
+  if "model_config" not in meta:
+    raise ValueError(
+        f"Checkpoint {directory}/{step} carries no model config (written "
+        "before configs were saved in checkpoints): use "
+        "qa_model.load_qa_model with the run's model config, or the ask "
+        "command with the run's gin files.")
+  return meta
+
+
+def load(path: str, *, block_store: str | None = None,
+         index_dir: str | None = None, step: int | None = None,
+         qa_config: qa_inputs.QAConfig | None = None,
+         **kwargs) -> QAModel:
+  """A ready answering model from a run, a checkpoint directory or an export.
+
+  Args:
+    path: a fine-tuning workdir, its checkpoints/ directory, or an export.
+    block_store: the knowledge corpus (default: the run's).
+    index_dir: its published index (default: the one the run trained
+      against).
+    step: checkpoint step (default: the newest).
+    qa_config: question/reader lengths, K and R (default: the run's).
+    **kwargs: more `QAModel` arguments (batch_size, num_evidence, mesh).
+
+  Returns:
+    The `QAModel` (`model.ask(question)` answers).
+  """
+  if os.path.exists(os.path.join(path, exported.CONFIG_FILE)):
+    model_config, params = exported.load_exported(path)
+    if not (block_store and index_dir):
+      raise ValueError(f"{path} is an export, which holds no corpus: give "
+                       "block_store= and index_dir= (an index of that store "
+                       "built with this retriever).")
+    store = block_store_lib.BlockStore.open(block_store)
+    index = publish.load_frozen_index(index_dir, store, model_config)
+    return QAModel(model_config, params, index, store,
+                   qa_config or qa_inputs.QAConfig(), **kwargs)
+  directory = checkpoint_directory(path)
+  step = checkpoints.newest_step(directory) if step is None else step
+  meta = _configs_of(directory, step)
+  where = f"{directory}/{step}/meta"
+  model_config = dataclass_json.from_dict(
+      RealmConfig, meta["model_config"], f"{where}:model_config")
+  task = meta.get("task_config") or {}
+  if meta.get("task_class") == "FinetuneConfig":
+    run = dataclass_json.from_dict(finetune.FinetuneConfig, task,
+                                   f"{where}:task_config")
+    qa_config = qa_config or qa_inputs.QAConfig(
+        question_length=run.question_length,
+        num_retrieved=run.num_retrieved,
+        num_reader_blocks=run.num_reader_blocks,
+        reader_length=run.reader_length)
+    block_store = block_store or run.block_store
+    index_dir = index_dir or run.index_dir
+  block_store = block_store or task.get("block_store")
+  index_dir = index_dir or checkpoints.index_root(os.path.dirname(
+      directory.rstrip("/")))
+  if not block_store:
+    raise ValueError(f"{where} names no block store; give block_store=.")
+  return qa_model_lib.load_qa_model(
+      model_config=model_config,
+      store=block_store_lib.BlockStore.open(block_store),
+      checkpoint_dir=directory, step=step, index_dir=index_dir,
+      qa_config=qa_config or qa_inputs.QAConfig(), **kwargs)
+
+
+def config_of(path: str, step: int | None = None) -> dict[str, Any]:
+  """The configs a checkpoint carries: {"model_config", "task_class",
+  "task_config", "operative_config"} (JSON; nothing is executed)."""
+  directory = checkpoint_directory(path)
+  step = checkpoints.newest_step(directory) if step is None else step
+  meta = _configs_of(directory, step)
+  return {k: meta[k] for k in ("model_config", "task_class", "task_config",
+                               "operative_config") if k in meta}
+
+
+__all__ = ["load", "config_of"]

@@ -1,0 +1,206 @@
+"""What the Beam data jobs share: reading a corpus, sharded atomic output.
+
+`corpus_job`, `annotate_job` and `query_cache` write every file under
+`<output_dir>.tmp-<id>` (`ShardedOutput`), which becomes `output_dir` at
+once when its marker file (a manifest or report) is in it; a remote
+`output_dir` gets the files copied, the marker last. A failed run leaves no
+output and is run again from the start (runners retry work items).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Iterator, Sequence
+import uuid
+
+from absl import logging
+import apache_beam as beam
+from apache_beam.options import pipeline_options
+
+from realm_jax.core import io_utils
+from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import wikipedia
+
+
+def pipeline(pipeline_args: Sequence[str]) -> tuple[beam.Pipeline, str]:
+  """A pipeline with these Beam options, and its runner's name."""
+  options = pipeline_options.PipelineOptions(list(pipeline_args))
+  standard = options.view_as(pipeline_options.StandardOptions)
+  # Beam's own default tries to download its Prism runner at run time;
+  # without a --runner the jobs run on the DirectRunner, offline.
+  standard.runner = standard.runner or "DirectRunner"
+  return beam.Pipeline(options=options), standard.runner
+
+
+class Progress:
+  """Logs a count every 30 s and at `total`, with its rate and ETA."""
+
+  def __init__(self, what: str, total: int | None = None):
+    self.what, self.total, self.done = what, total, 0
+    self.start = self._last = time.time()
+
+  def add(self, n: int = 1) -> None:
+    self.done, now = self.done + n, time.time()
+    if now - self._last < 30 and self.done != self.total:
+      return
+    self._last, rate = now, self.done / max(now - self.start, 1e-9)
+    of = f" of {self.total}" if self.total else ""
+    eta = (f", ETA {(self.total - self.done) / max(rate, 1e-9):.0f} s"
+           if self.total else "")
+    logging.info("%s: %d%s (%.1f/s%s)", self.what, self.done, of, rate, eta)
+
+
+def check_input(input_path: str) -> None:
+  """Fails early, naming the file, on a missing input or unknown format."""
+  if not io_utils.as_path(input_path).exists():
+    raise FileNotFoundError(f"corpus {input_path} does not exist.")
+  name = os.path.basename(input_path).lower()
+  for suffix in (".bz2", ".gz"):
+    name = name.removesuffix(suffix)
+  if not (wikipedia.is_wikipedia_dump(input_path) or
+          name.endswith((".jsonl", ".json", ".ndjson"))):
+    raise ValueError(
+        f"{input_path}: unknown corpus format; expected a Wikipedia dump "
+        "(*-pages-articles*.xml[.bz2]) or JSONL lines {\"title\", \"text\"} "
+        "(*.jsonl[.gz]).")
+
+
+def read_documents(input_path: str, *, max_documents: int | None,
+                   stats_path: str, orqa_titles: str | None = None,
+                   **reader_kwargs) -> Iterator[tuple[int, str, str]]:
+  """`(index, title, text)` of a corpus's documents, in file order: a
+  dump's pages as wikitext (`wikipedia.iter_wikipedia_pages`; the jobs
+  remove the markup in parallel), JSONL documents, or ORQA's records
+  (`blocks.tfr` with `orqa_titles`). The reader's report (kept and skipped
+  records by reason, "documents") goes to `stats_path` at the end. A file
+  that cannot be read raises ValueError naming it.
+  """
+  local_dir, path = None, input_path
+  if not io_utils.is_local(input_path) and not orqa_titles:
+    # The readers open local files (ORQA's TFRecords are read by TF).
+    local_dir = tempfile.mkdtemp(prefix="corpus_input_")
+    path = os.path.join(local_dir, os.path.basename(input_path))
+    io_utils.copy_file(input_path, path)
+  report = wikipedia.Report()
+  if orqa_titles:
+    documents = blocks_lib.read_orqa_blocks(path, orqa_titles, report)
+  elif wikipedia.is_wikipedia_dump(path):
+    documents = wikipedia.iter_wikipedia_pages(path, report, **reader_kwargs)
+  else:
+    reader_kwargs.pop("allow_truncated", None)
+    documents = wikipedia.iter_jsonl_documents(path, report, **reader_kwargs)
+  progress = Progress(f"read {input_path}: documents", max_documents)
+  try:
+    for doc in documents:
+      title, text = doc if orqa_titles else (doc.title, doc.text)
+      yield progress.done, title, text
+      progress.add()
+      if progress.done == max_documents:
+        break
+  except (OSError, EOFError, ValueError) as e:
+    if input_path in str(e) or path in str(e):
+      raise
+    raise ValueError(
+        f"{input_path}: cannot read the corpus after {progress.done} "
+        f"documents ({type(e).__name__}: {e}); the file is corrupt or not in "
+        "the format its name says.") from e
+  finally:
+    if local_dir:
+      shutil.rmtree(local_dir, ignore_errors=True)
+  io_utils.atomic_write_text(stats_path, json.dumps(
+      dict(report.summary(), documents=progress.done)))
+  logging.info("read all %d documents of %s in %.1fs", progress.done,
+               input_path, time.time() - progress.start)
+
+
+class ShardedOutput:
+  """A job's output, written under `tmp_dir` and published at once.
+
+    with ShardedOutput(output_dir, marker=..., overwrite=...) as out:
+      with pipeline:
+        _ = pipeline | ... | out.write_shards(write, job)  # (key, value)s
+      stats = out.load(out.stats)  # what `write` returned for each key
+      publish(out.tmp_dir, out.output_dir, marker, marker_text, files)
+
+  Leaving the block removes `tmp_dir` (gone already once published).
+  """
+
+  def __init__(self, output_dir: str, *, marker: str, overwrite: bool):
+    self.output_dir = io_utils.absolute(output_dir)
+    if (io_utils.as_path(io_utils.join(self.output_dir, marker)).exists() or
+        (io_utils.is_local(self.output_dir) and
+         os.path.exists(self.output_dir))) and not overwrite:
+      raise FileExistsError(f"{self.output_dir} already exists; pass "
+                            "overwrite=True or another path.")
+    self.tmp_dir = f"{self.output_dir}.tmp-{uuid.uuid4().hex[:12]}"
+    self.stats = self.path(".shard_stats.json")
+
+  def __enter__(self) -> ShardedOutput:
+    io_utils.makedirs(self.tmp_dir)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    io_utils.remove(self.tmp_dir)
+
+  def path(self, name: str) -> str:
+    return io_utils.join(self.tmp_dir, name)
+
+  def write_shards(self, write: Callable[[Any], Any], job: str,
+                   total: int | None = None) -> beam.PTransform:
+    """(key, value)s -> `write((key, [value, ...]))` once per key (writes
+    that shard); the list of what it returned is saved to `stats`."""
+    stats, progress = self.stats, []  # a Progress per worker (unpickled)
+
+    def counted(item):
+      if not progress:
+        progress.append(Progress(f"{job}: shards written by this worker",
+                                 total))
+      result = write(item)
+      progress[0].add()
+      return result
+
+    @beam.ptransform_fn
+    def transform(pcoll):
+      return (pcoll
+              | "Group" >> beam.GroupByKey()
+              | "Write" >> beam.Map(counted)
+              | "Collect" >> beam.combiners.ToList()
+              | "Stats" >> beam.Map(lambda s: io_utils.atomic_write_text(
+                  stats, json.dumps(s))))
+
+    return transform()  # pylint: disable=no-value-for-parameter
+
+  @staticmethod
+  def load(path: str, default: Any = None) -> Any:
+    """A JSON stats file, then removed (`default` if there is none)."""
+    if not io_utils.as_path(path).exists():
+      return default
+    value = json.loads(io_utils.read_text(path))
+    io_utils.remove(path)
+    return value
+
+
+def publish(tmp_dir: str, output_dir: str, marker: str, text: str,
+            files: Sequence[str],
+            check: Callable[[str], Any] | None = None) -> None:
+  """Writes the marker file (`text`) last: then `tmp_dir` becomes
+  `output_dir` (`check(tmp_dir)` refuses what cannot be read back)."""
+  if io_utils.is_local(output_dir):
+    io_utils.atomic_write_text(io_utils.join(tmp_dir, marker), text)
+    if check:
+      check(tmp_dir)
+    io_utils.replace_local_dir(tmp_dir, output_dir)
+    return
+  # No atomic rename on object stores: readers need the marker, so it goes
+  # last.
+  io_utils.remove(output_dir)
+  io_utils.makedirs(output_dir)
+  for name in files:
+    io_utils.copy_file(io_utils.join(tmp_dir, name),
+                       io_utils.join(output_dir, name))
+  io_utils.atomic_write_text(io_utils.join(output_dir, marker), text)
+  io_utils.remove(tmp_dir)

@@ -1,0 +1,33 @@
+"""Library records are hidden at verbosity 0; realm_jax's and errors stay."""
+
+import logging
+
+from realm_jax.core import logs
+
+
+def _record(path, level):
+  return logging.LogRecord("absl", level, path, 1, "message", (), None)
+
+
+def test_library_info_and_warnings_are_dropped_errors_kept():
+  f = logs.LibraryFilter()
+  orbax = "/venv/lib/python3.11/site-packages/orbax/checkpoint/manager.py"
+  ours = "/repo/realm_jax/training/loop.py"
+  assert not f.filter(_record(orbax, logging.INFO))
+  assert not f.filter(_record(orbax, logging.WARNING))
+  assert f.filter(_record(orbax, logging.ERROR))
+  assert f.filter(_record(ours, logging.INFO))
+
+
+def test_quiet_libraries_filters_the_absl_logger(caplog):
+  logs.quiet_libraries(0)
+  absl_logger = logging.getLogger("absl")
+  try:
+    with caplog.at_level(logging.INFO, logger="absl"):
+      absl_logger.handle(_record("/x/orbax/checkpoint/a.py", logging.INFO))
+      absl_logger.handle(_record("/x/realm_jax/index/builder.py",
+                                 logging.INFO))
+    assert [r.pathname for r in caplog.records] == [
+        "/x/realm_jax/index/builder.py"]
+  finally:
+    absl_logger.removeFilter(logs._FILTER)  # pylint: disable=protected-access
