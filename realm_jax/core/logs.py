@@ -52,7 +52,11 @@ def quiet_libraries(verbosity: int = 0) -> None:
   imported, so that part only applies before. Idempotent.
   """
   global _TF_LEVEL_SET_HERE
-  loggers = (logging.getLogger(), logging.getLogger("absl"))
+  # absl.logging must create the "absl" logger (an ABSLLogger, which
+  # records each call's real file); a plain logging.getLogger("absl") first
+  # would make every absl record look as if it came from absl itself.
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  loggers = (logging.getLogger(), absl_logging.get_absl_logger())
   if verbosity >= 1:
     if _TF_LEVEL_SET_HERE:
       os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"

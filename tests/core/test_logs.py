@@ -31,3 +31,21 @@ def test_quiet_libraries_filters_the_absl_logger(caplog):
         "/x/realm_jax/index/builder.py"]
   finally:
     absl_logger.removeFilter(logs._FILTER)  # pylint: disable=protected-access
+
+
+def test_absl_records_keep_their_callers_file():
+  """Quieting must not replace absl's logger (whose records carry the
+  calling file, which the filter needs)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import realm_jax, logging\n"
+          "from absl import logging as l\n"
+          "seen = []\n"
+          "class H(logging.Handler):\n"
+          "  def emit(self, r): seen.append(r.pathname)\n"
+          "l.get_absl_logger().addHandler(H())\n"
+          "l.warning('x')\n"
+          "print(seen[0])\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True).stdout.strip()
+  assert out == "<string>", out
