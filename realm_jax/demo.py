@@ -447,6 +447,11 @@ def main(argv: Sequence[str]) -> None:
   f = flags.FLAGS
   from realm_jax.core import logs  # pylint: disable=g-import-not-at-top
   logs.quiet_libraries(f.verbosity)
+  if not f["verbosity"].present:
+    # The demo reports each stage and step as JSON; the jobs' own INFO
+    # lines come back with --verbosity=0 (and the libraries' with 1).
+    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+    absl_logging.set_verbosity(absl_logging.WARNING)
   config = DemoConfig(workdir=f.workdir, num_documents=f.num_documents,
                       train_steps=f.train_steps,
                       finetune_steps=f.finetune_steps)

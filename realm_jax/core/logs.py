@@ -19,9 +19,9 @@ import os
 # logging call's file path; Python loggers have names).
 LIBRARY_PATHS = ("/orbax/", "/clu/", "/jax/", "/jaxlib/", "/etils/",
                  "/seqio/", "/apache_beam/", "/tensorflow/", "/flax/",
-                 "/tensorflow_datasets/", "/scann/")
+                 "/tensorflow_datasets/", "/scann/", "/gin/")
 LIBRARY_LOGGERS = ("jax", "orbax", "apache_beam", "tensorflow", "clu",
-                   "etils", "seqio", "tensorflow_datasets", "flax")
+                   "etils", "seqio", "tensorflow_datasets", "flax", "gin")
 
 
 class LibraryFilter(logging.Filter):
