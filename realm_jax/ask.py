@@ -55,7 +55,7 @@ def format_result(result: QAResult, snippet_chars: int = 200) -> str:
     text = " ".join(e.text.split())
     if len(text) > snippet_chars:
       text = text[:snippet_chars - 3].rstrip() + "..."
-    mark = "  <- answer" if e.block_id == result.block_id else ""
+    mark = "  <- predicted span" if e.block_id == result.block_id else ""
     lines.append(f"  #{e.rank + 1} p(z|x)={e.probability:.3f} "
                  f"logit={e.retrieval_logit:.3f} [{e.title}] (block "
                  f"{e.block_id}){mark}")

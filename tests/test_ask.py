@@ -145,7 +145,7 @@ def test_format_result(setup):
   assert f"A: {result.prediction}" in text
   for e in result.evidence:
     assert f"p(z|x)={e.probability:.3f}" in text and f"[{e.title}]" in text
-  assert "<- answer" in text
+  assert "<- predicted span" in text
   assert all(len(line) < 50 for line in text.splitlines()
              if line.startswith("      "))
 
