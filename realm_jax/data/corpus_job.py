@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pickle
+import json
 from typing import Any, Iterator, Sequence
 
 from absl import logging
 import apache_beam as beam
+import numpy as np
 
 from realm_jax.core import io_utils
 from realm_jax.data import beam_utils
@@ -150,11 +151,31 @@ def pack_chunk(item, *, tmp_dir: str, vocab_path: str, max_block_len: int,
     blocks = blocks_lib.pack_blocks(documents(), tokenizer,
                                     max_block_len=max_block_len, report=report)
   blocks = list(blocks)
-  io_utils.atomic_write_bytes(io_utils.join(tmp_dir, f"chunk-{chunk}.pkl"),
-                              pickle.dumps(blocks, protocol=5))
+  io_utils.atomic_write_bytes(io_utils.join(tmp_dir, f"chunk-{chunk}.jsonl"),
+                              "".join(_block_line(b) for b in blocks).encode())
   beam.metrics.Metrics.counter("corpus", "blocks").inc(len(blocks))
   return {"shard": chunk, "report": report.summary(),
           "documents": blocks[-1].doc_index + 1 if blocks else 0}
+
+
+_ARRAYS = ("title_ids", "body_ids", "sentence_starts")
+
+
+def _block_line(block: blocks_lib.Block) -> str:
+  """One block as a JSON line (chunk files are data: never pickled)."""
+  record = dataclasses.asdict(block)
+  for name in _ARRAYS:
+    array = getattr(block, name)
+    record[name] = {"dtype": array.dtype.str, "values": array.tolist()}
+  return json.dumps(record) + "\n"
+
+
+def _read_block(line: str) -> blocks_lib.Block:
+  record = json.loads(line)
+  for name in _ARRAYS:
+    record[name] = np.asarray(record[name]["values"],
+                              np.dtype(record[name]["dtype"]))
+  return blocks_lib.Block(**record)
 
 
 def _merge_report(report: wikipedia.Report, summary: dict[str, Any]) -> None:
@@ -175,8 +196,9 @@ def _merged_blocks(out: beam_utils.ShardedOutput, stats: list[dict[str, Any]],
   first_doc = 0
   for s in stats:
     _merge_report(report, s["report"])
-    data = io_utils.as_path(out.path(f"chunk-{s['shard']}.pkl")).read_bytes()
-    for block in pickle.loads(data):
+    path = io_utils.as_path(out.path(f"chunk-{s['shard']}.jsonl"))
+    for line in path.read_text(encoding="utf-8").splitlines():
+      block = _read_block(line)
       yield dataclasses.replace(block, doc_index=first_doc + block.doc_index)
     first_doc += s["documents"]
     progress.add()
