@@ -1,5 +1,6 @@
 """Export -> import round trip: the same outputs to 1e-6, every head."""
 
+import dataclasses
 import json
 import os
 
@@ -17,6 +18,13 @@ from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
 BERT = BertConfig(vocab_size=30522, hidden_size=32, num_layers=2, num_heads=4,
                   intermediate_size=64, hidden_dropout=0.0,
                   attention_dropout=0.0)
+
+
+def _assert_same_params(params, params2):
+  flat, flat2 = core.flatten(params), core.flatten(params2)
+  assert set(flat) == set(flat2)
+  for path in flat:
+    np.testing.assert_array_equal(np.asarray(flat[path]), flat2[path])
 
 
 def _outputs(config, params, rng):
@@ -52,10 +60,7 @@ def test_round_trip_is_exact(tmp_path, retriever):
 
   config2, params2 = exported.load_exported(out_dir)
   assert config2 == config
-  flat, flat2 = core.flatten(params), core.flatten(params2)
-  assert set(flat) == set(flat2)
-  for path in flat:
-    np.testing.assert_array_equal(np.asarray(flat[path]), flat2[path])
+  _assert_same_params(params, params2)
   a = _outputs(config, params, np.random.default_rng(1))
   b = _outputs(config2, params2, np.random.default_rng(1))
   for k in a:
@@ -67,7 +72,9 @@ def test_files_are_standard_hugging_face_layouts(tmp_path):
   config = RealmConfig(
       retriever=RetrieverConfig(bert=BERT, projection_size=16,
                                 pooling="pooler", normalize=False),
-      reader=ReaderConfig(bert=dataclasses_replace(BERT), span_head=True))
+      reader=ReaderConfig(bert=dataclasses.replace(BERT,
+                                                   gelu_approximate=False),
+                          span_head=True))
   _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
   out = export.export_model(params, config, str(tmp_path / "e"))
   # The retriever loads as a plain BERT directory, with its config honoured.
@@ -89,11 +96,6 @@ def test_files_are_standard_hugging_face_layouts(tmp_path):
   assert modules == ["Transformer", "Pooling", "Dense", "Dense", "LayerNorm"]
   with open(os.path.join(out, "retriever", "1_Pooling", "config.json")) as f:
     assert json.load(f)["pooling_mode_cls_token"]
-
-
-def dataclasses_replace(bert):
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  return dataclasses.replace(bert, gelu_approximate=False)
 
 
 def test_refuses_to_overwrite_and_names_a_missing_config(tmp_path):
@@ -127,10 +129,7 @@ def test_export_of_a_checkpoint_uses_the_config_it_carries(tmp_path):
       workdir=str(tmp_path / "run"), output_dir=str(tmp_path / "out")))
   config2, params2 = exported.load_exported(out)
   assert config2 == config
-  flat, flat2 = core.flatten(params), core.flatten(params2)
-  assert set(flat) == set(flat2)
-  for path in flat:
-    np.testing.assert_array_equal(np.asarray(flat[path]), flat2[path])
+  _assert_same_params(params, params2)
   with open(os.path.join(out, "realm_config.json")) as f:
     assert json.load(f)["source"].endswith("/7")
 
@@ -143,5 +142,4 @@ def test_init_from_an_export(tmp_path):
   _, fresh = functional.init(lambda r: Realm(config, rngs=r), 6)
   out = export.export_model(params, config, str(tmp_path / "e"))
   got = init.initial_params(config, fresh, f"export:{out}")
-  for path, value in core.flatten(params).items():
-    np.testing.assert_array_equal(core.flatten(got)[path], np.asarray(value))
+  _assert_same_params(params, got)

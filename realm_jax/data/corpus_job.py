@@ -163,10 +163,11 @@ _ARRAYS = ("title_ids", "body_ids", "sentence_starts")
 
 def _block_line(block: blocks_lib.Block) -> str:
   """One block as a JSON line (chunk files are data: never pickled)."""
-  record = dataclasses.asdict(block)
+  record = {f.name: getattr(block, f.name)
+            for f in dataclasses.fields(block)}
   for name in _ARRAYS:
-    array = getattr(block, name)
-    record[name] = {"dtype": array.dtype.str, "values": array.tolist()}
+    record[name] = {"dtype": record[name].dtype.str,
+                    "values": record[name].tolist()}
   return json.dumps(record) + "\n"
 
 
