@@ -511,14 +511,19 @@ def build_query_cache(
                                     overwrite=overwrite)
   files = _expand(patterns)
   vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
-  spec = json.dumps([files, vocab_path, lower_case,
-                     dataclasses.asdict(query_config)], sort_keys=True)
+  vocab_sha256 = io_utils.sha256_file(vocab_path)
+  # seqio seeds each input file's masks from the task name, so the name
+  # holds no path: the same files and settings give the same masks wherever
+  # they (and the vocabulary) are stored.
+  spec = json.dumps([[os.path.basename(f) for f in files], vocab_sha256,
+                     lower_case, dataclasses.asdict(query_config)],
+                    sort_keys=True)
   task_name = ("realm_query_cache_" +
                hashlib.sha256(spec.encode()).hexdigest()[:16])
   register = dict(annotated_pattern=tuple(files), name=task_name,
                   masking=query_config.masking, vocab_path=vocab_path,
                   lower_case=lower_case, query_config=query_config,
-                  shuffle_buffer_size=None)
+                  shuffle_buffer_size=None, overwrite=True)
   task = tasks.register_pretrain_task(**register)
   start = time.time()
   with output as out:
@@ -538,7 +543,7 @@ def build_query_cache(
     manifest = finish_cache(
         out.tmp_dir, out.output_dir, out.load(out.stats, []),
         num_shards=num_shards, query_config=query_config, seed=seed,
-        vocab_sha256=io_utils.sha256_file(vocab_path), source_files=files,
+        vocab_sha256=vocab_sha256, source_files=files,
         extra={"lower_case": lower_case, "seqio_task": task_name,
                "build_seconds": round(time.time() - start, 1)})
   logging.info("query cache %s: %d queries in %d shards (%.0f s)",
