@@ -30,6 +30,12 @@ def _scann_pybind():
   return scann_ops_pybind
 
 
+def _scann_reorder_type(dtype: str):
+  # pylint: disable-next=g-import-not-at-top
+  from scann.scann_ops.py import scann_builder
+  return scann_builder.ReorderType[dtype.upper()]
+
+
 class ScannSearcher(Searcher):
   """ScaNN tree + asymmetric hashing + re-ordering (see ScannConfig)."""
 
@@ -75,7 +81,9 @@ class ScannSearcher(Searcher):
               float("nan") if threshold is None else threshold),
           training_sample_size=resolved["training_sample_size"])
       if config.reordering_num_neighbors:
-        builder = builder.reorder(config.reordering_num_neighbors)
+        reorder_type = _scann_reorder_type(config.reordering_dtype)
+        builder = builder.reorder(config.reordering_num_neighbors,
+                                  quantize=reorder_type)
     searcher = builder.build()
     logging.info("built ScaNN index over %d x %d in %.1f s: %s", num_rows,
                  dim, time.time() - started, resolved)

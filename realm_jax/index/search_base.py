@@ -82,6 +82,9 @@ class ExactConfig(SearcherConfig):
     checks.at_least(self, "queries_per_block", integer=True)
 
 
+REORDERING_DTYPES = ("float32", "bfloat16", "int8")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScannConfig(SearcherConfig):
   """ScaNN tree + asymmetric hashing (AH) + exact re-ordering.
@@ -122,11 +125,21 @@ class ScannConfig(SearcherConfig):
     anisotropic_quantization_threshold: ScaNN's T (absolute inner product
       threshold of the score-aware AH loss); None = plain k-means AH, as in
       ORQA.
-    reordering_num_neighbors: AH candidates re-scored with exact float32
-      inner products (max(k, this) per search); 0 = no re-ordering, scores
-      are then AH estimates.
+    reordering_num_neighbors: AH candidates re-scored with exact inner
+      products (max(k, this) per search); 0 = no re-ordering, scores are
+      then AH estimates.
+    reordering_dtype: how the index stores the rows it re-scores: "float32"
+      (a full copy, 4 bytes a value), "bfloat16" (2 bytes) or "int8"
+      (ScaNN's per-dimension fixed point, 1 byte). At 13.35M x 128 that is
+      the difference between 6.8 GB and 1.7 GB of RAM
+      (docs/benchmarks/mips_scale.md).
     brute_force_below_rows: corpora with fewer rows use exact brute force.
-    max_auto_leaves: cap of the automatic num_leaves.
+    max_auto_leaves: cap of the automatic num_leaves. Building costs
+      N x num_leaves inner products (every row is assigned to its leaf)
+      while a search scores the same fraction of the rows whatever the
+      leaf count, so past ~1M rows more leaves cost build time without
+      buying recall: 2048 leaves of ~6,500 rows at REALM's 13.35M blocks
+      (docs/benchmarks/mips_scale.md).
     num_threads: threads for training and batched search; 0 = all cores.
     search_batch_size: queries per thread task in batched search.
   """
@@ -138,8 +151,9 @@ class ScannConfig(SearcherConfig):
   dims_per_block: int = 2
   anisotropic_quantization_threshold: float | None = 0.2
   reordering_num_neighbors: int = 100
+  reordering_dtype: str = "float32"
   brute_force_below_rows: int = 10_000
-  max_auto_leaves: int = 8192
+  max_auto_leaves: int = 2048
   num_threads: int = 0
   search_batch_size: int = 256
 
@@ -151,6 +165,10 @@ class ScannConfig(SearcherConfig):
     checks.at_least(self, "reordering_num_neighbors",
                     "brute_force_below_rows", "num_threads", minimum=0,
                     integer=True)
+    if self.reordering_dtype not in REORDERING_DTYPES:
+      raise ValueError(
+          f"ScannConfig.reordering_dtype={self.reordering_dtype!r}; use one "
+          f"of {list(REORDERING_DTYPES)}.")
     if None not in (self.num_leaves, self.num_leaves_to_search) and (
         self.num_leaves_to_search > self.num_leaves):
       raise ValueError(

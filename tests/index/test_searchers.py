@@ -207,8 +207,8 @@ def test_scann_config_resolution_and_orqa_preset():
   big = config.resolve(1_000_000, 128)
   assert (big["num_leaves"], big["num_leaves_to_search"],
           big["min_partition_size"]) == (2000, 50, 10)
-  assert config.resolve(13_353_718, 128)["num_leaves"] == 7309
-  assert config.resolve(100_000_000, 128)["num_leaves"] == 8192
+  assert config.resolve(4_000_000, 128)["num_leaves"] == 2048
+  assert config.resolve(13_353_718, 128)["num_leaves"] == 2048
   assert config.resolve(5_000, 128) == {"brute_force": True}
   orqa = searchers.ORQA_SCANN_CONFIG.resolve(1_000_000, 128)
   assert (orqa["num_leaves"], orqa["num_leaves_to_search"]) == (1000, 100)
