@@ -29,6 +29,7 @@ import dataclasses
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.core import checkpoints, checks, distributed, io_utils
@@ -38,6 +39,7 @@ from realm_jax.data import examples as examples_lib
 from realm_jax.data import query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder as builder_lib
+from realm_jax.index import device_search
 from realm_jax.index import embed
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
@@ -85,6 +87,16 @@ class PretrainConfig(loop.TrainConfig):
       "inline" (rebuilt in-process after each checkpoint: small CPU runs,
       exactly reproducible restarts).
     searcher: "scann" or "exact" (inline index).
+    retrieval: "host" (the served index's searcher on the host, then the
+      batch built in numpy from the memory-mapped block store) or "device":
+      the served index's embeddings and the block tokens live on the
+      devices, sharded by rows, and exact top-k search, the candidates'
+      tokens and the batch are computed there (`index/device_search.py`);
+      the query embeddings never leave the devices. For corpora that fit in
+      device memory (13.35M x 128 bf16 is 3.4 GB, plus ~7.7 GB of uint16
+      tokens at 288, over all devices).
+    device_index_dtype: "float32" or "bfloat16" block embeddings (retrieval
+      "device").
     index_wait_seconds: builder mode: how long to wait for the first index.
     hubness_warning: warn once when the share of the queries since the last
       log whose top-1 block is the single most common one exceeds this.
@@ -115,6 +127,8 @@ class PretrainConfig(loop.TrainConfig):
   checkpoint_every: int = 500
   index_mode: str = "builder"
   searcher: str = "scann"
+  retrieval: str = "host"
+  device_index_dtype: str = "float32"
   index_wait_seconds: float = 600.0
   hubness_warning: float = 0.3
   null_probability_warning: float = 0.9
@@ -130,6 +144,12 @@ class PretrainConfig(loop.TrainConfig):
     if self.index_mode == "builder" and self.keep_checkpoints < 5:
       raise ValueError("keep_checkpoints must be >= 5 when an index builder "
                        "reads the checkpoints.")
+    if self.retrieval not in ("host", "device"):
+      raise ValueError(f"retrieval={self.retrieval!r}; use 'host' or "
+                       "'device'.")
+    if self.device_index_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"device_index_dtype={self.device_index_dtype!r}; use "
+                       "'float32' or 'bfloat16'.")
     if self.reader_length <= self.query_length:
       raise ValueError("reader_length must exceed query_length (the reader "
                        "reads [CLS] x [SEP] body [SEP]).")
@@ -291,20 +311,33 @@ class RetrievalInput:
                        f"for {config.num_candidates} candidates outside a "
                        "query's own article.")
     self.index = self.watcher = self.staleness = None
+    self.device_index = None  # retrieval="device": the served index's copy
+
+  def _serve(self, index) -> None:
+    """Makes `index` the served one (and its device copy, if used)."""
+    self.index = index
+    if self.config.retrieval != "device":
+      return
+    if self.device_index is None:
+      self.device_index = device_search.DeviceIndex.build(
+          self.store, index.embeddings, self.mesh,
+          dtype=jnp.dtype(self.config.device_index_dtype))
+    else:  # The tokens stay on the devices; only the embeddings change.
+      self.device_index = self.device_index.with_embeddings(index.embeddings)
 
   def serve(self, start_step: int, state, ckpt) -> None:
     """Loads the first index (waiting for the builder, or building it)."""
     if self.config.index_mode == "builder":
       self.watcher = publish.IndexWatcher(self.index_root, self.expect)
       self.staleness = StalenessMonitor(self.config, self.watcher)
-      self.index = self.watcher.wait_for_index(
-          timeout=self.config.index_wait_seconds)
+      self._serve(self.watcher.wait_for_index(
+          timeout=self.config.index_wait_seconds))
     # Inline, index s is always built right after checkpoint s; a resumed
     # run serves the index of its own step (rebuilt if the previous run
     # died before publishing it) and so replays the same trajectory.
     elif publish.read_latest(self.index_root) == start_step:
-      self.index = publish.load_index(self.index_root, start_step,
-                                      self.expect)
+      self._serve(publish.load_index(self.index_root, start_step,
+                                     self.expect))
     else:
       self.refresh(start_step, state, ckpt)
     logging.info("serving index %d at step %d", self.index.step, start_step)
@@ -317,12 +350,12 @@ class RetrievalInput:
         retriever_config=self.model.retriever, store=self.store,
         root=self.index_root, step=step,
         config=builder_lib.BuilderConfig(searcher_kind=self.config.searcher))
-    self.index = publish.load_index(self.index_root, step, self.expect)
+    self._serve(publish.load_index(self.index_root, step, self.expect))
 
   def before_step(self, step: int) -> None:
     if self.watcher is not None:
       if self.watcher.maybe_swap():
-        self.index = self.watcher.current
+        self._serve(self.watcher.current)
       self.staleness.check(step, self.index.step)
 
   def batch(self, step: int, state) -> dict[str, jax.Array]:
@@ -330,9 +363,15 @@ class RetrievalInput:
     local = self.queries.batch(step)  # This host's rows of global `step`.
     q = parallel.shard_batch(self.mesh, {k: local[k] for k in
                                          ("query_ids", "query_mask")})
-    q_emb = parallel.local_rows(self.embed_queries(state.params, q["query_ids"],
-                                          q["query_mask"]))
-    hits, _ = self.index.search(q_emb, self.search_k)
+    q_emb = self.embed_queries(state.params, q["query_ids"], q["query_mask"])
+    if c.retrieval == "device":
+      batch, block_ids = device_search.candidate_batch(
+          self.device_index, local, q_emb, k=c.num_candidates,
+          doc_len=self.store.max_block_len, reader_len=c.reader_length,
+          null_document=c.null_document)
+      self.guard.add_top1(parallel.local_rows(block_ids)[:, 0])
+      return batch
+    hits, _ = self.index.search(parallel.local_rows(q_emb), self.search_k)
     candidates = realm_inputs.select_candidates(
         hits, self.store.doc_hash, local["source_doc_hash"], c.num_candidates)
     self.guard.add_top1(candidates[:, 0])

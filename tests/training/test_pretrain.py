@@ -215,3 +215,26 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
   stale = [w for w in warnings if "STALE INDEX" in w]
   assert len(stale) == 1 and "step 3" in stale[0], warnings
   assert checkpoints.index_root(workdir) in stale[0]
+
+
+def test_retrieval_on_device_trains_like_retrieval_on_host(
+    tmp_path, tiny_corpus, reference_run, monkeypatch):
+  """retrieval="device": search, candidate gathering and batch assembly on
+  the 8 devices give the host path's candidates, so the same losses."""
+  reference, _ = reference_run
+  calls = []
+  real = pretrain.device_search.candidate_batch
+  monkeypatch.setattr(pretrain.device_search, "candidate_batch",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  workdir = str(tmp_path / "device")
+  config, model = _configs(_bindings(workdir, tiny_corpus,
+                                     searcher="exact", retrieval="device"))
+  history = pretrain.train(config=config, model=model)
+  gin.clear_config()
+  want = _losses(reference)
+  assert len(history) == STEPS
+  for h in history:
+    np.testing.assert_allclose(h["loss"], want[h["step"]]["loss"],
+                               rtol=1e-5, atol=1e-5)
+    assert h["hubness"] == want[h["step"]]["hubness"]
+  assert len(calls) == STEPS  # every batch came from the device path
