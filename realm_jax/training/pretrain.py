@@ -207,15 +207,20 @@ class CollapseGuard:
     self._top1: list[np.ndarray] = []
     self._warned: set[str] = set()
 
-  def add_top1(self, block_ids: np.ndarray) -> None:
-    self._top1.append(np.asarray(block_ids).reshape(-1))
+  def add_top1(self, block_ids: np.ndarray | jax.Array) -> None:
+    """Top-1 block ids of a batch. A device array is read only when the
+    hubness is computed (at log time), so that the host never waits for the
+    device to finish a batch just to count its top-1s."""
+    self._top1.append(block_ids)
 
   def hubness(self) -> float:
     """Share of the queries since the last call whose top-1 is the single
     most common top-1 block (then starts a new window)."""
     if not self._top1:
       return 0.0
-    top1 = np.concatenate(self._top1)
+    top1 = np.concatenate([
+        parallel.local_rows(x) if isinstance(x, jax.Array) else np.asarray(x)
+        for x in self._top1]).reshape(-1)
     self._top1 = []
     return float(np.bincount(top1).max() / len(top1))
 
@@ -369,7 +374,7 @@ class RetrievalInput:
           self.device_index, local, q_emb, k=c.num_candidates,
           doc_len=self.store.max_block_len, reader_len=c.reader_length,
           null_document=c.null_document)
-      self.guard.add_top1(parallel.local_rows(block_ids)[:, 0])
+      self.guard.add_top1(block_ids[:, 0])
       return batch
     hits, _ = self.index.search(parallel.local_rows(q_emb), self.search_k)
     candidates = realm_inputs.select_candidates(
