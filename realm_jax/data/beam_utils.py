@@ -54,30 +54,53 @@ class Progress:
     logging.info("%s: %d%s (%.1f/s%s)", self.what, self.done, of, rate, eta)
 
 
-def check_input(input_path: str) -> None:
-  """Fails early, naming the file, on a missing input or unknown format."""
+INPUT_FORMATS = ("wikipedia_xml", "jsonl", "dpr_tsv")
+
+
+def check_input(input_path: str, input_format: str | None = None) -> str:
+  """Fails early, naming the file, on a missing input or unknown format.
+
+  Returns `input_format` (one of `INPUT_FORMATS`), or if None the format
+  its name says: a dump `*.xml[.bz2]`, `*.jsonl[.gz]` or DPR's `*.tsv`.
+  """
+  if input_format is not None and input_format not in INPUT_FORMATS:
+    raise ValueError(f"input_format={input_format!r} is not one of "
+                     f"{INPUT_FORMATS} (or None: by the file name).")
   if not io_utils.as_path(input_path).exists():
     raise FileNotFoundError(f"corpus {input_path} does not exist.")
+  return input_format or _format_of(input_path)
+
+
+def _format_of(input_path: str) -> str:
   name = os.path.basename(input_path).lower()
   for suffix in (".bz2", ".gz"):
     name = name.removesuffix(suffix)
-  if not (wikipedia.is_wikipedia_dump(input_path) or
-          name.endswith((".jsonl", ".json", ".ndjson"))):
-    raise ValueError(
-        f"{input_path}: unknown corpus format; expected a Wikipedia dump "
-        "(*-pages-articles*.xml[.bz2]) or JSONL lines {\"title\", \"text\"} "
-        "(*.jsonl[.gz]).")
+  if wikipedia.is_wikipedia_dump(input_path):
+    return "wikipedia_xml"
+  if name.endswith((".jsonl", ".json", ".ndjson")):
+    return "jsonl"
+  if name.endswith(".tsv"):
+    return "dpr_tsv"
+  raise ValueError(
+      f"{input_path}: unknown corpus format; expected a Wikipedia dump "
+      "(*-pages-articles*.xml[.bz2]), JSONL lines {\"title\", \"text\"} "
+      "(*.jsonl[.gz]) or DPR's passages (psgs_w100.tsv), or set "
+      "input_format.")
 
 
 def read_documents(input_path: str, *, max_documents: int | None,
                    stats_path: str, orqa_titles: str | None = None,
-                   **reader_kwargs) -> Iterator[tuple[int, str, str]]:
+                   input_format: str | None = None, with_ids: bool = False,
+                   list_dropped: bool = False, **reader_kwargs
+                   ) -> Iterator[tuple[Any, ...]]:
   """`(index, title, text)` of a corpus's documents, in file order: a
   dump's pages as wikitext (`wikipedia.iter_wikipedia_pages`; the jobs
-  remove the markup in parallel), JSONL documents, or ORQA's records
-  (`blocks.tfr` with `orqa_titles`). The reader's report (kept and skipped
-  records by reason, "documents") goes to `stats_path` at the end. A file
-  that cannot be read raises ValueError naming it.
+  remove the markup in parallel), JSONL documents, DPR's passages, or
+  ORQA's records (`blocks.tfr` with `orqa_titles`); `with_ids` appends the
+  DPR passage id (None for other formats). The reader's report (kept and
+  skipped records by reason, "documents", with `list_dropped` every skipped
+  article's title) goes to `stats_path` at the end. A file that cannot be
+  read raises ValueError naming it.
   """
   local_dir, path = None, input_path
   if not io_utils.is_local(input_path) and not orqa_titles:
@@ -86,18 +109,21 @@ def read_documents(input_path: str, *, max_documents: int | None,
     path = os.path.join(local_dir, os.path.basename(input_path))
     io_utils.copy_file(input_path, path)
   report = wikipedia.Report()
+  input_format = None if orqa_titles else (
+      input_format or _format_of(input_path))
   if orqa_titles:
-    documents = blocks_lib.read_orqa_blocks(path, orqa_titles, report)
-  elif wikipedia.is_wikipedia_dump(path):
-    documents = wikipedia.iter_wikipedia_pages(path, report, **reader_kwargs)
+    documents = ((None, title, text) for title, text in
+                 blocks_lib.read_orqa_blocks(path, orqa_titles, report))
+  elif input_format == "dpr_tsv":
+    documents = wikipedia.iter_dpr_passages(path)
   else:
-    reader_kwargs.pop("allow_truncated", None)
-    documents = wikipedia.iter_jsonl_documents(path, report, **reader_kwargs)
+    documents = ((None, d.title, d.text) for d in (
+        wikipedia.iter_wikipedia_pages if input_format == "wikipedia_xml"
+        else wikipedia.iter_jsonl_documents)(path, report, **reader_kwargs))
   progress = Progress(f"read {input_path}: documents", max_documents)
   try:
-    for doc in documents:
-      title, text = doc if orqa_titles else (doc.title, doc.text)
-      yield progress.done, title, text
+    for doc_id, title, text in documents:
+      yield (progress.done, title, text) + ((doc_id,) if with_ids else ())
       progress.add()
       if progress.done == max_documents:
         break
@@ -112,7 +138,7 @@ def read_documents(input_path: str, *, max_documents: int | None,
     if local_dir:
       shutil.rmtree(local_dir, ignore_errors=True)
   io_utils.atomic_write_text(stats_path, json.dumps(
-      dict(report.summary(), documents=progress.done)))
+      dict(report.summary(list_dropped), documents=progress.done)))
   logging.info("read all %d documents of %s in %.1fs", progress.done,
                input_path, time.time() - progress.start)
 

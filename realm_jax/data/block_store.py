@@ -3,8 +3,9 @@
 `write_block_store` streams blocks (`blocks.Block`) into a directory of
 `.npy` files that `BlockStore` opens with `mmap_mode="r"`: 13M blocks are
 ~16 GB of arrays on disk and almost nothing in RAM. Block ids are 0..N-1 in
-corpus order; the manifest's `fingerprint` (sha256 over every array) is what
-index manifests record to refuse embeddings of another corpus.
+corpus order; the manifest's `fingerprint` (sha256 over every array and the
+corpus job's options) is what index manifests record to refuse embeddings of
+another corpus.
 
 Layout of a store directory (`N` blocks, `D` documents, flat arrays with
 `*_offsets` of length N+1 or D+1):
@@ -19,7 +20,10 @@ Layout of a store directory (`N` blocks, `D` documents, flat arrays with
   doc_block_offsets.npy int64 [D+1]                  blocks of each article
   body_signatures.npy uint64 [N, 16]                 hashed wordpiece sets
                                                      (`signatures`)
-  manifest.json, report.json
+  passage_id_bytes.npy uint8, passage_id_offsets.npy  optional: UTF-8 ids of
+                                                     the input's passages
+  manifest.json, report.json (counts), dropped.jsonl (every skipped
+  article: {"title", "reason"} a line)
 
 A store on remote storage (gs://...) is copied once into the local cache
 and mapped from there (`BlockStore.open`).
@@ -58,7 +62,10 @@ _ARRAYS = (
     ("title_bytes", np.uint8), ("title_byte_offsets", np.int64),
     ("doc_block_offsets", np.int64),
 )
+# Written when the blocks have a `passage_id` (DPR's passages).
+_ID_ARRAYS = (("passage_id_bytes", np.uint8), ("passage_id_offsets", np.int64))
 _HEADER_BYTES = 128
+DROPPED_FILE = "dropped.jsonl"
 
 
 def _npy_header(dtype, length: int) -> bytes:
@@ -97,11 +104,15 @@ class _ArrayWriter:
     self._file.close()
 
 
-def _fingerprint(files: dict[str, dict[str, Any]]) -> str:
+def _fingerprint(files: dict[str, dict[str, Any]],
+                 options: dict[str, Any] | None) -> str:
   digest = hashlib.sha256()
-  for name, _ in _ARRAYS:
-    digest.update(f"{name}:{files[name]['dtype']}:{files[name]['sha256']}\n"
-                  .encode())
+  for name, _ in _ARRAYS + _ID_ARRAYS:
+    if name in files:
+      digest.update(f"{name}:{files[name]['dtype']}:{files[name]['sha256']}\n"
+                    .encode())
+  if options:
+    digest.update(f"options:{json.dumps(options, sort_keys=True)}".encode())
   return digest.hexdigest()
 
 
@@ -123,6 +134,7 @@ def write_block_store(
     overwrite: bool = False,
     report: wikipedia.Report | None = None,
     extra_manifest: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> BlockStore:
   """Streams blocks into a block store directory.
 
@@ -145,8 +157,12 @@ def write_block_store(
     max_block_len: the length bound every block must satisfy.
     overwrite: replace an existing store at `out_dir`.
     report: if given, its summary is written to `report.json` in the store
-      once `blocks` is exhausted (so it counts the whole build).
+      once `blocks` is exhausted (so it counts the whole build), and the
+      skipped articles, `{"title", "reason"}` a line, to `dropped.jsonl`.
     extra_manifest: more JSON-serialisable manifest entries.
+    options: how the blocks were made beyond what they hold (the corpus
+      job's filters), for the manifest; part of the fingerprint, so stores
+      built with other options never share one.
 
   Returns:
     The opened store.
@@ -155,7 +171,7 @@ def write_block_store(
     return _write_remote_store(
         blocks, os.fspath(out_dir), tokenizer_vocab_path=tokenizer_vocab_path,
         source=source, max_block_len=max_block_len, overwrite=overwrite,
-        report=report, extra_manifest=extra_manifest)
+        report=report, extra_manifest=extra_manifest, options=options)
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and not overwrite:
     raise FileExistsError(
@@ -197,6 +213,20 @@ def write_block_store(
         raise ValueError(
             f"block {num_blocks} has doc_index {block.doc_index} after "
             f"{num_documents - 1}: blocks must come in article order.")
+      if not num_blocks and block.passage_id is not None:
+        writers.update({name: _ArrayWriter(
+            os.path.join(tmp_dir, name + ".npy"), dtype)
+                        for name, dtype in _ID_ARRAYS})
+        writers["passage_id_offsets"].append([0])
+        total["passage_id"] = 0
+      if (block.passage_id is not None) != ("passage_id" in total):
+        raise ValueError(f"block {num_blocks} ('{block.title}'): either "
+                         "every block has a passage_id or none has.")
+      if block.passage_id is not None:
+        passage_id = block.passage_id.encode("utf-8")
+        writers["passage_id_bytes"].append(np.frombuffer(passage_id, np.uint8))
+        total["passage_id"] += len(passage_id)
+        writers["passage_id_offsets"].append([total["passage_id"]])
       text_bytes = block.text.encode("utf-8")
       writers["body_ids"].append(block.body_ids)
       writers["sentence_starts"].append(block.sentence_starts)
@@ -228,15 +258,20 @@ def write_block_store(
         **_special_ids(tokenizer_vocab_path),
         "source": source,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "fingerprint": _fingerprint(files),
+        "fingerprint": _fingerprint(files, options),
         "files": files,
         "signatures": signature_entry,
+        "options": options or {},
         **(extra_manifest or {}),
     }
     io_utils.write_json(os.path.join(tmp_dir, "manifest.json"), manifest)
     if report is not None:
-      io_utils.write_json(os.path.join(tmp_dir, "report.json"),
-                          report.summary())
+      io_utils.write_json(os.path.join(tmp_dir, "report.json"), dict(
+          report.summary(), dropped_list=DROPPED_FILE))
+      with open(os.path.join(tmp_dir, DROPPED_FILE), "w",
+                encoding="utf-8") as f:
+        f.writelines(json.dumps({"title": title, "reason": reason}) + "\n"
+                     for reason, title in report.dropped)
     BlockStore.open(tmp_dir)  # refuse to publish what cannot be read back
     io_utils.replace_local_dir(tmp_dir, out_dir)
   except BaseException:
@@ -313,7 +348,8 @@ class BlockStore:
     num_blocks = int(manifest["num_blocks"])
     num_documents = int(manifest["num_documents"])
     arrays = {}
-    for name, dtype in _ARRAYS:
+    for name, dtype in _ARRAYS + tuple(
+        (name, dtype) for name, dtype in _ID_ARRAYS if name in files):
       file_path = os.path.join(path, name + ".npy")
       if not os.path.exists(file_path):
         raise FileNotFoundError(f"{file_path} is missing; rebuild the store.")
@@ -355,6 +391,12 @@ class BlockStore:
             f"{self.path}: {offsets}.npy does not match "
             f"{flat or 'num_documents'} and the manifest's counts; the store "
             "is corrupt; rebuild it.")
+    if "passage_id_offsets" in a and not (
+        len(a["passage_id_offsets"]) == num_blocks + 1 and
+        int(a["passage_id_offsets"][-1]) == len(a["passage_id_bytes"])):
+      raise ValueError(f"{self.path}: passage_id_offsets.npy does not match "
+                       "passage_id_bytes.npy and num_blocks; the store is "
+                       "corrupt; rebuild it.")
     if len(a["doc_index"]) != num_blocks or len(a["doc_hash"]) != num_blocks:
       raise ValueError(f"{self.path}: doc_index/doc_hash do not have "
                        f"{num_blocks} rows; the store is corrupt.")
@@ -493,6 +535,14 @@ class BlockStore:
   def title(self, i: int) -> str:
     return self._slice("title_bytes", "title_byte_offsets",
                        self.doc_index(i)).tobytes().decode("utf-8")
+
+  def passage_id(self, i: int) -> str | None:
+    """The input's id of block `i` (DPR's passage id), if the store has
+    them."""
+    if "passage_id_offsets" not in self._a:
+      return None
+    return self._slice("passage_id_bytes", "passage_id_offsets",
+                       self._block(i)).tobytes().decode("utf-8")
 
   def body_ids(self, i: int) -> np.ndarray:
     return np.array(self._slice("body_ids", "body_offsets", self._block(i)))

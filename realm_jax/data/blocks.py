@@ -6,8 +6,9 @@ wordpieces. `pack_blocks` packs sentences greedily in article order; a
 sentence that does not fit in the current block starts a new one, and a
 sentence longer than a whole block is cut into block-sized chunks (at word
 starts where possible), never dropped. `pack_orqa_blocks` turns the released
-ORQA/REALM `blocks.tfr` + `titles.tfr` into blocks one-for-one (block i =
-record i, so the released `block_emb` row i pairs with it).
+ORQA/REALM `blocks.tfr` + `titles.tfr`, or DPR's passages, into blocks
+one-for-one (block i = record i, so the released `block_emb` row i pairs
+with it).
 
 Blocks are stored, and read back memory-mapped, by `block_store`
 (`write_block_store`, `BlockStore`).
@@ -55,6 +56,7 @@ class Block:
     body_ids: wordpieces of `text`.
     sentence_starts: token offset in `body_ids` where each sentence (or
       chunk of a long sentence) starts; the first is 0.
+    passage_id: the input's own id of the block (a DPR passage's), or None.
   """
   doc_index: int
   title: str
@@ -62,6 +64,7 @@ class Block:
   text: str
   body_ids: np.ndarray
   sentence_starts: np.ndarray
+  passage_id: str | None = None
 
 
 # -----------------------------------------------------------------------------
@@ -292,10 +295,10 @@ def pack_blocks(
     if NUM_SPECIAL_TOKENS + len(title_ids) >= max_block_len:
       report.skip("title_leaves_no_room", where,
                   f"{len(title_ids)} title wordpieces, max_block_len "
-                  f"{max_block_len}")
+                  f"{max_block_len}", title)
       continue
     if not any(len(x) for x in sentence_ids):
-      report.skip("no_tokens", where)
+      report.skip("no_tokens", where, title=title)
       continue
     report.keep("documents")
     yield from packer.pack(doc_index, wikipedia.Document(title, text),

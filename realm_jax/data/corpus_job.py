@@ -3,9 +3,13 @@ r"""Corpus job: documents -> sentences -> blocks of <= 288 wordpieces -> store.
 Builds the knowledge corpus Z as a memory-mapped block store (`blocks`,
 `block_store`) from a Wikipedia `*-pages-articles*.xml(.bz2)` dump (default:
 the enwiki slice inside the gensim wheel), a JSONL file of `{"title": str,
-"text": str}` lines, or the released ORQA/REALM `blocks.tfr` + `titles.tfr`
-(block i = record i, so the released `block_emb` rows pair with the store).
-An Apache Beam pipeline:
+"text": str}` lines, the released ORQA/REALM `blocks.tfr` + `titles.tfr`
+(block i = record i, so the released `block_emb` rows pair with the store)
+or DPR's `psgs_w100.tsv` (block i = passage i, its id kept: `passage_id`).
+Like ORQA, a dump loses its list and disambiguation pages, tables and image
+captions unless `keep_*` say otherwise; the store's `dropped.jsonl` names
+every skipped article, `report.json` has the counts. An Apache Beam
+pipeline:
 
   Read   one sequential pass (a dump cannot be split): documents numbered
          in file order, in chunks of `documents_per_chunk` (ORQA: never
@@ -15,7 +19,8 @@ An Apache Beam pipeline:
          temporary file.
   Store  the launching process streams the chunks in order into
          `write_block_store` (arrays, manifest, report.json: what was kept
-         and skipped, by reason), which publishes the store atomically.
+         and skipped, by reason, dropped.jsonl), which publishes the store
+         atomically.
 
 The store and report are those of a sequential pass, whatever the runner or
 the chunking. The command line follows the gin convention (`gin_cli`);
@@ -44,7 +49,10 @@ from realm_jax.data import block_store
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.data import wikipedia
-from realm_jax.data import wikitext
+
+
+# What a dump loses by default (as ORQA): part of the store's fingerprint.
+_KEEP = ("keep_lists", "keep_disambiguation", "keep_tables", "keep_captions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +63,12 @@ class CorpusConfig:
     output_dir: the block store directory to create (a gs://... store is
       built in the local cache and uploaded, manifest last).
     input_path: a dump (`*.xml[.bz2]`), a JSONL file, ORQA's `blocks.tfr`
-      or its directory (with `titles.tfr`); default: the gensim slice.
+      or its directory (with `titles.tfr`), DPR's `psgs_w100.tsv[.gz]`;
+      default: the gensim slice.
+    input_format: None: by `input_path`'s name; or "wikipedia_xml",
+      "jsonl" or "dpr_tsv" (`id<TAB>text<TAB>title` lines under that
+      header: one block per passage, truncated to `max_block_len`, in file
+      order, `BlockStore.passage_id(i)` its id), whatever the name.
     vocab_path: WordPiece vocab.txt; default: BERT uncased.
     max_block_len: wordpieces of `[CLS] title [SEP] body [SEP]`.
     max_documents: only the first N documents (a dump's pages are counted
@@ -65,6 +78,13 @@ class CorpusConfig:
       (`enormous_article`, `title_too_long`).
     allow_truncated: keep the pages read before a dump's XML or
       compression error instead of failing.
+    keep_lists: keep a dump's "List of"/"Index of"/"Outline of" pages.
+    keep_disambiguation: keep a dump's disambiguation pages.
+    keep_tables: keep the text of a dump's tables (a paragraph per row,
+      cells joined by " | ").
+    keep_captions: keep the captions of a dump's images (a paragraph each).
+      By default these four are dropped, as ORQA does; they are part of the
+      store's fingerprint.
     documents_per_chunk: the unit of parallel work.
     overwrite: replace an existing store at `output_dir`.
   """
@@ -77,6 +97,11 @@ class CorpusConfig:
   max_article_chars: int = wikipedia.DEFAULT_MAX_ARTICLE_CHARS
   max_title_chars: int = wikipedia.DEFAULT_MAX_TITLE_CHARS
   allow_truncated: bool = False
+  input_format: str | None = None
+  keep_lists: bool = False
+  keep_disambiguation: bool = False
+  keep_tables: bool = False
+  keep_captions: bool = False
   documents_per_chunk: int = 256
   overwrite: bool = False
 
@@ -106,16 +131,18 @@ def _orqa_files(input_path: str,
   return None
 
 
-def _read_chunks(input_path: str, *, size: int, whole_titles: bool,
-                 **kwargs) -> Iterator[tuple[int, tuple[int, str, str]]]:
-  """The Read step: (chunk, (index, title, text)); with `whole_titles`, a
-  chunk never ends between two records of one title (ORQA's articles)."""
+def _read_chunks(input_path: str, *, size: int, whole_titles: bool, **kwargs
+                 ) -> Iterator[tuple[int, tuple[int, str, str, str | None]]]:
+  """The Read step: (chunk, (index, title, text, passage_id)); with
+  `whole_titles`, a chunk never ends between two records of one title
+  (ORQA's and DPR's articles)."""
   chunk, count, last = 0, 0, None
-  for index, title, text in beam_utils.read_documents(input_path, **kwargs):
-    if count >= size and not (whole_titles and title == last):
+  for row in beam_utils.read_documents(input_path, with_ids=True,
+                                       list_dropped=True, **kwargs):
+    if count >= size and not (whole_titles and row[1] == last):
       chunk, count = chunk + 1, 0
-    count, last = count + 1, title
-    yield chunk, (index, title, text)
+    count, last = count + 1, row[1]
+    yield chunk, row
 
 
 @functools.lru_cache(maxsize=2)
@@ -124,37 +151,35 @@ def _tokenizer(vocab_path: str) -> tokenizer_lib.Tokenizer:
 
 
 def pack_chunk(item, *, tmp_dir: str, vocab_path: str, max_block_len: int,
-               orqa: bool, is_dump: bool, input_path: str) -> dict[str, Any]:
-  """The Pack step: (chunk, [(index, title, text)]) -> its blocks' file;
-  returns the chunk's report and documents (`doc_index` counts from 0)."""
+               input_format: str, input_path: str,
+               clean_options: dict[str, bool]) -> dict[str, Any]:
+  """The Pack step: (chunk, [(index, title, text, passage_id)]) -> its
+  blocks' file; returns the chunk's report and documents (`doc_index`
+  counts from 0). A dump's markup is removed with `clean_options`."""
   chunk, rows = item
-  rows = sorted(rows)
+  rows = sorted(rows, key=lambda row: row[0])
   report = wikipedia.Report()
   tokenizer = _tokenizer(vocab_path)
-  if orqa:
-    blocks = blocks_lib.pack_orqa_blocks(
-        [(title, text) for _, title, text in rows], tokenizer,
-        max_block_len=max_block_len, report=report, first_record=rows[0][0])
+  if input_format in ("orqa", "dpr_tsv"):
+    blocks = [dataclasses.replace(block, passage_id=row[3])
+              for block, row in zip(blocks_lib.pack_orqa_blocks(
+                  [row[1:3] for row in rows], tokenizer,
+                  max_block_len=max_block_len, report=report,
+                  first_record=rows[0][0]), rows)]
   else:
-
-    def documents():
-      for _, title, text in rows:
-        if is_dump:  # as `wikipedia.iter_wikipedia_dump` does it
-          text = wikitext.clean_wikitext(text)
-          if not text:
-            report.skip("empty_article", f"{input_path}: page '{title}'",
-                        "no text left after removing markup")
-            continue
-          report.keep("articles_read")
-        yield wikipedia.Document(title=title, text=text)
-
-    blocks = blocks_lib.pack_blocks(documents(), tokenizer,
-                                    max_block_len=max_block_len, report=report)
-  blocks = list(blocks)
+    documents = (
+        wikipedia.clean_page(title, text, report,
+                             f"{input_path}: page '{title}'", **clean_options)
+        if input_format == "wikipedia_xml" else
+        wikipedia.Document(title=title, text=text)
+        for _, title, text, _ in rows)
+    blocks = list(blocks_lib.pack_blocks(
+        (d for d in documents if d), tokenizer, max_block_len=max_block_len,
+        report=report))
   io_utils.atomic_write_bytes(io_utils.join(tmp_dir, f"chunk-{chunk}.jsonl"),
                               "".join(_block_line(b) for b in blocks).encode())
   beam.metrics.Metrics.counter("corpus", "blocks").inc(len(blocks))
-  return {"shard": chunk, "report": report.summary(),
+  return {"shard": chunk, "report": report.summary(dropped=True),
           "documents": blocks[-1].doc_index + 1 if blocks else 0}
 
 
@@ -179,24 +204,13 @@ def _read_block(line: str) -> blocks_lib.Block:
   return blocks_lib.Block(**record)
 
 
-def _merge_report(report: wikipedia.Report, summary: dict[str, Any]) -> None:
-  """Adds a `Report.summary()` to `report` (merged in document order, the
-  first examples of each reason are the sequential pass's)."""
-  report.kept.update(summary["kept"])
-  report.skipped.update(summary["skipped"])
-  report.notes.update(summary["notes"])
-  for reason, examples in summary["examples"].items():
-    kept = report.examples.setdefault(reason, [])
-    kept += examples[:report.max_examples - len(kept)]
-
-
 def _merged_blocks(out: beam_utils.ShardedOutput, stats: list[dict[str, Any]],
                    report: wikipedia.Report) -> Iterator[blocks_lib.Block]:
   """The chunks' blocks in corpus order, `doc_index` counted over all."""
   progress = beam_utils.Progress("corpus: chunks stored", len(stats))
   first_doc = 0
   for s in stats:
-    _merge_report(report, s["report"])
+    report.merge(s["report"])
     path = io_utils.as_path(out.path(f"chunk-{s['shard']}.jsonl"))
     for line in path.read_text(encoding="utf-8").splitlines():
       block = _read_block(line)
@@ -221,9 +235,20 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
   config = CorpusConfig(**fields)
   input_path = io_utils.absolute(config.input_path or
                                  wikipedia.default_wikipedia_dump())
-  orqa = _orqa_files(input_path, config.orqa_titles_path)
-  if not orqa:
-    beam_utils.check_input(input_path)
+  orqa = None if config.input_format else _orqa_files(
+      input_path, config.orqa_titles_path)
+  input_format = "orqa" if orqa else beam_utils.check_input(
+      input_path, config.input_format)
+  keep = {name: getattr(config, name) for name in _KEEP}
+  reader = dict(orqa_titles=orqa[1]) if orqa else dict(
+      input_format=input_format)
+  if input_format in ("wikipedia_xml", "jsonl"):
+    reader.update(max_article_chars=config.max_article_chars,
+                  max_title_chars=config.max_title_chars)
+  if input_format == "wikipedia_xml":
+    reader.update(allow_truncated=config.allow_truncated,
+                  keep_lists=config.keep_lists,
+                  keep_disambiguation=config.keep_disambiguation)
   vocab_path = config.vocab_path or tokenizer_lib.default_vocab_path()
   report = wikipedia.Report()
   with beam_utils.ShardedOutput(config.output_dir, marker="manifest.json",
@@ -232,33 +257,32 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
     pipeline, runner = beam_utils.pipeline(pipeline_args)
     logging.info("corpus: %s -> %s (max_block_len %d, runner %s)",
                  input_path, out.output_dir, config.max_block_len, runner)
-    kwargs = (dict(orqa_titles=orqa[1]) if orqa else dict(
-        max_article_chars=config.max_article_chars,
-        max_title_chars=config.max_title_chars,
-        allow_truncated=config.allow_truncated))
     with pipeline:
       _ = (pipeline
            | "Input" >> beam.Create([orqa[0] if orqa else input_path])
            | "Read" >> beam.FlatMap(
                _read_chunks, size=config.documents_per_chunk,
-               whole_titles=bool(orqa), max_documents=config.max_documents,
-               stats_path=reader_stats, **kwargs)
+               whole_titles=input_format in ("orqa", "dpr_tsv"),
+               max_documents=config.max_documents, stats_path=reader_stats,
+               **reader)
            | "Pack" >> out.write_shards(functools.partial(
                pack_chunk, tmp_dir=out.tmp_dir, vocab_path=vocab_path,
-               max_block_len=config.max_block_len, orqa=bool(orqa),
-               is_dump=wikipedia.is_wikipedia_dump(input_path),
-               input_path=input_path), "corpus"))
-    _merge_report(report, out.load(reader_stats))
+               max_block_len=config.max_block_len, input_format=input_format,
+               input_path=input_path, clean_options=dict(
+                   keep_tables=config.keep_tables,
+                   keep_captions=config.keep_captions)), "corpus"))
+    report.merge(out.load(reader_stats))
     stats = sorted(out.load(out.stats, []), key=lambda s: s["shard"])
     store = block_store.write_block_store(
         _merged_blocks(out, stats, report), out.output_dir,
         tokenizer_vocab_path=vocab_path, source=input_path,
         max_block_len=config.max_block_len, overwrite=config.overwrite,
-        report=report)
+        report=report, options=keep if input_format == "wikipedia_xml" else
+        None)
   logging.info("corpus: %s: %d articles, %d blocks, fingerprint %s",
                out.output_dir, store.num_documents, len(store),
                store.fingerprint)
-  report.log_summary()
+  report.log_summary(io_utils.join(out.output_dir, block_store.DROPPED_FILE))
   return store, report
 
 

@@ -1,7 +1,7 @@
 """Documents of the knowledge corpus Z: Wikipedia dumps, JSONL, sentences.
 
-Three readers yield `Document(title, text)` with plain text whose paragraphs
-are separated by blank lines:
+Readers of the corpus formats; the first three yield `Document(title, text)`
+with plain text whose paragraphs are separated by blank lines:
 
 - `iter_wikipedia_dump`: a MediaWiki `*-pages-articles*.xml(.bz2)` export,
   streamed with `xml.etree.ElementTree.iterparse` (memory stays flat on the
@@ -9,10 +9,12 @@ are separated by blank lines:
 - `iter_jsonl_documents`: one `{"title": str, "text": str}` object a line
   (optionally .gz or .bz2), for a user's own corpus.
 - `iter_documents`: picks one of the two from the file name.
+- `iter_dpr_passages`: DPR's `psgs_w100.tsv`, `(id, title, text)` a line.
 
 Bad input never stops a reader silently: every record kept or skipped is
 counted by reason in a `Report`, and the first few examples of each reason
-are logged with the file and the record (line number or page title). A dump
+are logged with the file and the record (line number or page title); the
+title of every skipped article is kept (`Report.dropped`). A dump
 that is malformed at the XML level (truncated download, corrupt bz2 stream)
 cannot be resynchronised by an XML parser, so it raises `CorruptDumpError`
 naming the file, the position and the last good page; pass
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import bz2
 import collections
+import csv
 import dataclasses
+import functools
 import gzip
 import itertools
 import json
@@ -91,14 +95,21 @@ class Report:
   """Counts of the records a corpus job kept, skipped and changed, by reason.
 
   `skip` and `note` log the first `max_examples` occurrences of each reason
-  with where they happened (file and record), so a user can find them.
+  with where they happened (file and record), so a user can find them; every
+  skipped article's title is kept in `dropped` (the store's dropped.jsonl).
 
   Attributes:
     kept: counts of kept items ("documents", "blocks", "sentences", ...).
     skipped: counts of skipped records by reason.
     notes: counts of records kept but changed, by reason (a sentence split
-      across blocks, a block truncated to the budget, ...).
+      across blocks, a block truncated to the budget, the tables or
+      captions of an article removed, ...).
+    removed: totals of what was removed from kept articles ("tables",
+      "table_cells", "captions"; see `wikitext.clean_wikitext`).
     examples: the first `max_examples` locations of each skip or note reason.
+    dropped: (reason, title) of every skipped record that has a title (not
+      redirects or other namespaces' pages: they are not articles), in the
+      order they were skipped.
     max_examples: how many examples of each reason are logged and kept.
   """
   kept: collections.Counter = dataclasses.field(
@@ -107,16 +118,23 @@ class Report:
       default_factory=collections.Counter)
   notes: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
+  removed: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
   examples: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  dropped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
   max_examples: int = 3
 
   def keep(self, what: str = "documents", n: int = 1) -> None:
     """Counts `n` kept items of kind `what`."""
     self.kept[what] += n
 
-  def skip(self, reason: str, where: str, detail: str = "") -> None:
-    """Counts one skipped record and logs it if it is among the first few."""
+  def skip(self, reason: str, where: str, detail: str = "",
+           title: str | None = None) -> None:
+    """Counts one skipped record and logs it if it is among the first few;
+    keeps the `title` of a skipped article."""
     self.skipped[reason] += 1
+    if title is not None:
+      self.dropped.append((reason, title))
     self._example(reason, where, detail, self.skipped[reason],
                   logging.INFO if reason in _FILTER_REASONS else
                   logging.WARNING, "skipped")
@@ -136,17 +154,52 @@ class Report:
     if count == self.max_examples:
       logging.log(level, "further '%s' records are only counted", reason)
 
-  def summary(self) -> dict[str, Any]:
-    """JSON-serialisable counts and examples."""
-    return {
+  def count_removed(self, where: str, removed: dict[str, int]) -> None:
+    """Counts the tables and captions removed from one kept article."""
+    self.removed.update(removed)
+    if removed.get("tables"):
+      self.note("tables_removed", where, f"{removed['tables']} tables, "
+                f"{removed.get('table_cells', 0)} cells")
+    if removed.get("captions"):
+      self.note("captions_removed", where, f"{removed['captions']} captions")
+
+  def summary(self, dropped: bool = False) -> dict[str, Any]:
+    """JSON-serialisable counts and examples (and `dropped` if asked: it
+    grows with the corpus)."""
+    summary = {
         "kept": dict(sorted(self.kept.items())),
         "skipped": dict(sorted(self.skipped.items())),
         "notes": dict(sorted(self.notes.items())),
+        "removed": dict(sorted(self.removed.items())),
         "examples": {k: list(v) for k, v in sorted(self.examples.items())},
     }
+    return dict(summary, dropped=self.dropped) if dropped else summary
 
-  def log_summary(self) -> None:
+  def merge(self, summary: dict[str, Any]) -> None:
+    """Adds another report's `summary(dropped=True)` (merged in document
+    order, the examples are those a sequential pass would keep)."""
+    for name in ("kept", "skipped", "notes", "removed"):
+      getattr(self, name).update(summary.get(name, {}))
+    self.dropped.extend(tuple(item) for item in summary.get("dropped", ()))
+    for reason, examples in summary["examples"].items():
+      kept = self.examples.setdefault(reason, [])
+      kept += examples[:self.max_examples - len(kept)]
+
+  def log_summary(self, dropped_path: str = "dropped.jsonl") -> None:
+    """Logs the counts, and a line per skip reason saying where the titles
+    are."""
     logging.info("corpus report: %s", json.dumps(self.summary()))
+    listed = collections.Counter(reason for reason, _ in self.dropped)
+    for reason, count in sorted(self.skipped.items()):
+      logging.info("skipped %d records as '%s': %s", count, reason,
+                   f"every title is in {dropped_path}" if listed[reason]
+                   else "counted only (not articles)")
+    if self.removed:
+      logging.info(
+          "removed from kept articles: %d tables (%d cells) of %d articles "
+          "and %d image captions of %d articles", self.removed["tables"],
+          self.removed["table_cells"], self.notes["tables_removed"],
+          self.removed["captions"], self.notes["captions_removed"])
 
 
 # -----------------------------------------------------------------------------
@@ -189,12 +242,14 @@ def iter_wikipedia_pages(
     max_article_chars: int = DEFAULT_MAX_ARTICLE_CHARS,
     max_title_chars: int = DEFAULT_MAX_TITLE_CHARS,
     allow_truncated: bool = False,
+    keep_lists: bool = False,
+    keep_disambiguation: bool = False,
 ) -> Iterator[Document]:
   """Streams the article pages of a dump, with their raw wikitext.
 
   Keeps main-namespace pages that are not redirects, lists, indexes, outlines
-  or disambiguation pages; yields `Document(title, wikitext)` in dump order
-  (see `clean_wikitext`).
+  or disambiguation pages (as ORQA); yields `Document(title, wikitext)` in
+  dump order (see `clean_wikitext`).
 
   Args:
     path: a `*-pages-articles*.xml` file, optionally `.bz2` or `.gz`.
@@ -203,6 +258,10 @@ def iter_wikipedia_pages(
     max_title_chars: longer titles are skipped as `title_too_long`.
     allow_truncated: on an XML or compression error, stop and count
       `truncated_file` instead of raising `CorruptDumpError`.
+    keep_lists: keep "List of", "Index of" and "Outline of" pages
+      (otherwise skipped as `list_or_index_page`).
+    keep_disambiguation: keep disambiguation pages (otherwise skipped as
+      `disambiguation`).
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"Wikipedia dump {path} does not exist.")
@@ -237,12 +296,13 @@ def iter_wikipedia_pages(
           report.skip("redirect", where)
           continue
         lowered = title.lower()
-        if lowered.startswith(_TITLE_PREFIXES_SKIPPED):
-          report.skip("list_or_index_page", where)
+        if not keep_lists and lowered.startswith(_TITLE_PREFIXES_SKIPPED):
+          report.skip("list_or_index_page", where, title=title)
           continue
-        if lowered.endswith("(disambiguation)") or (
-            text and _DISAMBIGUATION_TEMPLATE.search(text)):
-          report.skip("disambiguation", where)
+        if not keep_disambiguation and (
+            lowered.endswith("(disambiguation)") or
+            (text and _DISAMBIGUATION_TEMPLATE.search(text))):
+          report.skip("disambiguation", where, title=title)
           continue
         if document := _check_document(
             title, text, where, report, max_article_chars=max_article_chars,
@@ -286,32 +346,62 @@ def _check_document(title, text, where, report, *, max_article_chars,
   """Applies the checks shared by every reader; counts what it rejects."""
   if len(title) > max_title_chars:
     report.skip("title_too_long", where,
-                f"{len(title)} > {max_title_chars} characters")
+                f"{len(title)} > {max_title_chars} characters", title)
     return None
   if text is None or not text.strip():
-    report.skip("empty_article", where)
+    report.skip("empty_article", where, title=title)
     return None
   if len(text) > max_article_chars:
     report.skip("enormous_article", where,
-                f"{len(text)} > {max_article_chars} characters")
+                f"{len(text)} > {max_article_chars} characters", title)
     return None
   return Document(title=title, text=text)
+
+
+def _clean(wikitext: str, options: dict[str, bool]
+           ) -> tuple[str, collections.Counter]:
+  removed = collections.Counter()
+  return wikitext_lib.clean_wikitext(wikitext, removed=removed,
+                                     **options), removed
+
+
+def _article(title: str, text: str, removed: dict[str, int], report: Report,
+             where: str) -> Document | None:
+  if not text:
+    report.skip("empty_article", where, "no text left after removing markup",
+                title)
+    return None
+  report.keep("articles_read")
+  report.count_removed(where, removed)
+  return Document(title=title, text=text)
+
+
+def clean_page(title: str, wikitext: str, report: Report, where: str,
+               **options: bool) -> Document | None:
+  """A page's article once its markup is removed (`clean_wikitext` with
+  `options`: keep_tables, keep_captions), or None if no text is left
+  (`empty_article`); counts in `report` what it removed."""
+  return _article(title, *_clean(wikitext, options), report, where)
 
 
 def iter_wikipedia_dump(
     path: str,
     report: Report,
     *,
-    max_article_chars: int = DEFAULT_MAX_ARTICLE_CHARS,
-    max_title_chars: int = DEFAULT_MAX_TITLE_CHARS,
-    allow_truncated: bool = False,
+    keep_tables: bool = False,
+    keep_captions: bool = False,
     pool: multiprocessing.pool.Pool | None = None,
     window: int = 256,
+    **page_options,
 ) -> Iterator[Document]:
   """Streams the cleaned articles of a Wikipedia dump, in dump order.
 
-  Arguments as for `iter_wikipedia_pages`; articles that are empty once
-  cleaned are skipped as `empty_article`. Also:
+  Articles that are empty once cleaned are skipped as `empty_article`.
+
+  Args:
+    path: the dump.
+    report: receives the counts.
+    keep_tables, keep_captions: see `wikitext.clean_wikitext`.
     pool: a process pool that runs `clean_wikitext` (the slowest step; about
       2 MB of wikitext per second per core), or None to clean in this
       process. Create it with the "spawn" start method when TensorFlow is
@@ -319,23 +409,22 @@ def iter_wikipedia_dump(
     window: pages per batch handed to the pool. One batch is cleaned while
       the previous one is consumed, so memory stays bounded however fast
       the consumer is.
+    **page_options: see `iter_wikipedia_pages` (max_article_chars,
+      max_title_chars, allow_truncated, keep_lists, keep_disambiguation).
   """
-  pages = iter_wikipedia_pages(
-      path, report, max_article_chars=max_article_chars,
-      max_title_chars=max_title_chars, allow_truncated=allow_truncated)
+  pages = iter_wikipedia_pages(path, report, **page_options)
+  clean = functools.partial(_clean, options=dict(
+      keep_tables=keep_tables, keep_captions=keep_captions))
 
-  def cleaned(batch, texts):
-    for page, text in zip(batch, texts):
-      if not text:
-        report.skip("empty_article", f"{path}: page '{page.title}'",
-                    "no text left after removing markup")
-        continue
-      report.keep("articles_read")
-      yield Document(title=page.title, text=text)
+  def cleaned(batch, results):
+    for page, result in zip(batch, results):
+      if document := _article(page.title, *result, report,
+                              f"{path}: page '{page.title}'"):
+        yield document
 
   if pool is None:
     for page in pages:
-      yield from cleaned([page], [wikitext_lib.clean_wikitext(page.text)])
+      yield from cleaned([page], [clean(page.text)])
     return
   # Pages are read here (so dump errors surface in this process) and cleaned
   # by the pool one window ahead of the consumer.
@@ -343,8 +432,7 @@ def iter_wikipedia_dump(
   while True:
     batch = list(itertools.islice(pages, window))
     submitted = batch and (batch, pool.map_async(
-        wikitext_lib.clean_wikitext, [page.text for page in batch],
-        chunksize=4))
+        clean, [page.text for page in batch], chunksize=4))
     if in_flight:
       yield from cleaned(in_flight[0], in_flight[1].get())
     if not submitted:
@@ -414,6 +502,55 @@ def iter_jsonl_documents(
         yield document
 
 
+DPR_HEADER = ("id", "text", "title")
+
+
+def iter_dpr_passages(path: str) -> Iterator[tuple[str, str, str]]:
+  """Streams `(id, title, text)` of DPR's passage file, in file order.
+
+  `psgs_w100.tsv` (optionally .gz/.bz2) has the header `id, text, title`
+  and one passage a line, tab-separated, quoted as Python's csv module
+  writes (a field with quotes is quoted, its quotes doubled). No passage is
+  skipped, so passage i is line i + 2: a malformed line (wrong number of
+  fields, empty id or text, invalid UTF-8) raises `CorruptDumpError` naming
+  the file and the line.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"DPR passage file {path} does not exist.")
+
+  def lines(f):
+    for number, raw in enumerate(f, start=1):
+      try:
+        yield raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise CorruptDumpError(f"{path}:{number}: invalid UTF-8 ({e}); the "
+                               "file is corrupt or not UTF-8.") from e
+
+  with _open_binary(path) as f:
+    reader = csv.reader(lines(f), delimiter="\t")
+    line = 1  # where the next row starts (a quoted field may span lines)
+    try:
+      for number, row in enumerate(reader):
+        if not number and tuple(row) != DPR_HEADER:
+          raise CorruptDumpError(
+              f"{path}:1: the header is {row[:5]}, not the tab-separated "
+              f"{list(DPR_HEADER)} of DPR's psgs_w100.tsv; pass a DPR "
+              "passage file or another input format.")
+        if number and (len(row) != 3 or not row[0].strip() or
+                       not row[1].strip()):
+          raise CorruptDumpError(
+              f"{path}:{line}: expected 3 tab-separated fields (id, text, "
+              "title) with a non-empty id and text, got "
+              f"{[field[:40] for field in row[:5]]}; fix or remove the line.")
+        if number:
+          yield row[0], row[2], row[1]
+        line = reader.line_num + 1
+    except csv.Error as e:
+      raise CorruptDumpError(
+          f"{path}:{line}: not a DPR passage line ({e}); the file is "
+          "corrupt or not DPR's psgs_w100.tsv.") from e
+
+
 def _uncompressed_name(path: str) -> str:
   return os.path.basename(path).lower().removesuffix(".bz2").removesuffix(
       ".gz")
@@ -435,7 +572,8 @@ def iter_documents(path: str, report: Report, **kwargs) -> Iterator[Document]:
   if is_wikipedia_dump(path):
     return iter_wikipedia_dump(path, report, **kwargs)
   if _uncompressed_name(path).endswith((".jsonl", ".json", ".ndjson")):
-    for dump_only in ("allow_truncated", "pool", "window"):
+    for dump_only in ("allow_truncated", "pool", "window", "keep_lists",
+                      "keep_disambiguation", "keep_tables", "keep_captions"):
       kwargs.pop(dump_only, None)
     return iter_jsonl_documents(path, report, **kwargs)
   raise ValueError(

@@ -3,10 +3,14 @@
 Drops what is not prose about the subject (reference sections, citations,
 tables, infoboxes and other templates, media and category links) and keeps
 the text of links and of inline templates (dates, conversions, `nowrap`).
+Table cells and image captions can be kept instead (ORQA drops them), and
+what is dropped of them is counted.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import re
 
 import mwparserfromhell
@@ -21,7 +25,7 @@ _DROPPED_SECTIONS = frozenset({
 })
 # Tags whose content is not prose: citations, tables, formulas, code, media.
 _DROPPED_TAGS = frozenset({
-    "ref", "references", "table", "gallery", "math", "chem", "ce", "timeline",
+    "ref", "references", "gallery", "math", "chem", "ce", "timeline",
     "imagemap", "score", "graph", "mapframe", "maplink", "syntaxhighlight",
     "source", "pre", "templatedata", "noinclude", "hiero", "categorytree",
     "inputbox", "indicator",
@@ -29,6 +33,14 @@ _DROPPED_TAGS = frozenset({
 # Tags that end a line of text.
 _BREAK_TAGS = frozenset({"li", "dt", "dd", "hr", "p", "div", "blockquote"})
 _DROPPED_LINK_NAMESPACES = frozenset({"file", "image", "category", "media"})
+_IMAGE_NAMESPACES = frozenset({"file", "image"})
+# The parameters of an image link that are not its caption.
+_IMAGE_OPTION = re.compile(
+    r"\s*(?:thumb(?:nail)?|frame(?:d|less)?|border|left|right|cent(?:er|re)|"
+    r"none|upright|baseline|middle|sub|super|top|text-top|bottom|text-bottom|"
+    r"\d*(?:x\d+)?\s*px|(?:alt|link|upright|page|lang|class|thumb(?:nail)?|"
+    r"start|end|loop)\s*=.*)\s*", re.IGNORECASE | re.DOTALL)
+_CELLS = ("td", "th")
 # Interlanguage links of old dumps: [[de:Anarchismus]], [[zh-min-nan:...]].
 _INTERLANGUAGE = re.compile(r"^(?:[a-z]{2,3}(?:-[a-z]+)*|simple)$")
 # Templates whose text is part of the sentence; every other template
@@ -46,7 +58,16 @@ _MONTHS = ("January", "February", "March", "April", "May", "June", "July",
            "August", "September", "October", "November", "December")
 
 
-def clean_wikitext(wikitext: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  keep_tables: bool
+  keep_captions: bool
+  removed: collections.Counter
+
+
+def clean_wikitext(wikitext: str, *, keep_tables: bool = False,
+                   keep_captions: bool = False,
+                   removed: collections.Counter | None = None) -> str:
   """Turns wikitext into plain prose.
 
   Drops templates (except a few inline ones: `lang`, `nowrap`, `convert`,
@@ -59,23 +80,32 @@ def clean_wikitext(wikitext: str) -> str:
 
   Args:
     wikitext: the `<text>` of a page.
+    keep_tables: keep the text of table cells: a paragraph per row (and
+      per table caption), its cells joined by " | ".
+    keep_captions: keep the caption of each `[[File:...|...|caption]]`
+      (not of galleries or infoboxes) as a paragraph of its own.
+    removed: if given, counts what was dropped of these: "tables",
+      "table_cells" and "captions".
 
   Returns:
     The plain text ("" when nothing is left).
   """
   parts: list[str] = []
-  _render(mwparserfromhell.parse(wikitext), parts, top_level=True)
+  options = _Options(keep_tables, keep_captions,
+                     collections.Counter() if removed is None else removed)
+  _render(mwparserfromhell.parse(wikitext), parts, options, top_level=True)
   return _tidy("".join(parts))
 
 
-def _render(wikicode, parts: list[str], top_level: bool = False) -> None:
+def _render(wikicode, parts: list[str], options: _Options,
+            top_level: bool = False) -> None:
   """Appends the plain text of `wikicode`'s nodes to `parts`."""
   dropping_level = None  # heading level of the section being dropped
   for node in wikicode.nodes:
     if isinstance(node, nodes.Heading):
       if dropping_level is not None and node.level > dropping_level:
         continue
-      title = _tidy_line(_plain(node.title)).lower().rstrip(":")
+      title = _tidy_line(_plain(node.title, options)).lower().rstrip(":")
       dropping_level = (
           node.level if top_level and title in _DROPPED_SECTIONS else None)
       # The heading text itself is dropped: a one-word "sentence" like
@@ -87,9 +117,12 @@ def _render(wikicode, parts: list[str], top_level: bool = False) -> None:
     if isinstance(node, nodes.Text):
       parts.append(node.value)
     elif isinstance(node, nodes.Wikilink):
-      _render_wikilink(node, parts)
+      _render_wikilink(node, parts, options)
     elif isinstance(node, nodes.Tag):
       name = str(node.tag).strip().lower()
+      if name == "table" and node.contents is not None:
+        _render_table(node, parts, options)
+        continue
       if name in _DROPPED_TAGS:
         continue
       if name in _BREAK_TAGS:
@@ -97,63 +130,116 @@ def _render(wikicode, parts: list[str], top_level: bool = False) -> None:
       elif name == "br":
         parts.append(" ")
       if node.contents is not None and not node.self_closing:
-        _render(node.contents, parts)
+        _render(node.contents, parts, options)
         if name in _BREAK_TAGS:
           parts.append("\n")
     elif isinstance(node, nodes.HTMLEntity):
       parts.append(node.normalize())
     elif isinstance(node, nodes.ExternalLink):
       if node.title is not None:
-        _render(node.title, parts)
+        _render(node.title, parts, options)
     elif isinstance(node, nodes.Template):
-      _render_template(node, parts)
+      _render_template(node, parts, options)
     # Comments, arguments ({{{1}}}) and anything else carry no prose.
 
 
-def _plain(wikicode) -> str:
+def _render_table(table, parts: list[str], options: _Options) -> None:
+  """A paragraph per row (cells joined by " | "), or counts what it drops."""
+  if not options.keep_tables:
+    options.removed["tables"] += 1
+    options.removed["table_cells"] += sum(
+        str(tag.tag).strip().lower() in _CELLS
+        for tag in table.contents.ifilter_tags())
+    return
+  rows = [[]]
+
+  def collect(wikicode):
+    for node in wikicode.ifilter_tags(recursive=False):
+      name = str(node.tag).strip().lower()
+      if node.contents is None:
+        continue
+      if name == "caption" or str(node).startswith("|+"):  # a caption row
+        rows.extend([[mwparserfromhell.parse(
+            str(node.contents).removeprefix("+"))], []])
+      elif name in _CELLS:
+        rows[-1].append(node.contents)
+      elif name in ("tr", "tbody", "thead", "tfoot"):
+        rows.append([])
+        collect(node.contents)
+        rows.append([])
+
+  collect(table.contents)
+  for row in rows:
+    cells = [_tidy_line(_plain(cell, options)) for cell in row]
+    parts.append("\n" + " | ".join(cell for cell in cells if cell) + "\n")
+
+
+def _plain(wikicode, options: _Options) -> str:
   parts: list[str] = []
-  _render(wikicode, parts)
+  _render(wikicode, parts, options)
   return "".join(parts)
 
 
-def _render_wikilink(link, parts: list[str]) -> None:
+def _render_wikilink(link, parts: list[str], options: _Options) -> None:
   target = str(link.title).strip()
   inline = target.startswith(":")  # [[:Category:X]] is an ordinary link
   namespace = target.lstrip(":").split(":", 1)[0].strip().lower() if (
       ":" in target) else ""
   if not inline and namespace in _DROPPED_LINK_NAMESPACES:
+    if namespace in _IMAGE_NAMESPACES and link.text is not None:
+      _render_caption(link.text, parts, options)
     return
   if link.text is not None:
-    _render(link.text, parts)
+    _render(link.text, parts, options)
   elif not inline and _INTERLANGUAGE.match(namespace):
     return
   else:
-    parts.append(_plain(link.title).lstrip(":"))
+    parts.append(_plain(link.title, options).lstrip(":"))
 
 
-def _param(template, name: str) -> str | None:
+def _render_caption(text, parts: list[str], options: _Options) -> None:
+  """An image's caption (its last parameter that is not an option) as a
+  paragraph, or counted as removed."""
+  caption = []  # the nodes after the last "|" outside nested links
+  for node in text.nodes:
+    if isinstance(node, nodes.Text) and "|" in node.value:
+      caption = [node.value.rsplit("|", 1)[1]]
+    else:
+      caption.append(str(node))
+  caption = "".join(caption)
+  if not caption.strip() or _IMAGE_OPTION.fullmatch(caption):
+    return
+  if not options.keep_captions:
+    options.removed["captions"] += 1
+    return
+  parts.append("\n" + _plain(mwparserfromhell.parse(caption), options) +
+               "\n")
+
+
+def _param(template, name: str, options: _Options) -> str | None:
   if template.has(name):
-    return _tidy_line(_plain(template.get(name).value))
+    return _tidy_line(_plain(template.get(name).value, options))
   return None
 
 
-def _render_template(template, parts: list[str]) -> None:
+def _render_template(template, parts: list[str], options: _Options) -> None:
   name = str(template.name).strip().lower().replace("_", " ")
   if name in _TEXT_TEMPLATES:
-    text = _param(template, "2" if name == "lang" else "1")
+    text = _param(template, "2" if name == "lang" else "1", options)
     if text:
       parts.append(text)
   elif name.startswith("lang-"):
-    if text := _param(template, "1"):
+    if text := _param(template, "1", options):
       parts.append(text)
   elif name in ("convert", "cvt"):
-    values = [_param(template, str(i)) or "" for i in range(1, 5)]
+    values = [_param(template, str(i), options) or "" for i in range(1, 5)]
     if values[1] in _CONVERT_JOINERS:
       parts.append(" ".join(v for v in values if v))
     elif values[0]:
       parts.append(" ".join(v for v in values[:2] if v))
   elif name in _DATE_TEMPLATES:
-    if date := _render_date([_param(template, str(i)) for i in range(1, 4)]):
+    if date := _render_date([_param(template, str(i), options)
+                             for i in range(1, 4)]):
       parts.append(date)
 
 

@@ -1,5 +1,6 @@
 """Tests of realm_jax.data.blocks: packing, the block store, ORQA files."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -270,6 +271,65 @@ def test_fingerprint_is_deterministic(tokenizer, tmp_path):
   changed = documents[:-1] + [Document("Long", documents[-1].text + " More.")]
   c = _write(changed, tokenizer, tmp_path / "c")
   assert c.fingerprint != a.fingerprint
+
+
+def test_options_and_passage_ids_are_in_the_fingerprint(tokenizer,
+                                                         tmp_path):
+  """The same blocks built with other options (the corpus job's filters)
+  or ids get another fingerprint; the ids read back per block."""
+  documents = _documents()[:3]
+  plain = _write(documents, tokenizer, tmp_path / "plain")
+  assert plain.passage_id(0) is None and plain.manifest["options"] == {}
+  assert _write(documents, tokenizer, tmp_path / "none",
+                options={}).fingerprint == plain.fingerprint
+  keep = {"keep_lists": False, "keep_tables": False}
+  first = _write(documents, tokenizer, tmp_path / "a", options=keep)
+  again = _write(documents, tokenizer, tmp_path / "b", options=dict(keep))
+  other = _write(documents, tokenizer, tmp_path / "c",
+                 options=dict(keep, keep_tables=True))
+  assert first.fingerprint == again.fingerprint
+  assert len({plain.fingerprint, first.fingerprint, other.fingerprint}) == 3
+  assert other.manifest["options"] == dict(keep, keep_tables=True)
+  np.testing.assert_array_equal(other._a["body_ids"], plain._a["body_ids"])
+
+  packed = _pack(documents, tokenizer, 64)
+  ids = [f"psg-{i}-é" for i in range(len(packed))]
+  with_ids = block_store.write_block_store(
+      [dataclasses.replace(b, passage_id=i) for b, i in zip(packed, ids)],
+      str(tmp_path / "ids"), tokenizer_vocab_path=tokenizer.vocab_path,
+      source="test", max_block_len=64)
+  assert [with_ids.passage_id(i) for i in range(len(packed))] == ids
+  assert with_ids.fingerprint != plain.fingerprint
+  np.testing.assert_array_equal(with_ids._a["doc_hash"], plain._a["doc_hash"])
+  block_store.BlockStore.open(str(tmp_path / "ids"), verify=True)
+  mixed = [dataclasses.replace(packed[0], passage_id="1")] + packed[1:]
+  with pytest.raises(ValueError, match="block 1 .*passage_id"):
+    block_store.write_block_store(
+        mixed, str(tmp_path / "mixed"),
+        tokenizer_vocab_path=tokenizer.vocab_path, source="t",
+        max_block_len=64)
+  assert not (tmp_path / "mixed").exists()
+
+
+def test_report_lists_every_dropped_article(tokenizer, tmp_path):
+  report = wikipedia.Report()
+  long_title = "Title " * 30  # no room for a body in 24 wordpieces
+  documents = [Document(f"Empty {i}", " ") for i in range(5)] + [
+      Document(long_title, "Text."), Document("Kept", "Some text.")]
+  store = block_store.write_block_store(
+      blocks.pack_blocks(documents, tokenizer, max_block_len=24,
+                         report=report),
+      str(tmp_path / "store"), tokenizer_vocab_path=tokenizer.vocab_path,
+      source="test", max_block_len=24, report=report)
+  assert store.num_documents == 1
+  lines = (tmp_path / "store" / "dropped.jsonl").read_text().splitlines()
+  assert [json.loads(line) for line in lines] == [
+      {"title": f"Empty {i}", "reason": "no_tokens"} for i in range(5)] + [
+          {"title": long_title, "reason": "title_leaves_no_room"}]
+  on_disk = json.loads((tmp_path / "store" / "report.json").read_text())
+  assert on_disk == dict(report.summary(), dropped_list="dropped.jsonl")
+  assert on_disk["skipped"] == {"no_tokens": 5, "title_leaves_no_room": 1}
+  assert len(on_disk["examples"]["no_tokens"]) == 3  # the list is bounded
 
 
 def test_failed_write_leaves_no_store(tokenizer, tmp_path):

@@ -1,6 +1,7 @@
 """Tests of realm_jax.data.corpus_job (the corpus job, end to end)."""
 
 import bz2
+import csv
 import itertools
 import json
 import os
@@ -8,12 +9,14 @@ import re
 import subprocess
 import sys
 import time
+from xml.sax import saxutils
 
 import numpy as np
 import pytest
 
 from realm_jax.data import block_store
 from realm_jax.data import corpus_job
+from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.data import wikipedia
 
 
@@ -49,7 +52,7 @@ def test_build_from_jsonl_writes_store_and_report(tmp_path):
   assert report.skipped == {"bad_json": 1, "invalid_utf8": 1}
   assert report.kept["blocks"] == len(store)
   on_disk = json.loads((tmp_path / "store" / "report.json").read_text())
-  assert on_disk == report.summary()
+  assert on_disk == dict(report.summary(), dropped_list="dropped.jsonl")
   assert store.manifest["source"] == os.path.abspath(path)
   # Same input, same ids and fingerprint.
   again, _ = corpus_job.build_corpus(
@@ -128,11 +131,127 @@ def test_chunks_and_workers_give_the_same_store(tmp_path):
   assert chunked.fingerprint == whole.fingerprint
   assert chunked_report.summary() == report.summary()
   assert json.loads((tmp_path / "chunked" / "report.json").read_text()) == (
-      report.summary())
+      dict(report.summary(), dropped_list="dropped.jsonl"))
   assert whole.text(7) == "Page 7 is about topic 7. It has 7 facts."
   assert [whole.title(whole.document_blocks(d)[0]) for d in (0, 29)] == [
       "Page 0", "Page 29"]
   assert sorted(os.listdir(tmp_path)) == ["chunked", "dump.xml.bz2", "whole"]
+
+
+def _page(title, text):
+  return (f"<page><title>{saxutils.escape(title)}</title><ns>0</ns><revision>"
+          f"<text>{saxutils.escape(text)}</text></revision></page>")
+
+
+_PAGES = [
+    ("Mercury", "'''Mercury''' is a planet. It is small."),
+    ("List of planets", "The planets: [[Mercury]], [[Venus]]."),
+    ("Mercury (disambiguation)", "Mercury may be a planet or a metal."),
+    ("Venus", "[[File:Venus.png|thumb|Venus in true colour]]'''Venus''' is "
+              "hot.\n{| class=wikitable\n|-\n| Mass || 0.815 Earths\n|}\n"
+              "It has clouds."),
+] + [(f"Term {i} (disambiguation)", f"Term {i} may mean a thing.")
+     for i in range(6)]  # more than report.json's 3 examples
+
+
+def _articles(store):
+  return {store.title(blocks[0]): " ".join(store.text(i) for i in blocks)
+          for blocks in map(store.document_blocks,
+                            range(store.num_documents))}
+
+
+def test_dump_filters_are_reported_and_optional(tmp_path):
+  """By default (as ORQA) lists, disambiguation pages, tables and captions
+  go, each listed or counted; each option flips exactly what it says and
+  gives the store another fingerprint."""
+  dump = tmp_path / "dump.xml.bz2"
+  with bz2.open(dump, "wt") as f:
+    f.write("<mediawiki>" + "".join(_page(*p) for p in _PAGES) +
+            "</mediawiki>")
+  default, report = corpus_job.build_corpus(
+      input_path=str(dump), output_dir=str(tmp_path / "default"))
+  before = _articles(default)
+  assert before == {"Mercury": "Mercury is a planet. It is small.",
+                    "Venus": "Venus is hot.\n\nIt has clouds."}
+  dropped = [json.loads(line) for line in (
+      tmp_path / "default" / "dropped.jsonl").read_text().splitlines()]
+  assert dropped == [
+      {"title": title, "reason": "list_or_index_page" if "List" in title
+       else "disambiguation"} for title, _ in _PAGES
+      if "List" in title or "(disambiguation)" in title]
+  on_disk = json.loads((tmp_path / "default" / "report.json").read_text())
+  assert on_disk == dict(report.summary(), dropped_list="dropped.jsonl")
+  assert on_disk["skipped"] == {"disambiguation": 7, "list_or_index_page": 1}
+  assert len(on_disk["examples"]["disambiguation"]) == 3
+  assert on_disk["removed"] == {"captions": 1, "table_cells": 2, "tables": 1}
+  assert on_disk["notes"] == {"captions_removed": 1, "tables_removed": 1}
+  venus = "Venus is hot.\n\nIt has clouds."
+  fingerprints = {default.fingerprint}
+  for option, added, changed in [
+      ("keep_lists", {"List of planets": "The planets: Mercury, Venus."}, {}),
+      ("keep_disambiguation", {
+          "Mercury (disambiguation)": "Mercury may be a planet or a metal.",
+          **{f"Term {i} (disambiguation)": f"Term {i} may mean a thing."
+             for i in range(6)}}, {}),
+      ("keep_tables", {}, {"Venus": venus.replace(
+          "\n\nIt", "\n\nMass | 0.815 Earths\n\nIt")}),
+      ("keep_captions", {}, {"Venus": "Venus in true colour\n\n" + venus}),
+  ]:
+    kept, kept_report = corpus_job.build_corpus(
+        input_path=str(dump), output_dir=str(tmp_path / option),
+        **{option: True})
+    assert _articles(kept) == dict(before, **added, **changed), option
+    assert kept.manifest["options"] == dict(default.manifest["options"],
+                                            **{option: True})
+    assert len(kept_report.dropped) == len(dropped) - len(added)
+    fingerprints.add(kept.fingerprint)
+  assert len(fingerprints) == 5
+  assert kept_report.removed == {"tables": 1, "table_cells": 2}
+
+
+def test_build_from_dpr_passages(tmp_path):
+  """One block per passage line, in file order, truncated like ORQA's
+  blocks; the passage ids are kept."""
+  long_text = " ".join(["Zebras run fast across the plain."] * 40)
+  rows = [("10", 'Aaron ( or ; "Aharon") is a prophet, a priest.', "Aaron"),
+          ("11", "He was the brother of Moses.", "Aaron"),
+          ("7", long_text, "Zebra"),
+          ("wiki-9", "Moses led the Israelites.", "Moses")]
+  path = tmp_path / "passages.txt"  # any name, with input_format
+  with open(path, "w", encoding="utf-8", newline="") as f:
+    writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+    writer.writerows([("id", "text", "title")] + rows)
+  assert '""Aharon""' in path.read_text(encoding="utf-8")
+  store, report = corpus_job.build_corpus(
+      input_path=str(path), input_format="dpr_tsv", max_block_len=32,
+      output_dir=str(tmp_path / "store"), documents_per_chunk=1)
+  assert len(store) == len(rows) and store.num_documents == 3
+  assert [store.passage_id(i) for i in range(4)] == ["10", "11", "7", "wiki-9"]
+  assert [store.title(i) for i in range(4)] == [r[2] for r in rows]
+  assert [store.doc_index(i) for i in range(4)] == [0, 0, 1, 2]
+  tokenizer = tokenizer_lib.Tokenizer()
+  for i, (_, text, title) in enumerate(rows):
+    title_ids = tokenizer.tokenize([title])[0]
+    np.testing.assert_array_equal(store.title_ids(i), title_ids)
+    budget = 32 - 3 - len(title_ids)
+    np.testing.assert_array_equal(store.body_ids(i),
+                                  tokenizer.tokenize([text])[0][:budget])
+    assert text.startswith(store.text(i))
+  assert store.text(0) == rows[0][1] and len(store.text(2)) < len(long_text)
+  assert report.notes == {"block_truncated": 1}
+  assert store.manifest["options"] == {}
+
+
+def test_malformed_dpr_file_fails_naming_the_line(tmp_path):
+  path = tmp_path / "psgs_w100.tsv"
+  path.write_text("id\ttext\ttitle\n1\tGood.\tA\n2\tNo title\n")
+  with pytest.raises(wikipedia.CorruptDumpError, match="psgs_w100.tsv:3"):
+    corpus_job.build_corpus(input_path=str(path),
+                            output_dir=str(tmp_path / "s"))
+  with pytest.raises(ValueError, match="input_format='tsv' is not one of"):
+    corpus_job.build_corpus(input_path=str(path), input_format="tsv",
+                            output_dir=str(tmp_path / "s"))
+  assert sorted(os.listdir(tmp_path)) == ["psgs_w100.tsv"]
 
 
 def test_corrupt_dump_fails_naming_the_file(tmp_path):

@@ -1,6 +1,8 @@
 """Tests of realm_jax.data.wikipedia: dump/JSONL readers, cleaning, splitter."""
 
 import bz2
+import collections
+import csv
 import gzip
 import json
 import multiprocessing
@@ -81,6 +83,37 @@ def test_dump_filters_and_counts(tmp_path):
              for e in report.examples["non_article_namespace"])
   summary = report.summary()
   assert json.loads(json.dumps(summary)) == summary
+  # Every skipped article is listed by title, not redirects or other
+  # namespaces' pages (not articles).
+  assert report.dropped == [
+      ("list_or_index_page", "List of mammals"),
+      ("list_or_index_page", "Index of biology articles"),
+      ("list_or_index_page", "Outline of zoology"),
+      ("disambiguation", "Mercury (disambiguation)"),
+      ("disambiguation", "Mercury"), ("empty_article", "Blank"),
+      ("empty_article", "Only markup")]
+  assert json.loads(json.dumps(report.summary(dropped=True)))["dropped"] == [
+      list(item) for item in report.dropped]
+
+
+@pytest.mark.parametrize("option, kept", [
+    ("keep_lists", ["List of mammals", "Index of biology articles",
+                    "Outline of zoology"]),
+    ("keep_disambiguation", ["Mercury (disambiguation)", "Mercury"]),
+])
+def test_dump_keep_options(tmp_path, option, kept):
+  """Each option keeps exactly the pages it names, in dump order."""
+  path = _write_bz2(tmp_path / "dump.xml.bz2", _dump(_filter_pages()))
+  report = wikipedia.Report()
+  documents = list(wikipedia.iter_wikipedia_dump(path, report,
+                                                 **{option: True}))
+  order = ["Aardvark", "List of mammals", "Index of biology articles",
+           "Outline of zoology", "Mercury (disambiguation)", "Mercury",
+           "Ant"]
+  assert [d.title for d in documents] == [
+      t for t in order if t in kept + ["Aardvark", "Ant"]]
+  assert sum(report.skipped.values()) == len(_filter_pages()) - len(documents)
+  assert all(title not in kept for _, title in report.dropped)
 
 
 @pytest.mark.parametrize("namespace", [None, _NS10,
@@ -164,6 +197,7 @@ def test_dump_memory_stays_flat(tmp_path):
 def test_dump_cleaned_by_a_pool_in_order(tmp_path):
   pages = [_page(f"Page {i}", f"'''Page {i}''' has [[fact|facts]]." if i % 4
                  else "{{only a template}}") for i in range(11)]
+  pages[5] = _page("Page 5", _TABLE_AND_IMAGE)
   path = _write_bz2(tmp_path / "dump.xml.bz2", _dump(pages))
   serial_report, pool_report = wikipedia.Report(), wikipedia.Report()
   serial = list(wikipedia.iter_wikipedia_dump(path, serial_report))
@@ -176,6 +210,16 @@ def test_dump_cleaned_by_a_pool_in_order(tmp_path):
   assert serial[0].text == "Page 1 has facts."
   assert pool_report.summary() == serial_report.summary()
   assert serial_report.skipped == {"empty_article": 3}
+  assert serial_report.removed == {"tables": 1, "table_cells": 5,
+                                   "captions": 1}
+  with multiprocessing.get_context("spawn").Pool(2) as pool:
+    kept = list(wikipedia.iter_wikipedia_dump(
+        path, wikipedia.Report(), pool=pool, window=3, keep_tables=True,
+        keep_captions=True))
+  assert kept[3].title == "Page 5"
+  assert kept[3].text == wikitext_lib.clean_wikitext(
+      _TABLE_AND_IMAGE, keep_tables=True, keep_captions=True)
+  assert "Tokyo | 14 million" in kept[3].text
 
 
 def test_missing_file_raises(tmp_path):
@@ -227,6 +271,33 @@ def test_default_dump_is_the_gensim_slice():
 ])
 def test_clean_wikitext(wikitext, expected):
   assert wikitext_lib.clean_wikitext(wikitext) == expected
+
+
+_TABLE_AND_IMAGE = (
+    "[[File:Map.png|thumb|upright=1.1|A [[map]] of the cities]]"
+    "Cities are large.\n{| class=\"wikitable\"\n|+ Largest cities\n|-\n"
+    "! City !! Population\n|-\n| [[Tokyo]] || 14 million\n|}\n"
+    "[[Image:Icon.svg|20px]] They grow.")
+
+
+@pytest.mark.parametrize("keep_tables", [False, True])
+@pytest.mark.parametrize("keep_captions", [False, True])
+def test_clean_wikitext_keeps_tables_and_captions(keep_tables, keep_captions):
+  """Each option adds exactly its paragraphs; what is dropped is counted
+  (the table caption "|+" counts as a cell)."""
+  removed = collections.Counter()
+  text = wikitext_lib.clean_wikitext(
+      _TABLE_AND_IMAGE, keep_tables=keep_tables, keep_captions=keep_captions,
+      removed=removed)
+  expected = (["A map of the cities"] if keep_captions else []) + [
+      "Cities are large."] + ([
+          "Largest cities", "City | Population", "Tokyo | 14 million"]
+                              if keep_tables else []) + ["They grow."]
+  assert text.split("\n\n") == expected
+  assert removed == collections.Counter(
+      {} if keep_tables else {"tables": 1, "table_cells": 5}) + (
+          collections.Counter() if keep_captions else
+          collections.Counter(captions=1))
 
 
 def test_clean_wikitext_on_real_article():
@@ -292,6 +363,51 @@ def test_iter_documents_dispatches(tmp_path):
   assert [d.title for d in wikipedia.iter_documents(dump, report)] == ["Bee"]
   with pytest.raises(ValueError, match="unknown corpus format"):
     wikipedia.iter_documents(str(tmp_path / "docs.csv"), report)
+
+
+# --------------------------------------------------------------------- DPR --
+
+
+def _write_tsv(path, rows, header=("id", "text", "title")):
+  with open(path, "w", encoding="utf-8", newline="") as f:
+    writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+  return str(path)
+
+
+def test_dpr_passages_read_as_csv_wrote_them(tmp_path):
+  rows = [("1", 'Aaron ( or ; "Ahärôn") is a prophet, a priest.', "Aaron"),
+          ("2", "Line one\nline two, quoted by csv.", "Aaron"),
+          ("wiki:3", "Plain text.", "")]
+  path = _write_tsv(tmp_path / "psgs_w100.tsv", rows)
+  raw = open(path, encoding="utf-8").read()
+  assert '""Ahärôn""' in raw  # the csv module's doubled quotes
+  assert list(wikipedia.iter_dpr_passages(path)) == [
+      (i, title, text) for i, text, title in rows]
+
+
+@pytest.mark.parametrize("lines, match", [
+    (["id\ttitle\ttext", "1\tx\tT"], r"psgs.tsv:1: the header"),
+    (["id\ttext\ttitle", "1\tok\tT", '2\t"two\nlines"\tT', "3\tno title"],
+     r"psgs.tsv:5: expected 3"),
+    (["id\ttext\ttitle", "1\t\tT"], r"psgs.tsv:2: .*non-empty id and text"),
+    (["id\ttext\ttitle", "\tText\tT"], r"psgs.tsv:2: "),
+    (["id\ttext\ttitle", "1\tok\tT", ""], r"psgs.tsv:3: expected 3"),
+])
+def test_dpr_malformed_lines_name_file_and_line(tmp_path, lines, match):
+  path = tmp_path / "psgs.tsv"
+  path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  with pytest.raises(wikipedia.CorruptDumpError, match=match):
+    list(wikipedia.iter_dpr_passages(str(path)))
+
+
+def test_dpr_invalid_utf8_names_the_line(tmp_path):
+  path = tmp_path / "psgs.tsv"
+  path.write_bytes(b"id\ttext\ttitle\n1\tok\tT\n2\tbad \xff\tT\n")
+  with pytest.raises(wikipedia.CorruptDumpError,
+                     match=r"psgs.tsv:3: invalid UTF-8"):
+    list(wikipedia.iter_dpr_passages(str(path)))
 
 
 # -------------------------------------------------------- sentence splitter --
