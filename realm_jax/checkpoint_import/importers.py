@@ -5,8 +5,8 @@
 - TensorFlow checkpoints: Google BERT (`bert/...`, `cls/predictions/...`),
   the released REALM `embedder/` and `bert/` checkpoints, the fine-tuned
   ORQA-from-REALM checkpoints, and `block_emb` from `encoded.ckpt`.
-- Hugging Face REALM state dicts in safetensors (`embedder.*`, `reader.*`,
-  `block_emb`).
+- Hugging Face REALM models in safetensors: RealmEmbedder, RealmScorer,
+  RealmKnowledgeAugEncoder, RealmReader and RealmForOpenQA (`block_emb`).
 
 Each importer returns our parameter dicts (see `realm_jax.model`), loaded
 strictly: `core.CheckpointMismatchError` lists every missing, unexpected or
@@ -279,7 +279,8 @@ ORQA_READER_PREFIX = "reader/"
 
 
 def _embedder_from_source(source, root: str, dialect: Dialect, *,
-                          num_heads=None, **config_overrides
+                          num_heads=None, projection_size=None,
+                          **config_overrides
                           ) -> tuple[RetrieverConfig, Params, dict]:
   """Expected tree and rules of a REALM embedder stored under `root`."""
   bert_prefix = root + ("module/bert/" if dialect == "tf" else "realm.")
@@ -290,7 +291,8 @@ def _embedder_from_source(source, root: str, dialect: Dialect, *,
   if proj not in source:
     raise core.CheckpointMismatchError(
         source.path, [f"{proj}  (retriever projection)"], [], [])
-  proj_size = source.shapes()[proj][1 if dialect == "tf" else 0]
+  proj_size = projection_size or source.shapes()[proj][
+      1 if dialect == "tf" else 0]
   config = RetrieverConfig(bert=bert, projection_size=proj_size,
                            pooling="pooler")
   expected = _abstract(lambda r: Embedder(config, rngs=r))
@@ -387,12 +389,25 @@ def load_orqa(checkpoint: str, *, num_heads: int | None = None,
   return config, params
 
 
-def load_block_emb(checkpoint: str, name: str = "block_emb") -> np.ndarray:
-  """The `block_emb` [num_blocks, dim] float32 matrix of `encoded.ckpt`.
+def _safetensors_file(path: str) -> str | None:
+  """`path` if it names a .safetensors file, `path`/model.safetensors if a
+  directory holds one, else None (e.g. a TF checkpoint)."""
+  if os.path.isdir(path):
+    inner = os.path.join(path, "model.safetensors")
+    return inner if os.path.exists(inner) else None
+  return path if path.endswith(".safetensors") else None
 
-  Row i is block i of the released blocks.tfr.
+
+def load_block_emb(checkpoint: str, name: str = "block_emb") -> np.ndarray:
+  """The `block_emb` [num_blocks, dim] matrix as float32.
+
+  From REALM's TF `encoded.ckpt` (row i is block i of the released
+  blocks.tfr) or from a Hugging Face REALM safetensors file or directory
+  (RealmForOpenQA's `block_emb` buffer, same rows).
   """
-  source = core.TFCheckpointSource(checkpoint)
+  st_file = _safetensors_file(checkpoint)
+  source = (core.SafetensorsSource(st_file) if st_file
+            else core.TFCheckpointSource(checkpoint))
   if name not in source:
     raise core.CheckpointMismatchError(
         source.path, [name], sorted(source.shapes()), [])
@@ -407,62 +422,157 @@ def load_block_emb(checkpoint: str, name: str = "block_emb") -> np.ndarray:
 # Hugging Face REALM
 # ----------------------------------------------------------------------------
 
+# HF REALM class -> (key prefix of its embedder, of its reader BERT, whether
+# the reader has the span head `qa_outputs`); None: no such part.
+HF_REALM_LAYOUTS = {
+    "RealmEmbedder": ("", None, False),
+    "RealmScorer": ("embedder.", None, False),
+    "RealmKnowledgeAugEncoder": (None, "", False),
+    "RealmReader": (None, "", True),
+    "RealmForOpenQA": ("embedder.", "reader.", True),
+}
+# HF hidden_act -> BertConfig.gelu_approximate (our BERT has GELU only).
+_HF_GELUS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+_HF_WORD = "realm.embeddings.word_embeddings.weight"
+
+
+def hf_realm_layout(source: core.Source, hf: dict, config_json: str) -> str:
+  """The HF REALM class of a state dict: config.json's `architectures`,
+  else guessed from the key names."""
+  if hf.get("architectures"):
+    arch = hf["architectures"][0]
+    if arch not in HF_REALM_LAYOUTS:
+      raise ValueError(f"{config_json}: architectures={hf['architectures']} "
+                       "is no Hugging Face REALM model; expected one of "
+                       f"{sorted(HF_REALM_LAYOUTS)}.")
+    return arch
+  names = source.shapes()
+  if "reader." + _HF_WORD in names or "block_emb" in names:
+    return "RealmForOpenQA"
+  if "embedder." + _HF_WORD in names:
+    return "RealmScorer"
+  if _HF_WORD in names:
+    if "cls.dense.weight" in names:
+      return "RealmEmbedder"
+    if any(n.startswith("qa_outputs.") for n in names):
+      return "RealmReader"
+    return "RealmKnowledgeAugEncoder"
+  raise core.CheckpointMismatchError(
+      source.path, [f"{_HF_WORD}  (RealmEmbedder, RealmKnowledgeAugEncoder, "
+                    "RealmReader)",
+                    f"embedder.{_HF_WORD}  (RealmScorer, RealmForOpenQA)"],
+      sorted(names), [])
+
 
 def load_hf_realm(path: str, *, num_heads: int | None = None,
                   config_json: str | None = None, strict: bool = True,
                   **config_overrides):
-  """A Hugging Face REALM state dict in safetensors (RealmForOpenQA layout).
+  """A Hugging Face REALM model saved as safetensors, any of its classes.
 
-  Names `embedder.realm.*`, `embedder.cls.{dense,LayerNorm}.*`,
-  `reader.realm.*`, `reader.cls.predictions.*`,
-  `reader.qa_outputs.{dense_intermediate,dense_output,layer_normalization}.*`
-  and `block_emb`. GELU is the tanh approximation (HF "gelu_new"). The head
-  count comes from `num_heads`, else `config_json` (or a config.json beside
-  the file), else hidden_size // 64.
+  The class (`HF_REALM_LAYOUTS`) comes from config.json's `architectures`,
+  else from the key names, and fixes which towers are returned:
+  RealmEmbedder (`realm.*`, `cls.{dense,LayerNorm}`) -> retriever;
+  RealmScorer (`embedder.*` for documents, and queries unless a different
+  `query_embedder.*` is stored, which gives unshared towers) -> retriever;
+  RealmKnowledgeAugEncoder (`realm.*`, `cls.predictions.*`) -> reader with
+  MLM head; RealmReader (+ `qa_outputs.*`) -> reader with span head (and
+  MLM head if stored); RealmForOpenQA (`embedder.*`, `reader.*`,
+  `block_emb`) -> both. Embedders' unused LM heads are ignored.
+
+  config.json (`config_json`, else the one beside the weights) supplies
+  num_attention_heads (unless `num_heads`), hidden_act, layer_norm_eps,
+  retriever_proj_size, span_hidden_size, max_span_width and
+  reader_layer_norm_eps; without it the sizes come from the shapes, GELU is
+  the tanh form (HF REALM's "gelu_new") and the heads hidden_size // 64.
+
+  Args:
+    path: a .safetensors file or a directory with model.safetensors.
+    num_heads: attention heads, overriding config.json.
+    config_json: the HF config.json to use.
+    strict: see `core.load`.
+    **config_overrides: BertConfig fields to override (e.g. dtype).
 
   Returns:
-    (RealmConfig, params, block_emb or None).
+    (RealmConfig, params, block_emb or None); params holds "retriever"
+    and/or "reader" as the class has them (the config of an absent part
+    is the default).
+
+  Raises:
+    core.CheckpointMismatchError: keys missing, unexpected or wrongly
+      shaped for the detected class.
+    ValueError: a config.json field realm_jax cannot honour.
   """
   from realm_jax.model.realm import RealmConfig, Reader  # pylint: disable=g-import-not-at-top
-  source = core.SafetensorsSource(path)
-  config_json = config_json or os.path.join(os.path.dirname(path),
+  source = core.SafetensorsSource(_safetensors_file(path) or path)
+  config_json = config_json or os.path.join(os.path.dirname(source.path),
                                             "config.json")
-  if num_heads is None and os.path.exists(config_json):
+  hf = {}
+  if os.path.exists(config_json):
     with open(config_json) as f:
-      hf = json.load(f)
-    num_heads = hf.get("num_attention_heads")
-    config_overrides.setdefault("layer_norm_eps",
-                                hf.get("layer_norm_eps", 1e-12))
-  r_config, r_expected, r_rules = _embedder_from_source(
-      source, "embedder.", "hf", num_heads=num_heads, **config_overrides)
-  reader_bert = infer_bert_config(source, "reader.realm.", "hf",
-                                  num_heads=num_heads, **config_overrides)
-  has_span = "reader.qa_outputs.dense_intermediate.weight" in source
-  has_mlm = "reader.cls.predictions.bias" in source
-  span_hidden = (source.shapes()["reader.qa_outputs.dense_intermediate.weight"]
-                 [0] // 2 if has_span else 256)
-  reader_config = ReaderConfig(bert=reader_bert, mlm_head=has_mlm,
-                               span_head=has_span,
-                               span_hidden_size=span_hidden)
-  rules = {("retriever", "query_embedder") + k: v for k, v in r_rules.items()}
-  rules.update(bert_rules(reader_bert.num_layers, "hf", "reader.realm.",
-                          ("reader", "bert"), optional_pooler=True))
-  if has_span:
-    rules.update(module_rules(_SPAN_MODULES, "hf", "reader.",
-                              ("reader", "span_head")))
-  if has_mlm:
-    rules.update(module_rules(_MLM_MODULES, "hf", "reader.cls.",
-                              ("reader", "mlm_head")))
-  expected = {"retriever": {"query_embedder": r_expected},
-              "reader": _abstract(lambda r: Reader(reader_config, rngs=r))}
-  params = core.load(
-      source, expected, rules,
-      ignore=[r"block_emb", r"embedder\.cls\.predictions\..*",
-              r"reader\.cls\.predictions\.decoder\..*"],
-      strict=strict)
-  block_emb = source.get("block_emb") if "block_emb" in source else None
-  return RealmConfig(retriever=r_config, reader=reader_config), params, (
-      None if block_emb is None else block_emb.astype(np.float32))
+      try:
+        hf = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{config_json} is not valid JSON: {e}") from e
+  act = hf.get("hidden_act", "gelu_new")
+  if act not in _HF_GELUS:
+    raise ValueError(
+        f"{config_json}: hidden_act={act!r} is not supported; realm_jax's "
+        f"BERT has GELU only ({', '.join(_HF_GELUS)}).")
+  config_overrides = {"gelu_approximate": _HF_GELUS[act],
+                      "layer_norm_eps": hf.get("layer_norm_eps", 1e-12),
+                      **config_overrides}
+  num_heads = num_heads or hf.get("num_attention_heads")
+  embedder_at, reader_at, span = HF_REALM_LAYOUTS[
+      hf_realm_layout(source, hf, config_json)]
+  config, expected, rules, ignore = RealmConfig(), {}, {}, [r"block_emb"]
+  if embedder_at is not None:
+    towers = {"query_embedder": embedder_at}
+    if "query_embedder." + _HF_WORD in source and embedder_at:
+      towers = {"query_embedder": "query_embedder.",
+                "document_embedder": embedder_at}
+    for tower, at in towers.items():
+      r_config, r_expected, r_rules = _embedder_from_source(
+          source, at, "hf", num_heads=num_heads,
+          projection_size=hf.get("retriever_proj_size"), **config_overrides)
+      expected.setdefault("retriever", {})[tower] = r_expected
+      rules.update({("retriever", tower) + k: v for k, v in r_rules.items()})
+      ignore.append(re.escape(at) + r"cls\.predictions\..*")
+    config = dataclasses.replace(config, retriever=r_config)
+  if reader_at is not None:
+    bert = infer_bert_config(source, reader_at + "realm.", "hf",
+                             num_heads=num_heads, **config_overrides)
+    span_shape = source.shapes().get(
+        reader_at + "qa_outputs.dense_intermediate.weight", (512,))
+    reader_config = ReaderConfig(
+        bert=bert, span_head=span,
+        mlm_head=not span or reader_at + "cls.predictions.bias" in source,
+        span_hidden_size=hf.get("span_hidden_size", span_shape[0] // 2),
+        max_span_width=hf.get("max_span_width", 10),
+        span_layer_norm_eps=hf.get("reader_layer_norm_eps", 1e-3))
+    rules.update(bert_rules(bert.num_layers, "hf", reader_at + "realm.",
+                            ("reader", "bert"), optional_pooler=True))
+    if span:
+      rules.update(module_rules(_SPAN_MODULES, "hf", reader_at,
+                                ("reader", "span_head")))
+    if reader_config.mlm_head:
+      rules.update(module_rules(_MLM_MODULES, "hf", reader_at + "cls.",
+                                ("reader", "mlm_head")))
+    ignore.append(re.escape(reader_at) + r"cls\.predictions\.decoder\..*")
+    expected["reader"] = _abstract(lambda r: Reader(reader_config, rngs=r))
+    config = dataclasses.replace(config, reader=reader_config)
+  params = core.load(source, expected, rules, ignore=ignore, strict=strict)
+  towers = params.get("retriever", {})
+  if "document_embedder" in towers:  # Unshared unless equal (tied in HF).
+    query, doc = core.flatten(towers["query_embedder"]), core.flatten(
+        towers["document_embedder"])
+    if query.keys() == doc.keys() and all(
+        np.array_equal(query[k], doc[k]) for k in query):
+      del towers["document_embedder"]
+    else:
+      config = dataclasses.replace(config, retriever=dataclasses.replace(
+          config.retriever, share_towers=False))
+  block_emb = load_block_emb(source.path) if "block_emb" in source else None
+  return config, params, block_emb
 
 
 # ----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ always wins; this is only used when there is none):
   tf_bert:<ckpt>                Google BERT (TF), MLM head into the reader
   realm:<embedder_ckpt>,<bert_ckpt>   REALM's released pre-trained pair
   orqa:<ckpt>                   a fine-tuned ORQA-from-REALM checkpoint
-  hf_realm:<model.safetensors>  a Hugging Face REALM state dict
+  hf_realm:<dir|.safetensors>   a Hugging Face REALM model, any class
+                                (`importers.load_hf_realm`)
   checkpoint:<dir>[@step]       a realm_jax checkpoint directory (ICT or
                                 pre-training output); newest step by default
   export:<dir>                  a `python -m realm_jax.export` directory
@@ -86,8 +87,16 @@ def _imported_tree(kind: str, arg: str, config: RealmConfig,
                                     num_heads=config.reader.bert.num_heads)
     return params
   if kind == "hf_realm":
-    _, params, _ = importers.load_hf_realm(
-        arg, num_heads=config.reader.bert.num_heads)
+    # config.json names the head count; shapes cannot show a mismatch.
+    hf_config, params, _ = importers.load_hf_realm(arg)
+    for part in params:
+      heads = getattr(hf_config, part).bert.num_heads
+      want = getattr(config, part).bert.num_heads
+      if heads != want:
+        raise ValueError(
+            f"init_from='hf_realm:{arg}': its {part} has {heads} attention "
+            f"heads (config.json) but the model config has {want}; use the "
+            "model gin file that matches it (e.g. models/bert_base.gin).")
     return params
   if kind == "export":
     from realm_jax.checkpoint_import import exported  # pylint: disable=g-import-not-at-top
@@ -96,14 +105,9 @@ def _imported_tree(kind: str, arg: str, config: RealmConfig,
   if kind == "checkpoint":
     from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
     directory, _, step = arg.partition("@")
-    ckpt = checkpoints.TrainCheckpointer(directory, async_save=False)
-    try:
-      step = int(step) if step else ckpt.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"No checkpoint steps under {directory}.")
-      return ckpt.restore_params(step)
-    finally:
-      ckpt.close()
+    step = int(step) if step else checkpoints.newest_step(directory)
+    return checkpoints.restore_items(directory, step,
+                                     checkpoints.PARAM_ITEMS)
   raise ValueError(
       f"Unknown init_from kind {kind!r}; use scratch, hf_bert:, tf_bert:, "
       "realm:, orqa:, hf_realm:, export: or checkpoint:.")
