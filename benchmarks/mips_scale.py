@@ -17,9 +17,9 @@ For each corpus size this measures, side by side in one run:
   python benchmarks/mips_scale.py                        # the docs' table
   python benchmarks/mips_scale.py --sizes=200000 --num_queries=200   # quick
 
-Data: the Gaussian mixture of benchmarks/mips.py (num_rows // 1000 centers of
-the largest size, cluster_std 1.5), generated once into `--data_dir` as a
-.npy file (6.8 GB at full size) that every size reads a prefix of.
+Data: the Gaussian mixture of benchmarks/mips.py (num_rows // 1000 centers,
+cluster_std 1.5) at every size, generated once per size into `--data_dir`
+as a .npy file (6.8 GB at full size) and memory-mapped from there.
 Results: docs/benchmarks/mips_scale.md.
 """
 
@@ -126,8 +126,7 @@ def make_corpus(path: str, num_rows: int, dim: int, seed: int,
 def queries_for(corpus_rows: int, dim: int, num_queries: int, seed: int
                ) -> np.ndarray:
   """Queries drawn from the corpus's mixture (as in benchmarks/mips.py): one
-  of the `make_corpus` centers plus the same noise. Every size is a prefix
-  of one corpus, so all sizes share its centers."""
+  of the `make_corpus` centers plus the same noise."""
   centers = np.random.default_rng(seed).standard_normal(
       (max(1, corpus_rows // 1000), dim), dtype=np.float32)
   rng = np.random.default_rng(seed + 1)
@@ -166,8 +165,9 @@ def child(spec: dict) -> dict:
   baseline_anon = memory.anon  # Python, TensorFlow, ScaNN: before the build
   memory = PeakMemory()
   started = time.perf_counter()
-  config = search_base.ScannConfig(num_leaves=spec["num_leaves"],
-                                   reordering_dtype=spec["dtype"])
+  config = search_base.ScannConfig(
+      num_leaves=spec["num_leaves"], reordering_dtype=spec["dtype"],
+      training_sample_size=spec.get("training_sample_size"))
   if spec["shards"] > 1:
     searcher = searchers.ShardedSearcher.build(
         corpus, search_base.ShardedConfig(num_shards=spec["shards"],
@@ -242,17 +242,18 @@ def main(argv):
   sizes = sorted(int(s) for s in _SIZES.value)
   dim, k, largest = _DIM.value, _K.value, max(sizes)
   os.makedirs(_DATA_DIR.value, exist_ok=True)
-  path = corpus_path(_DATA_DIR.value, largest, dim, _SEED.value)
-  if not os.path.exists(path):
-    make_corpus(path, largest, dim, _SEED.value)
-  full = np.load(path, mmap_mode="r")
   print(f"# {' '.join(sys.argv)}  load average {os.getloadavg()}",
         file=sys.stderr, flush=True)
   common = {"dim": dim, "k": k, "num_queries": _NUM_QUERIES.value,
             "cpus": os.cpu_count()}
   for num_rows in sizes:
-    corpus = full[:num_rows]
-    queries = queries_for(largest, dim, _NUM_QUERIES.value, _SEED.value)
+    # Each size is its own mixture of num_rows // 1000 clusters, so every
+    # size has the 1M benchmark's shape (1000 rows a cluster).
+    path = corpus_path(_DATA_DIR.value, num_rows, dim, _SEED.value)
+    if not os.path.exists(path):
+      make_corpus(path, num_rows, dim, _SEED.value)
+    corpus = np.load(path, mmap_mode="r")
+    queries = queries_for(num_rows, dim, _NUM_QUERIES.value, _SEED.value)
     stem = os.path.join(_DATA_DIR.value, f"n{num_rows}_q{len(queries)}")
     np.save(stem + "_queries.npy", queries)
     truth_file = stem + f"_top{k}.npy"

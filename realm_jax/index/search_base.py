@@ -101,8 +101,12 @@ class ScannConfig(SearcherConfig):
     20k (small corpora have few rows a leaf, and a query's neighbours spread
     over more leaves than 2.5% of them: recall@10 0.94 with 8 leaves, 0.99
     with 32 on the 20k test set);
-  - min_partition_size = clip(sample // (5 num_leaves), 1, 50) with sample =
-    min(N, training_sample_size). ScaNN drops k-means partitions smaller
+  - training_sample_size = min(N, max(100k, samples_per_leaf x num_leaves)):
+    k-means needs samples in every leaf; at 4M rows and 4000 leaves, 100k
+    samples (25 a leaf) gave recall@10 0.81 where 400k (100 a leaf) gave
+    0.94 (docs/benchmarks/mips_scale.md);
+  - min_partition_size = clip(sample // (5 num_leaves), 1, 50) with sample
+    the training sample size. ScaNN drops k-means partitions smaller
     than this during training; its own default of 50 with 100k samples and
     2000 leaves (50 samples a leaf on average) wrecks the tree: on 1M x 128
     clustered vectors, exact scoring inside 50 of 2000 leaves found 81% of
@@ -119,7 +123,9 @@ class ScannConfig(SearcherConfig):
       `leaves_search_fraction`.
     leaves_search_fraction: fraction of the leaves searched when
       num_leaves_to_search is None.
-    training_sample_size: rows sampled to train the tree and AH codebooks.
+    training_sample_size: rows sampled to train the tree and AH codebooks;
+      None = from N and the leaves (see above).
+    samples_per_leaf: the automatic training sample's rows per leaf.
     min_partition_size: see above; None = derived.
     dims_per_block: dimensions per AH sub-space (16 codes each, "lut16").
     anisotropic_quantization_threshold: ScaNN's T (absolute inner product
@@ -134,33 +140,33 @@ class ScannConfig(SearcherConfig):
       the difference between 6.8 GB and 1.7 GB of RAM
       (docs/benchmarks/mips_scale.md).
     brute_force_below_rows: corpora with fewer rows use exact brute force.
-    max_auto_leaves: cap of the automatic num_leaves. Building costs
-      N x num_leaves inner products (every row is assigned to its leaf)
-      while a search scores the same fraction of the rows whatever the
-      leaf count, so past ~1M rows more leaves cost build time without
-      buying recall: 2048 leaves of ~6,500 rows at REALM's 13.35M blocks
-      (docs/benchmarks/mips_scale.md).
+    max_auto_leaves: cap of the automatic num_leaves. Building costs N x
+      num_leaves inner products (every row is assigned to its leaf), but
+      fewer leaves cost recall: at 4M rows 2048 leaves gave recall@10 0.57
+      where 4000 gave 0.81 (docs/benchmarks/mips_scale.md).
     num_threads: threads for training and batched search; 0 = all cores.
     search_batch_size: queries per thread task in batched search.
   """
   num_leaves: int | None = None
   num_leaves_to_search: int | None = None
   leaves_search_fraction: float = 0.025
-  training_sample_size: int = 100_000
+  training_sample_size: int | None = None
+  samples_per_leaf: int = 100
   min_partition_size: int | None = None
   dims_per_block: int = 2
   anisotropic_quantization_threshold: float | None = 0.2
   reordering_num_neighbors: int = 100
   reordering_dtype: str = "float32"
   brute_force_below_rows: int = 10_000
-  max_auto_leaves: int = 2048
+  max_auto_leaves: int = 8192
   num_threads: int = 0
   search_batch_size: int = 256
 
   def __post_init__(self):
     checks.at_least(self, "num_leaves", "num_leaves_to_search",
-                    "min_partition_size", integer=True, optional=True)
-    checks.at_least(self, "training_sample_size", "dims_per_block",
+                    "min_partition_size", "training_sample_size",
+                    integer=True, optional=True)
+    checks.at_least(self, "samples_per_leaf", "dims_per_block",
                     "max_auto_leaves", "search_batch_size", integer=True)
     checks.at_least(self, "reordering_num_neighbors",
                     "brute_force_below_rows", "num_threads", minimum=0,
@@ -215,7 +221,10 @@ class ScannConfig(SearcherConfig):
           math.ceil(self.leaves_search_fraction * num_leaves),
           min(num_leaves, 32))
     leaves_to_search = min(leaves_to_search, num_leaves)
-    sample = min(num_rows, self.training_sample_size)
+    sample = self.training_sample_size
+    if sample is None:
+      sample = max(100_000, self.samples_per_leaf * num_leaves)
+    sample = min(num_rows, sample)
     min_partition_size = self.min_partition_size
     if min_partition_size is None:
       min_partition_size = int(np.clip(sample // (5 * num_leaves), 1, 50))

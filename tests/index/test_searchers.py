@@ -205,10 +205,19 @@ def test_scann_pads_missing_neighbours(clustered):
 def test_scann_config_resolution_and_orqa_preset():
   config = searchers.ScannConfig()
   big = config.resolve(1_000_000, 128)
+  # 100 training samples a leaf: 200k rows train 2000 leaves.
   assert (big["num_leaves"], big["num_leaves_to_search"],
-          big["min_partition_size"]) == (2000, 50, 10)
-  assert config.resolve(4_000_000, 128)["num_leaves"] == 2048
-  assert config.resolve(13_353_718, 128)["num_leaves"] == 2048
+          big["training_sample_size"], big["min_partition_size"]) == (
+              2000, 50, 200_000, 20)
+  paper = config.resolve(13_353_718, 128)
+  assert (paper["num_leaves"], paper["training_sample_size"]) == (7309,
+                                                                   730_900)
+  # Small corpora: at least 100k samples, never more than the rows.
+  assert config.resolve(40_000, 128)["training_sample_size"] == 40_000
+  assert config.resolve(250_000, 128)["training_sample_size"] == 100_000
+  fixed = searchers.ScannConfig(training_sample_size=50_000)
+  assert fixed.resolve(1_000_000, 128)["training_sample_size"] == 50_000
+  assert config.resolve(100_000_000, 128)["num_leaves"] == 8192
   assert config.resolve(5_000, 128) == {"brute_force": True}
   orqa = searchers.ORQA_SCANN_CONFIG.resolve(1_000_000, 128)
   assert (orqa["num_leaves"], orqa["num_leaves_to_search"]) == (1000, 100)
