@@ -17,30 +17,18 @@ import os
 from typing import Any
 
 from realm_jax.checkpoint_import import exported
-from realm_jax.core import checkpoints, dataclass_json, io_utils
+from realm_jax.core import checkpoints, io_utils
 from realm_jax.data import block_store as block_store_lib
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel
 from realm_jax.index import publish
-from realm_jax.model.realm import RealmConfig
-from realm_jax.training import finetune, qa_inputs
+from realm_jax.training import qa_inputs
 
 
 def checkpoint_directory(path: str) -> str:
   """`path`'s checkpoints/ if it is a workdir, else `path` itself."""
   inside = checkpoints.checkpoint_dir(path)
   return inside if io_utils.as_path(inside).exists() else path
-
-
-def _configs_of(directory: str, step: int) -> dict[str, Any]:
-  meta = checkpoints.read_meta(directory, step)
-  if "model_config" not in meta:
-    raise ValueError(
-        f"Checkpoint {directory}/{step} carries no model config (written "
-        "before configs were saved in checkpoints): use "
-        "qa_model.load_qa_model with the run's model config, or the ask "
-        "command with the run's gin files.")
-  return meta
 
 
 def load(path: str, *, block_store: str | None = None,
@@ -73,24 +61,12 @@ def load(path: str, *, block_store: str | None = None,
                    qa_config or qa_inputs.QAConfig(), **kwargs)
   directory = checkpoint_directory(path)
   step = checkpoints.newest_step(directory) if step is None else step
-  meta = _configs_of(directory, step)
+  model_config, run_qa, task = qa_model_lib.run_configs(directory, step)
+  qa_config = qa_config or run_qa
   where = f"{directory}/{step}/meta"
-  model_config = dataclass_json.from_dict(
-      RealmConfig, meta["model_config"], f"{where}:model_config")
-  task = meta.get("task_config") or {}
-  if meta.get("task_class") == "FinetuneConfig":
-    run = dataclass_json.from_dict(finetune.FinetuneConfig, task,
-                                   f"{where}:task_config")
-    qa_config = qa_config or qa_inputs.QAConfig(
-        question_length=run.question_length,
-        num_retrieved=run.num_retrieved,
-        num_reader_blocks=run.num_reader_blocks,
-        reader_length=run.reader_length)
-    block_store = block_store or run.block_store
-    index_dir = index_dir or run.index_dir
   block_store = block_store or task.get("block_store")
-  index_dir = index_dir or checkpoints.index_root(os.path.dirname(
-      directory.rstrip("/")))
+  index_dir = index_dir or task.get("index_dir") or checkpoints.index_root(
+      os.path.dirname(directory.rstrip("/")))
   if not block_store:
     raise ValueError(f"{where} names no block store; give block_store=.")
   return qa_model_lib.load_qa_model(
@@ -105,9 +81,11 @@ def config_of(path: str, step: int | None = None) -> dict[str, Any]:
   "task_config", "operative_config"} (JSON; nothing is executed)."""
   directory = checkpoint_directory(path)
   step = checkpoints.newest_step(directory) if step is None else step
-  meta = _configs_of(directory, step)
+  meta = qa_model_lib.configs_of(directory, step)
   return {k: meta[k] for k in ("model_config", "task_class", "task_config",
                                "operative_config") if k in meta}
 
 
-__all__ = ["load", "config_of"]
+run_configs = qa_model_lib.run_configs
+
+__all__ = ["load", "config_of", "run_configs"]

@@ -10,7 +10,10 @@ the model itself lives, shared with the evaluation):
         --gin.INDEX_DIR="'I'" --gin.BLOCK_STORE="'B'" --json "..."
 
 The weights, index and blocks are `qa_eval.EvalConfig`'s (runs/eval.gin);
---json, --top_k and --snippet_chars only change how answers are shown.
+a checkpoint's own model config and QA sizes are used
+(`qa_eval.checked_run_configs`). --json, --top_k and --snippet_chars only
+change how answers are shown. Weights whose span head was never trained
+(e.g. INIT_FROM='minilm') answer with a notice (JSON: "notice").
 
 From Python:
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
+from realm_jax.core import checkpoints
 from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult
@@ -93,6 +97,13 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
     raise SystemExit('Ask something: python -m realm_jax.ask ... "Where was '
                      'Mozart born?"')
   qa_eval.require(config, block_store="BLOCK_STORE")
+  checkpoint_dir = config.checkpoint_dir or (
+      checkpoints.checkpoint_dir(config.workdir) if config.workdir else None)
+  if checkpoint_dir and not config.init_from:
+    from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+    model_config, qa_config = qa_eval.checked_run_configs(
+        checkpoint_dir, config.step, model_config, qa_config,
+        gin_cli.command_line_bindings())
   model = qa_model_lib.load_qa_model(
       model_config=model_config,
       store=block_store.BlockStore.open(config.block_store),
@@ -100,9 +111,14 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
       step=config.step, init_from=config.init_from,
       index_dir=config.index_dir, index_step=config.index_step,
       qa_config=qa_config, batch_size=1, num_evidence=f.top_k)
+  notice = (None if model.span_head_trained else
+            "Notice: " + qa_model_lib.UNTRAINED_SPAN_HEAD)
+  if notice and not f.json:
+    print(notice + "\n", flush=True)
   for result in model.predict(questions, num_evidence=f.top_k):
     if f.json:
-      print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
+      row = dict(result.to_json(), **({"notice": notice} if notice else {}))
+      print(json.dumps(row, ensure_ascii=False), flush=True)
     else:
       print(format_result(result, f.snippet_chars) + "\n", flush=True)
 

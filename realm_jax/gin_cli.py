@@ -92,6 +92,15 @@ def split_gin_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   return rest, bindings
 
 
+def command_line_bindings() -> list[str]:
+  """The gin bindings of this process's command line (`--gin.A.b=V` and
+  `--gin_bindings`): what the QA jobs hold to a checkpoint's configs."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  given = flags.FLAGS["gin_bindings"].value if (
+      "gin_bindings" in flags.FLAGS and flags.FLAGS.is_parsed()) else []
+  return split_gin_flags(sys.argv[1:])[1] + list(given or [])
+
+
 class _NoGinProbeErrors(logging.Filter):
   """Drops gin's "Path not found" errors, logged for each search-path prefix
   it probes before the one holding the file (a missing file still raises)."""

@@ -192,3 +192,91 @@ def test_cli_json(setup):
     np.testing.assert_allclose(
         [e["probability"] for e in row["evidence"]],
         [e.probability for e in want.evidence], atol=1e-5)
+
+
+def _save_with_configs(directory, params, model_config, task):
+  """A checkpoint carrying its configs, as the trainers write them."""
+  from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
+  ckpt = checkpoints.TrainCheckpointer(directory, async_save=False)
+  ckpt.save(2, params, {"count": np.zeros((), np.int32)}, {
+      "index_step": 0, "task_class": type(task).__name__,
+      "task_config": dataclass_json.to_dict(task),
+      "model_config": dataclass_json.to_dict(model_config)}, force=True)
+  ckpt.close()
+
+
+def test_model_config_comes_from_the_checkpoint(setup, tmp_path):
+  """ask/eval answer with the run's model config and QA sizes, not the gin
+  files'; a command-line binding contradicting the model config fails."""
+  from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
+  config = setup["config"]
+  run = finetune.FinetuneConfig(
+      workdir=str(tmp_path), block_store=setup["store"].path,
+      train_jsonl="t.jsonl", index_dir=str(setup["workdir"] / "index"),
+      num_epochs=1.0, question_length=16, num_retrieved=6,
+      num_reader_blocks=3, reader_length=48)
+  ckpt_dir = str(tmp_path / "checkpoints")
+  _save_with_configs(ckpt_dir, setup["params"], config, run)
+  # What a user's gin files might say: another pooling, ORQA's sizes.
+  gin_model = dataclasses.replace(config, retriever=dataclasses.replace(
+      config.retriever, pooling="cls"))
+  model, qa = qa_eval.checked_run_configs(ckpt_dir, None, gin_model,
+                                          qa_inputs.QAConfig(), [])
+  assert model == config
+  assert qa == dataclasses.replace(QA_CONFIG,
+                                   max_span_width=config.reader.max_span_width)
+  # Eval settings bound on the command line win; agreeing bindings pass.
+  model, qa = qa_eval.checked_run_configs(
+      ckpt_dir, 2, config, dataclasses.replace(QA_CONFIG, num_retrieved=5),
+      ["QAConfig.num_retrieved = 5", "RetrieverConfig.pooling = 'mean'"])
+  assert model == config and qa.num_retrieved == 5
+  assert qa.question_length == 16
+  with pytest.raises(SystemExit, match=(
+      r"RetrieverConfig.pooling='cls' on the command line, but checkpoint "
+      r".*/2 was trained with RealmConfig.retriever.pooling='mean'.*drop "
+      r"the binding")):
+    qa_eval.checked_run_configs(ckpt_dir, 2, gin_model, QA_CONFIG,
+                                ["realm.RetrieverConfig.pooling = 'cls'"])
+  # A checkpoint without configs keeps the gin ones.
+  model, qa = qa_eval.checked_run_configs(
+      str(setup["workdir"] / "checkpoints"), 1, gin_model, QA_CONFIG,
+      ["RetrieverConfig.pooling = 'cls'"])
+  assert model == gin_model and qa == QA_CONFIG
+
+
+def test_untrained_span_head_is_announced(setup, tmp_path, caplog):
+  """Weights without a trained span head (MiniLM, BERT, REALM
+  pre-training) load with one WARNING saying how to fine-tune."""
+  params = setup["params"]
+  no_span_head = {"retriever": params["retriever"], "reader": {
+      k: v for k, v in params["reader"].items() if k != "span_head"}}
+  # A fine-tuned span head (not the seed-0 initialisation).
+  tuned = {"retriever": params["retriever"], "reader": dict(
+      params["reader"], span_head=jax.tree.map(lambda x: x + 0.5,
+                                               params["reader"]["span_head"]))}
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "pre"),
+                                       async_save=False)
+  for step, tree in ((3, no_span_head), (4, tuned)):
+    ckpt.save(step, tree, {"count": np.zeros((), np.int32)}, {}, force=True)
+  ckpt.close()
+  kwargs = dict(model_config=setup["config"], store=setup["store"],
+                qa_config=QA_CONFIG, batch_size=4,
+                index_dir=str(setup["workdir"] / "index"))
+  with caplog.at_level("WARNING"):
+    trained = qa_model.load_qa_model(
+        init_from=f"checkpoint:{tmp_path / 'pre'}@4", **kwargs)
+  assert trained.span_head_trained and "span head" not in caplog.text
+  with caplog.at_level("WARNING"):
+    untrained = qa_model.load_qa_model(
+        init_from=f"checkpoint:{tmp_path / 'pre'}@3", **kwargs)
+  assert not untrained.span_head_trained
+  warnings = [r for r in caplog.records if r.levelname == "WARNING"
+              and "span head is not trained" in r.getMessage()]
+  assert len(warnings) == 1
+  assert "runs/finetune.gin" in warnings[0].getMessage()
+  assert "nonsense" in warnings[0].getMessage()
+  # Its retriever is the imported one: the same retrieval as the trained.
+  a = trained.predict(QUESTIONS[:2])
+  b = untrained.predict(QUESTIONS[:2])
+  assert [r.retrieved_ids for r in a] == [r.retrieved_ids for r in b]

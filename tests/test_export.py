@@ -135,7 +135,7 @@ def test_export_of_a_checkpoint_uses_the_config_it_carries(tmp_path):
 
 
 def test_init_from_an_export(tmp_path):
-  from realm_jax.training import init  # pylint: disable=g-import-not-at-top
+  from realm_jax.checkpoint_import import init_from as init  # pylint: disable=g-import-not-at-top
   config = RealmConfig(retriever=RetrieverConfig(bert=BERT, pooling="mean"),
                        reader=ReaderConfig(bert=BERT))
   _, params = functional.init(lambda r: Realm(config, rngs=r), 5)

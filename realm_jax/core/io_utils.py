@@ -208,8 +208,7 @@ def _remove_dead_temporaries(root: str, key: str) -> None:
     pid = name[len(prefix):]
     if name.startswith(prefix) and pid.isdigit() and not _pid_alive(
         int(pid)):
-      path = os.path.join(root, name)
-      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+      remove(os.path.join(root, name))
 
 
 def local_copy(path: PathLike, key: str, *,
@@ -239,8 +238,7 @@ def local_copy(path: PathLike, key: str, *,
   os.makedirs(root, exist_ok=True)
   _remove_dead_temporaries(root, key)
   tmp = os.path.join(root, f".{key}.tmp-{os.getpid()}")
-  if os.path.isdir(tmp):
-    shutil.rmtree(tmp)
+  remove(tmp)
   src = as_path(path)
   try:
     if src.is_dir():
@@ -254,10 +252,7 @@ def local_copy(path: PathLike, key: str, *,
         raise
       # Another process finished the same copy first; use it.
   finally:
-    if os.path.isdir(tmp):
-      shutil.rmtree(tmp)
-    elif os.path.exists(tmp):
-      os.remove(tmp)
+    remove(tmp)
   return dest
 
 

@@ -37,7 +37,7 @@ import json
 import re
 import string
 import unicodedata
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from absl import logging
 import numpy as np
@@ -172,33 +172,36 @@ def _open_binary(path: str):
   return open(path, "rb")
 
 
-def iter_qa_jsonl(
+def read_qa_jsonl(
     path: str,
     report: QAReadReport | None = None,
     *,
     regex_answers: bool = False,
     strict: bool = False,
-) -> Iterator[tuple[int, QAExample]]:
-  """Yields `(line_number, example)` from an ORQA JSONL file.
+) -> list[QAExample]:
+  """Reads an ORQA JSONL file into QA examples.
 
   Args:
     path: JSONL file, one `{"question": str, "answer": [str, ...]}` per line.
-    report: if given, counts are added to it.
+    report: if given, counts (lines, examples, malformed with line numbers)
+      are added to it.
     regex_answers: answers are regular expressions (CuratedTrec); each is
       compiled and an invalid one makes its line malformed.
     strict: raise on the first malformed line instead of skipping it.
 
-  Yields:
-    1-based line number and the example on that line.
+  Returns:
+    The well-formed examples in file order.
 
   Raises:
-    QADataError: in strict mode, for a malformed line (names file and line).
+    QADataError: in strict mode, for a malformed line (bad JSON, missing keys,
+      wrong types, empty answer list, invalid UTF-8, invalid regex; names
+      file and line).
     FileNotFoundError: if the file does not exist.
   """
   report = report if report is not None else QAReadReport()
   path = str(path)
   report.files.append(path)
-  malformed_here = 0
+  examples, malformed_here = [], 0
   with _open_binary(path) as f:
     for line_number, raw in enumerate(f, start=1):
       try:
@@ -219,7 +222,7 @@ def iter_qa_jsonl(
           reason = str(e)
         else:
           report.examples += 1
-          yield line_number, example
+          examples.append(example)
           continue
       if strict:
         raise QADataError(
@@ -236,34 +239,7 @@ def iter_qa_jsonl(
     logging.warning("%s: skipped %d malformed line(s); see the returned "
                     "QAReadReport for their line numbers.", path,
                     malformed_here)
-
-
-def read_qa_jsonl(
-    path: str,
-    report: QAReadReport | None = None,
-    *,
-    regex_answers: bool = False,
-    strict: bool = False,
-) -> list[QAExample]:
-  """Reads an ORQA JSONL file into QA examples.
-
-  Args:
-    path: JSONL file, one `{"question": str, "answer": [str, ...]}` per line.
-    report: if given, counts (lines, examples, malformed with line numbers)
-      are added to it.
-    regex_answers: answers are regular expressions (CuratedTrec).
-    strict: raise on the first malformed line instead of skipping it.
-
-  Returns:
-    The well-formed examples in file order.
-
-  Raises:
-    QADataError: in strict mode, for a malformed line (bad JSON, missing keys,
-      wrong types, empty answer list, invalid UTF-8, invalid regex).
-    FileNotFoundError: if the file does not exist.
-  """
-  return [example for _, example in iter_qa_jsonl(
-      path, report, regex_answers=regex_answers, strict=strict)]
+  return examples
 
 
 # ---------------------------------------------------------------- evaluation

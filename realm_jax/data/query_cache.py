@@ -613,8 +613,9 @@ class _Register:
 
 
 def trainer_query_config(run) -> examples_lib.RealmQueryConfig:
-  """The queries of a pre-training run's config (as
-  `pretrain.realm_query_config`): masks end before the final 2 positions."""
+  """The queries of a pre-training run's config: as REALM's (masks end
+  before position 94 of 96), shorter queries keep the same two positions of
+  room."""
   return examples_lib.RealmQueryConfig(
       query_length=run.query_length, masking=run.masking,
       max_masks=min(run.max_masks, run.query_length - 4),

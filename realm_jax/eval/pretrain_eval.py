@@ -47,13 +47,8 @@ def _graphdef(model: RealmConfig):
 
 @functools.lru_cache(maxsize=8)
 def _query_fn(model: RealmConfig):
-  graphdef = _graphdef(model)
-
-  @jax.jit
-  def embed(params, ids, mask):
-    return functional.bind(graphdef, params).retriever.embed_queries(ids,
-                                                                     mask)
-  return embed
+  # No mesh: plain jit, so a chunk of queries need not fill the devices.
+  return embed_lib.make_query_embedder(_graphdef(model), None)
 
 
 @functools.lru_cache(maxsize=8)

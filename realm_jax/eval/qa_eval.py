@@ -17,7 +17,9 @@ Predictions are written as JSONL, one `QAResult.to_json()` per question:
 `{"question", "prediction", "score", "block_id", "evidence": [{block_id,
 rank, title, text, probability (= p(z|x)), retrieval_logit, has_answer}],
 "answers", "correct", "retrieved_ids", "retrieved_has_answer",
-"reader_has_answer"}`.
+"reader_has_answer"}`. Opt-in (`EvalConfig.dpr_retrieval`), the retrieval
+in DPR's JSON shape beside them (`write_dpr_retrieval`), for DPR's and
+pyserini's retrieval evaluation scripts.
 
 The eval job (`run_eval_job`) runs beside a trainer: it polls the trainer's
 checkpoint directory, evaluates each new step exactly once (ascending) and
@@ -32,6 +34,9 @@ and clu summaries. The index is frozen (fine-tuning's): loaded once.
         --gin.BLOCK_STORE="'B'" --gin.QA_FILE="'dev.jsonl'" \\
         [--gin.EvalConfig.step=N | --gin.INIT_FROM="'orqa:CKPT'"]
 
+The model config and QA sizes are the checkpoint's
+(`checked_run_configs`): a command-line binding contradicting the model
+config is refused; QAConfig bindings (eval settings) override the run's.
 It is a single-process side job (every host of a pod would evaluate the
 same questions); it splits each batch over all local devices.
 """
@@ -51,6 +56,7 @@ import jax
 from realm_jax.core import checkpoints, io_utils, parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
+from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
 from realm_jax.index import publish
 from realm_jax.model.realm import RealmConfig
@@ -115,6 +121,33 @@ def write_predictions(path: io_utils.PathLike,
       json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in results))
 
 
+def write_dpr_retrieval(path: io_utils.PathLike, results: Sequence[QAResult],
+                        store) -> None:
+  """The retrieval of `results` as DPR's retriever output; atomic.
+
+  `[{"question", "answers", "ctxs": [{"id", "title", "text", "score",
+  "has_answer"}]}]`, contexts in rank order (every retrieved block: the
+  recall depth); id is the input's passage id (a store built from DPR's
+  psgs_w100.tsv keeps them), else the block store row; score the
+  retrieval logit Embed(x) . Embed(z), has_answer the recall@k test (`qa.has_answer`).
+  """
+  out = [{"question": r.question, "answers": list(r.answers or []),
+          "ctxs": [{"id": _passage_id(store, b), "title": store.title(b),
+                    "text": store.text(b), "score": s,
+                    "has_answer": bool(r.retrieved_has_answer
+                                       and r.retrieved_has_answer[i])}
+                   for i, (b, s) in enumerate(zip(r.retrieved_ids,
+                                                  r.retrieved_scores))
+                   if b >= 0]} for r in results]
+  io_utils.atomic_write_text(path, json.dumps(out, ensure_ascii=False,
+                                              indent=1))
+
+
+def _passage_id(store, row: int) -> str:
+  passage_id = store.passage_id(row)
+  return str(row) if passage_id is None else passage_id
+
+
 # ----------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------
@@ -123,6 +156,7 @@ def write_predictions(path: io_utils.PathLike,
 def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
              recall_ks: Sequence[int] = DEFAULT_RECALL_KS,
              predictions_path: str | None = None,
+             dpr_path: str | None = None,
              log_every_batches: int = 10) -> dict[str, float]:
   """Scores a QA model on examples.
 
@@ -131,6 +165,7 @@ def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
     examples: questions with reference answers (regex ones use regex match).
     recall_ks: the k of recall@k (retrieval is run max(recall_ks) deep).
     predictions_path: if given, the predictions JSONL (atomic).
+    dpr_path: if given, the retrieval in DPR's JSON (`write_dpr_retrieval`).
     log_every_batches: progress log period.
 
   Returns:
@@ -157,6 +192,8 @@ def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
   metrics["questions_per_second"] = len(results) / (time.time() - start)
   if predictions_path:
     write_predictions(predictions_path, results)
+  if dpr_path:
+    write_dpr_retrieval(dpr_path, results, qa_model.store)
   return metrics
 
 
@@ -168,8 +205,10 @@ def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
   return h.hexdigest()
 
 
-def predictions_file(output_dir: str, step: int) -> str:
-  return io_utils.join(output_dir, "predictions", f"step_{step}.jsonl")
+def predictions_file(output_dir: str, step: int,
+                     suffix: str = ".jsonl") -> str:
+  """<output_dir>/predictions/step_<step><suffix> (".dpr.json": DPR's)."""
+  return io_utils.join(output_dir, "predictions", f"step_{step}{suffix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +221,7 @@ class EvalConfig:
     step: the checkpoint step: the job evaluates only it (default: every
       new one), `ask` answers with it (default: the newest).
     init_from: imported weights instead of a checkpoint, e.g. "orqa:<ckpt>"
-      (`realm_jax.training.init`); the job evaluates them once.
+      (`realm_jax.checkpoint_import.init_from`); the job evaluates them once.
     index_step: default LATEST (`ask`: the checkpoint's own if published).
     block_store: the blocks the index was built from.
     qa_file, regex_answers: the job's questions (ORQA JSONL); whether
@@ -193,6 +232,9 @@ class EvalConfig:
     batch_size: questions per model call (a multiple of the device count).
     num_evidence: evidence blocks kept per prediction.
     poll_seconds: eval job: pause between looks at the checkpoints.
+    dpr_retrieval: also write each evaluation's retrieval in DPR's JSON
+      shape (`write_dpr_retrieval`) to predictions/step_<step>.dpr.json
+      (init_from: predictions/init_from.dpr.json).
   """
   workdir: str | None = None
   checkpoint_dir: str | None = None
@@ -209,6 +251,7 @@ class EvalConfig:
   batch_size: int = 8
   num_evidence: int = 5
   poll_seconds: float = 30.0
+  dpr_retrieval: bool = False
 
   def __post_init__(self):
     if not self.recall_ks or min(self.recall_ks) < 1:
@@ -258,10 +301,12 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
                        num_evidence=config.num_evidence, step=step)
   else:
     qa_model = qa_model.with_params(params, step)
+  chief = jax.process_index() == 0
   metrics = evaluate(
       qa_model, examples, recall_ks=config.recall_ks,
-      predictions_path=predictions_file(output_dir, step)
-      if jax.process_index() == 0 else None)
+      predictions_path=predictions_file(output_dir, step) if chief else None,
+      dpr_path=predictions_file(output_dir, step, ".dpr.json")
+      if chief and config.dpr_retrieval else None)
   return dict(metrics, step=int(step),
               eval_seconds=round(time.time() - start, 3)), qa_model
 
@@ -463,6 +508,58 @@ def configured(cls):
   return factory()
 
 
+def _differences(ours, theirs, path: str):
+  """(class name, field, path, ours, theirs) of every differing leaf."""
+  for f in dataclasses.fields(ours):
+    a, b = getattr(ours, f.name), getattr(theirs, f.name)
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+      yield from _differences(a, b, f"{path}.{f.name}")
+    elif a != b:
+      yield type(ours).__name__, f.name, f"{path}.{f.name}", a, b
+
+
+def checked_run_configs(checkpoint_dir: str, step: int | None,
+                        model_config: RealmConfig,
+                        qa_config: qa_inputs.QAConfig,
+                        bindings: Sequence[str]
+                        ) -> tuple[RealmConfig, qa_inputs.QAConfig]:
+  """The model config and QA sizes to answer with a run's checkpoint.
+
+  The model config is the checkpoint's (what the weights were trained
+  with), not the gin files' (e.g. models/minilm_l6.gin's defaults); a
+  command-line binding (`bindings`) that contradicts it is an error. The
+  QA sizes (K, R, question and reader lengths) are eval settings: the
+  run's, unless the command line binds QAConfig fields, which win.
+  Checkpoints written before configs were saved keep the gin configs.
+
+  Raises:
+    SystemExit: a binding contradicts the checkpoint's model config.
+  """
+  step = checkpoints.newest_step(checkpoint_dir) if step is None else step
+  try:
+    run_model, run_qa, _ = qa_model_lib.run_configs(checkpoint_dir, step)
+  except ValueError as e:  # No configs in this (old) checkpoint.
+    logging.warning("%s Using the gin model config.", e)
+    return model_config, qa_config
+  bound = {tuple(b.split("=", 1)[0].strip().split("/")[-1].split(".")[-2:])
+           for b in bindings}
+  for cls, name, path, ours, theirs in _differences(
+      model_config, run_model, "RealmConfig"):
+    if (cls, name) in bound:
+      raise SystemExit(
+          f"{cls}.{name}={ours!r} on the command line, but checkpoint "
+          f"{checkpoint_dir}/{step} was trained with {path}={theirs!r}. The "
+          "model config comes from the checkpoint: drop the binding (or "
+          "answer with another checkpoint).")
+    logging.info("%s=%r from checkpoint %d (the gin files say %r)", path,
+                 theirs, step, ours)
+  if run_qa is not None:
+    qa_config = dataclasses.replace(run_qa, **{
+        f.name: getattr(qa_config, f.name) for f in dataclasses.fields(
+            qa_config) if ("QAConfig", f.name) in bound})
+  return run_model, qa_config
+
+
 def require(config: EvalConfig, **macros: str) -> None:
   """Exits naming the gin macro of each unset `config` field (field=MACRO)."""
   missing = [m for name, m in macros.items() if getattr(config, name) is None]
@@ -472,7 +569,7 @@ def require(config: EvalConfig, **macros: str) -> None:
                      "to them) among the --gin_file's.")
 
 
-def _job(dry_run: bool) -> None:
+def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.eval import qa_eval as module  # pylint: disable=g-import-not-at-top
@@ -491,6 +588,9 @@ def _job(dry_run: bool) -> None:
   if not (checkpoint_dir or config.init_from) or not index_dir:
     raise SystemExit("Set WORKDIR (a run's workdir), or INDEX_DIR and "
                      "INIT_FROM (or EvalConfig.checkpoint_dir).")
+  if not config.init_from and checkpoints.finalized_steps(checkpoint_dir):
+    model_config, qa_config = module.checked_run_configs(
+        checkpoint_dir, config.step, model_config, qa_config, bindings)
   output_dir = config.output_dir or io_utils.join(
       workdir or os.fspath(io_utils.as_path(io_utils.absolute(
           checkpoint_dir or ".")).parent), "eval")
@@ -508,7 +608,10 @@ def _job(dry_run: bool) -> None:
     metrics = module.evaluate(
         qa_model, examples, recall_ks=config.recall_ks,
         predictions_path=io_utils.join(output_dir, "predictions",
-                                       "init_from.jsonl"))
+                                       "init_from.jsonl"),
+        dpr_path=io_utils.join(output_dir, "predictions",
+                               "init_from.dpr.json")
+        if config.dpr_retrieval else None)
     io_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"),
                          dict(metrics, init_from=config.init_from))
     print(json.dumps(metrics))
@@ -528,4 +631,5 @@ def _job(dry_run: bool) -> None:
 
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(_job)
+  gin_cli.run(lambda dry_run: _job(dry_run,
+                                   gin_cli.command_line_bindings()))

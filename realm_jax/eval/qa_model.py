@@ -29,14 +29,14 @@ import jax
 import numpy as np
 
 from realm_jax.checkpoint_import import core
-from realm_jax.core import checkpoints, parallel
+from realm_jax.core import checkpoints, dataclass_json, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import embed, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import init as init_lib
-from realm_jax.training import qa_inputs
+from realm_jax.checkpoint_import import init_from as init_lib
+from realm_jax.training import finetune, qa_inputs
 
 
 # ----------------------------------------------------------------------------
@@ -80,6 +80,7 @@ class QAResult:
     evidence: the top blocks (and the answer's block if not among them).
     retrieved_ids: block ids in rank order (K, or the recall depth if
       deeper).
+    retrieved_scores: their retrieval logits (the index's inner products).
     answers: reference answers, when given.
     is_regex: the answers are regular expressions.
     correct: exact match (regex match) against the answers.
@@ -93,6 +94,7 @@ class QAResult:
   block_id: int
   evidence: list[Evidence]
   retrieved_ids: list[int]
+  retrieved_scores: list[float] = dataclasses.field(default_factory=list)
   answers: list[str] | None = None
   is_regex: bool = False
   correct: bool | None = None
@@ -103,6 +105,8 @@ class QAResult:
     """A JSON-ready dict (non-finite floats become null)."""
     out = dataclasses.asdict(self)
     out["score"] = _finite_or_none(self.score)
+    out["retrieved_scores"] = [_finite_or_none(x)
+                               for x in self.retrieved_scores]
     for e in out["evidence"]:
       e["retrieval_logit"] = _finite_or_none(e["retrieval_logit"])
     return out
@@ -139,9 +143,19 @@ def _compiled(model_config: RealmConfig, mesh):
                                  out_specs=(batch, batch)))
 
 
+UNTRAINED_SPAN_HEAD = (
+    "the reader's span head is not trained (freshly initialised): answers "
+    "are nonsense until it is fine-tuned; retrieval recall is valid. "
+    "Fine-tune with `python -m realm_jax.training.finetune "
+    "--gin_file=models/<model>.gin --gin_file=runs/finetune.gin "
+    "--gin.INIT_FROM=\"'<these weights>'\" ...` and answer with its "
+    "workdir.")
+
+
 def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
-                where: str, seed: int = 0) -> dict[str, Any]:
-  """`loaded` reshaped to the answering model's tree.
+                where: str, seed: int = 0) -> tuple[dict[str, Any], bool]:
+  """`loaded` reshaped to the answering model's tree, and whether it has
+  a (trained) span head.
 
   Items the answering model does not use (the MLM head of a pre-training
   or fine-tuning checkpoint) are dropped. A missing span head (a
@@ -164,14 +178,46 @@ def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
     logging.info("%s: not used for answering: %s", where, dropped)
   out = {p: got[p] for p in want if p in got}
   if missing:
-    logging.warning(
-        "%s has no span head: it is initialised at random, so the answers "
-        "are meaningless (retrieval recall is still valid). Evaluate a "
-        "fine-tuned checkpoint for exact match.", where)
+    logging.warning("%s: %s", where, UNTRAINED_SPAN_HEAD)
     _, fresh = functional.init(lambda r: Realm(model_config, rngs=r), seed)
     fresh = core.flatten(fresh)
     out.update({p: fresh[p] for p in missing})
-  return core.unflatten(out)
+  return core.unflatten(out), not missing
+
+
+# ----------------------------------------------------------------------------
+# The configs a checkpoint carries
+# ----------------------------------------------------------------------------
+
+
+def configs_of(directory: str, step: int) -> dict[str, Any]:
+  """The meta of checkpoint `step` of `directory`, which must carry the
+  model config (ValueError otherwise)."""
+  meta = checkpoints.read_meta(directory, step)
+  if "model_config" not in meta:
+    raise ValueError(
+        f"Checkpoint {directory}/{step} carries no model config (written "
+        "before configs were saved in checkpoints): use "
+        "qa_model.load_qa_model with the run's model config, or the ask "
+        "command with the run's gin files.")
+  return meta
+
+
+def run_configs(directory: str, step: int) -> tuple[
+    RealmConfig, qa_inputs.QAConfig | None, dict[str, Any]]:
+  """(model config, the QA sizes of a fine-tuning run or None, the task
+  config as JSON) from checkpoint `step` of `directory`."""
+  meta = configs_of(directory, step)
+  where = f"{directory}/{step}/meta"
+  model_config = dataclass_json.from_dict(
+      RealmConfig, meta["model_config"], f"{where}:model_config")
+  task = meta.get("task_config") or {}
+  if meta.get("task_class") != "FinetuneConfig":
+    return model_config, None, task
+  run = dataclass_json.from_dict(finetune.FinetuneConfig, task,
+                                 f"{where}:task_config")
+  return model_config, run.qa_config(
+      model_config.reader.max_span_width), task
 
 
 class QAModel:
@@ -240,8 +286,9 @@ class QAModel:
     self.batch_size = batch_size
     self.num_evidence = num_evidence
     self._embed, self._qa_logits = _compiled(self.model_config, mesh)
-    self.params = self._place_params(_fit_params(
-        self.model_config, params, f"params of step {step}"))
+    params, self.span_head_trained = _fit_params(
+        self.model_config, params, f"params of step {step}")
+    self.params = self._place_params(params)
 
   # -- Construction from checkpoints.
 
@@ -260,7 +307,7 @@ class QAModel:
   @classmethod
   def from_init(cls, init_from: str, *, model_config: RealmConfig, index,
                 store, seed: int = 0, **kwargs) -> QAModel:
-    """From an `init_from` string (`realm_jax.training.init`).
+    """From an `init_from` string (`realm_jax.checkpoint_import.init_from`).
 
     E.g. "orqa:<ckpt>" (a released fine-tuned checkpoint), "hf_realm:...",
     "realm:<embedder>,<bert>" or "checkpoint:<dir>[@step]". For released
@@ -272,14 +319,22 @@ class QAModel:
         model_config.reader, mlm_head=True, span_head=True))
     _, fresh = functional.init(lambda r: Realm(both_heads, rngs=r), seed)
     params = init_lib.initial_params(both_heads, fresh, init_from)
+    span = ("reader", "span_head")
+    before, after = core.flatten(fresh), core.flatten(params)
+    if all(after[p] is before[p] for p in before if p[:2] == span):
+      # Left fresh by `initial_params` (MiniLM, BERT, REALM pre-training
+      # have none): an untrained head, announced by `_fit_params`.
+      params = dict(params, reader={k: v for k, v in params[
+          "reader"].items() if k != "span_head"})
     return cls(model_config, params, index, store, **kwargs)
 
   def with_params(self, params: dict[str, Any],
                   step: int | None = None) -> QAModel:
     """The same model (compiled functions, index, store) with new params."""
     other = copy.copy(self)
-    other.params = self._place_params(_fit_params(
-        self.model_config, params, f"params of step {step}"))
+    params, other.span_head_trained = _fit_params(
+        self.model_config, params, f"params of step {step}")
+    other.params = self._place_params(params)
     other.params_step = step
     return other
 
@@ -344,7 +399,7 @@ class QAModel:
     query = np.asarray(self._embed(self.params, placed["question_ids"],
                                    placed["question_mask"]), np.float32)
     depth = min(len(store), max(cfg.num_retrieved, recall_depth))
-    ids, _ = self.index.search(query, depth)
+    ids, scores = self.index.search(query, depth)
     batch = qa_inputs.qa_batch(q, ids[:, :cfg.num_retrieved],
                                self.index.embeddings, store, cfg)
     retrieval, reader = self._qa_logits(self.params, self._place(
@@ -381,6 +436,7 @@ class QAModel:
           question=questions[i], prediction=texts[i] if has_span else "",
           score=best.score, block_id=best.block_id if has_span else -1,
           evidence=evidence, retrieved_ids=[int(x) for x in ids[i]],
+          retrieved_scores=[float(x) for x in scores[i]],
           is_regex=regex[i])
       if answers is not None:
         result.answers = list(answers[i])
@@ -456,7 +512,7 @@ def load_qa_model(*, model_config: RealmConfig, store,
     checkpoint_dir: explicit checkpoint directory (overrides the workdir's).
     step: checkpoint step (default: the newest).
     init_from: imported weights instead of a checkpoint (see
-      `realm_jax.training.init`).
+      `realm_jax.checkpoint_import.init_from`).
     index_dir: published index root, or a directory holding one as
       `index/` (overrides the workdir's).
     index_step: index step (default: LATEST).

@@ -14,13 +14,17 @@ never blocks it. Loop:
 
 It resumes after a crash: stale temporaries are removed and the last
 published step is the starting point. One-shot modes embed once from given
-retriever parameters (a checkpoint step, or imported REALM/ORQA weights),
-or publish an imported `block_emb` matrix as it is. The workdir may be
-local or `gs://` (paths go through `realm_jax.core.io_utils`).
+retriever parameters (a checkpoint step, or any imported weights: REALM,
+ORQA, MiniLM, an export, ...), or publish an imported `block_emb` matrix
+as it is. The workdir may be local or `gs://` (paths go through
+`realm_jax.core.io_utils`).
 
     python -m realm_jax.index.builder --gin_file=models/tiny.gin \\
         --gin_file=runs/index_builder.gin --gin.WORKDIR="'W'" \\
         --gin.BLOCK_STORE="'B'" [--gin.builder.BuilderConfig.one_shot=True]
+    python -m realm_jax.index.builder --gin_file=models/minilm_l6.gin \\
+        --gin_file=runs/index_builder.gin --gin.WORKDIR="'W'" \\
+        --gin.BLOCK_STORE="'B'" --gin.builder.BuilderConfig.init_from="'minilm'"
 """
 
 from __future__ import annotations
@@ -54,8 +58,11 @@ class BuilderConfig:
     step: one-shot: the checkpoint step; init_from: the step to publish
       under (default 0).
     init_from: the job publishes once from imported weights: "realm:<embedder
-      ckpt>[,<bert ckpt>]", "orqa:<ckpt>" (its retriever) or
-      "block_emb:<encoded.ckpt>" (REALM's embeddings as they are).
+      ckpt>[,<bert ckpt>]", "orqa:<ckpt>" (its retriever),
+      "block_emb:<encoded.ckpt>" (REALM's embeddings as they are), or any
+      other `checkpoint_import.init_from` string ("minilm",
+      "hf_bert:<dir>", "export:<dir>", ...) loaded into the gin model's
+      retriever.
     timeout_seconds: the job exits after this long without DONE (None: never).
     searcher_kind: "scann" or "exact".
     searcher_config: kind-specific overrides (see `searchers`).
@@ -94,10 +101,9 @@ class BuilderConfig:
     if self.publish_attempts < 1 or self.retry_seconds < 0:
       raise ValueError("BuilderConfig.publish_attempts must be >= 1 and "
                        "retry_seconds >= 0.")
-    if self.init_from and not self.init_from.startswith(
-        ("realm:", "orqa:", "block_emb:")):
-      raise ValueError(f"BuilderConfig.init_from={self.init_from!r}; use "
-                       "realm:, orqa: or block_emb:<checkpoint>.")
+    if self.init_from == "scratch":
+      raise ValueError("BuilderConfig.init_from='scratch' would index random "
+                       "weights; name weights to import (e.g. 'minilm').")
 
 
 class PublishFailedError(RuntimeError):
@@ -341,8 +347,9 @@ def _job(dry_run: bool) -> None:
 def _publish(config: BuilderConfig, store, root: str) -> None:
   """The job's modes (under its lease)."""
   import gin  # pylint: disable=g-import-not-at-top
-  from realm_jax.checkpoint_import import importers  # pylint: disable=g-import-not-at-top
-  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+  from realm_jax.checkpoint_import import importers, init_from as init_lib  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import Realm, RealmConfig  # pylint: disable=g-import-not-at-top
   kind, _, source = (config.init_from or "").partition(":")
   if not kind and not config.one_shot:
     _run_builder(workdir=config.workdir, store=store,
@@ -361,6 +368,12 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
   elif kind == "orqa":
     realm_config, params = importers.load_orqa(source)
     retriever_config, params = realm_config.retriever, params["retriever"]
+  elif kind:  # Any other init_from, into the gin model (models/*.gin).
+    model = gin.get_configurable(RealmConfig)()
+    _, fresh = functional.init(lambda r: Realm(model, rngs=r), 0)
+    retriever_config = model.retriever
+    params = init_lib.initial_params(model, fresh,
+                                     config.init_from)["retriever"]
   else:  # One shot from the trainer's checkpoint, the gin model's retriever.
     retriever_config = gin.get_configurable(RealmConfig)().retriever
     ckpt_dir = checkpoints.checkpoint_dir(config.workdir)

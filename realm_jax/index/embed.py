@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from typing import Any
 
 from absl import logging
 import jax
 import numpy as np
+import tqdm
 
 from realm_jax.core import parallel
 from realm_jax.model import functional
@@ -93,7 +95,7 @@ def embed_block_store(
     devices=None,
     process_index: int = 0,
     process_count: int = 1,
-    log_every_seconds: float = 10.0,
+    log_every_seconds: float = 0.5,
 ) -> tuple[np.ndarray, EmbedStats]:
   """Embeds this host's share of the blocks.
 
@@ -104,8 +106,10 @@ def embed_block_store(
     seq_len: document length (default: the store's max_block_len).
     bfloat16: compute in bfloat16 (parameters stay float32).
     devices: devices to use (default: this process's local devices).
-    process_index, process_count: this host's share of the rows.
-    log_every_seconds: progress logging period.
+    process_index, process_count: this host's share of the rows; host 0
+      shows a progress bar (blocks done / total, blocks/s, ETA) on stderr
+      when that is a terminal, and every host logs its rate at the end.
+    log_every_seconds: the bar's refresh period.
 
   Returns:
     (embeddings float32 [rows of this host, dim], stats).
@@ -121,8 +125,11 @@ def embed_block_store(
   lo, hi = host_row_range(len(store), process_index, process_count)
   batch = batch_size_per_device * mesh.size
   out = np.zeros([hi - lo, retriever_config.embedding_size], np.float32)
-  start = last_log = time.time()
-  done = 0
+  start = time.time()
+  # disable=None: no bar unless stderr is a terminal (logs, tests).
+  bar = tqdm.tqdm(total=hi - lo, desc="embedding blocks", unit="block",
+                  file=sys.stderr, mininterval=log_every_seconds,
+                  disable=None if process_index == 0 else True)
   for first in range(lo, hi, batch):
     ids = np.arange(first, min(hi, first + batch))
     padded = np.pad(ids, (0, batch - len(ids)), mode="edge")
@@ -131,11 +138,10 @@ def embed_block_store(
     emb = embed(params, *(jax.device_put(inputs[k], sharding) for k in
                           ("token_ids", "input_mask", "segment_ids")))
     out[first - lo:first - lo + len(ids)] = np.asarray(emb)[:len(ids)]
-    done += len(ids)
-    now = time.time()
-    if now - last_log >= log_every_seconds or done == hi - lo:
-      last_log = now
-      logging.info("embedded %d/%d blocks (host %d/%d), %.1f blocks/s", done,
-                   hi - lo, process_index, process_count,
-                   done / (now - start))
-  return out, EmbedStats(rows=hi - lo, seconds=time.time() - start)
+    bar.update(len(ids))
+  bar.close()
+  stats = EmbedStats(rows=hi - lo, seconds=time.time() - start)
+  logging.info("embedded %d blocks (host %d/%d) in %.1f s, %.1f blocks/s",
+               stats.rows, process_index, process_count, stats.seconds,
+               stats.blocks_per_second)
+  return out, stats

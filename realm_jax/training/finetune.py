@@ -53,7 +53,7 @@ from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import embed, publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import init as init_lib
+from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import loop, qa_inputs
 from realm_jax.training import optimizer as optimizer_lib
 
@@ -160,14 +160,8 @@ class QuestionSet:
     self.seed = seed
     self.answer_ids: list[list[np.ndarray]] | None = None
     if not any(e.is_regex for e in mine):
-      # One batched tokenizer call for all answers of the shard.
-      flat = [a for e in mine for a in e.answers]
-      pieces = qa_lib.tokenize_answers(tokenizer, flat)
-      self.answer_ids, at = [], 0
-      for e in mine:
-        self.answer_ids.append([p for p in pieces[at:at + len(e.answers)]
-                                if len(p)])
-        at += len(e.answers)
+      self.answer_ids = _tokenize_answer_lists(tokenizer,
+                                               [e.answers for e in mine])
 
   @classmethod
   def read(cls, config: FinetuneConfig, tokenizer) -> "QuestionSet":
@@ -261,12 +255,18 @@ def answers_for_batch(questions: QuestionSet, example_index: Sequence[int],
   for row, i in zip(retrieved_ids, example_index):
     texts = [store.text(int(b)) for b in row if b >= 0]
     strings.append(regex_answer_strings(questions.examples[i].answers, texts))
-  flat = qa_lib.tokenize_answers(tokenizer, [s for row in strings
-                                             for s in row])
+  return _tokenize_answer_lists(tokenizer, strings)
+
+
+def _tokenize_answer_lists(tokenizer, answer_lists: Sequence[Sequence[str]]
+                           ) -> list[list[np.ndarray]]:
+  """The non-empty wordpieces of each list's answers (one tokenizer call)."""
+  flat = qa_lib.tokenize_answers(tokenizer, [a for answers in answer_lists
+                                             for a in answers])
   out, at = [], 0
-  for row in strings:
-    out.append([p for p in flat[at:at + len(row)] if len(p)])
-    at += len(row)
+  for answers in answer_lists:
+    out.append([p for p in flat[at:at + len(answers)] if len(p)])
+    at += len(answers)
   return out
 
 
@@ -412,19 +412,7 @@ class QAInput:
 def train(*, config: FinetuneConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
-  """Runs (or resumes) open-QA fine-tuning.
-
-  Resume precedence: the newest checkpoint in `config.workdir` >
-  `config.init_from` > scratch.
-
-  Args:
-    config: the run.
-    model: the REALM model config (its reader needs the span head).
-    operative_config: gin's operative config text, saved in the workdir.
-    stop_after: return after this many steps of this call (tests).
-
-  Returns:
-    The logged metrics, one dict per logged step.
+  """Runs (or resumes) open-QA fine-tuning (arguments as `ict.train`).
 
   Raises:
     ValueError: a model without a span head or another max span width, or
@@ -432,11 +420,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
     publish.IndexRejectedError: the index does not match the block store or
       the model (see `index.publish.load_frozen_index`).
   """
-  loop.check_batch_size(config.batch_size)
-  with loop.Run(config.workdir, job="finetune trainer",
-                keep_checkpoints=config.keep_checkpoints,
-                operative_config=operative_config,
-                configs=(config, model)) as run:
+  with loop.Run(config, model, job="finetune trainer",
+                operative_config=operative_config) as run:
     qa_config = _check_model(config, model)
     store = block_store.BlockStore.open(config.block_store)
     tokenizer = Tokenizer()
@@ -465,16 +450,10 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
                       index.step)
     inputs = QAInput(config, qa_config, questions, index, store, tokenizer,
                      embed_queries, run.mesh)
-    meta = {"seed": seed, "index_step": index.step,
-            "corpus_fingerprint": store.fingerprint}
     return run.loop(
         state, train_step, inputs.batch, num_train_steps=num_steps,
-        checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-        batch_size=config.batch_size, seed=seed,
-        save=lambda step, state: run.save(step, state.params,
-                                          state.opt_state, meta),
-        learning_rate=optimizer_lib.learning_rate_schedule(
-            **config.schedule(num_steps)),
+        seed=seed, meta={"seed": seed, "index_step": index.step,
+                         "corpus_fingerprint": store.fingerprint},
         log_line=("loss %.4f (retriever %.4f reader %.4f) positive@K %.2f "
                   "span@R %.2f span_correct %.2f",
                   ("loss", "retriever_loss", "reader_loss",

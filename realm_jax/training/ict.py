@@ -35,7 +35,7 @@ from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
-from realm_jax.training import init as init_lib
+from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import loop
 from realm_jax.training import optimizer as optimizer_lib
 
@@ -271,11 +271,8 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
   returns after that many steps of this call (tests). Returns the logged
   metrics, one dict per logged step (`loop.Run.loop`).
   """
-  loop.check_batch_size(config.batch_size)
-  with loop.Run(config.workdir, job="ict trainer",
-                keep_checkpoints=config.keep_checkpoints,
-                operative_config=operative_config,
-                configs=(config, model)) as run:
+  with loop.Run(config, model, job="ict trainer",
+                operative_config=operative_config) as run:
     store = block_store.BlockStore.open(config.block_store)
     block_length = min(config.block_length, store.max_block_len)
     if config.block_length < store.max_block_len:
@@ -295,25 +292,16 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
         fresh, tx, lambda: init_lib.initial_params(model, fresh,
                                                    config.init_from),
         trained=lambda p: p["retriever"])
-    meta = {"seed": config.seed, "job": "ict",
-            "block_store_fingerprint": store.fingerprint}
-
-    def save(step, state):
-      run.save(step, {"retriever": state.params, "reader": params["reader"]},
-               state.opt_state, meta)
-
     return run.loop(
         state, loop.make_train_step(make_loss_fn(retriever_graphdef(model)),
                                     tx, run.mesh),
         lambda step, _: parallel.shard_batch(run.mesh, examples.batch(step)),
-        num_train_steps=config.num_train_steps,
-        checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-        batch_size=config.batch_size, seed=config.seed, save=save,
-        learning_rate=optimizer_lib.learning_rate_schedule(
-            **config.schedule()),
+        meta={"seed": config.seed, "job": "ict",
+              "block_store_fingerprint": store.fingerprint},
+        saved_params=lambda state: {"retriever": state.params,
+                                    "reader": params["reader"]},
         log_line=("loss %.4f accuracy %.3f", ("loss", "accuracy")),
         stop_after=stop_after)
-
 
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top

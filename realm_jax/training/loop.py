@@ -2,13 +2,13 @@
 
 A trainer is a config, an input, a loss and a short `train`:
 
-    with loop.Run(config.workdir, job="ict trainer", ...) as run:
+    with loop.Run(config, model, job="ict trainer", ...) as run:
       state = run.init_or_restore(fresh, tx, initial_params)
-      history = run.loop(state, train_step, make_batch, ...)
+      history = run.loop(state, train_step, make_batch, meta=...)
 
 `Run` owns everything around the step, so the trainers cannot drift apart:
 the workdir and its exclusive lease (`core.lease`), the operative config,
-TensorBoard/JSON metrics, orbax checkpoints (restored with abstract
+TensorBoard/JSON metrics with progress and ETA, orbax checkpoints (restored with abstract
 replicated shardings), preemption with one stop decision for all hosts,
 the checkpoint cadence, the `DONE` marker, `history.json` across restarts
 and the exit barrier. Trainer-specific work plugs in as small hooks
@@ -39,6 +39,7 @@ from realm_jax.core import io_utils
 from realm_jax.core import parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption as preemption_lib
+from realm_jax.training import optimizer as optimizer_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +50,7 @@ class TrainConfig:
     workdir: checkpoints/, summaries/, metrics.jsonl, the operative config.
     block_store: the knowledge corpus Z (a block store directory).
     init_from: initial weights when the workdir has no checkpoint (see
-      `realm_jax.training.init`).
+      `realm_jax.checkpoint_import.init_from`).
     num_train_steps: total steps.
     batch_size: the global batch; must divide by the device count.
     learning_rate: peak learning rate.
@@ -95,18 +96,6 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
-
-
-def check_batch_size(batch_size: int) -> None:
-  """Raises ValueError unless the global batch splits over the devices.
-
-  Checked when a run starts, not when its config is built: building a
-  config must not start JAX (gin parsing, dry runs, tests).
-  """
-  if batch_size < 1:
-    raise ValueError(f"batch_size={batch_size} must be >= 1.")
-  distributed.check_divisible("batch_size", batch_size, jax.device_count(),
-                              by_what="devices")
 
 
 def start_run(workdir: io_utils.PathLike, operative_config: str, *,
@@ -179,6 +168,28 @@ def _abstract(tree, sharding):
       tree)
 
 
+def progress(steps: int, seconds: float, step: int, total: int,
+             batch_size: int) -> dict[str, float]:
+  """Rates over the last `steps` steps (in `seconds`) and the ETA at `step`.
+
+  The ETA assumes the remaining `total - step` steps run at the same rate.
+  """
+  seconds_per_step = seconds / steps
+  steps_per_sec = steps / max(seconds, 1e-9)
+  return dict(seconds_per_step=seconds_per_step, steps_per_sec=steps_per_sec,
+              examples_per_second=batch_size * steps_per_sec,
+              eta_seconds=(total - step) * seconds_per_step)
+
+
+def format_eta(seconds: float) -> str:
+  """A duration for the log line: "1h02m", "4m05s" or "12s"."""
+  minutes, secs = divmod(int(round(seconds)), 60)
+  hours, minutes = divmod(minutes, 60)
+  if hours:
+    return f"{hours}h{minutes:02d}m"
+  return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 class Run:
   """A training job's workdir, checkpoints and loop; a context manager.
 
@@ -190,30 +201,30 @@ class Run:
   checks its inputs in between and a refused input leaves nothing behind.
   """
 
-  def __init__(self, workdir: str, *, job: str, keep_checkpoints: int,
+  def __init__(self, config: TrainConfig, model: Any, *, job: str,
                operative_config: str = "",
-               lease_paths: Sequence[tuple[str, str]] = (),
-               configs: tuple[Any, Any] | None = None):
+               lease_paths: Sequence[tuple[str, str]] = ()):
     """Args:
-      workdir: checkpoints/, summaries/, metrics.jsonl, history.json.
+      config: the run (workdir, retention, cadences, batch, seed, schedule).
+      model: the RealmConfig. Every checkpoint's meta carries both configs
+        as JSON with the operative config, so `realm_jax.load` and the QA
+        jobs rebuild the model from the checkpoint alone.
       job: names the job in logs and in the lease ("ict trainer").
-      keep_checkpoints: orbax retention.
       operative_config: gin's operative config, saved in the workdir.
       lease_paths: (directory, holder description) leased besides workdir.
-      configs: (task config, RealmConfig): every checkpoint's meta carries
-        them as JSON with the operative config, so `realm_jax.load` and the
-        QA jobs rebuild the model from the checkpoint alone.
     """
-    self._configs = {} if configs is None else {
-        "task_class": type(configs[0]).__name__,
-        "task_config": dataclass_json.to_dict(configs[0]),
-        "model_config": dataclass_json.to_dict(configs[1]),
-        "operative_config": operative_config}
-    self.workdir, self.job = workdir, job
-    self.is_chief = jax.process_index() == 0
-    self._keep = keep_checkpoints
+    # Checked here, not by the config: building a config must not start JAX
+    # (gin parsing, dry runs, tests).
+    distributed.check_divisible("batch_size", config.batch_size,
+                                jax.device_count(), by_what="devices")
+    self._configs = {"task_class": type(config).__name__,
+                     "task_config": dataclass_json.to_dict(config),
+                     "model_config": dataclass_json.to_dict(model),
+                     "operative_config": operative_config}
+    self.config, self.workdir, self.job = config, config.workdir, job
+    self.is_chief = distributed.is_chief()
     self._operative_config = operative_config
-    self._leases = [(workdir, job)] + list(lease_paths)
+    self._leases = [(self.workdir, job)] + list(lease_paths)
     self._stack = contextlib.ExitStack()
     self.mesh = parallel.make_mesh()
     self.replicated = parallel.replicated(self.mesh)
@@ -233,7 +244,8 @@ class Run:
     self.writer = start_run(self.workdir, self._operative_config,
                             is_chief=self.is_chief)
     self.ckpt = checkpoints.TrainCheckpointer(
-        checkpoints.checkpoint_dir(self.workdir), keep=self._keep)
+        checkpoints.checkpoint_dir(self.workdir),
+        keep=self.config.keep_checkpoints)
     self._stack.callback(self.ckpt.close)
 
   # -- State ------------------------------------------------------------------
@@ -283,43 +295,48 @@ class Run:
 
   def loop(self, state: TrainState, train_step, make_batch: Callable[
       [int, TrainState], Mapping[str, jax.Array]], *,
-           num_train_steps: int, checkpoint_every: int, log_every: int,
-           batch_size: int, seed: int, save: Callable[[int, TrainState],
-                                                     None],
-           learning_rate: Callable[[int], float] | None = None,
+           meta: Mapping[str, Any],
+           saved_params: Callable[[TrainState], Any] = lambda s: s.params,
+           num_train_steps: int | None = None, seed: int | None = None,
            log_line: tuple[str, Sequence[str]] = ("loss %.4f", ("loss",)),
-           hooks: Hooks = Hooks(), stop_after: int | None = None
+           hooks: Hooks = Hooks(), stop_after: int | None = None,
+           clock: Callable[[], float] = time.monotonic
            ) -> list[dict[str, float]]:
     """Trains from `state.step` to `num_train_steps` (or a stop request).
+
+    The cadences (checkpoint_every: the last step and a stop request
+    checkpoint too; log_every: and the last step), the global batch (for
+    examples/s) and the logged learning rate schedule come from the config.
 
     Args:
       state: the replicated train state to start from.
       train_step: `(state, batch, rng) -> (state, metrics)`.
       make_batch: `(step, state) -> device batch` of step `step` (a pure
         function of the step, so a restarted run replays the same batches).
-      num_train_steps: the run's total steps.
-      checkpoint_every: checkpoint period in steps; the last step and a
-        stop request checkpoint too.
-      log_every: metrics period in steps (and the last step).
-      batch_size: the global batch, for examples/s.
-      seed: dropout keys derive from it (and the step).
-      save: `(step, state) -> None` writes checkpoint `step`.
-      learning_rate: the schedule `step -> learning rate`, logged.
+      meta: saved in every checkpoint's meta beside the configs.
+      saved_params: `state -> params` of the whole model, as checkpointed.
+      num_train_steps: the run's total steps; None: the config's.
+      seed: dropout keys derive from it (and the step); None: the config's.
       log_line: (format, metric names) of the one log line per logged
-        step, after "step N:"; seconds per step and examples/s follow.
+        step, after "step N/TOTAL:"; s/step, steps/s, examples/s and the
+        ETA follow.
       hooks: trainer-specific work, see `Hooks`.
       stop_after: return after this many steps of this call (tests).
+      clock: seconds, for the rates and the ETA (tests inject one).
 
     Returns:
       The metrics logged by this call, one dict per logged step.
     """
+    c = self.config
+    total = num_train_steps or c.num_train_steps
+    learning_rate = optimizer_lib.learning_rate_schedule(**c.schedule(total))
     start = int(jax.device_get(state.step))
-    end = num_train_steps if stop_after is None else min(
-        num_train_steps, start + stop_after)
+    end = total if stop_after is None else min(total, start + stop_after)
     metrics_path = io_utils.join(self.workdir, "metrics.jsonl")
     preempted = preemption_lib.Preemption()
-    history, base_rng = [], jax.random.key(seed)
-    step, t_last, since_log = start, time.time(), 0
+    history = []
+    base_rng = jax.random.key(c.seed if seed is None else seed)
+    step, t_last, since_log = start, clock(), 0
     try:
       while step < end:
         if hooks.before_step:
@@ -327,15 +344,13 @@ class Run:
         state, metrics = train_step(state, make_batch(step, state), base_rng)
         step += 1
         since_log += 1
-        if step % log_every == 0 or step == end:
-          now = time.time()
+        if step % c.log_every == 0 or step == end:
+          now = clock()
           metrics = {k: float(v)
                      for k, v in parallel.host_copy(metrics).items()}
-          metrics.update(seconds_per_step=(now - t_last) / since_log,
-                         examples_per_second=batch_size * since_log
-                         / (now - t_last))
-          if learning_rate is not None:
-            metrics["learning_rate"] = float(learning_rate(step - 1))
+          metrics.update(progress(since_log, now - t_last, step, total,
+                                  c.batch_size),
+                         learning_rate=float(learning_rate(step - 1)))
           t_last, since_log = now, 0
           if hooks.log_metrics:
             metrics = hooks.log_metrics(step, metrics)
@@ -344,16 +359,18 @@ class Run:
           if self.is_chief:
             io_utils.append_jsonl(metrics_path, dict(metrics, step=step))
           fmt, names = log_line
-          logging.info("step %d: " + fmt + ", %.3f s/step, %.1f examples/s",
-                       step, *[metrics[n] for n in names],
-                       metrics["seconds_per_step"],
-                       metrics["examples_per_second"])
+          logging.info("step %d/%d: " + fmt + ", %.3f s/step, %.2f steps/s, "
+                       "%.1f examples/s, eta %s", step, total,
+                       *[metrics[n] for n in names],
+                       metrics["seconds_per_step"], metrics["steps_per_sec"],
+                       metrics["examples_per_second"],
+                       format_eta(metrics["eta_seconds"]))
         # Process 0 decides, so every host stops after the same step.
         stop = bool(distributed.broadcast_from_chief(
             np.int32(preempted.requested))) if jax.process_count() > 1 else (
                 preempted.requested)
-        if step % checkpoint_every == 0 or step == end or stop:
-          save(step, state)
+        if step % c.checkpoint_every == 0 or step == end or stop:
+          self.save(step, saved_params(state), state.opt_state, meta)
           if hooks.after_checkpoint:
             hooks.after_checkpoint(step, state)
         if stop:
@@ -363,7 +380,7 @@ class Run:
     finally:
       preempted.close()
     self.ckpt.wait_until_finished()
-    if step >= num_train_steps and self.is_chief:
+    if step >= total and self.is_chief:
       checkpoints.write_done_marker(self.ckpt.directory, step)
     self.writer.flush()
     if self.is_chief:

@@ -44,7 +44,7 @@ from realm_jax.index import embed
 from realm_jax.index import publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import init as init_lib
+from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import loop, mlm_warmup, realm_inputs
 from realm_jax.training import optimizer as optimizer_lib
 
@@ -163,13 +163,8 @@ class PretrainConfig(loop.TrainConfig):
 def realm_query_config(config: PretrainConfig, masking: str | None = None
                        ) -> examples_lib.RealmQueryConfig:
   """How the run's queries are masked (`masking` overrides the run's)."""
-  # REALM: masks end before position 94 of 96; shorter queries keep the
-  # same two positions of room.
-  return examples_lib.RealmQueryConfig(
-      query_length=config.query_length,
-      max_masks=min(config.max_masks, config.query_length - 4),
-      mask_limit=config.query_length - 2,
-      masking=masking or config.masking)
+  return dataclasses.replace(query_cache.trainer_query_config(config),
+                             masking=masking or config.masking)
 
 
 # ----------------------------------------------------------------------------
@@ -439,24 +434,12 @@ def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
 def train(*, config: PretrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
-  """Runs (or resumes) REALM pre-training.
-
-  Args:
-    config: the run.
-    model: the REALM model config.
-    operative_config: gin's operative config text, saved in the workdir.
-    stop_after: return after this many steps of this call (tests).
-
-  Returns:
-    The logged metrics, one dict per logged step.
-  """
-  loop.check_batch_size(config.batch_size)
+  """Runs (or resumes) REALM pre-training (arguments as `ict.train`)."""
   inline = config.index_mode == "inline"  # Publishes the indices itself.
   index_lease = (checkpoints.index_root(config.workdir),
                  "pretrain trainer (inline index)")
-  with loop.Run(config.workdir, job="pretrain trainer",
-                keep_checkpoints=config.keep_checkpoints,
-                operative_config=operative_config, configs=(config, model),
+  with loop.Run(config, model, job="pretrain trainer",
+                operative_config=operative_config,
                 lease_paths=[index_lease] if inline else []) as run:
     store = block_store.BlockStore.open(config.block_store)
     tokenizer = Tokenizer()
@@ -479,27 +462,22 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
 
-    def save(step, state):
-      run.save(step, state.params, state.opt_state, {"seed": config.seed})
+    meta = {"seed": config.seed}
 
     def after_checkpoint(step, state):
       if inline and step < config.num_train_steps:
         inputs.refresh(step, state, run.ckpt)
 
     if run.ckpt.latest_step() is None:
-      save(start_step, state)  # The builder (or inline refresh) embeds these.
+      # The builder (or inline refresh) embeds these.
+      run.save(start_step, state.params, state.opt_state, meta)
     inputs.serve(start_step, state, run.ckpt)
     try:
       return run.loop(
           state, loop.make_train_step(
               make_loss_fn(graphdef, config.null_document), tx, run.mesh,
               grad_norm_groups=("retriever", "reader")),
-          inputs.batch, num_train_steps=config.num_train_steps,
-          checkpoint_every=config.checkpoint_every,
-          log_every=config.log_every, batch_size=config.batch_size,
-          seed=config.seed, save=save,
-          learning_rate=optimizer_lib.learning_rate_schedule(
-              **config.schedule()),
+          inputs.batch, meta=meta,
           log_line=("loss %.4f utility %.4f mlm_acc %.3f p(null) %.3f "
                     "hubness %.3f staleness %d",
                     ("loss", "retrieval_utility", "mlm_correct",

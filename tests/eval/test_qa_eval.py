@@ -221,6 +221,67 @@ def test_predictions_jsonl(setup, tmp_path):
     assert row["prediction"] in store.text(row["block_id"])
 
 
+def test_dpr_retrieval_json(setup, tmp_path):
+  """DPR's retriever output: every retrieved block, best first, scored by
+  the inner product of the query and block embeddings (numpy here)."""
+  model, store = setup["model"], setup["store"]
+  examples = [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS]
+  path = str(tmp_path / "out" / "dpr.json")
+  qa_eval.evaluate(model, examples, recall_ks=(1, 5), dpr_path=path)
+  assert os.listdir(tmp_path / "out") == ["dpr.json"]  # No temp left.
+  with open(path, encoding="utf-8") as f:
+    rows = json.load(f)
+  tok = Tokenizer()
+  q = qa_inputs.tokenize_questions(tok, [q for q, _ in QUESTIONS],
+                                   QA_CONFIG.question_length)
+  query = np.asarray(functional.bind(setup["graphdef"], setup["params"])
+                     .retriever.embed_queries(q["question_ids"],
+                                              q["question_mask"]), np.float64)
+  scores = query @ np.asarray(setup["index"].embeddings, np.float64).T
+  assert len(rows) == len(QUESTIONS)
+  for i, (row, (question, answers)) in enumerate(zip(rows, QUESTIONS)):
+    assert set(row) == {"question", "answers", "ctxs"}
+    assert row["question"] == question and row["answers"] == answers
+    ctxs = row["ctxs"]
+    assert len(ctxs) == min(len(store), QA_CONFIG.num_retrieved)
+    for c in ctxs:
+      assert set(c) == {"id", "title", "text", "score", "has_answer"}
+      b = int(c["id"])
+      assert c["title"] == store.title(b) and c["text"] == store.text(b)
+      assert c["score"] == pytest.approx(scores[i, b], abs=1e-4)
+      assert c["has_answer"] == qa_lib.has_answer(c["text"], answers)
+    got = [c["score"] for c in ctxs]
+    assert got == sorted(got, reverse=True)
+    np.testing.assert_allclose(got, np.sort(scores[i])[::-1][:len(ctxs)],
+                               atol=1e-4)
+
+
+def test_dpr_retrieval_cites_dpr_passage_ids(tmp_path):
+  """A store built from DPR's psgs_w100.tsv: its contexts carry DPR's
+  passage ids, so DPR's scorer can join them with its own files."""
+  from realm_jax.data import corpus_job  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "psgs_w100.tsv"
+  path.write_text("id\ttext\ttitle\n"
+                  "17\tAaron was a prophet.\tAaron\n"
+                  "wiki-4\tMoses led the Israelites.\tMoses\n",
+                  encoding="utf-8")
+  store, _ = corpus_job.build_corpus(input_path=str(path),
+                                     output_dir=str(tmp_path / "store"),
+                                     max_block_len=32)
+  result = qa_model.QAResult(
+      question="who led the israelites?", prediction="Moses", score=1.0,
+      block_id=1, evidence=[], retrieved_ids=[1, 0],
+      retrieved_scores=[2.5, 0.5], answers=["Moses"],
+      retrieved_has_answer=[True, False])
+  out = str(tmp_path / "dpr.json")
+  qa_eval.write_dpr_retrieval(out, [result], store)
+  with open(out, encoding="utf-8") as f:
+    (row,) = json.load(f)
+  assert [(c["id"], c["title"], c["score"], c["has_answer"])
+          for c in row["ctxs"]] == [("wiki-4", "Moses", 2.5, True),
+                                    ("17", "Aaron", 0.5, False)]
+
+
 def test_data_parallel_mesh_gives_the_same_answers(setup):
   mesh = parallel.make_mesh()  # 8 emulated devices.
   sharded = qa_model.QAModel(setup["config"], setup["params"],

@@ -1,6 +1,10 @@
 """The index builder: data-parallel embedding, polling, resume, DONE."""
 
+import io
+import logging
 import os
+import re
+import sys
 
 from etils import epath
 import gin
@@ -9,10 +13,10 @@ import numpy as np
 import pytest
 
 from realm_jax import gin_cli
-from realm_jax.checkpoint_import import core
+from realm_jax.checkpoint_import import core, importers
 from realm_jax.core import checkpoints
 from realm_jax.data import block_store, blocks, wikipedia
-from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.data.tokenizer import Tokenizer, default_model_dir
 from realm_jax.index import builder, embed, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
@@ -65,6 +69,37 @@ def test_data_parallel_embedding_equals_direct_and_host_shares(store):
                                     process_index=i, process_count=3)[0]
             for i in range(3)]
   np.testing.assert_allclose(np.concatenate(shares), want, atol=2e-5)
+
+
+class _Terminal(io.StringIO):
+
+  def isatty(self):
+    return True
+
+
+def test_embedding_progress_bar_on_a_terminal_chief_only(store, monkeypatch,
+                                                         caplog):
+  """Host 0 shows done/total, blocks/s and ETA on a terminal's stderr; other
+  hosts and non-terminals (logs, pytest) show nothing; one INFO line with
+  the rate ends it."""
+  params = _params(0)["retriever"]
+  for index, terminal in ((0, True), (1, True), (0, False)):
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    with caplog.at_level(logging.INFO):
+      caplog.clear()
+      embed.embed_block_store(params, CONFIG.retriever, store,
+                              batch_size_per_device=1, process_index=index,
+                              process_count=2)
+    if index == 0 and terminal:
+      bar = err.getvalue()
+      share = -(-len(store) // 2)
+      assert "embedding blocks: 100%" in bar and "block/s]" in bar
+      assert f" {share}/{share} " in bar and "<00:00" in bar  # The ETA.
+    else:
+      assert not err.getvalue()
+    assert re.search(r"embedded \d+ blocks \(host %d/2\) in .* s, .* "
+                     r"blocks/s" % index, caplog.text)
 
 
 def _save(ckpt, step, seed):
@@ -215,5 +250,32 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
                                                         "imported")))
   assert index.step == 0
   np.testing.assert_array_equal(index.embeddings, emb)
-  with pytest.raises(ValueError, match="init_from='hf_realm:x'; use realm:"):
-    builder.BuilderConfig(init_from="hf_realm:x")
+  with pytest.raises(ValueError, match="random weights"):
+    builder.BuilderConfig(init_from="scratch")
+
+
+def test_job_one_shot_from_minilm_with_no_checkpoint(store, tmp_path):
+  """init_from takes every `checkpoint_import.init_from` kind: 'minilm' with the MiniLM
+  model file publishes index 0 of the imported retriever's embeddings."""
+  workdir = str(tmp_path / "run")
+  gin.clear_config()
+  try:
+    gin_cli.parse(["models/minilm_l6.gin", "runs/index_builder.gin"], [
+        f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
+        "builder.BuilderConfig.init_from = 'minilm'",
+        "builder.BuilderConfig.searcher_kind = 'exact'"])
+    model = gin.get_configurable(RealmConfig)()
+    builder._job(False)
+  finally:
+    gin.clear_config()
+  _, bert = importers.load_hf_bert(default_model_dir())
+  params = importers.with_bert(_params(0, model), bert["bert"], into="both")
+  index = publish.load_index(checkpoints.index_root(workdir))
+  assert index.step == 0 and not os.path.exists(
+      checkpoints.checkpoint_dir(workdir))
+  np.testing.assert_allclose(
+      index.embeddings, _direct_embeddings(params["retriever"], store, model),
+      atol=2e-5)
+  # MiniLM's mean-pooled, L2-normalised sentence embeddings.
+  np.testing.assert_allclose(np.linalg.norm(index.embeddings, axis=1), 1.0,
+                             atol=1e-5)

@@ -24,7 +24,7 @@ from realm_jax.model.realm import Realm, Retriever
 from realm_jax.testing import corpus, ram_fs, tiny
 from realm_jax.training import ict
 from realm_jax.core import checkpoints, parallel
-from realm_jax.training import init as init_lib
+from realm_jax.checkpoint_import import init_from as init_lib
 
 STEPS = 20
 FIRST_CALL = 12  # The run stops here once and resumes.
