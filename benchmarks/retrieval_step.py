@@ -1,14 +1,16 @@
-r"""Host time per REALM pre-training step: retrieval on the host vs on device.
+r"""Host time per REALM pre-training step: serial, overlapped, on device.
 
-Runs the real trainer (`pretrain.train`, experiments/pretrain_tiny_cpu.gin)
-twice on the same corpus and queries, with `retrieval="host"` (query
-embeddings copied to the host, exact search there, the batch built in numpy
-from the block store) and `retrieval="device"` (`index/device_search.py`),
-and reports per step: the wall time, and the host time spent building the
-batch (`RetrievalInput.batch`), during which the host does not dispatch
-device work. One JSON line each, side by side in one run.
+Runs the real trainer (`pretrain.train`) on the same corpus and queries in
+three input modes: `host` (query embeddings copied to the host, exact
+search there, the batch built in numpy from the block store, then the
+step), `host_overlap` (the same work for step s+1 on a host thread while
+step s trains: `PretrainConfig.overlap_input`) and `device`
+(`index/device_search.py`). It reports per step: the wall time, and the
+host time spent in `RetrievalInput.batch`, during which the host does not
+dispatch device work. One JSON line each, side by side in one run.
 
     python benchmarks/retrieval_step.py [--copies=64] [--steps=30]
+    python benchmarks/retrieval_step.py --demo      # the demo's MiniLM shapes
 
 On the emulated CPU devices the device computes on the same 2 cores as the
 host, so the step's wall time says little; the host time per batch is the
@@ -34,19 +36,34 @@ from realm_jax.testing import corpus
 from realm_jax.training import pretrain
 
 
-def run(workdir, store, queries, retrieval, steps, batch_size):
+MODES = {"host": ("host", False), "host_overlap": ("host", True),
+         "device": ("device", False)}
+
+
+def run(workdir, store, queries, mode, steps, batch_size, demo):
   """Trains `steps` steps; returns (wall s/step, host batch s/step) medians
   over the steps after the first two (compilation)."""
+  retrieval, overlap = MODES[mode]
   gin.clear_config()
-  gin_cli.parse(["experiments/pretrain_tiny_cpu.gin"], [
+  # The demo's shapes: MiniLM-L6 towers, queries of 48, blocks of 128,
+  # reader 176; its builder job replaced by the inline exact index (the
+  # same input work per step).
+  shapes = ["pretrain.PretrainConfig.query_length = 32",
+            "pretrain.PretrainConfig.reader_length = 64"] if not demo else [
+                "pretrain.PretrainConfig.index_mode = 'inline'",
+                "pretrain.PretrainConfig.freeze_retriever_steps = 0",
+                "pretrain.PretrainConfig.mlm_head_warmup_steps = 0",
+                "pretrain.PretrainConfig.log_every = 1"]
+  gin_cli.parse([("experiments/demo_pretrain.gin" if demo else
+                  "experiments/pretrain_tiny_cpu.gin")], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
       f"QUERIES = '{queries}'",
       f"pretrain.PretrainConfig.num_train_steps = {steps}",
       f"pretrain.PretrainConfig.batch_size = {batch_size}",
-      "pretrain.PretrainConfig.query_length = 32",
-      "pretrain.PretrainConfig.reader_length = 64",
       f"pretrain.PretrainConfig.checkpoint_every = {steps}",
-      f"pretrain.PretrainConfig.retrieval = '{retrieval}'"])
+      "pretrain.PretrainConfig.searcher = 'exact'",
+      f"pretrain.PretrainConfig.retrieval = '{retrieval}'",
+      f"pretrain.PretrainConfig.overlap_input = {overlap}", *shapes])
   config = gin.get_configurable(pretrain.PretrainConfig)()
   model = gin.get_configurable(pretrain.RealmConfig)()
   batch_seconds = []
@@ -73,17 +90,21 @@ def main():
                       help="Copies of the tiny corpus's articles (blocks).")
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--batch_size", type=int, default=8)
+  parser.add_argument("--demo", action="store_true",
+                      help="The demo's model (MiniLM-L6) and lengths.")
+  parser.add_argument("--modes", default="host,host_overlap,device")
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
-    store, annotated = corpus.make_tiny_corpus(os.path.join(tmp, "corpus"),
-                                               copies=args.copies)
+    store, annotated = corpus.make_tiny_corpus(
+        os.path.join(tmp, "corpus"), copies=args.copies,
+        max_block_len=128 if args.demo else 32)
     queries = corpus.make_query_cache(annotated, os.path.join(tmp, "q"),
-                                      query_length=32)
+                                      query_length=48 if args.demo else 32)
     timing.emit(kind="load", loadavg=os.getloadavg())
-    for retrieval in ("host", "device"):
-      step_s, batch_s = run(os.path.join(tmp, retrieval), store, queries,
-                            retrieval, args.steps, args.batch_size)
-      timing.emit(kind="retrieval_step", retrieval=retrieval,
+    for mode in args.modes.split(","):
+      step_s, batch_s = run(os.path.join(tmp, mode), store, queries, mode,
+                            args.steps, args.batch_size, args.demo)
+      timing.emit(kind="retrieval_step", mode=mode, demo=args.demo,
                   seconds_per_step=round(step_s, 4),
                   host_batch_seconds=round(batch_s, 4),
                   host_batch_share=round(batch_s / step_s, 3),

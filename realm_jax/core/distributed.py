@@ -176,6 +176,14 @@ def barrier(name: str) -> None:
   multihost_utils.sync_global_devices(name)
 
 
+def allgather_rows(local: np.ndarray) -> np.ndarray:
+  """Every host's `local` rows concatenated in host order (a global
+  batch's rows, when each host holds its contiguous share)."""
+  if jax.process_count() == 1:
+    return np.asarray(local)
+  return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
 def broadcast_from_chief(pytree: Any) -> Any:
   """Returns process 0's value of `pytree` on every process.
 

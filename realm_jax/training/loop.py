@@ -154,12 +154,15 @@ class Hooks:
       saved (pre-training's inline index refresh).
     log_metrics: `(step, metrics) -> metrics`, at a log step: adds metrics
       and runs checks (collapse warnings); its return is what is logged.
+    checkpoint_meta: `(step) -> dict`, more meta for checkpoint `step`
+      (pre-training's prefetched candidates), called on every host.
   """
 
   before_step: Callable[[int], None] | None = None
   after_checkpoint: Callable[[int, TrainState], None] | None = None
   log_metrics: Callable[[int, dict[str, float]], dict[str, float]] | None = (
       None)
+  checkpoint_meta: Callable[[int], Mapping[str, Any]] | None = None
 
 
 def _abstract(tree, sharding):
@@ -370,7 +373,9 @@ class Run:
             np.int32(preempted.requested))) if jax.process_count() > 1 else (
                 preempted.requested)
         if step % c.checkpoint_every == 0 or step == end or stop:
-          self.save(step, saved_params(state), state.opt_state, meta)
+          self.save(step, saved_params(state), state.opt_state, {
+              **meta, **(hooks.checkpoint_meta(step)
+                         if hooks.checkpoint_meta else {})})
           if hooks.after_checkpoint:
             hooks.after_checkpoint(step, state)
         if stop:

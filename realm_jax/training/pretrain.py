@@ -25,7 +25,9 @@ shards of it (`data.query_cache.QueryStream`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+from typing import Any
 
 from absl import logging
 import jax
@@ -97,6 +99,13 @@ class PretrainConfig(loop.TrainConfig):
       tokens at 288, over all devices).
     device_index_dtype: "float32" or "bfloat16" block embeddings (retrieval
       "device").
+    overlap_input: retrieval "host": the next step's search, candidate
+      gathering and batch assembly run on a host thread while the devices
+      compute this step. The next step's candidates are then chosen with
+      this step's retriever (one update older; the index is hundreds of
+      steps older anyway) and, so that a restart replays the run exactly,
+      the candidates of the step after a checkpoint are saved in it.
+      Retrieval "device" overlaps by itself (asynchronous dispatch).
     index_wait_seconds: builder mode: how long to wait for the first index.
     hubness_warning: warn once when the share of the queries since the last
       log whose top-1 block is the single most common one exceeds this.
@@ -129,6 +138,7 @@ class PretrainConfig(loop.TrainConfig):
   searcher: str = "scann"
   retrieval: str = "host"
   device_index_dtype: str = "float32"
+  overlap_input: bool = False
   index_wait_seconds: float = 600.0
   hubness_warning: float = 0.3
   null_probability_warning: float = 0.9
@@ -312,6 +322,11 @@ class RetrievalInput:
                        "query's own article.")
     self.index = self.watcher = self.staleness = None
     self.device_index = None  # retrieval="device": the served index's copy
+    # overlap_input: (step, future of its (host batch, candidates)).
+    self._pending: tuple[int, concurrent.futures.Future] | None = None
+    self._saved_candidates: dict[int, np.ndarray] = {}
+    self._thread = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="pretrain-input")
 
   def _serve(self, index) -> None:
     """Makes `index` the served one (and its device copy, if used)."""
@@ -358,30 +373,99 @@ class RetrievalInput:
         self._serve(self.watcher.current)
       self.staleness.check(step, self.index.step)
 
-  def batch(self, step: int, state) -> dict[str, jax.Array]:
-    c = self.config
-    local = self.queries.batch(step)  # This host's rows of global `step`.
+  def _query_embeddings(self, local, state) -> jax.Array:
     q = parallel.shard_batch(self.mesh, {k: local[k] for k in
                                          ("query_ids", "query_mask")})
-    q_emb = self.embed_queries(state.params, q["query_ids"], q["query_mask"])
-    if c.retrieval == "device":
-      batch, block_ids = device_search.candidate_batch(
-          self.device_index, local, q_emb, k=c.num_candidates,
-          doc_len=self.store.max_block_len, reader_len=c.reader_length,
-          null_document=c.null_document)
-      self.guard.add_top1(block_ids[:, 0])
-      return batch
-    hits, _ = self.index.search(parallel.local_rows(q_emb), self.search_k)
+    return self.embed_queries(state.params, q["query_ids"], q["query_mask"])
+
+  def _candidates(self, local, q_emb, index) -> np.ndarray:
+    """Host search: [b, k] blocks, none from the query's own article."""
+    hits, _ = index.search(parallel.local_rows(q_emb), self.search_k)
     candidates = realm_inputs.select_candidates(
-        hits, self.store.doc_hash, local["source_doc_hash"], c.num_candidates)
-    self.guard.add_top1(candidates[:, 0])
+        hits, self.store.doc_hash, local["source_doc_hash"],
+        self.config.num_candidates)
     # Never a trivial retrieval: no candidate from the query's own article.
     if (self.store.doc_hash[candidates]
         == local["source_doc_hash"][:, None]).any():
       raise AssertionError("a query's own article reached its candidates")
-    return parallel.shard_batch(self.mesh, realm_inputs.pretraining_batch(
+    return candidates
+
+  def _host_batch(self, local, candidates) -> dict[str, np.ndarray]:
+    c = self.config
+    return realm_inputs.pretraining_batch(
         local, candidates, self.store, doc_len=self.store.max_block_len,
-        reader_len=c.reader_length, null_document=c.null_document))
+        reader_len=c.reader_length, null_document=c.null_document)
+
+  def batch(self, step: int, state) -> dict[str, jax.Array]:
+    c = self.config
+    if c.retrieval == "device":
+      local = self.queries.batch(step)
+      batch, block_ids = device_search.candidate_batch(
+          self.device_index, local, self._query_embeddings(local, state),
+          k=c.num_candidates, doc_len=self.store.max_block_len,
+          reader_len=c.reader_length, null_document=c.null_document)
+      self.guard.add_top1(block_ids[:, 0])
+      return batch
+    if c.overlap_input:
+      host, candidates = self._overlapped(step, state)
+    else:
+      local = self.queries.batch(step)
+      candidates = self._candidates(
+          local, self._query_embeddings(local, state), self.index)
+      host = self._host_batch(local, candidates)
+    self.guard.add_top1(candidates[:, 0])
+    return parallel.shard_batch(self.mesh, host)
+
+  def _overlapped(self, step: int, state):
+    """(host batch, candidates) of `step`; starts the next step's."""
+    pending, self._pending = self._pending, None
+    if pending is not None and pending[0] == step:
+      host, candidates = pending[1].result()
+    else:  # This process's first step: a restart's saved candidates (the
+      # uninterrupted run's), else those of this state's retriever.
+      local = self.queries.batch(step)
+      candidates = self._saved_candidates.pop(step, None)
+      if candidates is None:
+        candidates = self._candidates(
+            local, self._query_embeddings(local, state), self.index)
+      host = self._host_batch(local, candidates)
+    # The next step's queries are embedded now, before this step's update
+    # is dispatched (so the devices do it first); the host waits for them,
+    # searches and assembles on the thread while the devices train.
+    nxt = self.queries.batch(step + 1)
+    q_emb, index = self._query_embeddings(nxt, state), self.index
+
+    def work():
+      candidates = self._candidates(nxt, q_emb, index)
+      return self._host_batch(nxt, candidates), candidates
+
+    self._pending = (step + 1, self._thread.submit(work))
+    return host, candidates
+
+  def checkpoint_meta(self, step: int) -> dict[str, Any]:
+    """The prefetched candidates of `step` (the first step after checkpoint
+    `step`), every host's rows in global order, so a restart replays them."""
+    if self._pending is None or self._pending[0] != step:
+      return {}
+    _, candidates = self._pending[1].result()
+    return {"prefetched_candidates": {
+        "step": step,
+        "ids": distributed.allgather_rows(candidates).tolist()}}
+
+  def restore_candidates(self, meta: dict[str, Any], step: int) -> None:
+    """Takes this host's rows of a checkpoint's prefetched candidates."""
+    saved = meta.get("prefetched_candidates")
+    if not (self.config.overlap_input and saved and saved["step"] == step):
+      return
+    ids = np.asarray(saved["ids"], np.int64)
+    b, hosts = self.config.batch_size, jax.process_count()
+    if ids.shape != (b, self.config.num_candidates):
+      logging.warning("checkpoint %d's prefetched candidates have shape %s, "
+                      "not this run's %s; searching them again.", step,
+                      ids.shape, (b, self.config.num_candidates))
+      return
+    me = jax.process_index()
+    self._saved_candidates[step] = ids[me * b // hosts:(me + 1) * b // hosts]
 
   def log_metrics(self, step: int, metrics: dict[str, float]
                   ) -> dict[str, float]:
@@ -391,6 +475,7 @@ class RetrievalInput:
     return metrics
 
   def close(self, workdir: str, is_chief: bool) -> None:
+    self._thread.shutdown(wait=True, cancel_futures=True)
     self.queries.close()
     if self.watcher is not None:
       self.watcher.close()
@@ -456,11 +541,13 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                       config.seed)
     tx = make_optimizer(config)
-    state, _, _ = run.init_or_restore(fresh, tx, lambda: _initial_params(
-        config, model, graphdef, fresh, queries, store, run.is_chief))
+    state, _, restored = run.init_or_restore(
+        fresh, tx, lambda: _initial_params(
+            config, model, graphdef, fresh, queries, store, run.is_chief))
     start_step = int(jax.device_get(state.step))
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
+    inputs.restore_candidates(restored, start_step)
 
     meta = {"seed": config.seed}
 
@@ -484,7 +571,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                      "null_probability", "hubness", "index_staleness")),
           hooks=loop.Hooks(before_step=inputs.before_step,
                            after_checkpoint=after_checkpoint,
-                           log_metrics=inputs.log_metrics),
+                           log_metrics=inputs.log_metrics,
+                           checkpoint_meta=inputs.checkpoint_meta),
           stop_after=stop_after)
     finally:
       inputs.close(config.workdir, run.is_chief)

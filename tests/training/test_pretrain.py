@@ -238,3 +238,62 @@ def test_retrieval_on_device_trains_like_retrieval_on_host(
                                rtol=1e-5, atol=1e-5)
     assert h["hubness"] == want[h["step"]]["hubness"]
   assert len(calls) == STEPS  # every batch came from the device path
+
+
+def test_overlapped_input_searches_ahead_and_restarts_exactly(
+    tmp_path, tiny_corpus, monkeypatch):
+  """overlap_input: step s+1's search and batch run on a host thread while
+  step s trains, with step s's retriever; a run stopped and restarted
+  replays the uninterrupted run, using the candidates its checkpoint saved
+  instead of searching with the (newer) restored retriever."""
+  import threading  # pylint: disable=g-import-not-at-top
+  searches, embedded_with = [], []
+  real_candidates = pretrain.RetrievalInput._candidates
+  real_embed = pretrain.RetrievalInput._query_embeddings
+
+  def candidates(self, local, q_emb, index):
+    searches.append(threading.current_thread().name)
+    return real_candidates(self, local, q_emb, index)
+
+  def embed(self, local, state):
+    embedded_with.append(int(jax.device_get(state.step)))
+    return real_embed(self, local, state)
+
+  monkeypatch.setattr(pretrain.RetrievalInput, "_candidates", candidates)
+  monkeypatch.setattr(pretrain.RetrievalInput, "_query_embeddings", embed)
+
+  def run(workdir, stop_after=None):
+    config, model = _configs(_bindings(workdir, tiny_corpus,
+                                       searcher="exact", overlap_input=True))
+    history = pretrain.train(config=config, model=model,
+                             stop_after=stop_after)
+    gin.clear_config()
+    return history
+
+  straight = str(tmp_path / "straight")
+  run(straight)
+  # Step 0's queries with state 0, then step s+1's with state s.
+  assert embedded_with == [0] + list(range(STEPS))
+  assert not searches[0].startswith("pretrain-input")
+  assert all(n.startswith("pretrain-input") for n in searches[1:])
+  assert len(searches) == STEPS + 1  # one look-ahead past the end
+
+  restarted = str(tmp_path / "restarted")
+  run(restarted, stop_after=4)
+  meta = checkpoints.read_meta(checkpoints.checkpoint_dir(restarted), 4)
+  saved = meta["prefetched_candidates"]
+  assert saved["step"] == 4
+  config, _ = _configs(_bindings(restarted, tiny_corpus))
+  gin.clear_config()
+  assert np.asarray(saved["ids"]).shape == (config.batch_size,
+                                            config.num_candidates)
+  searches.clear()
+  run(restarted)
+  # Step 4 came from the checkpoint; steps 5..8 (and the look-ahead) were
+  # searched on the thread.
+  assert len(searches) == STEPS - 4
+  want, got = _losses(straight), _losses(restarted)
+  assert sorted(got) == list(range(1, STEPS + 1))
+  for step in got:
+    np.testing.assert_allclose(got[step]["loss"], want[step]["loss"],
+                               rtol=1e-5, atol=1e-5)
