@@ -41,8 +41,9 @@ MODES = {"host": ("host", False), "host_overlap": ("host", True),
 
 
 def run(workdir, store, queries, mode, steps, batch_size, demo):
-  """Trains `steps` steps; returns (wall s/step, host batch s/step) medians
-  over the steps after the first two (compilation)."""
+  """Trains `steps` steps; returns (wall s/step, host s/step in `batch()`,
+  of which host -> device copies) medians over the steps after the first
+  two (compilation)."""
   retrieval, overlap = MODES[mode]
   gin.clear_config()
   # The demo's shapes: MiniLM-L6 towers, queries of 48, blocks of 128,
@@ -68,20 +69,34 @@ def run(workdir, store, queries, mode, steps, batch_size, demo):
   model = gin.get_configurable(pretrain.RealmConfig)()
   batch_seconds = []
   original = pretrain.RetrievalInput.batch
+  # Of which: host -> device copies of queries and batches (shard_batch).
+  transfer = [0.0]
+  original_shard = pretrain.parallel.shard_batch
+
+  def timed_shard(*args, **kwargs):
+    start = time.perf_counter()
+    out = original_shard(*args, **kwargs)
+    transfer[0] += time.perf_counter() - start
+    return out
 
   def timed_batch(self, step, state):
+    transfer[0] = 0.0
     start = time.perf_counter()
     out = original(self, step, state)
-    batch_seconds.append(time.perf_counter() - start)
+    batch_seconds.append((time.perf_counter() - start, transfer[0]))
     return out
 
   pretrain.RetrievalInput.batch = timed_batch
+  pretrain.parallel.shard_batch = timed_shard
   try:
     history = pretrain.train(config=config, model=model)
   finally:
     pretrain.RetrievalInput.batch = original
+    pretrain.parallel.shard_batch = original_shard
   steps_s = [h["seconds_per_step"] for h in history][2:]
-  return statistics.median(steps_s), statistics.median(batch_seconds[2:])
+  return (statistics.median(steps_s),
+          statistics.median(b for b, _ in batch_seconds[2:]),
+          statistics.median(t for _, t in batch_seconds[2:]))
 
 
 def main():
@@ -102,12 +117,14 @@ def main():
                                       query_length=48 if args.demo else 32)
     timing.emit(kind="load", loadavg=os.getloadavg())
     for mode in args.modes.split(","):
-      step_s, batch_s = run(os.path.join(tmp, mode), store, queries, mode,
-                            args.steps, args.batch_size, args.demo)
+      step_s, batch_s, copy_s = run(os.path.join(tmp, mode), store, queries,
+                                    mode, args.steps, args.batch_size,
+                                    args.demo)
       timing.emit(kind="retrieval_step", mode=mode, demo=args.demo,
                   seconds_per_step=round(step_s, 4),
                   host_batch_seconds=round(batch_s, 4),
                   host_batch_share=round(batch_s / step_s, 3),
+                  host_to_device_seconds=round(copy_s, 4),
                   copies=args.copies, batch_size=args.batch_size,
                   steps=args.steps)
     timing.emit(kind="load", loadavg=os.getloadavg())
