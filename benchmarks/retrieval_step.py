@@ -116,10 +116,10 @@ def main():
     queries = corpus.make_query_cache(annotated, os.path.join(tmp, "q"),
                                       query_length=48 if args.demo else 32)
     timing.emit(kind="load", loadavg=os.getloadavg())
-    for mode in args.modes.split(","):
-      step_s, batch_s, copy_s = run(os.path.join(tmp, mode), store, queries,
-                                    mode, args.steps, args.batch_size,
-                                    args.demo)
+    for i, mode in enumerate(args.modes.split(",")):  # a mode may repeat
+      step_s, batch_s, copy_s = run(os.path.join(tmp, f"{i}_{mode}"), store,
+                                    queries, mode, args.steps,
+                                    args.batch_size, args.demo)
       timing.emit(kind="retrieval_step", mode=mode, demo=args.demo,
                   seconds_per_step=round(step_s, 4),
                   host_batch_seconds=round(batch_s, 4),
