@@ -39,11 +39,6 @@ PROJECTION = [(("projection",), "dense", "", "linear")]
 LAYER_NORM = [(("layer_norm",), "layer_norm", "", "norm")]
 
 
-def tower_rules(config, prefix: str = "") -> dict[core.Path, core.Rule]:
-  """Rules of one retrieval tower's BERT (the projection is separate)."""
-  return importers.bert_rules(config.bert.num_layers, "hf", prefix)
-
-
 def reader_rules(config) -> dict[core.Path, core.Rule]:
   rules = importers.bert_rules(config.bert.num_layers, "hf", "bert.",
                                ("bert",), optional_pooler=True)
