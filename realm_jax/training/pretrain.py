@@ -106,6 +106,16 @@ class PretrainConfig(loop.TrainConfig):
       steps older anyway) and, so that a restart replays the run exactly,
       the candidates of the step after a checkpoint are saved in it.
       Retrieval "device" overlaps by itself (asynchronous dispatch).
+    rerank_candidates: Atlas-style re-ranking (0: off): the served index
+      proposes this many blocks per query (outside its own article), the
+      current document tower re-embeds them and the `num_candidates` with
+      the highest fresh scores are kept. A stale index then only has to
+      put the right block among the proposals, not in the top k. It costs
+      a forward pass of the document tower over batch x rerank_candidates
+      blocks every step: for refresh intervals much longer than REALM's
+      ~500 steps (docs/benchmarks/refresh_cost.md). Retrieval "host"
+      without `overlap_input` (the re-embedding needs the step's own
+      parameters, which the update step donates).
     index_wait_seconds: builder mode: how long to wait for the first index.
     hubness_warning: warn once when the share of the queries since the last
       log whose top-1 block is the single most common one exceeds this.
@@ -139,6 +149,7 @@ class PretrainConfig(loop.TrainConfig):
   retrieval: str = "host"
   device_index_dtype: str = "float32"
   overlap_input: bool = False
+  rerank_candidates: int = 0
   index_wait_seconds: float = 600.0
   hubness_warning: float = 0.3
   null_probability_warning: float = 0.9
@@ -160,6 +171,14 @@ class PretrainConfig(loop.TrainConfig):
     if self.device_index_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"device_index_dtype={self.device_index_dtype!r}; use "
                        "'float32' or 'bfloat16'.")
+    if self.rerank_candidates and (
+        self.rerank_candidates < self.num_candidates
+        or self.retrieval != "host" or self.overlap_input):
+      raise ValueError(
+          f"rerank_candidates={self.rerank_candidates} needs "
+          f">= num_candidates ({self.num_candidates}) proposals, "
+          "retrieval='host' and overlap_input=False; set it to 0 to turn "
+          "re-ranking off.")
     if self.reader_length <= self.query_length:
       raise ValueError("reader_length must exceed query_length (the reader "
                        "reads [CLS] x [SEP] body [SEP]).")
@@ -314,12 +333,17 @@ class RetrievalInput:
     self.index_root = checkpoints.index_root(config.workdir)
     self.expect = publish.Expectation(store.fingerprint, len(store),
                                       model.retriever.embedding_size)
+    # Blocks wanted per query outside its own article: the candidates, or
+    # the proposals that re-ranking narrows down to them.
+    self.proposals = config.rerank_candidates or config.num_candidates
     margin = int(min(np.bincount(store.doc_indices).max(), len(store) - 1))
-    self.search_k = min(len(store), config.num_candidates + margin)
-    if self.search_k - margin < config.num_candidates:
+    self.search_k = min(len(store), self.proposals + margin)
+    if self.search_k - margin < self.proposals:
       raise ValueError(f"The block store has {len(store)} blocks; too few "
-                       f"for {config.num_candidates} candidates outside a "
-                       "query's own article.")
+                       f"for {self.proposals} candidates outside a query's "
+                       "own article.")
+    if config.rerank_candidates:
+      self.embed_documents = embed.make_embed_fn(model.retriever, mesh)
     self.index = self.watcher = self.staleness = None
     self.device_index = None  # retrieval="device": the served index's copy
     # overlap_input: (step, future of its (host batch, candidates)).
@@ -378,17 +402,35 @@ class RetrievalInput:
                                          ("query_ids", "query_mask")})
     return self.embed_queries(state.params, q["query_ids"], q["query_mask"])
 
-  def _candidates(self, local, q_emb, index) -> np.ndarray:
-    """Host search: [b, k] blocks, none from the query's own article."""
-    hits, _ = index.search(parallel.local_rows(q_emb), self.search_k)
+  def _candidates(self, local, q_emb, index, params=None) -> np.ndarray:
+    """Host search: [b, k] blocks, none from the query's own article
+    (re-ranked with `params`' retriever when `rerank_candidates`)."""
+    queries = parallel.local_rows(q_emb)
+    hits, _ = index.search(queries, self.search_k)
     candidates = realm_inputs.select_candidates(
-        hits, self.store.doc_hash, local["source_doc_hash"],
-        self.config.num_candidates)
+        hits, self.store.doc_hash, local["source_doc_hash"], self.proposals)
+    if self.config.rerank_candidates:
+      candidates = self._rerank(queries, candidates, params)
     # Never a trivial retrieval: no candidate from the query's own article.
     if (self.store.doc_hash[candidates]
         == local["source_doc_hash"][:, None]).any():
       raise AssertionError("a query's own article reached its candidates")
     return candidates
+
+  def _rerank(self, queries: np.ndarray, proposals: np.ndarray, params
+              ) -> np.ndarray:
+    """The top k of each query's proposals [b, L] by the current document
+    tower's embeddings (fresh inner products), in score order."""
+    b, num_proposals = proposals.shape
+    blocks = parallel.shard_batch(self.mesh, self.store.retriever_inputs(
+        proposals.reshape(-1), self.store.max_block_len))
+    documents = parallel.local_rows(self.embed_documents(
+        params["retriever"], blocks["token_ids"], blocks["input_mask"],
+        blocks["segment_ids"])).reshape(b, num_proposals, -1)
+    scores = np.einsum("bd,bld->bl", queries, documents)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(proposals, order[:, :self.config.num_candidates],
+                              axis=1)
 
   def _host_batch(self, local, candidates) -> dict[str, np.ndarray]:
     c = self.config
@@ -411,7 +453,8 @@ class RetrievalInput:
     else:
       local = self.queries.batch(step)
       candidates = self._candidates(
-          local, self._query_embeddings(local, state), self.index)
+          local, self._query_embeddings(local, state), self.index,
+          state.params)
       host = self._host_batch(local, candidates)
     self.guard.add_top1(candidates[:, 0])
     return parallel.shard_batch(self.mesh, host)
