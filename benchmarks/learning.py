@@ -24,6 +24,8 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
                   document scored by the embedding of `[CLS] [SEP] [SEP]`
   frozen          the recipe with the retriever frozen throughout
   stale30         the recipe with the index rebuilt 30x less often
+  stale30_rerank  stale30 with Atlas-style re-ranking: the stale index
+                  proposes --rerank blocks, the current retriever picks k
   random_masks    the recipe with random-token masks instead of salient
                   spans (evaluated, like all, on held-out salient spans)
   realm_repeat    `realm` again: the same seed must give the same numbers
@@ -66,8 +68,8 @@ from realm_jax import gin_cli  # pylint: disable=wrong-import-position
 gin_cli.add_cpu_xla_flag()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-CONDITIONS = ("init", "ict", "realm", "frozen", "stale30", "random_masks",
-              "realm_repeat", "realm_original")
+CONDITIONS = ("init", "ict", "realm", "frozen", "stale30", "stale30_rerank",
+              "random_masks", "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
 EXTRA_CONDITIONS = ("realm_slow",)
 
@@ -87,6 +89,10 @@ def _bindings(name: str, args) -> list[str]:
                  "retriever_learning_rate_multiplier = 0.0"],
       "stale30": [f"pretrain.PretrainConfig.checkpoint_every = "
                   f"{30 * args.refresh_every}"],
+      "stale30_rerank": [f"pretrain.PretrainConfig.checkpoint_every = "
+                         f"{30 * args.refresh_every}",
+                         "pretrain.PretrainConfig.rerank_candidates = "
+                         f"{args.rerank}"],
       "random_masks": ["pretrain.PretrainConfig.masking = 'random_tokens'"],
       "realm_slow": ["pretrain.PretrainConfig."
                      "retriever_learning_rate_multiplier = 0.01"],
@@ -148,6 +154,8 @@ def main(argv=None) -> None:
                       help="Default 10; wiki 20.")
   parser.add_argument("--eval_every", type=int, default=None,
                       help="Default 100; wiki 20.")
+  parser.add_argument("--rerank", type=int, default=32,
+                      help="stale30_rerank: blocks the stale index proposes.")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--gin_file", action="append",
                       default=None, help="Recipe (default: "
@@ -199,7 +207,8 @@ def main(argv=None) -> None:
                  f"{CONDITIONS + EXTRA_CONDITIONS}")
   if wiki and {"init", "ict", "realm_original"} & set(conditions):
     parser.error("--world=wiki starts from MiniLM (no ICT): use realm, "
-                 "frozen, stale30, random_masks, realm_repeat, realm_slow.")
+                 "frozen, stale30, stale30_rerank, random_masks, "
+                 "realm_repeat, realm_slow.")
   os.makedirs(args.workdir, exist_ok=True)
   questions = ()
   if wiki:

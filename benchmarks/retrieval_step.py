@@ -1,11 +1,13 @@
 r"""Host time per REALM pre-training step: serial, overlapped, on device.
 
 Runs the real trainer (`pretrain.train`) on the same corpus and queries in
-three input modes: `host` (query embeddings copied to the host, exact
+four input modes: `host` (query embeddings copied to the host, exact
 search there, the batch built in numpy from the block store, then the
 step), `host_overlap` (the same work for step s+1 on a host thread while
-step s trains: `PretrainConfig.overlap_input`) and `device`
-(`index/device_search.py`). It reports per step: the wall time, and the
+step s trains: `PretrainConfig.overlap_input`), `device`
+(`index/device_search.py`) and `host_rerank` (`host` plus Atlas-style
+re-ranking: `--rerank` proposals per query re-embedded by the current
+document tower, `PretrainConfig.rerank_candidates`). It reports per step: the wall time, and the
 host time spent in `RetrievalInput.batch`, during which the host does not
 dispatch device work. One JSON line each, side by side in one run.
 
@@ -37,10 +39,12 @@ from realm_jax.training import pretrain
 
 
 MODES = {"host": ("host", False), "host_overlap": ("host", True),
-         "device": ("device", False)}
+         "device": ("device", False),
+         # Atlas-style re-ranking of --rerank proposals (serial host input).
+         "host_rerank": ("host", False)}
 
 
-def run(workdir, store, queries, mode, steps, batch_size, demo):
+def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
   """Trains `steps` steps; returns (wall s/step, host s/step in `batch()`,
   of which host -> device copies) medians over the steps after the first
   two (compilation)."""
@@ -64,7 +68,9 @@ def run(workdir, store, queries, mode, steps, batch_size, demo):
       f"pretrain.PretrainConfig.checkpoint_every = {steps}",
       "pretrain.PretrainConfig.searcher = 'exact'",
       f"pretrain.PretrainConfig.retrieval = '{retrieval}'",
-      f"pretrain.PretrainConfig.overlap_input = {overlap}", *shapes])
+      f"pretrain.PretrainConfig.overlap_input = {overlap}",
+      "pretrain.PretrainConfig.rerank_candidates = "
+      f"{rerank if mode == 'host_rerank' else 0}", *shapes])
   config = gin.get_configurable(pretrain.PretrainConfig)()
   model = gin.get_configurable(pretrain.RealmConfig)()
   batch_seconds = []
@@ -108,6 +114,8 @@ def main():
   parser.add_argument("--demo", action="store_true",
                       help="The demo's model (MiniLM-L6) and lengths.")
   parser.add_argument("--modes", default="host,host_overlap,device")
+  parser.add_argument("--rerank", type=int, default=32,
+                      help="Proposals per query re-ranked in host_rerank.")
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     store, annotated = corpus.make_tiny_corpus(
@@ -119,12 +127,15 @@ def main():
     for i, mode in enumerate(args.modes.split(",")):  # a mode may repeat
       step_s, batch_s, copy_s = run(os.path.join(tmp, f"{i}_{mode}"), store,
                                     queries, mode, args.steps,
-                                    args.batch_size, args.demo)
+                                    args.batch_size, args.demo,
+                                    args.rerank)
       timing.emit(kind="retrieval_step", mode=mode, demo=args.demo,
                   seconds_per_step=round(step_s, 4),
                   host_batch_seconds=round(batch_s, 4),
                   host_batch_share=round(batch_s / step_s, 3),
                   host_to_device_seconds=round(copy_s, 4),
+                  rerank_candidates=(args.rerank if mode == "host_rerank"
+                                     else 0),
                   copies=args.copies, batch_size=args.batch_size,
                   steps=args.steps)
     timing.emit(kind="load", loadavg=os.getloadavg())
