@@ -166,6 +166,27 @@ def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
                                 emb)
 
 
+def test_builder_publishes_a_sharded_scann_index(store, tmp_path):
+  """The paper-size recipe (docs/benchmarks/mips_scale.md): one ScaNN index
+  per row range with a bfloat16 re-ordering copy, set through the
+  builder's searcher_config, published and loaded as one searcher whose
+  global ids equal exact search's."""
+  emb = np.random.default_rng(1).normal(size=(len(store), 16)).astype(
+      np.float32)
+  builder.publish_embeddings(
+      embeddings=emb, store=store, root=str(tmp_path), step=0,
+      config=builder.BuilderConfig(searcher_config=(
+          ("num_shards", 2), ("reordering_dtype", "bfloat16"))))
+  index = publish.load_index(str(tmp_path))
+  assert index.searcher.kind == "sharded"
+  assert [s.kind for s in index.searcher.shards] == ["scann", "scann"]
+  assert index.searcher.config.shard_config.reordering_dtype == "bfloat16"
+  queries = emb[:3] + 0.01
+  ids, _ = index.searcher.search_batched(queries, 4)
+  np.testing.assert_array_equal(
+      ids, np.argsort(-(queries @ emb.T), axis=1, kind="stable")[:, :4])
+
+
 def test_publication_retries_then_fails_loudly(store, tmp_path,
                                                monkeypatch):
   """Transient write errors are retried; persistent ones end the job with
