@@ -37,38 +37,37 @@ Params = dict[str, Any]
 # Name rules
 # ----------------------------------------------------------------------------
 
-# (our module path, kind, TF name, HF name) relative to a BERT's root.
+# (our module path, kind, TF name) of a BERT's modules, relative to its root
+# and to each of its layers; HF spells the TF names with "." for "/".
+_BERT_ROOT_MODULES = [
+    (("embeddings", "word_embeddings"), "embed", "embeddings/word_embeddings"),
+    (("embeddings", "position_embeddings"), "embed",
+     "embeddings/position_embeddings"),
+    (("embeddings", "token_type_embeddings"), "embed",
+     "embeddings/token_type_embeddings"),
+    (("embeddings", "layer_norm"), "layer_norm", "embeddings/LayerNorm"),
+    (("pooler",), "dense", "pooler/dense"),
+]
+_BERT_LAYER_MODULES = [
+    (("attention", "query"), "dense", "attention/self/query"),
+    (("attention", "key"), "dense", "attention/self/key"),
+    (("attention", "value"), "dense", "attention/self/value"),
+    (("attention", "output"), "dense", "attention/output/dense"),
+    (("attention", "layer_norm"), "layer_norm", "attention/output/LayerNorm"),
+    (("intermediate",), "dense", "intermediate/dense"),
+    (("output",), "dense", "output/dense"),
+    (("layer_norm",), "layer_norm", "output/LayerNorm"),
+]
+
+
 def _bert_modules(num_layers: int) -> list[tuple[Path, str, str, str]]:
-  mods = [
-      (("embeddings", "word_embeddings"), "embed",
-       "embeddings/word_embeddings", "embeddings.word_embeddings"),
-      (("embeddings", "position_embeddings"), "embed",
-       "embeddings/position_embeddings", "embeddings.position_embeddings"),
-      (("embeddings", "token_type_embeddings"), "embed",
-       "embeddings/token_type_embeddings", "embeddings.token_type_embeddings"),
-      (("embeddings", "layer_norm"), "layer_norm", "embeddings/LayerNorm",
-       "embeddings.LayerNorm"),
-      (("pooler",), "dense", "pooler/dense", "pooler.dense"),
-  ]
+  """(our module path, kind, TF name, HF name) relative to a BERT's root."""
+  mods = [(path, kind, tf, tf.replace("/", "."))
+          for path, kind, tf in _BERT_ROOT_MODULES]
   for i in range(num_layers):
-    tf, hf, us = f"encoder/layer_{i}/", f"encoder.layer.{i}.", f"layer_{i}"
-    mods += [
-        ((us, "attention", "query"), "dense", tf + "attention/self/query",
-         hf + "attention.self.query"),
-        ((us, "attention", "key"), "dense", tf + "attention/self/key",
-         hf + "attention.self.key"),
-        ((us, "attention", "value"), "dense", tf + "attention/self/value",
-         hf + "attention.self.value"),
-        ((us, "attention", "output"), "dense", tf + "attention/output/dense",
-         hf + "attention.output.dense"),
-        ((us, "attention", "layer_norm"), "layer_norm",
-         tf + "attention/output/LayerNorm", hf + "attention.output.LayerNorm"),
-        ((us, "intermediate"), "dense", tf + "intermediate/dense",
-         hf + "intermediate.dense"),
-        ((us, "output"), "dense", tf + "output/dense", hf + "output.dense"),
-        ((us, "layer_norm"), "layer_norm", tf + "output/LayerNorm",
-         hf + "output.LayerNorm"),
-    ]
+    mods += [((f"layer_{i}",) + path, kind, f"encoder/layer_{i}/{tf}",
+              f"encoder.layer.{i}." + tf.replace("/", "."))
+             for path, kind, tf in _BERT_LAYER_MODULES]
   return mods
 
 
@@ -186,14 +185,12 @@ def infer_bert_config(source: core.Source, prefix: str, dialect: Dialect,
     if os.path.exists(config_json):
       with open(config_json) as f:
         num_heads = json.load(f).get("num_attention_heads")
-  kwargs = dict(vocab_size=vocab, hidden_size=hidden,
-                num_layers=max(layers) + 1 if layers else 0,
-                num_heads=num_heads or max(1, hidden // 64),
-                intermediate_size=intermediate,
-                max_position_embeddings=pos, type_vocab_size=types,
-                gelu_approximate=True)
-  kwargs.update(overrides)
-  return BertConfig(**kwargs)
+  return BertConfig(**{
+      "vocab_size": vocab, "hidden_size": hidden,
+      "num_layers": max(layers) + 1 if layers else 0,
+      "num_heads": num_heads or max(1, hidden // 64),
+      "intermediate_size": intermediate, "max_position_embeddings": pos,
+      "type_vocab_size": types, "gelu_approximate": True, **overrides})
 
 
 # ----------------------------------------------------------------------------
@@ -228,16 +225,28 @@ def load_hf_bert(model_dir: str, *, with_mlm_head: bool = False,
     config = BertConfig.from_hf_config(json.load(f), **config_overrides)
   source = core.SafetensorsSource(weights_path)
   prefix = "bert." if "bert.embeddings.word_embeddings.weight" in source else ""
+  return config, _load_bert(source, config, "hf", prefix, "cls.",
+                            with_mlm_head, strict,
+                            ignore=(r"cls\.predictions\.decoder\..*",))
+
+
+def _load_bert(source: core.Source, config: BertConfig, dialect: Dialect,
+               bert_prefix: str, cls_prefix: str, with_mlm_head: bool,
+               strict: bool, ignore: tuple[str, ...] = ()) -> Params:
+  """{"bert", ["mlm_head"]} of a BERT checkpoint; the NSP head under
+  `cls_prefix`, and the MLM head unless `with_mlm_head`, are ignored."""
   expected = {"bert": _abstract(lambda r: Bert(config, rngs=r))}
-  rules = bert_rules(config.num_layers, "hf", prefix, ("bert",))
-  ignore = [r"cls\.seq_relationship\..*", r"cls\.predictions\.decoder\..*"]
+  rules = bert_rules(config.num_layers, dialect, bert_prefix, ("bert",))
+  heads = ["seq_relationship"]
   if with_mlm_head:
     expected["mlm_head"] = _abstract(lambda r: MLMHead(config, rngs=r))
-    rules.update(module_rules(_MLM_MODULES, "hf", "cls.", ("mlm_head",)))
+    rules.update(module_rules(_MLM_MODULES, dialect, cls_prefix,
+                              ("mlm_head",)))
   else:
-    ignore.append(r"cls\.predictions\..*")
-  return config, core.load(source, expected, rules, ignore=ignore,
-                           strict=strict)
+    heads.append("predictions")
+  sep = "/" if dialect == "tf" else "."
+  ignore = [*ignore, *(re.escape(cls_prefix + h + sep) + ".*" for h in heads)]
+  return core.load(source, expected, rules, ignore=ignore, strict=strict)
 
 
 # ----------------------------------------------------------------------------
@@ -260,17 +269,8 @@ def load_tf_bert(checkpoint: str, *, with_mlm_head: bool = True,
   source = core.TFCheckpointSource(checkpoint)
   config = infer_bert_config(source, prefix + "bert/", "tf",
                              num_heads=num_heads, **config_overrides)
-  expected = {"bert": _abstract(lambda r: Bert(config, rngs=r))}
-  rules = bert_rules(config.num_layers, "tf", prefix + "bert/", ("bert",))
-  ignore = [re.escape(prefix) + r"cls/seq_relationship/.*"]
-  if with_mlm_head:
-    expected["mlm_head"] = _abstract(lambda r: MLMHead(config, rngs=r))
-    rules.update(module_rules(_MLM_MODULES, "tf", prefix + "cls/",
-                              ("mlm_head",)))
-  else:
-    ignore.append(re.escape(prefix) + r"cls/predictions/.*")
-  return config, core.load(source, expected, rules, ignore=ignore,
-                           strict=strict)
+  return config, _load_bert(source, config, "tf", prefix + "bert/",
+                            prefix + "cls/", with_mlm_head, strict)
 
 
 REALM_EMBEDDER_PREFIX = "module/module/"      # dense, LayerNorm; BERT below.
@@ -316,10 +316,10 @@ def load_realm_embedder(checkpoint: str, *, num_heads: int | None = None,
   config, expected, rules = _embedder_from_source(
       source, REALM_EMBEDDER_PREFIX, "tf", num_heads=num_heads,
       **config_overrides)
-  params = core.load(source, {"query_embedder": expected},
-                     {("query_embedder",) + k: v for k, v in rules.items()},
-                     ignore=[r"block_emb"], strict=strict)
-  return config, params
+  return config, core.load(
+      source, {"query_embedder": expected},
+      {("query_embedder",) + k: v for k, v in rules.items()},
+      ignore=[r"block_emb"], strict=strict)
 
 
 def load_realm_pretrained(embedder_checkpoint: str, bert_checkpoint: str, *,
@@ -385,8 +385,7 @@ def load_orqa(checkpoint: str, *, num_heads: int | None = None,
   params = core.load(source, expected, rules,
                      ignore=[r"reader/module/cls/seq_relationship/.*"],
                      strict=strict)
-  config = RealmConfig(retriever=r_config, reader=reader_config)
-  return config, params
+  return RealmConfig(retriever=r_config, reader=reader_config), params
 
 
 def _safetensors_file(path: str) -> str | None:
@@ -596,8 +595,7 @@ def with_bert(params: Params, bert: Params, *,
     core.CheckpointMismatchError: if shapes differ from the model's.
   """
   def check_and_copy(target, where):
-    want = core.flatten(target)
-    got = core.flatten(bert)
+    want, got = core.flatten(target), core.flatten(bert)
     missing = ["/".join(p) for p in want if p not in got]
     unexpected = ["/".join(p) for p in got if p not in want]
     wrong = ["/".join(p) + f": {np.shape(got[p])} vs {np.shape(want[p])}"

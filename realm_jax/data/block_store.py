@@ -116,6 +116,10 @@ def _fingerprint(files: dict[str, dict[str, Any]],
   return digest.hexdigest()
 
 
+def _utf8(text: str) -> np.ndarray:
+  return np.frombuffer(text.encode("utf-8"), np.uint8)
+
+
 def _special_ids(vocab_path: str) -> dict[str, int]:
   with open(vocab_path, encoding="utf-8") as f:
     index = {line.rstrip("\n"): i for i, line in enumerate(f)}
@@ -181,14 +185,21 @@ def write_block_store(
   shutil.rmtree(tmp_dir, ignore_errors=True)
   os.makedirs(tmp_dir)
   writers = {}
+
+  def open_writers(arrays):
+    for name, dtype in arrays:
+      writers[name] = _ArrayWriter(os.path.join(tmp_dir, name + ".npy"), dtype)
+      if name.endswith("offsets"):
+        writers[name].append([0])
+
+  def append(flat: str, offsets: str, values) -> None:
+    """Appends one ragged row; its end is the flat array's new length."""
+    writers[flat].append(values)
+    writers[offsets].append([writers[flat].length])
+
   try:
-    writers = {name: _ArrayWriter(os.path.join(tmp_dir, name + ".npy"), dtype)
-               for name, dtype in _ARRAYS}
+    open_writers(_ARRAYS)
     num_blocks = num_documents = 0
-    total = {"body": 0, "sentences": 0, "text": 0, "title": 0, "title_b": 0}
-    for name in ("body_offsets", "sentence_offsets", "text_offsets",
-                 "title_offsets", "title_byte_offsets", "doc_block_offsets"):
-      writers[name].append([0])
     for block in blocks:
       n_body = len(block.body_ids)
       special = blocks_lib.NUM_SPECIAL_TOKENS
@@ -200,13 +211,8 @@ def write_block_store(
       if block.doc_index == num_documents:  # the first block of an article
         if num_documents:
           writers["doc_block_offsets"].append([num_blocks])
-        title_bytes = block.title.encode("utf-8")
-        writers["title_ids"].append(block.title_ids)
-        writers["title_bytes"].append(np.frombuffer(title_bytes, np.uint8))
-        total["title"] += len(block.title_ids)
-        total["title_b"] += len(title_bytes)
-        writers["title_offsets"].append([total["title"]])
-        writers["title_byte_offsets"].append([total["title_b"]])
+        append("title_ids", "title_offsets", block.title_ids)
+        append("title_bytes", "title_byte_offsets", _utf8(block.title))
         num_documents += 1
         doc_hash = blocks_lib.title_hash(block.title)
       elif block.doc_index != num_documents - 1:
@@ -214,29 +220,16 @@ def write_block_store(
             f"block {num_blocks} has doc_index {block.doc_index} after "
             f"{num_documents - 1}: blocks must come in article order.")
       if not num_blocks and block.passage_id is not None:
-        writers.update({name: _ArrayWriter(
-            os.path.join(tmp_dir, name + ".npy"), dtype)
-                        for name, dtype in _ID_ARRAYS})
-        writers["passage_id_offsets"].append([0])
-        total["passage_id"] = 0
-      if (block.passage_id is not None) != ("passage_id" in total):
+        open_writers(_ID_ARRAYS)
+      if (block.passage_id is not None) != ("passage_id_bytes" in writers):
         raise ValueError(f"block {num_blocks} ('{block.title}'): either "
                          "every block has a passage_id or none has.")
       if block.passage_id is not None:
-        passage_id = block.passage_id.encode("utf-8")
-        writers["passage_id_bytes"].append(np.frombuffer(passage_id, np.uint8))
-        total["passage_id"] += len(passage_id)
-        writers["passage_id_offsets"].append([total["passage_id"]])
-      text_bytes = block.text.encode("utf-8")
-      writers["body_ids"].append(block.body_ids)
-      writers["sentence_starts"].append(block.sentence_starts)
-      writers["text_bytes"].append(np.frombuffer(text_bytes, np.uint8))
-      total["body"] += n_body
-      total["sentences"] += len(block.sentence_starts)
-      total["text"] += len(text_bytes)
-      writers["body_offsets"].append([total["body"]])
-      writers["sentence_offsets"].append([total["sentences"]])
-      writers["text_offsets"].append([total["text"]])
+        append("passage_id_bytes", "passage_id_offsets",
+               _utf8(block.passage_id))
+      append("body_ids", "body_offsets", block.body_ids)
+      append("sentence_starts", "sentence_offsets", block.sentence_starts)
+      append("text_bytes", "text_offsets", _utf8(block.text))
       writers["doc_index"].append([block.doc_index])
       writers["doc_hash"].append([doc_hash])
       num_blocks += 1
@@ -383,20 +376,15 @@ class BlockStore:
         ("title_byte_offsets", num_documents + 1, "title_bytes"),
         ("doc_block_offsets", num_documents + 1, None),
     ]
+    if "passage_id_offsets" in a:
+      checks.append(("passage_id_offsets", num_blocks + 1, "passage_id_bytes"))
     for offsets, length, flat in checks:
-      ok = len(a[offsets]) == length and (
-          flat is None or int(a[offsets][-1]) == len(a[flat]))
-      if not ok:
+      if len(a[offsets]) != length or (
+          flat is not None and int(a[offsets][-1]) != len(a[flat])):
         raise ValueError(
             f"{self.path}: {offsets}.npy does not match "
             f"{flat or 'num_documents'} and the manifest's counts; the store "
             "is corrupt; rebuild it.")
-    if "passage_id_offsets" in a and not (
-        len(a["passage_id_offsets"]) == num_blocks + 1 and
-        int(a["passage_id_offsets"][-1]) == len(a["passage_id_bytes"])):
-      raise ValueError(f"{self.path}: passage_id_offsets.npy does not match "
-                       "passage_id_bytes.npy and num_blocks; the store is "
-                       "corrupt; rebuild it.")
     if len(a["doc_index"]) != num_blocks or len(a["doc_hash"]) != num_blocks:
       raise ValueError(f"{self.path}: doc_index/doc_hash do not have "
                        f"{num_blocks} rows; the store is corrupt.")
@@ -462,10 +450,9 @@ class BlockStore:
     mask_id = m.get("mask_id")
     if mask_id is None:
       mask_id = self._mask_id_from_vocab(vocab_path)
-    return examples_lib.SpecialIds(pad_id=int(m["pad_id"]),
-                                   cls_id=int(m["cls_id"]),
-                                   sep_id=int(m["sep_id"]),
-                                   mask_id=int(mask_id))
+    return examples_lib.SpecialIds(
+        pad_id=int(m["pad_id"]), cls_id=int(m["cls_id"]),
+        sep_id=int(m["sep_id"]), mask_id=int(mask_id))
 
   def _mask_id_from_vocab(self, vocab_path: str | None) -> int:
     from realm_jax.data import tokenizer  # pylint: disable=g-import-not-at-top
@@ -594,16 +581,16 @@ class BlockStore:
     room = seq_len - blocks_lib.NUM_SPECIAL_TOKENS
     title_lens = np.minimum(title_lens, room)
     body_lens = np.minimum(body_lens, room - title_lens)
-    n = len(ids)
+    n, sep_id = len(ids), int(self.manifest["sep_id"])
     token_ids = np.full([n, seq_len], self.manifest["pad_id"], np.int32)
-    token_ids[:, 0] = self._cls_id
+    token_ids[:, 0] = int(self.manifest["cls_id"])
     rows = np.arange(n)
     _scatter(token_ids, self._a["title_ids"], title_starts, title_lens, 1)
-    token_ids[rows, title_lens + 1] = self._sep_id
+    token_ids[rows, title_lens + 1] = sep_id
     _scatter(token_ids, self._a["body_ids"], body_starts, body_lens,
              title_lens + 2)
     ends = title_lens + body_lens + blocks_lib.NUM_SPECIAL_TOKENS  # exclusive
-    token_ids[rows, ends - 1] = self._sep_id
+    token_ids[rows, ends - 1] = sep_id
     columns = np.arange(seq_len)[None, :]
     input_mask = (columns < ends[:, None]).astype(np.int32)
     segment_ids = ((columns >= (title_lens + 2)[:, None]) &
@@ -631,14 +618,6 @@ class BlockStore:
     out = np.asarray(flat[window], np.int32)
     out[columns >= lengths[:, None]] = 0
     return out, lengths.astype(np.int32)
-
-  @property
-  def _cls_id(self) -> int:
-    return int(self.manifest["cls_id"])
-
-  @property
-  def _sep_id(self) -> int:
-    return int(self.manifest["sep_id"])
 
 
 def _scatter(out: np.ndarray, flat: np.ndarray, starts: np.ndarray,

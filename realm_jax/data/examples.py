@@ -130,6 +130,13 @@ class IctConfig:
                        "be in [0, 1].")
 
 
+def _padded(tokens, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """`tokens` padded to `length` -> (ids, mask), int32."""
+  ids = np.full(length, pad_id, np.int32)
+  ids[:len(tokens)] = tokens
+  return ids, (np.arange(length) < len(tokens)).astype(np.int32)
+
+
 # ----------------------------------------------------------- REALM query ----
 
 
@@ -233,28 +240,19 @@ def realm_query(
   if chosen is None:
     return None
   w0, pieces = chosen
-  window = ids[w0:w0 + config.window_length]
-  query_ids = np.full(config.query_length, special.pad_id, np.int32)
-  query_ids[0] = special.cls_id
-  query_ids[1:1 + len(window)] = window
-  query_ids[1 + len(window)] = special.sep_id
-  query_mask = (np.arange(config.query_length) < len(window) + 2).astype(
-      np.int32)
+  query_ids, query_mask = _padded(
+      np.concatenate([[special.cls_id], ids[w0:w0 + config.window_length],
+                      [special.sep_id]]), config.query_length, special.pad_id)
   positions = (pieces - w0 + 1).astype(np.int32)
   assert positions.min() >= 1 and positions.max() < config.mask_limit
   query_ids[positions] = special.mask_id
-  mlm_positions = np.zeros(config.max_masks, np.int32)
-  mlm_targets = np.zeros(config.max_masks, np.int32)
-  mlm_weights = np.zeros(config.max_masks, np.float32)
-  mlm_positions[:len(positions)] = positions
-  mlm_targets[:len(positions)] = ids[pieces]
-  mlm_weights[:len(positions)] = 1.0
+  padding = (0, config.max_masks - len(positions))
   return {
       "query_ids": query_ids,
       "query_mask": query_mask,
-      "mlm_positions": mlm_positions,
-      "mlm_targets": mlm_targets,
-      "mlm_weights": mlm_weights,
+      "mlm_positions": np.pad(positions, padding),
+      "mlm_targets": np.pad(ids[pieces].astype(np.int32), padding),
+      "mlm_weights": np.pad(np.ones(len(positions), np.float32), padding),
       "source_doc_hash": np.int64(source_doc_hash),
   }
 
@@ -340,9 +338,7 @@ def format_block(title_ids: np.ndarray, body_ids: np.ndarray,
   body = np.asarray(body_ids)[:length - 3 - len(title)]
   tokens = np.concatenate([[special.cls_id], title, [special.sep_id], body,
                            [special.sep_id]]).astype(np.int32)
-  ids = np.full(length, special.pad_id, np.int32)
-  ids[:len(tokens)] = tokens
-  mask = (np.arange(length) < len(tokens)).astype(np.int32)
+  ids, mask = _padded(tokens, length, special.pad_id)
   segments = np.zeros(length, np.int32)
   segments[len(title) + 2:len(tokens)] = 1
   return ids, mask, segments
@@ -378,10 +374,9 @@ def ict_pair(
   # on the block's sentence count.
   remove = rng.random() < config.remove_probability and len(bounds) > 1
   sentence = body_ids[start:end][:config.query_length - 2]
-  query = np.concatenate([[special.cls_id], sentence, [special.sep_id]])
-  query_ids = np.full(config.query_length, special.pad_id, np.int32)
-  query_ids[:len(query)] = query
-  query_mask = (np.arange(config.query_length) < len(query)).astype(np.int32)
+  query_ids, query_mask = _padded(
+      np.concatenate([[special.cls_id], sentence, [special.sep_id]]),
+      config.query_length, special.pad_id)
   body = (np.concatenate([body_ids[:start], body_ids[end:]]) if remove
           else body_ids)
   block_ids, block_mask, block_segment_ids = format_block(

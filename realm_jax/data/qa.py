@@ -107,17 +107,16 @@ class _Malformed(Exception):
   """Internal: why one JSONL line is not a QA example."""
 
 
-def _compile_flags() -> int:
-  # The reference's flags; UNICODE is the default for str patterns in Python 3
-  # but spelled out to make the parity visible.
-  return re.IGNORECASE | re.UNICODE | re.MULTILINE
+# The reference's flags; UNICODE is the default for str patterns in Python 3
+# but spelled out to make the parity visible.
+_ANSWER_FLAGS = re.IGNORECASE | re.UNICODE | re.MULTILINE
 
 
 @functools.lru_cache(maxsize=65536)
 def _compile_answer_pattern(pattern: str) -> re.Pattern[str] | None:
   """Compiled CuratedTrec pattern, or None when it is not a valid regex."""
   try:
-    return re.compile(pattern, flags=_compile_flags())
+    return re.compile(pattern, flags=_ANSWER_FLAGS)
   except re.error:
     return None
 
@@ -155,7 +154,7 @@ def _parse_qa_line(text: str, regex_answers: bool) -> QAExample:
       raise _Malformed("'answer' holds an empty string")
     if regex_answers:
       try:
-        re.compile(a, flags=_compile_flags())
+        re.compile(a, flags=_ANSWER_FLAGS)
       except re.error as e:
         raise _Malformed(
             f"answer {a!r} is not a valid regular expression: {e}") from None
@@ -312,19 +311,14 @@ def regex_match(prediction: str, patterns: str | Iterable[str]) -> bool:
   Returns:
     Whether any pattern matches.
   """
-  for pattern in _as_answer_tuple(patterns):
-    compiled = _compile_answer_pattern(pattern)
-    if compiled is not None and compiled.match(prediction) is not None:
-      return True
-  return False
+  return any(p is not None and p.match(prediction) is not None
+             for p in map(_compile_answer_pattern, _as_answer_tuple(patterns)))
 
 
 def is_correct(prediction: str, answers: Iterable[str],
                is_regex: bool = False) -> bool:
   """Exact match, or regex match for CuratedTrec-style answers."""
-  if is_regex:
-    return regex_match(prediction, answers)
-  return exact_match(prediction, answers)
+  return (regex_match if is_regex else exact_match)(prediction, answers)
 
 
 # ---------------------------------------------------------------- has answer
@@ -552,10 +546,8 @@ def gold_spans_batch(
     rows = starts = widths = np.zeros([0], np.int64)
 
   counts = np.bincount(rows, minlength=num_blocks)
-  if max_spans is not None:
-    width = max_spans
-  else:
-    width = int(counts.max()) if num_blocks else 0
+  width = (max_spans if max_spans is not None else
+           int(counts.max()) if num_blocks else 0)
   out_starts = np.full((num_blocks, width), -1, np.int32)
   out_ends = np.full((num_blocks, width), -1, np.int32)
   # Rank of each span inside its row (rows are sorted by the unique above).

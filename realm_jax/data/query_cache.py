@@ -226,8 +226,7 @@ def _open_shard(path: str, expected_rows: int):
   except (RuntimeError, ValueError, OSError) as e:
     raise ValueError(f"query cache shard {path} is corrupt ({e}); rebuild "
                      "the cache.") from e
-  if reader.num_records() != expected_rows:
-    found = reader.num_records()
+  if (found := reader.num_records()) != expected_rows:
     reader.close()
     raise ValueError(
         f"query cache shard {path} holds {found} queries, its manifest says "
@@ -354,8 +353,7 @@ class QueryStream:
     epoch, offset = j // rows_k, j % rows_k
     keys = np.stack([self._key(k, e) for k, e in zip(shard.tolist(),
                                                       epoch.tolist())])
-    row = permute(offset, rows_k, keys)
-    return shard, row
+    return shard, permute(offset, rows_k, keys)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """This host's `batch_size / process_count` queries of step `step`.

@@ -341,9 +341,8 @@ def to_tf_example(doc: AnnotatedDocument):
 
 
 def _compression(path: str, compression: str | None) -> str:
-  if compression is not None:
-    return compression
-  return "GZIP" if path.endswith(".gz") else ""
+  return compression if compression is not None else (
+      "GZIP" if path.endswith(".gz") else "")
 
 
 def write_annotated(path: str, docs: Iterable[AnnotatedDocument], *,

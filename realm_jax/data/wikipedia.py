@@ -494,10 +494,9 @@ def iter_jsonl_documents(
       if not title:
         report.skip("empty_title", where)
         continue
-      document = _check_document(
+      if document := _check_document(
           title, text, f"{where} '{title[:80]}'", report,
-          max_article_chars=max_article_chars, max_title_chars=max_title_chars)
-      if document:
+          max_article_chars=max_article_chars, max_title_chars=max_title_chars):
         report.keep("articles_read")
         yield document
 

@@ -191,9 +191,7 @@ def _render_wikilink(link, parts: list[str], options: _Options) -> None:
     return
   if link.text is not None:
     _render(link.text, parts, options)
-  elif not inline and _INTERLANGUAGE.match(namespace):
-    return
-  else:
+  elif inline or not _INTERLANGUAGE.match(namespace):  # [[de:...]]: dropped
     parts.append(_plain(link.title, options).lstrip(":"))
 
 
@@ -217,19 +215,14 @@ def _render_caption(text, parts: list[str], options: _Options) -> None:
 
 
 def _param(template, name: str, options: _Options) -> str | None:
-  if template.has(name):
-    return _tidy_line(_plain(template.get(name).value, options))
-  return None
+  return (_tidy_line(_plain(template.get(name).value, options))
+          if template.has(name) else None)
 
 
 def _render_template(template, parts: list[str], options: _Options) -> None:
   name = str(template.name).strip().lower().replace("_", " ")
-  if name in _TEXT_TEMPLATES:
-    text = _param(template, "2" if name == "lang" else "1", options)
-    if text:
-      parts.append(text)
-  elif name.startswith("lang-"):
-    if text := _param(template, "1", options):
+  if name in _TEXT_TEMPLATES or name.startswith("lang-"):
+    if text := _param(template, "2" if name == "lang" else "1", options):
       parts.append(text)
   elif name in ("convert", "cvt"):
     values = [_param(template, str(i), options) or "" for i in range(1, 5)]

@@ -129,7 +129,8 @@ def write_dpr_retrieval(path: io_utils.PathLike, results: Sequence[QAResult],
   "has_answer"}]}]`, contexts in rank order (every retrieved block: the
   recall depth); id is the input's passage id (a store built from DPR's
   psgs_w100.tsv keeps them), else the block store row; score the
-  retrieval logit Embed(x) . Embed(z), has_answer the recall@k test (`qa.has_answer`).
+  retrieval logit Embed(x) . Embed(z), has_answer the recall@k test
+  (`qa.has_answer`).
   """
   out = [{"question": r.question, "answers": list(r.answers or []),
           "ctxs": [{"id": _passage_id(store, b), "title": store.title(b),
@@ -358,35 +359,14 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  max_evaluations: int | None = None,
                  on_evaluated: Callable[[int, dict[str, float]], None]
                  | None = None) -> EvalJobResult:
-  """`_run_eval_job` under an exclusive lease on `output_dir`
-  (`realm_jax.core.lease`: a second evaluator of the same run is refused)."""
-  with lease_lib.job_lease(output_dir, "evaluation job"):
-    return _run_eval_job(
-        checkpoint_dir=checkpoint_dir, output_dir=output_dir,
-        examples=examples, model_config=model_config, index=index,
-        store=store, qa_config=qa_config, config=config, mesh=mesh,
-        steps=steps, poll_seconds=poll_seconds, timeout=timeout,
-        max_evaluations=max_evaluations, on_evaluated=on_evaluated)
-
-
-def _run_eval_job(*, checkpoint_dir: str, output_dir: str,
-                  examples: Sequence[qa_lib.QAExample],
-                  model_config: RealmConfig, index: publish.PublishedIndex,
-                  store, qa_config: qa_inputs.QAConfig = qa_inputs.QAConfig(),
-                  config: EvalConfig = EvalConfig(), mesh=None,
-                  steps: Sequence[int] | None = None,
-                  poll_seconds: float | None = None,
-                  timeout: float | None = None,
-                  max_evaluations: int | None = None,
-                  on_evaluated: Callable[[int, dict[str, float]], None]
-                  | None = None) -> EvalJobResult:
   """Evaluates each new checkpoint once, beside a trainer, until DONE.
 
   Steps already in `<output_dir>/eval_ledger.json` are never re-evaluated
   (restarts resume); new steps are taken in ascending order. A step deleted
   by the trainer's retention before it was read is skipped with a warning;
   one listed but unreadable is retried, and given up (for this run) after
-  3 attempts.
+  3 attempts. Runs under an exclusive lease on `output_dir`
+  (`realm_jax.core.lease`: a second evaluator of the same run is refused).
 
   Args:
     checkpoint_dir: the trainer's checkpoint directory.
@@ -407,86 +387,86 @@ def _run_eval_job(*, checkpoint_dir: str, output_dir: str,
     ValueError: the ledger belongs to another checkpoint directory,
       evaluation set or index.
   """
-  is_chief = jax.process_index() == 0
-  io_utils.makedirs(output_dir)
-  ledger_path = io_utils.join(output_dir, LEDGER)
-  ledger = _read_ledger(ledger_path, {
-      "checkpoint_dir": io_utils.absolute(checkpoint_dir),
-      "examples_sha256": examples_fingerprint(examples),
-      "index_step": int(index.step)})
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  writer = metric_writers.create_default_writer(
-      io_utils.join(output_dir, "summaries"), just_logging=not is_chief)
-  logging.info("eval job: %d examples, %d steps already in %s",
-               len(examples), len(ledger["steps"]), ledger_path)
-  qa_model, evaluated, start, stopped = None, [], time.time(), "steps"
-  unreadable: dict[int, int] = {}  # step -> failed reads in this run
-  while True:
-    # DONE is read BEFORE listing: the trainer writes it after its last
-    # checkpoint, so a listing made after seeing it is complete.
-    done = steps is None and checkpoints.is_done(checkpoint_dir)
-    wanted = (checkpoints.finalized_steps(checkpoint_dir) if steps is None
-              else sorted(steps))
-    pending = [s for s in wanted if str(s) not in ledger["steps"]
-               and unreadable.get(s, 0) < _MAX_READ_ATTEMPTS]
-    if pending:
-      step = pending[0]
-      try:
-        metrics, qa_model = evaluate_checkpoint(
-            checkpoint_dir=checkpoint_dir, step=step, examples=examples,
-            output_dir=output_dir, model_config=model_config, index=index,
-            store=store, qa_config=qa_config, config=config, mesh=mesh,
-            qa_model=qa_model)
-      except FileNotFoundError as e:
-        if steps is not None:
-          raise
-        if not io_utils.as_path(checkpoint_dir).joinpath(str(step)).is_dir():
-          # Deleted by the trainer's retention between listing and reading.
-          logging.warning("checkpoint %d vanished before it was evaluated",
-                          step)
+  with lease_lib.job_lease(output_dir, "evaluation job"):
+    is_chief = jax.process_index() == 0
+    io_utils.makedirs(output_dir)
+    ledger_path = io_utils.join(output_dir, LEDGER)
+    ledger = _read_ledger(ledger_path, {
+        "checkpoint_dir": io_utils.absolute(checkpoint_dir),
+        "examples_sha256": examples_fingerprint(examples),
+        "index_step": int(index.step)})
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
+    writer = metric_writers.create_default_writer(
+        io_utils.join(output_dir, "summaries"), just_logging=not is_chief)
+    logging.info("eval job: %d examples, %d steps already in %s",
+                 len(examples), len(ledger["steps"]), ledger_path)
+    qa_model, evaluated, start, stopped = None, [], time.time(), "steps"
+    unreadable: dict[int, int] = {}  # step -> failed reads in this run
+    poll = config.poll_seconds if poll_seconds is None else poll_seconds
+    while True:
+      # DONE is read BEFORE listing: the trainer writes it after its last
+      # checkpoint, so a listing made after seeing it is complete.
+      done = steps is None and checkpoints.is_done(checkpoint_dir)
+      wanted = (checkpoints.finalized_steps(checkpoint_dir) if steps is None
+                else sorted(steps))
+      pending = [s for s in wanted if str(s) not in ledger["steps"]
+                 and unreadable.get(s, 0) < _MAX_READ_ATTEMPTS]
+      if pending:
+        step = pending[0]
+        try:
+          metrics, qa_model = evaluate_checkpoint(
+              checkpoint_dir=checkpoint_dir, step=step, examples=examples,
+              output_dir=output_dir, model_config=model_config, index=index,
+              store=store, qa_config=qa_config, config=config, mesh=mesh,
+              qa_model=qa_model)
+        except FileNotFoundError as e:
+          if steps is not None:
+            raise
+          if not io_utils.as_path(checkpoint_dir).joinpath(str(step)).is_dir():
+            # Deleted by the trainer's retention between listing and reading.
+            logging.warning("checkpoint %d vanished before it was evaluated",
+                            step)
+            continue
+          # Listed but not readable (yet): retry a few times, then move on.
+          unreadable[step] = unreadable.get(step, 0) + 1
+          logging.warning("checkpoint %d is not readable (attempt %d): %s",
+                          step, unreadable[step], e)
+          time.sleep(poll)
           continue
-        # Listed but not readable (yet): retry a few times, then move on.
-        unreadable[step] = unreadable.get(step, 0) + 1
-        logging.warning("checkpoint %d is not readable (attempt %d): %s",
-                        step, unreadable[step], e)
-        time.sleep(config.poll_seconds if poll_seconds is None
-                   else poll_seconds)
+        evaluated.append(step)
+        ledger["steps"][str(step)] = {
+            "metrics": metrics, "evaluated_at": time.time(),
+            "predictions": os.path.join("predictions", f"step_{step}.jsonl")}
+        if is_chief:
+          io_utils.write_json(ledger_path, ledger)
+          io_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL),
+                                 metrics)
+          writer.write_scalars(step, {f"eval/{k}": v for k, v in
+                                      metrics.items() if k != "step"})
+          writer.flush()
+        logging.info("step %d: %s", step, " ".join(
+            f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
+        if on_evaluated:
+          on_evaluated(step, metrics)
+        if max_evaluations is not None and len(evaluated) >= max_evaluations:
+          stopped = "max_evaluations"
+          break
         continue
-      evaluated.append(step)
-      ledger["steps"][str(step)] = {
-          "metrics": metrics, "evaluated_at": time.time(),
-          "predictions": os.path.join("predictions",
-                                      f"step_{step}.jsonl")}
-      if is_chief:
-        io_utils.write_json(ledger_path, ledger)
-        io_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL),
-                               metrics)
-        writer.write_scalars(step, {f"eval/{k}": v for k, v in
-                                    metrics.items() if k != "step"})
-        writer.flush()
-      logging.info("step %d: %s", step, " ".join(
-          f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
-      if on_evaluated:
-        on_evaluated(step, metrics)
-      if max_evaluations is not None and len(evaluated) >= max_evaluations:
-        stopped = "max_evaluations"
+      if steps is not None:
         break
-      continue
-    if steps is not None:
-      break
-    if done:
-      stopped = "done"
-      logging.info("trainer is done; eval job exits after %s", evaluated)
-      break
-    if timeout is not None and time.time() - start > timeout:
-      stopped = "timeout"
-      logging.warning("eval job: no DONE marker after %.0f s", timeout)
-      break
-    time.sleep(config.poll_seconds if poll_seconds is None else poll_seconds)
-  writer.close()
-  return EvalJobResult(
-      evaluated=evaluated, stopped=stopped,
-      metrics={int(s): v["metrics"] for s, v in ledger["steps"].items()})
+      if done:
+        stopped = "done"
+        logging.info("trainer is done; eval job exits after %s", evaluated)
+        break
+      if timeout is not None and time.time() - start > timeout:
+        stopped = "timeout"
+        logging.warning("eval job: no DONE marker after %.0f s", timeout)
+        break
+      time.sleep(poll)
+    writer.close()
+    return EvalJobResult(
+        evaluated=evaluated, stopped=stopped,
+        metrics={int(s): v["metrics"] for s, v in ledger["steps"].items()})
 
 
 # ----------------------------------------------------------------------------
@@ -605,13 +585,11 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
         index_dir=index_dir, index_step=config.index_step,
         qa_config=qa_config, batch_size=config.batch_size,
         num_evidence=config.num_evidence, mesh=mesh)
+    predictions = io_utils.join(output_dir, "predictions", "init_from")
     metrics = module.evaluate(
         qa_model, examples, recall_ks=config.recall_ks,
-        predictions_path=io_utils.join(output_dir, "predictions",
-                                       "init_from.jsonl"),
-        dpr_path=io_utils.join(output_dir, "predictions",
-                               "init_from.dpr.json")
-        if config.dpr_retrieval else None)
+        predictions_path=predictions + ".jsonl",
+        dpr_path=predictions + ".dpr.json" if config.dpr_retrieval else None)
     io_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"),
                          dict(metrics, init_from=config.init_from))
     print(json.dumps(metrics))

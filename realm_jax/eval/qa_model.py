@@ -250,7 +250,6 @@ class QAModel:
       step: the checkpoint step, for the record.
     """
     self.model_config = qa_model_config(model_config)
-    self.params_step = step
     self.store = store
     self.index = index
     self.tokenizer = tokenizer or Tokenizer()
@@ -286,9 +285,7 @@ class QAModel:
     self.batch_size = batch_size
     self.num_evidence = num_evidence
     self._embed, self._qa_logits = _compiled(self.model_config, mesh)
-    params, self.span_head_trained = _fit_params(
-        self.model_config, params, f"params of step {step}")
-    self.params = self._place_params(params)
+    self._set_params(params, step)
 
   # -- Construction from checkpoints.
 
@@ -298,8 +295,7 @@ class QAModel:
                       **kwargs) -> QAModel:
     """From a realm_jax checkpoint directory (newest step by default);
     only its `retriever` and `reader` items are read."""
-    if step is None:
-      step = checkpoints.newest_step(checkpoint_dir)
+    step = checkpoints.newest_step(checkpoint_dir) if step is None else step
     params = checkpoints.restore_items(checkpoint_dir, step,
                                        checkpoints.PARAM_ITEMS)
     return cls(model_config, params, index, store, step=step, **kwargs)
@@ -332,21 +328,20 @@ class QAModel:
                   step: int | None = None) -> QAModel:
     """The same model (compiled functions, index, store) with new params."""
     other = copy.copy(self)
-    params, other.span_head_trained = _fit_params(
-        self.model_config, params, f"params of step {step}")
-    other.params = self._place_params(params)
-    other.params_step = step
+    other._set_params(params, step)  # pylint: disable=protected-access
     return other
 
-  def _place_params(self, params):
-    if self.mesh is None:
-      return jax.device_put(params, jax.local_devices()[0])
-    return jax.device_put(params, parallel.replicated(self.mesh))
+  def _set_params(self, params: dict[str, Any], step: int | None) -> None:
+    params, self.span_head_trained = _fit_params(
+        self.model_config, params, f"params of step {step}")
+    self.params = jax.device_put(params, jax.local_devices()[0]
+                                 if self.mesh is None else
+                                 parallel.replicated(self.mesh))
+    self.params_step = step
 
   def _place(self, batch: dict[str, np.ndarray]):
-    if self.mesh is None:
-      return batch
-    return parallel.shard_batch(self.mesh, batch)
+    return (batch if self.mesh is None else
+            parallel.shard_batch(self.mesh, batch))
 
   # -- Prediction.
 
@@ -525,23 +520,21 @@ def load_qa_model(*, model_config: RealmConfig, store,
     raise ValueError("No index: give index_dir (a published index root) or "
                      "a workdir with index/ inside.")
   if init_from:
-    return QAModel.from_init(
-        init_from, model_config=model_config, store=store,
-        index=publish.load_frozen_index(index_dir, store, model_config,
-                                        step=index_step), **kwargs)
-  if not checkpoint_dir:
+    make = functools.partial(QAModel.from_init, init_from)
+  elif not checkpoint_dir:
     raise ValueError("No weights: give workdir, checkpoint_dir or init_from.")
-  if step is None:
-    step = checkpoints.newest_step(checkpoint_dir)
-  if index_step is None:
-    # A fine-tuned query tower belongs with the index it was trained on,
-    # which need not be LATEST any more.
-    index_step = checkpoints.read_meta(checkpoint_dir, step).get("index_step")
-    if index_step not in publish.published_steps(
-        publish.resolve_index_root(index_dir)):
-      index_step = None
-  return QAModel.from_checkpoint(
-      checkpoint_dir, step, model_config=model_config, store=store,
-      index=publish.load_frozen_index(index_dir, store, model_config,
-                                      step=index_step), **kwargs)
+  else:
+    step = checkpoints.newest_step(checkpoint_dir) if step is None else step
+    if index_step is None:
+      # A fine-tuned query tower belongs with the index it was trained on,
+      # which need not be LATEST any more.
+      index_step = checkpoints.read_meta(checkpoint_dir, step).get(
+          "index_step")
+      if index_step not in publish.published_steps(
+          publish.resolve_index_root(index_dir)):
+        index_step = None
+    make = functools.partial(QAModel.from_checkpoint, checkpoint_dir, step)
+  return make(model_config=model_config, store=store,
+              index=publish.load_frozen_index(index_dir, store, model_config,
+                                              step=index_step), **kwargs)
 
