@@ -156,6 +156,10 @@ class Hooks:
       and runs checks (collapse warnings); its return is what is logged.
     checkpoint_meta: `(step) -> dict`, more meta for checkpoint `step`
       (pre-training's prefetched candidates), called on every host.
+    update_state: `(step, state) -> state`, before the batch of `step` is
+      built, after `before_step`: a decision measured in the run that
+      changes the train state (pre-training's retriever gate releases the
+      retriever here). Must return the same state on every host.
   """
 
   before_step: Callable[[int], None] | None = None
@@ -163,6 +167,7 @@ class Hooks:
   log_metrics: Callable[[int, dict[str, float]], dict[str, float]] | None = (
       None)
   checkpoint_meta: Callable[[int], Mapping[str, Any]] | None = None
+  update_state: Callable[[int, TrainState], TrainState] | None = None
 
 
 def _abstract(tree, sharding):
@@ -344,6 +349,8 @@ class Run:
       while step < end:
         if hooks.before_step:
           hooks.before_step(step)
+        if hooks.update_state:
+          state = hooks.update_state(step, state)
         state, metrics = train_step(state, make_batch(step, state), base_rng)
         step += 1
         since_log += 1
