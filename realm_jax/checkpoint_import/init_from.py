@@ -50,6 +50,7 @@ def merge_checked(fresh: Params, imported: Params, where: str) -> Params:
     logging.info("%s: not using %s (this model scores no null document "
                  "with it)", where, "/".join(optional))
     got = {p: v for p, v in got.items() if p != optional}
+  got = _unshared_towers(want, got, where)
   unexpected = ["/".join(p) for p in got if p not in want]
   wrong = ["/".join(p) + f": {np.shape(got[p])} vs model {np.shape(want[p])}"
            for p in got if p in want and np.shape(got[p]) != np.shape(
@@ -62,6 +63,21 @@ def merge_checked(fresh: Params, imported: Params, where: str) -> Params:
   merged = dict(want)
   merged.update({p: np.asarray(v, np.float32) for p, v in got.items()})
   return core.unflatten(merged)
+
+
+def _unshared_towers(want: dict, got: dict, where: str) -> dict:
+  """A model with separate query and document towers, loaded from a source
+  with one (shared) tower: both towers start from that tower's weights."""
+  query, document = ("retriever", "query_embedder"), ("retriever",
+                                                      "document_embedder")
+  if (any(p[:2] == document for p in got)
+      or not any(p[:2] == document for p in want)):
+    return got
+  copied = {document + p[2:]: v for p, v in got.items() if p[:2] == query}
+  if copied:
+    logging.info("%s: the document tower starts as a copy of the source's "
+                 "query tower (the model's towers are unshared)", where)
+  return {**got, **copied}
 
 
 def _imported_tree(kind: str, arg: str, config: RealmConfig,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from realm_jax.core import checks
 from realm_jax.model.bert import Bert, BertConfig, dense, layer_norm
 
 POOLINGS = ("pooler", "cls", "mean")
@@ -62,6 +63,7 @@ class RetrieverConfig:
   null_score: str = "embedding"
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.pooling not in POOLINGS:
       raise ValueError(f"RetrieverConfig.pooling must be one of {POOLINGS}, "
                        f"got {self.pooling!r}.")
@@ -106,6 +108,7 @@ class ReaderConfig:
   span_head_batching: str = "whole_batch"
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.span_head_batching not in SPAN_HEAD_BATCHINGS:
       raise ValueError("ReaderConfig.span_head_batching must be one of "
                        f"{SPAN_HEAD_BATCHINGS}, got "
@@ -122,6 +125,9 @@ class ReaderConfig:
 class RealmConfig:
   retriever: RetrieverConfig = RetrieverConfig()
   reader: ReaderConfig = ReaderConfig()
+
+  def __post_init__(self):
+    checks.field_types(self)
 
 
 # ----------------------------------------------------------------------------
@@ -203,22 +209,30 @@ class Retriever(nnx.Module):
 
   def __call__(self, query_ids, query_mask, candidate_ids, candidate_mask,
                candidate_segment_ids, *, null_document: bool = False,
+               document_embeddings: jax.Array | None = None,
                dropout_rng=None) -> jax.Array:
     """Scores candidates [batch, candidates, doc_len] for queries [batch,
     q_len]: float32 [batch, candidates].
 
     With `null_document`, candidate 0 is the null document, scored as
     `config.null_score` says (with "learned" its tokens are not read).
+    `document_embeddings` [batch, candidates, dim] (query-side training,
+    a frozen document tower): the candidates' embeddings from the index,
+    used instead of re-embedding their tokens (no gradient reaches them);
+    the learned null score's slot 0 is ignored.
     """
     q_rng, d_rng = (None, None) if dropout_rng is None else tuple(
         jax.random.split(dropout_rng))
     query = self.embed_queries(query_ids, query_mask, dropout_rng=q_rng)
     learned_null = null_document and self.config.null_score == "learned"
     first = 1 if learned_null else 0
-    docs = self.embed_documents(candidate_ids[:, first:],
-                                candidate_mask[:, first:],
-                                candidate_segment_ids[:, first:],
-                                dropout_rng=d_rng)
+    if document_embeddings is not None:
+      docs = jax.lax.stop_gradient(document_embeddings[:, first:])
+    else:
+      docs = self.embed_documents(candidate_ids[:, first:],
+                                  candidate_mask[:, first:],
+                                  candidate_segment_ids[:, first:],
+                                  dropout_rng=d_rng)
     logits = retrieval_logits(query, docs)
     if not learned_null:
       return logits
@@ -494,7 +508,8 @@ class Realm(nnx.Module):
     Args:
       batch: query_ids/query_mask [B, Lq]; candidate_ids/candidate_mask/
         candidate_segment_ids [B, C, Ld] (retriever inputs of the candidates,
-        null document first); reader_ids/reader_mask/reader_segment_ids
+        null document first); optionally candidate_embeddings [B, C, D]
+        (a frozen document tower's, from the index: query-side training); reader_ids/reader_mask/reader_segment_ids
         [B, C, Lr]; mlm_positions [B, M] (positions in the reader input).
       null_document: candidate 0 is the null document.
 
@@ -506,7 +521,9 @@ class Realm(nnx.Module):
     logits = self.retriever(
         batch["query_ids"], batch["query_mask"], batch["candidate_ids"],
         batch["candidate_mask"], batch["candidate_segment_ids"],
-        null_document=null_document, dropout_rng=r_rng)
+        null_document=null_document,
+        document_embeddings=batch.get("candidate_embeddings"),
+        dropout_rng=r_rng)
     num_candidates = batch["reader_ids"].shape[1]
     positions = jnp.broadcast_to(
         batch["mlm_positions"][:, None, :],

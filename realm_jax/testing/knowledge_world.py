@@ -46,18 +46,46 @@ _ONSETS = ("b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m",
 _VOWELS = ("a", "e", "i", "o", "u", "ai", "ei", "ou")
 _CODAS = ("", "n", "r", "l", "s", "k", "th", "m")
 
-# X sentences: exactly one salient span each, {city} or {year}.
-CITY_TEMPLATES = (
-    "{name} often spoke fondly of {city}.",
-    "Late in life {name} returned to {city}, the city of their birth.",
-    "In {city} the name of {name} is still remembered.",
-    "A small museum about {name} opened in {city}.",
-)
-YEAR_TEMPLATES = (
-    "{name} came into the world in {year}.",
-    "The parish records show that {name} was born in {year}.",
-    "Every spring friends of {name} celebrate the year {year}.",
-)
+# X sentences: exactly one salient span each, {city} or {year}. Two
+# template sets ("a", the benchmark's; "b", a second set with other wording
+# and other biographies) check that a recipe is not tuned to one phrasing.
+TEMPLATES = {
+    "a": {
+        "city": (
+            "{name} often spoke fondly of {city}.",
+            "Late in life {name} returned to {city}, the city of their "
+            "birth.",
+            "In {city} the name of {name} is still remembered.",
+            "A small museum about {name} opened in {city}.",
+        ),
+        "year": (
+            "{name} came into the world in {year}.",
+            "The parish records show that {name} was born in {year}.",
+            "Every spring friends of {name} celebrate the year {year}.",
+        ),
+        "biography": ("{name} was born in {city} in {year}. "
+                      "{name} worked as a {job} for many years. "
+                      "Neighbours said that {name} was a quiet person."),
+    },
+    "b": {
+        "city": (
+            "The hometown of {name} was {city}.",
+            "Visitors to {city} can see the old house of {name}.",
+            "{name} grew up in the streets of {city}.",
+            "Letters from {name} were all posted in {city}.",
+            "A statue of {name} stands in the main square of {city}.",
+        ),
+        "year": (
+            "The birth of {name} was recorded in {year}.",
+            "Historians date the birth of {name} to {year}.",
+            "{name} was a child of the year {year}.",
+        ),
+        "biography": ("Born {year} in {city}, {name} trained as a {job}. "
+                      "Friends of {name} remember a generous host."),
+    },
+}
+CITY_TEMPLATES = TEMPLATES["a"]["city"]
+YEAR_TEMPLATES = TEMPLATES["a"]["year"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +95,18 @@ class Person:
   year: int
   job: str
   heldout: bool
+  dev: bool = False       # X article kept apart for run-time decisions
+  templates: str = "a"    # key of TEMPLATES
+  # The facts the biography states: the person's own, or (an unreadable
+  # world, `shuffle_facts`) another person's.
+  bio_city: str = ""
+  bio_year: int = 0
 
   @property
   def biography(self) -> str:
-    return (f"{self.name} was born in {self.city} in {self.year}. "
-            f"{self.name} worked as a {self.job} for many years. "
-            f"Neighbours said that {self.name} was a quiet person.")
+    return TEMPLATES[self.templates]["biography"].format(
+        name=self.name, city=self.bio_city or self.city,
+        year=self.bio_year or self.year, job=self.job)
 
   @property
   def article_title(self) -> str:
@@ -87,15 +121,33 @@ def _name(rng: np.random.Generator) -> str:
 
 
 def make_people(num_people: int = 300, num_heldout: int = 100,
-                seed: int = 0) -> list[Person]:
+                seed: int = 0, *, num_dev: int = 0, templates: str = "a",
+                shuffle_facts: bool = False) -> list[Person]:
   """`num_people` people with distinct names; the last `num_heldout` held out.
 
+  Args:
+    num_people, num_heldout, seed: the world.
+    num_dev: the `num_dev` people before the held-out ones are `dev`: their
+      X articles are neither trained on nor evaluated (a run's own held-out
+      slice, e.g. for the retriever gate).
+    templates: "a" or "b" (`TEMPLATES`).
+    shuffle_facts: each biography states another person's city and year (a
+      fixed derangement): a world where reading the retrieved block does
+      not help, for controls.
+
   Raises:
-    ValueError: if num_heldout is not in [1, num_people).
+    ValueError: if num_heldout is not in [1, num_people), or num_dev
+      leaves no one to train on, or templates is unknown.
   """
   if not 1 <= num_heldout < num_people:
     raise ValueError(f"num_heldout={num_heldout} must be in [1, "
                      f"num_people={num_people}).")
+  if not 0 <= num_dev < num_people - num_heldout:
+    raise ValueError(f"num_dev={num_dev} must leave training people "
+                     f"(num_people={num_people}, num_heldout={num_heldout}).")
+  if templates not in TEMPLATES:
+    raise ValueError(f"templates={templates!r}; use one of "
+                     f"{sorted(TEMPLATES)}.")
   rng = np.random.default_rng([seed, 7])
   names: list[str] = []
   seen = set()
@@ -104,16 +156,24 @@ def make_people(num_people: int = 300, num_heldout: int = 100,
     if name not in seen:
       seen.add(name)
       names.append(name)
-  return [Person(name=n, city=str(rng.choice(CITIES)),
-                 year=int(rng.choice(YEARS)), job=str(rng.choice(JOBS)),
-                 heldout=i >= num_people - num_heldout)
-          for i, n in enumerate(names)]
+  people = [Person(name=n, city=str(rng.choice(CITIES)),
+                   year=int(rng.choice(YEARS)), job=str(rng.choice(JOBS)),
+                   heldout=i >= num_people - num_heldout,
+                   dev=num_people - num_heldout - num_dev <= i
+                   < num_people - num_heldout, templates=templates)
+            for i, n in enumerate(names)]
+  if shuffle_facts:  # Person i's biography states person i+1's facts.
+    people = [dataclasses.replace(p, bio_city=q.city, bio_year=q.year)
+              for p, q in zip(people, people[1:] + people[:1])]
+  return people
 
 
 def article(person: Person) -> salient_spans.AnnotatedDocument:
   """The person's X article, annotated: one salient span per sentence."""
   sentences = []
-  for template in CITY_TEMPLATES + YEAR_TEMPLATES:
+  city_templates = TEMPLATES[person.templates]["city"]
+  year_templates = TEMPLATES[person.templates]["year"]
+  for template in city_templates + year_templates:
     fact = "{city}" if "{city}" in template else "{year}"
     value = person.city if fact == "{city}" else str(person.year)
     before, after = template.split(fact)
@@ -137,7 +197,7 @@ def article(person: Person) -> salient_spans.AnnotatedDocument:
       span_byte_starts=tuple(span_starts),
       span_byte_limits=tuple(span_limits),
       span_types=tuple("GPE" if "{city}" in t else salient_spans.DATE_TYPE
-                       for t in CITY_TEMPLATES + YEAR_TEMPLATES))
+                       for t in city_templates + year_templates))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,28 +207,34 @@ class WorldFiles:
   train: str         # X: annotated articles of the training people
   heldout: str       # X: annotated articles of the held-out people
   people: str        # people.json: names, facts, split
+  dev: str = ""      # X: annotated articles of the dev people (if any)
 
 
 def write_world(directory: str, *, num_people: int = 300,
                 num_heldout: int = 100, seed: int = 0,
-                max_block_len: int = 64) -> WorldFiles:
+                max_block_len: int = 64, num_dev: int = 0,
+                templates: str = "a",
+                shuffle_facts: bool = False) -> WorldFiles:
   """Writes the world's block store and annotated corpora (idempotent).
 
   Args:
-    directory: output directory (created).
-    num_people, num_heldout, seed: see `make_people`.
+    directory: output directory (created), one per world.
+    num_people, num_heldout, seed, num_dev, templates, shuffle_facts: see
+      `make_people`.
     max_block_len: block length of Z; a biography is ~35 wordpieces.
 
   Returns:
     The paths.
   """
   os.makedirs(directory, exist_ok=True)
-  people = make_people(num_people, num_heldout, seed)
+  people = make_people(num_people, num_heldout, seed, num_dev=num_dev,
+                       templates=templates, shuffle_facts=shuffle_facts)
   files = WorldFiles(
       block_store=os.path.join(directory, "blocks"),
       train=os.path.join(directory, "train.tfr.gz"),
       heldout=os.path.join(directory, "heldout.tfr.gz"),
-      people=os.path.join(directory, "people.json"))
+      people=os.path.join(directory, "people.json"),
+      dev=os.path.join(directory, "dev.tfr.gz") if num_dev else "")
   if not os.path.exists(files.block_store):
     tokenizer = Tokenizer()
     docs = [wikipedia.Document(p.name, p.biography) for p in people]
@@ -176,10 +242,14 @@ def write_world(directory: str, *, num_people: int = 300,
         blocks.pack_blocks(docs, tokenizer, max_block_len=max_block_len),
         files.block_store, tokenizer_vocab_path=tokenizer.vocab_path,
         source=f"knowledge world seed {seed}", max_block_len=max_block_len)
-  for path, heldout in ((files.train, False), (files.heldout, True)):
+  splits = {files.train: lambda p: not (p.heldout or p.dev),
+            files.heldout: lambda p: p.heldout}
+  if files.dev:
+    splits[files.dev] = lambda p: p.dev
+  for path, member in splits.items():
     if not os.path.exists(path):
-      salient_spans.write_annotated(
-          path, [article(p) for p in people if p.heldout == heldout])
+      salient_spans.write_annotated(path, [article(p) for p in people
+                                           if member(p)])
   if not os.path.exists(files.people):
     with open(files.people + ".tmp", "w", encoding="utf-8") as f:
       json.dump([dataclasses.asdict(p) for p in people], f)

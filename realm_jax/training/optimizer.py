@@ -195,7 +195,8 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
                    beta2: float = 0.999, epsilon: float = 1e-6,
                    clip_norm: float = 1.0,
                    unused: Sequence[tuple[str, ...]] = (),
-                   bias_correction: bool = False
+                   bias_correction: bool = False,
+                   _unit_rate: bool = False
                    ) -> optax.GradientTransformation:
   """BERT's AdamWeightDecayOptimizer with its gradient clipping and schedule.
 
@@ -242,7 +243,8 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
        scale_by_adam_without_bias_correction(beta1, beta2, epsilon)),
       optax.add_decayed_weights(
           weight_decay, mask=functools.partial(decay_mask, unused=unused)),
-      optax.scale_by_learning_rate(schedule),
+      # `_unit_rate`: the caller applies the schedule (`delayed`).
+      optax.scale_by_learning_rate(1.0 if _unit_rate else schedule),
   )
 
 
@@ -252,42 +254,104 @@ def bert_optimizer(*, learning_rate: float, num_train_steps: int,
 
 
 class DelayedState(NamedTuple):
-  count: jax.Array  # int32 scalar: updates seen, frozen ones included
+  count: jax.Array    # int32 scalar: updates seen, frozen ones included
+  release: jax.Array  # int32 scalar: the first update that trains
   inner: Any
 
 
-def delayed(inner: optax.GradientTransformation,
-            start_step: int) -> optax.GradientTransformation:
+def _schedule_from(*, learning_rate: float, warmup_steps: int | None,
+                   count: jax.Array, total: jax.Array) -> jax.Array:
+  """`learning_rate_schedule` at update `count` of `total`, where `total`
+  is only known when the retriever is released (a traced int)."""
+  step = jnp.asarray(count, jnp.float32)
+  total = jnp.maximum(jnp.asarray(total, jnp.int32), 1)
+  decayed = learning_rate * ((total - jnp.minimum(step, total)) / total)
+  warmup = (jnp.asarray(warmup_steps, jnp.int32) if warmup_steps is not None
+            else jnp.minimum(_MAX_WARMUP_STEPS,
+                             jnp.maximum(_MIN_WARMUP_STEPS, total // 10)))
+  warming = learning_rate * (step / jnp.maximum(warmup, 1))
+  return jnp.where((warmup > 0) & (count < warmup), warming, decayed)
+
+
+def delayed(inner: optax.GradientTransformation, start_step: int, *,
+            learning_rate: float | None = None,
+            num_train_steps: int | None = None,
+            warmup_steps: int | None = None
+            ) -> optax.GradientTransformation:
   """`inner`, but zero updates (and an untouched inner state) before a step.
 
-  For the first `start_step` updates the parameters do not move at all (no
-  weight decay either) and `inner` sees nothing, so its moments and its
-  schedule start when the parameters start to train.
+  Before the release (update `start_step`, or an earlier one set during
+  the run with `release_frozen`), the parameters do not move at all (no
+  weight decay either) and `inner` sees nothing, so its moments start when
+  the parameters start to train. The release step lives in the state: a
+  run-measured gate can move it, and a checkpoint keeps it.
+
+  With `learning_rate` and `num_train_steps`, `inner` must end in a unit
+  step (`scale_by_learning_rate(1.0)`) and this applies BERT's schedule
+  (`learning_rate_schedule`) from the release over the `num_train_steps -
+  release` updates left, whenever the release comes.
   """
   start_step = int(start_step)
+  scheduled = learning_rate is not None
 
   def init_fn(params):
-    return DelayedState(jnp.zeros([], jnp.int32), inner.init(params))
+    return DelayedState(jnp.zeros([], jnp.int32),
+                        jnp.asarray(start_step, jnp.int32),
+                        inner.init(params))
 
   def update_fn(updates, state, params=None):
     def frozen(_):
       return jax.tree.map(jnp.zeros_like, updates), state.inner
 
     def training(_):
-      return inner.update(updates, state.inner, params)
+      new, inner_state = inner.update(updates, state.inner, params)
+      if scheduled:
+        rate = _schedule_from(learning_rate=learning_rate,
+                              warmup_steps=warmup_steps,
+                              count=state.count - state.release,
+                              total=num_train_steps - state.release)
+        new = jax.tree.map(lambda u: u * rate.astype(u.dtype), new)
+      return new, inner_state
 
-    new_updates, inner_state = jax.lax.cond(state.count < start_step, frozen,
-                                            training, None)
+    new_updates, inner_state = jax.lax.cond(
+        state.count < state.release, frozen, training, None)
     return new_updates, DelayedState(
-        optax.safe_int32_increment(state.count), inner_state)
+        optax.safe_int32_increment(state.count), state.release, inner_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _delayed_states(opt_state) -> list[DelayedState]:
+  is_delayed = lambda x: isinstance(x, DelayedState)  # pylint: disable=unnecessary-lambda-assignment
+  return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_delayed)
+          if is_delayed(x)]
+
+
+def release_step(opt_state) -> int | None:
+  """The update at which the delayed (retriever) part starts to train, or
+  None if the optimiser has no delayed part."""
+  states = _delayed_states(opt_state)
+  return int(jax.device_get(states[0].release)) if states else None
+
+
+def release_frozen(opt_state, step: int):
+  """`opt_state` with every delayed part released at update `step` (never
+  later than it was already due). Same structure and shardings."""
+  def release(x):
+    if not isinstance(x, DelayedState):
+      return x
+    return x._replace(release=jnp.minimum(
+        x.release, jnp.asarray(step, x.release.dtype)))
+  return jax.tree_util.tree_map(
+      release, opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
 
 
 def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                     warmup_steps: int | None = None,
                     retriever_learning_rate_multiplier: float = 1.0,
                     freeze_retriever_steps: int = 0,
+                    gated: bool = False,
+                    frozen: Sequence[tuple[str, ...]] = (),
                     unused: Sequence[tuple[str, ...]] = (),
                     bias_correction: bool = False
                     ) -> optax.GradientTransformation:
@@ -298,10 +362,13 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   retriever and the reader get separate BERT optimisers (each with its own
   global-norm clip and Adam moments):
   - reader: peak `learning_rate` over `num_train_steps`;
-  - retriever: frozen for `freeze_retriever_steps` (a reader warm-up: the
-    reader learns to read retrieved blocks before the retriever follows
-    its signal), then peak `learning_rate * retriever_learning_rate_multiplier`
-    with its own warmup over the remaining steps.
+  - retriever: frozen until its release, then peak `learning_rate *
+    retriever_learning_rate_multiplier` with its own warmup over the steps
+    left. The release is update `freeze_retriever_steps` (a reader warm-up:
+    the reader learns to read retrieved blocks before the retriever follows
+    its signal) or, with `gated`, possibly earlier: a gate measured in the
+    run calls `release_frozen` (`freeze_retriever_steps` is then the upper
+    bound; set it to `num_train_steps` to never release without the gate).
 
   Why apart: the retriever's gradient is ~1e-3 of the reader's until the
   reader uses documents, so it is mostly noise; Adam scales every
@@ -309,10 +376,12 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   one shared rate moved the retriever into a collapsed state within 50
   steps (docs/results/learning.md).
 
-  `warmup_steps` applies to each part (None: BERT's rule on its length);
-  `unused` and `bias_correction` are as in `bert_optimizer` (`unused` paths
-  from the root: each part sees the whole tree, the other part's leaves
-  masked). A multiplier of 0 freezes the retriever for the whole run.
+  `frozen`: key-path prefixes (from the root) that never change, e.g. the
+  document tower in query-side training. `warmup_steps` applies to each
+  part (None: BERT's rule on its length); `unused` and `bias_correction`
+  are as in `bert_optimizer` (`unused` paths from the root: each part sees
+  the whole tree, the other part's leaves masked). A multiplier of 0
+  freezes the retriever for the whole run.
   """
   if retriever_learning_rate_multiplier < 0:
     raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
@@ -324,22 +393,31 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                           num_train_steps=num_train_steps,
                           warmup_steps=warmup_steps, unused=unused,
                           bias_correction=bias_correction)
-  if retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps:
+  if (retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps
+      and not gated and not frozen):
     return reader
   # A retriever frozen for good (multiplier 0, or a freeze as long as the
   # run) keeps the same optimiser state structure, so a run can resume
   # from another's checkpoint with a different freeze or multiplier.
-  frozen_for_good = (retriever_learning_rate_multiplier == 0
-                     or freeze_retriever_steps >= num_train_steps)
-  retriever = delayed(bert_optimizer(
+  release = (num_train_steps if retriever_learning_rate_multiplier == 0
+             else min(freeze_retriever_steps, num_train_steps))
+  retriever = delayed(
+      bert_optimizer(learning_rate=1.0, num_train_steps=1, warmup_steps=0,
+                     unused=unused, bias_correction=bias_correction,
+                     _unit_rate=True),
+      release,
       learning_rate=learning_rate * retriever_learning_rate_multiplier,
-      num_train_steps=max(1, num_train_steps - freeze_retriever_steps),
-      warmup_steps=warmup_steps, unused=unused,
-      bias_correction=bias_correction),
-      num_train_steps if frozen_for_good else freeze_retriever_steps)
+      num_train_steps=num_train_steps, warmup_steps=warmup_steps)
+  frozen = tuple(tuple(p) for p in frozen)
+
+  def label(path, _) -> str:
+    keys = tuple(_key_name(k) for k in path)
+    if any(keys[:len(p)] == p for p in frozen):
+      return "frozen"
+    return keys[0]
 
   def labels(params):
-    return {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
+    return jax.tree_util.tree_map_with_path(label, params)
 
-  return optax.multi_transform({"retriever": retriever, "reader": reader},
-                               labels)
+  return optax.multi_transform({"retriever": retriever, "reader": reader,
+                                "frozen": optax.set_to_zero()}, labels)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 from typing import Any
 
 from absl import logging
@@ -51,6 +52,10 @@ from realm_jax.training import loop, mlm_warmup, realm_inputs
 from realm_jax.training import optimizer as optimizer_lib
 
 INDEX_MODES = ("inline", "builder")
+RETRIEVER_TRAINING = ("full", "query_side")
+RETRIEVER_GATES = ("steps", "utility")
+# The query-side mode's frozen subtree: the document tower.
+DOCUMENT_TOWER = ("retriever", "document_embedder")
 # Parameters the masked-LM loss never reads (a reader built with the span
 # head for later fine-tuning): no weight decay, so they stay as initialised.
 UNUSED_BY_PRETRAINING = (("reader", "span_head"),)
@@ -69,7 +74,29 @@ class PretrainConfig(loop.TrainConfig):
     retriever_learning_rate_multiplier: the retriever's peak rate relative
       to `learning_rate` (REALM: 1; 0 freezes the retriever).
     freeze_retriever_steps: reader warm-up: the retriever does not move for
-      this many steps (REALM: 0). See `optimizer.realm_optimizer`.
+      this many steps (REALM: 0). See `optimizer.realm_optimizer`. With
+      `retriever_gate="utility"` it is the upper bound: the gate may
+      release the retriever earlier (set it to num_train_steps to release
+      the retriever only on the gate's evidence).
+    retriever_training: "full" (REALM: both towers learn, the index is
+      refreshed) or "query_side" (Atlas's cheap variant: the document
+      tower and so the index stay fixed; only the query tower and the
+      reader learn, the index is built once and never refreshed, and the
+      candidates' embeddings come from the index instead of being
+      recomputed). Needs RetrieverConfig.share_towers=False; a source with
+      one tower initialises both.
+    retriever_gate: "steps" (release the retriever at
+      freeze_retriever_steps) or "utility": every `gate_every` steps, the
+      retrieval utility (log p(y|x) - log p(y|null, x), nats per mask) of
+      the reader on `gate_num_queries` held-out queries (`gate_queries`,
+      candidates from the served index) is measured; the retriever is
+      released once it is >= `gate_min_utility` for `gate_patience`
+      evaluations in a row, i.e. when the reader has started to use the
+      retrieved blocks. Decisions go to the log and to gate.jsonl.
+    gate_queries: a query cache of sentences never trained on (built like
+      `queries`, from held-out articles of X).
+    gate_every, gate_num_queries, gate_min_utility, gate_patience: see
+      `retriever_gate`.
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
       raw ones (REALM: False); see `optimizer.bert_optimizer`.
     mlm_head_warmup_steps: a fresh run (no checkpoint yet) first fits the
@@ -135,6 +162,13 @@ class PretrainConfig(loop.TrainConfig):
   learning_rate: float = 3e-5
   retriever_learning_rate_multiplier: float = 1.0
   freeze_retriever_steps: int = 0
+  retriever_training: str = "full"
+  retriever_gate: str = "steps"
+  gate_queries: str = ""
+  gate_every: int = 50
+  gate_num_queries: int = 128
+  gate_min_utility: float = 0.1
+  gate_patience: int = 2
   adam_bias_correction: bool = False
   mlm_head_warmup_steps: int = 0
   num_candidates: int = 7
@@ -179,6 +213,31 @@ class PretrainConfig(loop.TrainConfig):
           f">= num_candidates ({self.num_candidates}) proposals, "
           "retrieval='host' and overlap_input=False; set it to 0 to turn "
           "re-ranking off.")
+    if self.retriever_training not in RETRIEVER_TRAINING:
+      raise ValueError(f"retriever_training={self.retriever_training!r}; "
+                       f"use one of {RETRIEVER_TRAINING}.")
+    if self.retriever_training == "query_side" and (
+        self.rerank_candidates or self.retrieval != "host"):
+      raise ValueError(
+          "retriever_training='query_side' keeps the index exact for the "
+          "whole run: it needs retrieval='host' and rerank_candidates=0.")
+    if self.retriever_gate not in RETRIEVER_GATES:
+      raise ValueError(f"retriever_gate={self.retriever_gate!r}; use one of "
+                       f"{RETRIEVER_GATES}.")
+    if self.retriever_gate == "utility":
+      checks.at_least(self, "gate_every", "gate_num_queries", "gate_patience",
+                      integer=True)
+      if not self.gate_queries:
+        raise ValueError(
+            "retriever_gate='utility' measures the reader on held-out "
+            "queries: set gate_queries to a query cache built from articles "
+            "that are not in `queries` (python -m realm_jax.data.query_cache "
+            "on them), or use retriever_gate='steps'.")
+      if not self.freeze_retriever_steps:
+        raise ValueError(
+            "retriever_gate='utility' with freeze_retriever_steps=0 releases "
+            "the retriever at step 0; set freeze_retriever_steps to the "
+            "latest release (num_train_steps: only on the gate's evidence).")
     if self.reader_length <= self.query_length:
       raise ValueError("reader_length must exceed query_length (the reader "
                        "reads [CLS] x [SEP] body [SEP]).")
@@ -344,6 +403,11 @@ class RetrievalInput:
                        "own article.")
     if config.rerank_candidates:
       self.embed_documents = embed.make_embed_fn(model.retriever, mesh)
+    # Query-side training: the document tower never changes, so the index
+    # built at the start is exact for the whole run and its rows are the
+    # candidates' embeddings.
+    self.query_side = config.retriever_training == "query_side"
+    self.null_embedding = None  # query_side: the frozen null document's
     self.index = self.watcher = self.staleness = None
     self.device_index = None  # retrieval="device": the served index's copy
     # overlap_input: (step, future of its (host batch, candidates)).
@@ -374,12 +438,39 @@ class RetrievalInput:
     # Inline, index s is always built right after checkpoint s; a resumed
     # run serves the index of its own step (rebuilt if the previous run
     # died before publishing it) and so replays the same trajectory.
-    elif publish.read_latest(self.index_root) == start_step:
-      self._serve(publish.load_index(self.index_root, start_step,
-                                     self.expect))
+    elif publish.read_latest(self.index_root) == start_step or (
+        self.query_side and publish.read_latest(self.index_root) is not None):
+      self._serve(publish.load_index(
+          self.index_root, publish.read_latest(self.index_root), self.expect))
     else:
       self.refresh(start_step, state, ckpt)
+    if self.query_side:
+      self.null_embedding = self._null_embedding(state.params)
     logging.info("serving index %d at step %d", self.index.step, start_step)
+
+  def _null_embedding(self, params) -> np.ndarray | None:
+    """The null document's embedding by the (frozen) document tower, when
+    it is scored by its embedding."""
+    if not (self.config.null_document
+            and self.model.retriever.null_score == "embedding"):
+      return None
+    m = self.store.manifest
+    null = realm_inputs.null_document_inputs(
+        self.store.max_block_len, int(m["cls_id"]), int(m["sep_id"]),
+        int(m.get("pad_id", 0)))
+    rows = len(self.mesh.local_devices)
+    inputs = parallel.shard_batch(self.mesh, {
+        k: np.broadcast_to(v, (rows,) + v.shape) for k, v in null.items()})
+    embed_fn = embed.make_embed_fn(self.model.retriever, self.mesh)
+    return parallel.local_rows(embed_fn(
+        params["retriever"], inputs["token_ids"], inputs["input_mask"],
+        inputs["segment_ids"]))[0]
+
+  def refresh_due(self, step: int) -> bool:
+    """Inline mode rebuilds the index after checkpoint `step` (never in
+    query-side training: its document tower does not change)."""
+    return (self.config.index_mode == "inline" and not self.query_side
+            and step < self.config.num_train_steps)
 
   def refresh(self, step: int, state, ckpt) -> None:
     """Inline mode: embeds the corpus with `state`'s retriever, publishes."""
@@ -434,9 +525,20 @@ class RetrievalInput:
 
   def _host_batch(self, local, candidates) -> dict[str, np.ndarray]:
     c = self.config
-    return realm_inputs.pretraining_batch(
+    batch = realm_inputs.pretraining_batch(
         local, candidates, self.store, doc_len=self.store.max_block_len,
         reader_len=c.reader_length, null_document=c.null_document)
+    if self.query_side:
+      embeddings = np.asarray(self.index.embeddings[candidates.reshape(-1)],
+                              np.float32).reshape(candidates.shape + (-1,))
+      if c.null_document:  # Slot 0 (unread when the null score is learned).
+        null = (np.zeros(embeddings.shape[-1], np.float32)
+                if self.null_embedding is None else self.null_embedding)
+        embeddings = np.concatenate([np.broadcast_to(
+            null, (len(candidates), 1, embeddings.shape[-1])), embeddings],
+                                    axis=1)
+      batch["candidate_embeddings"] = embeddings
+    return batch
 
   def batch(self, step: int, state) -> dict[str, jax.Array]:
     c = self.config
@@ -529,6 +631,100 @@ class RetrievalInput:
              for s, l, w in self.watcher.swap_log])
 
 
+class RetrieverGate:
+  """Releases the retriever when the reader is measured to read.
+
+  REALM's cold start: until the reader uses the retrieved blocks, the
+  retriever's gradient r(z) = [p(y|z,x)/p(y|x) - 1] p(z|x) is noise, and
+  following it destroys the warm start (a fixed warm-up tuned on one world
+  released it too early on a larger one: docs/results/learning.md). So the
+  retriever stays frozen until the retrieval utility on held-out queries
+  (`PretrainConfig.gate_queries`, never trained on) clears
+  `gate_min_utility` nats for `gate_patience` evaluations in a row. The
+  release step is written into the optimiser state (so a checkpoint keeps
+  it), the streak into the checkpoints' meta (so a restart decides the
+  same), every decision into the log and gate.jsonl.
+  """
+
+  def __init__(self, config: PretrainConfig, inputs: RetrievalInput,
+               loss_fn, workdir: str, is_chief: bool):
+    self.config, self.inputs, self.is_chief = config, inputs, is_chief
+    self.path = io_utils.join(workdir, "gate.jsonl")
+    stream = query_cache.QueryStream(
+        config.gate_queries, seed=config.seed,
+        batch_size=max(config.gate_num_queries, 1))
+    try:
+      stream.check(realm_query_config(config))
+      queries = stream.head(config.gate_num_queries)
+    finally:
+      stream.close()
+    # This host's rows of the fixed held-out batch.
+    n, hosts, me = (len(queries["query_ids"]), jax.process_count(),
+                    jax.process_index())
+    if n % (hosts * len(inputs.mesh.local_devices)):
+      raise ValueError(
+          f"gate_queries {config.gate_queries} gives {n} queries, not a "
+          f"multiple of the {hosts * len(inputs.mesh.local_devices)} "
+          "devices; set gate_num_queries to a multiple of it (and at most "
+          "the cache's size).")
+    self.queries = {k: v[me * n // hosts:(me + 1) * n // hosts]
+                    for k, v in queries.items()}
+    self.evaluate = jax.jit(lambda params, batch: loss_fn(params, batch,
+                                                          None))
+    self.streak, self.last_utility = 0, float("nan")
+    self.release = config.freeze_retriever_steps
+
+  def restore(self, meta: dict[str, Any], start_step: int, state) -> None:
+    self.streak = int(meta.get("retriever_gate", {}).get("streak", 0))
+    self.release = optimizer_lib.release_step(state.opt_state)
+    if self.is_chief and io_utils.as_path(self.path).exists():
+      # Decisions after the restored step are replayed by this run.
+      kept = [line for line in io_utils.read_text(self.path).splitlines()
+              if line.strip() and json.loads(line)["step"] < start_step]
+      io_utils.atomic_write_text(self.path,
+                                 "".join(l + "\n" for l in kept))
+
+  def utility(self, state) -> float:
+    """Held-out retrieval utility, nats per mask, with the served index."""
+    local = self.queries
+    candidates = self.inputs._candidates(  # pylint: disable=protected-access
+        local, self.inputs._query_embeddings(local, state),  # pylint: disable=protected-access
+        self.inputs.index, state.params)
+    batch = parallel.shard_batch(self.inputs.mesh, self.inputs._host_batch(  # pylint: disable=protected-access
+        local, candidates))
+    _, weights, sums = self.evaluate(state.params, batch)
+    return float(jax.device_get(sums["retrieval_utility"])) / max(
+        float(jax.device_get(weights)), 1.0)
+
+  def update_state(self, step: int, state):
+    release = self.release  # (Host copy: no device sync every step.)
+    if release is None or step >= release or step % self.config.gate_every:
+      return state
+    c = self.config
+    utility = self.last_utility = self.utility(state)
+    self.streak = self.streak + 1 if utility >= c.gate_min_utility else 0
+    opens = bool(distributed.broadcast_from_chief(
+        np.int32(self.streak >= c.gate_patience)))
+    logging.info(
+        "retriever gate at step %d: held-out utility %.4f nats (threshold "
+        "%.3f), %d/%d in a row -> %s", step, utility, c.gate_min_utility,
+        self.streak, c.gate_patience,
+        "RELEASE the retriever" if opens else
+        f"hold (release at step {release} at the latest)")
+    if self.is_chief:
+      io_utils.append_jsonl(self.path, {
+          "step": step, "utility": utility, "streak": self.streak,
+          "released": opens})
+    if not opens:
+      return state
+    self.release = step
+    return state.replace(opt_state=optimizer_lib.release_frozen(
+        state.opt_state, step))
+
+  def checkpoint_meta(self) -> dict[str, Any]:
+    return {"retriever_gate": {"streak": self.streak}}
+
+
 def make_optimizer(config: PretrainConfig):
   """REALM's optimizer with the run's retriever schedule."""
   return optimizer_lib.realm_optimizer(
@@ -536,6 +732,9 @@ def make_optimizer(config: PretrainConfig):
       retriever_learning_rate_multiplier=(
           config.retriever_learning_rate_multiplier),
       freeze_retriever_steps=config.freeze_retriever_steps,
+      gated=config.retriever_gate == "utility",
+      frozen=((DOCUMENT_TOWER,) if config.retriever_training == "query_side"
+              else ()),
       unused=UNUSED_BY_PRETRAINING,
       bias_correction=config.adam_bias_correction)
 
@@ -563,6 +762,11 @@ def train(*, config: PretrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
   """Runs (or resumes) REALM pre-training (arguments as `ict.train`)."""
+  if config.retriever_training == "query_side" and model.retriever.share_towers:
+    raise ValueError(
+        "retriever_training='query_side' freezes the document tower only: "
+        "set realm.RetrieverConfig.share_towers = False (both towers start "
+        "from the same weights).")
   inline = config.index_mode == "inline"  # Publishes the indices itself.
   index_lease = (checkpoints.index_root(config.workdir),
                  "pretrain trainer (inline index)")
@@ -591,11 +795,28 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
     inputs.restore_candidates(restored, start_step)
+    loss_fn = make_loss_fn(graphdef, config.null_document)
+    gate = None
+    if config.retriever_gate == "utility":
+      gate = RetrieverGate(config, inputs, loss_fn, config.workdir,
+                           run.is_chief)
+      gate.restore(restored, start_step, state)
 
     meta = {"seed": config.seed}
 
+    def checkpoint_meta(step):
+      return {**inputs.checkpoint_meta(step),
+              **(gate.checkpoint_meta() if gate else {})}
+
+    def log_metrics(step, metrics):
+      metrics = inputs.log_metrics(step, metrics)
+      if gate is not None:
+        metrics.update(retriever_release_step=gate.release,
+                       gate_utility=gate.last_utility)
+      return metrics
+
     def after_checkpoint(step, state):
-      if inline and step < config.num_train_steps:
+      if inputs.refresh_due(step):
         inputs.refresh(step, state, run.ckpt)
 
     if run.ckpt.latest_step() is None:
@@ -605,7 +826,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     try:
       return run.loop(
           state, loop.make_train_step(
-              make_loss_fn(graphdef, config.null_document), tx, run.mesh,
+              loss_fn, tx, run.mesh,
               grad_norm_groups=("retriever", "reader")),
           inputs.batch, meta=meta,
           log_line=("loss %.4f utility %.4f mlm_acc %.3f p(null) %.3f "
@@ -614,8 +835,9 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                      "null_probability", "hubness", "index_staleness")),
           hooks=loop.Hooks(before_step=inputs.before_step,
                            after_checkpoint=after_checkpoint,
-                           log_metrics=inputs.log_metrics,
-                           checkpoint_meta=inputs.checkpoint_meta),
+                           log_metrics=log_metrics,
+                           checkpoint_meta=checkpoint_meta,
+                           update_state=gate.update_state if gate else None),
           stop_after=stop_after)
     finally:
       inputs.close(config.workdir, run.is_chief)

@@ -337,3 +337,47 @@ def test_realm_optimizer_multiplier_zero_freezes_for_good():
   with pytest.raises(ValueError, match="freeze_retriever_steps"):
     opt.realm_optimizer(learning_rate=0.1, num_train_steps=4,
                         freeze_retriever_steps=-1)
+
+
+def test_realm_optimizer_gate_releases_the_retriever_early():
+  """`release_frozen` at update r < freeze_retriever_steps: the retriever
+  then follows a fresh BERT optimiser over the N - r updates left."""
+  params, grads = _realm_params_and_grads(np.random.default_rng(3), 9)
+  tx = opt.realm_optimizer(learning_rate=0.1, num_train_steps=9,
+                           warmup_steps=2,
+                           retriever_learning_rate_multiplier=0.5,
+                           freeze_retriever_steps=9, gated=True)
+  state, p, got = tx.init(params), params, []
+  assert opt.release_step(state) == 9
+  for i, g in enumerate(grads):
+    if i == 3:  # The gate opens before update 3; it never moves it later.
+      state = opt.release_frozen(state, 3)
+      state = opt.release_frozen(state, 5)
+    updates, state = jax.jit(tx.update)(g, state, p)
+    p = optax.apply_updates(p, updates)
+    got.append(jax.tree.map(np.asarray, p))
+  assert opt.release_step(state) == 3
+  for g in got[:3]:
+    jax.tree.map(np.testing.assert_array_equal, g["retriever"],
+                 params["retriever"])
+  want = _run(opt.bert_optimizer(learning_rate=0.05, num_train_steps=6,
+                                 warmup_steps=2),
+              params["retriever"], [g["retriever"] for g in grads[3:]])
+  for g, w in zip(got[3:], want):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 g["retriever"], w)
+
+
+def test_realm_optimizer_never_moves_frozen_subtrees():
+  params, grads = _realm_params_and_grads(np.random.default_rng(4), 4)
+  params["retriever"]["document_embedder"] = {
+      "w": np.ones((2, 2), np.float32)}
+  for g in grads:
+    g["retriever"]["document_embedder"] = {"w": np.ones((2, 2), np.float32)}
+  got = _run(opt.realm_optimizer(
+      learning_rate=0.1, num_train_steps=4, warmup_steps=0,
+      frozen=(("retriever", "document_embedder"),)), params, grads)
+  np.testing.assert_array_equal(
+      got[-1]["retriever"]["document_embedder"]["w"], np.ones((2, 2)))
+  assert not np.allclose(got[-1]["retriever"]["w"], params["retriever"]["w"])
+  assert not np.allclose(got[-1]["reader"]["w"], params["reader"]["w"])

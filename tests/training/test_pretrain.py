@@ -351,3 +351,51 @@ def test_rerank_configuration_is_checked(tiny_corpus):
     with pytest.raises(ValueError, match="rerank_candidates"):
       pretrain.PretrainConfig(workdir="w", block_store="b", queries="q",
                               **bad)
+
+
+def test_query_side_mode_never_changes_the_document_tower_or_the_index(
+    tmp_path, tiny_corpus):
+  """retriever_training='query_side': one index (step 0) for the whole
+  run, a document tower equal to its start, a query tower and reader that
+  learn; a shared-tower model is refused."""
+  workdir = str(tmp_path / "query_side")
+  config, model = _configs(_bindings(
+      workdir, tiny_corpus, retriever_training="query_side",
+      freeze_retriever_steps=0, retriever_learning_rate_multiplier=1.0,
+      learning_rate=3e-2, searcher="exact") + [
+          "realm.RetrieverConfig.share_towers = False"])
+  history = pretrain.train(config=config, model=model)
+  gin.clear_config()
+  assert len(history) == STEPS and np.isfinite(
+      [h["loss"] for h in history]).all()
+  assert all(h["index_step"] == 0 for h in history)
+  index_root = checkpoints.index_root(workdir)
+  assert sorted(p for p in os.listdir(index_root) if p.isdigit()) == ["0"]
+  directory = checkpoints.checkpoint_dir(workdir)
+  first, last = (checkpoints.restore_items(directory, step,
+                                           checkpoints.PARAM_ITEMS)
+                 for step in (0, STEPS))
+  for a, b in zip(jax.tree.leaves(first["retriever"]["document_embedder"]),
+                  jax.tree.leaves(last["retriever"]["document_embedder"])):
+    np.testing.assert_array_equal(a, b)
+  moved = lambda part: any(  # pylint: disable=g-long-lambda
+      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first[part]),
+                                               jax.tree.leaves(last[part])))
+  assert moved("reader")
+  assert any(not np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(first["retriever"]["query_embedder"]),
+      jax.tree.leaves(last["retriever"]["query_embedder"])))
+  # The served index's rows are still the document tower's embeddings.
+  from realm_jax.index import embed, publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  store = block_store.BlockStore.open(config.block_store)
+  index = publish.load_index(index_root, 0)
+  fresh, _ = embed.embed_block_store(last["retriever"], model.retriever,
+                                     store)
+  np.testing.assert_allclose(fresh, index.embeddings, rtol=1e-4, atol=1e-5)
+
+  shared, model = _configs(_bindings(str(tmp_path / "shared"), tiny_corpus,
+                                     retriever_training="query_side"))
+  gin.clear_config()
+  with pytest.raises(ValueError, match="share_towers"):
+    pretrain.train(config=shared, model=model)
