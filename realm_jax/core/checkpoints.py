@@ -17,14 +17,63 @@ trainer on where things are without importing one another.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
+import time
 from typing import Any
 
+from absl import logging
 import orbax.checkpoint as ocp
 
 from realm_jax.core import io_utils
 
 DONE_MARKER = "DONE"
 PARAM_ITEMS = ("retriever", "reader")
+# After a failed save, how long the interpreter may take to wind down once
+# the main thread is done before the process is ended (see
+# `_exit_when_main_thread_ends`).
+EXIT_GRACE_SECONDS = 10.0
+
+
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written; the run must stop."""
+
+
+class CheckpointRestoreError(RuntimeError):
+  """There are checkpoints, and none of them restores."""
+
+
+def _exit_when_main_thread_ends(code: int, grace_seconds: float) -> None:
+  """Ends the process with `code` once the main thread is done.
+
+  A save that fails in orbax's background leaves orbax's non-daemon
+  threads waiting (up to orbax's 300 s coordination timeout per wait, and
+  chained) for signals the failed save never sends, and the interpreter
+  waits for every non-daemon thread before it exits: the job would hang
+  after it reported the error. This daemon thread waits for the main
+  thread to finish (its exception printed), gives other threads
+  `grace_seconds` to end, then ends the process.
+  """
+
+  def watch():
+    threading.main_thread().join()
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline:
+      if not any(t.is_alive() and not t.daemon
+                 for t in threading.enumerate()
+                 if t is not threading.current_thread()):
+        return  # Nothing holds the interpreter: it exits on its own.
+      time.sleep(0.1)
+    sys.stderr.write("A checkpoint save failed; orbax's threads still "
+                     f"wait after {grace_seconds:.0f} s: exiting with "
+                     f"status {code}.\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+
+  threading.Thread(target=watch, daemon=True,
+                   name="exit-after-failed-checkpoint").start()
 
 
 def checkpoint_dir(workdir: io_utils.PathLike) -> str:
@@ -89,6 +138,7 @@ class TrainCheckpointer:
       raise ValueError(f"keep={keep} must be >= 1 (use >= 5 when an index "
                        "builder reads the checkpoints).")
     self.directory = io_utils.absolute(directory)
+    self._failure: str | None = None
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -97,18 +147,41 @@ class TrainCheckpointer:
 
   def save(self, step: int, params: dict[str, Any], opt_state: Any,
            meta: dict[str, Any] | None = None, *, force: bool = False) -> bool:
+    """Starts saving checkpoint `step` (finished in the background).
+
+    Raises:
+      CheckpointSaveError: this save, or an earlier one still finishing,
+        failed; the message names the directory and orbax's error (with
+        the path it could not write). The process then exits non-zero
+        once its main thread is done, even though orbax's threads hang.
+    """
     missing = [k for k in PARAM_ITEMS if k not in params]
     if missing:
       raise ValueError(f"params lacks {missing}; REALM checkpoints hold "
                        f"{PARAM_ITEMS}.")
-    return self._manager.save(
-        step,
-        args=ocp.args.Composite(
-            retriever=ocp.args.StandardSave(params["retriever"]),
-            reader=ocp.args.StandardSave(params["reader"]),
-            opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(dict(meta or {}, step=int(step)))),
-        force=force)
+    try:
+      return self._manager.save(
+          step,
+          args=ocp.args.Composite(
+              retriever=ocp.args.StandardSave(params["retriever"]),
+              reader=ocp.args.StandardSave(params["reader"]),
+              opt_state=ocp.args.StandardSave(opt_state),
+              meta=ocp.args.JsonSave(dict(meta or {}, step=int(step)))),
+          force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_failed(e) from e
+
+  def _save_failed(self, error: Exception) -> CheckpointSaveError:
+    """Reports a failed save once, arms the exit, returns the error."""
+    if self._failure is None:
+      self._failure = (
+          f"Saving a checkpoint to {self.directory} failed: "
+          f"{type(error).__name__}: {error}. "
+          "Check that the directory is writable and has space; the run "
+          "stops here and resumes from the newest checkpoint written.")
+      logging.error("%s", self._failure)
+      _exit_when_main_thread_ends(1, EXIT_GRACE_SECONDS)
+    return CheckpointSaveError(self._failure)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -129,15 +202,81 @@ class TrainCheckpointer:
     return ({"retriever": out.retriever, "reader": out.reader},
             out.opt_state, dict(out.meta))
 
+  def restore_newest(self, abstract_params: dict[str, Any],
+                     abstract_opt_state: Any
+                     ) -> tuple[int, dict, Any, dict] | None:
+    """The newest checkpoint that restores: (step, params, opt_state, meta).
+
+    A checkpoint that does not restore (a truncated array file, an emptied
+    meta) is skipped with a warning naming its directory. Once an older one
+    restored, the broken newer ones are moved aside to
+    `<step>.unrestorable-<unix time>` beside the steps, never deleted (for
+    inspection; orbax and the side jobs ignore such names), so the resumed
+    run does not save its new steps next to them. When none restores,
+    nothing is moved: a config that no longer fits the checkpoints fails
+    every step alike, and its checkpoints must stay where they are.
+
+    Returns:
+      None when there is no checkpoint at all.
+
+    Raises:
+      CheckpointRestoreError: none restores; names every step's directory
+        and its error.
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    broken = []
+    for step in sorted(self.all_steps(), reverse=True):
+      path = io_utils.join(self.directory, str(step))
+      try:
+        params, opt_state, meta = self.restore(step, abstract_params,
+                                               abstract_opt_state)
+      except Exception as e:  # pylint: disable=broad-except
+        # Orbax and TensorStore raise many kinds (ValueError, JSON errors,
+        # OUT_OF_RANGE / DATA_LOSS statuses): any failure is this step's.
+        logging.warning("checkpoint %s does not restore (%s: %s); trying an "
+                        "older one.", path, type(e).__name__, e)
+        broken.append((step, path, e))
+        continue
+      if broken:
+        if jax.process_index() == 0:
+          for bad, bad_path, _ in broken:
+            aside = io_utils.move_aside(
+                bad_path, f"{bad}.unrestorable-{int(time.time())}")
+            logging.warning("moved the unrestorable checkpoint %s aside to "
+                            "%s (kept for inspection; delete it when done)",
+                            bad_path, aside)
+        self._manager.reload()
+      return step, params, opt_state, meta
+    if not broken:
+      return None
+    raise CheckpointRestoreError(
+        f"No checkpoint under {self.directory} restores: " + "; ".join(
+            f"{path}: {type(e).__name__}: {e}" for _, path, e in broken)
+        + ". If the config changed since they were written, restore it; "
+        "if the files are damaged, move the step directories out of "
+        f"{self.directory} to start over (or to resume from a copy).")
+
   def restore_params(self, step: int) -> dict[str, Any]:
     """{retriever, reader} of `step` on this process's first device."""
     return restore_items(self.directory, step, PARAM_ITEMS)
 
   def wait_until_finished(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the background saves (CheckpointSaveError if one failed)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_failed(e) from e
 
   def close(self) -> None:
-    self._manager.close()
+    """Finishes the saves; after a failed one, only logs further errors (the
+    first is the one to report, and is already on its way up)."""
+    try:
+      self._manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if self._failure is None:
+        raise self._save_failed(e) from e
+      logging.warning("closing %s after a failed save: %r", self.directory,
+                      e)
 
 
 def _item_handlers():
@@ -197,6 +336,25 @@ def write_done_marker(directory: io_utils.PathLike, final_step: int) -> None:
   """Tells side jobs the run is over (an atomic write)."""
   io_utils.atomic_write_text(io_utils.join(directory, DONE_MARKER),
                              json.dumps({"final_step": int(final_step)}))
+
+
+def clear_done_marker(directory: io_utils.PathLike) -> None:
+  """Removes DONE (one unlink, atomic), for a run that trains on."""
+  path = io_utils.as_path(directory).joinpath(DONE_MARKER)
+  if path.exists():
+    logging.info("%s: removing the DONE of the finished run this one "
+                 "continues", path)
+    path.unlink(missing_ok=True)
+
+
+def done_step(directory: io_utils.PathLike) -> int | None:
+  """The final step DONE records, or None without a (readable) DONE."""
+  try:
+    return int(json.loads(io_utils.read_text(io_utils.join(
+        directory, DONE_MARKER)))["final_step"])
+  except Exception:  # pylint: disable=broad-except
+    # Missing, or torn, on any filesystem (gs:// raises tf.errors).
+    return None
 
 
 def is_done(directory: io_utils.PathLike) -> bool:

@@ -35,6 +35,14 @@ CACHE_ENV = "REALM_JAX_CACHE_DIR"
 _CHUNK = 1 << 24
 
 
+class LinkRefusedError(ValueError):
+  """A symbolic link inside a job's own directory, where none belongs.
+
+  A link there could have the job read, overwrite or delete files outside
+  its directory, so the entry is refused by name instead of followed.
+  """
+
+
 def as_path(path: PathLike) -> epath.Path:
   """`path` as an epath.Path (gs://... -> a GCS path, else a local one)."""
   return epath.Path(path)
@@ -54,6 +62,39 @@ def absolute(path: PathLike) -> str:
 def join(path: PathLike, *parts: str) -> str:
   """`os.path.join` for local and remote paths; returns a string."""
   return os.fspath(as_path(path).joinpath(*parts))
+
+
+def check_no_links(path: PathLike, root: PathLike) -> None:
+  """Refuses `path` when it, or a directory between `root` and it, is a link.
+
+  `root` itself may be a link (a workdir put on a bigger disk); what a job
+  keeps below it may not. Remote paths have no links.
+
+  Args:
+    path: a path at or below `root`.
+    root: the job's own directory.
+
+  Raises:
+    LinkRefusedError: naming the link and where it points.
+    ValueError: `path` is not below `root`.
+  """
+  if not is_local(path):
+    return
+  root, path = os.path.abspath(root), os.path.abspath(path)
+  rel = os.path.relpath(path, root)
+  if rel == os.curdir:
+    return
+  if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+    raise ValueError(f"{path} is not inside {root}.")
+  current = root
+  for part in rel.split(os.sep):
+    current = os.path.join(current, part)
+    if os.path.islink(current):
+      raise LinkRefusedError(
+          f"{current} is a symbolic link (to {os.readlink(current)!r}); "
+          f"nothing inside {root} is read, written or deleted through a "
+          "link, since it could lead outside. Remove the link (or replace "
+          "it with a copy).")
 
 
 def makedirs(path: PathLike) -> None:
@@ -129,12 +170,40 @@ def listdir(path: PathLike) -> list[epath.Path]:
 
 
 def remove(path: PathLike) -> None:
-  """Removes a file or a directory tree; a missing path is fine."""
+  """Removes a file or a directory tree; a missing path is fine.
+
+  A local symbolic link is removed itself: what it points at is never
+  touched (a link to a directory is not a tree to delete).
+  """
   target = as_path(path)
-  if target.is_dir():
+  if is_local(target) and os.path.islink(target):
+    os.unlink(target)
+  elif target.is_dir():
     target.rmtree(missing_ok=True)
   elif target.exists():
     target.unlink(missing_ok=True)
+
+
+def move_aside(path: PathLike, new_name: str) -> str:
+  """Renames `path` to `new_name` in the same directory; never deletes it.
+
+  Local: one rename. Remote (no renames on object stores): a copy of the
+  tree, then the original's removal, so a crash in between leaves both.
+
+  Returns:
+    The new path.
+  """
+  source = as_path(path)
+  dest = source.parent / new_name
+  if is_local(source):
+    os.rename(source, dest)
+  elif source.is_dir():
+    copy_tree(source, dest)
+    remove(source)
+  else:
+    copy_file(source, dest)
+    remove(source)
+  return os.fspath(dest)
 
 
 def copy_file(src: PathLike, dst: PathLike) -> None:

@@ -44,6 +44,8 @@ import numpy as np
 from realm_jax.core import io_utils
 
 LEASE_FILE = ".lease"
+# Remote leases: a heartbeat older than this means the holder died.
+STALE_SECONDS = 120.0
 
 
 class LeaseHeldError(RuntimeError):
@@ -60,12 +62,19 @@ class Holder:
   started: float
   heartbeat: float
 
-  def describe(self) -> str:
+  def describe(self, *, heartbeat: bool = True) -> str:
+    """Who, where and since when.
+
+    Args:
+      heartbeat: mention the last heartbeat; only remote leases beat (a
+        local lease's file is written once, so its age says nothing).
+    """
     started = datetime.datetime.fromtimestamp(self.started).isoformat(
         timespec="seconds")
+    beat = (f", last heartbeat {time.time() - self.heartbeat:.0f} s ago"
+            if heartbeat else "")
     return (f"{self.job} (pid {self.pid} on {self.host}, started "
-            f"{started}, last heartbeat {time.time() - self.heartbeat:.0f} s "
-            "ago)")
+            f"{started}{beat})")
 
   @classmethod
   def parse(cls, text: str) -> "Holder | None":
@@ -77,7 +86,8 @@ class Holder:
 
 
 def _refusal(directory: str, holder: Holder | None) -> LeaseHeldError:
-  who = holder.describe() if holder else "another job"
+  who = holder.describe(heartbeat=not io_utils.is_local(
+      directory)) if holder else "another job"
   return LeaseHeldError(
       f"{directory} is in use by {who}. One job writes a directory at a "
       "time: stop that job, wait for it to finish, or give this one "
@@ -99,7 +109,7 @@ class Lease:
 
   def __init__(self, directory: io_utils.PathLike, *, job: str,
                heartbeat_seconds: float = 30.0,
-               stale_seconds: float = 120.0):
+               stale_seconds: float = STALE_SECONDS):
     if stale_seconds <= 2 * heartbeat_seconds:
       raise ValueError("stale_seconds must exceed two heartbeats.")
     self.directory = io_utils.absolute(directory)
@@ -122,12 +132,15 @@ class Lease:
       self._acquire_local()
     else:
       self._acquire_remote()
-    logging.info("%s: leased to %s", self.directory, self.holder.describe())
+    logging.info("%s: leased to %s", self.directory, self.holder.describe(
+        heartbeat=not io_utils.is_local(self.directory)))
     return self
 
   def release(self) -> None:
     if self._fd is not None:
       fd, self._fd = self._fd, None
+      # Unnamed before unlocked: `live_holder` reads a name as a live job.
+      os.ftruncate(fd, 0)
       fcntl.flock(fd, fcntl.LOCK_UN)
       os.close(fd)
     if self._thread is not None:
@@ -146,7 +159,17 @@ class Lease:
   # -- local: flock ----------------------------------------------------------
 
   def _acquire_local(self) -> None:
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    # O_NOFOLLOW: a `.lease` planted as a link would have this job truncate
+    # and overwrite whatever file it points at.
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      raise io_utils.LinkRefusedError(
+          f"{self.path} is a symbolic link (to {os.readlink(self.path)!r}); "
+          "a job never writes through a link in its own directory. Remove "
+          "the link and start the job again.") from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -155,8 +178,7 @@ class Lease:
         raise
       holder = None
       for _ in range(20):  # The holder may be writing its name just now.
-        with open(self.path, encoding="utf-8") as f:
-          holder = Holder.parse(f.read())
+        holder = Holder.parse(_read_local(self.path))
         if holder:
           break
         time.sleep(0.05)
@@ -212,6 +234,57 @@ class Lease:
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("%s: lease heartbeat failed (%s); retrying.",
                         self.path, e)
+
+
+def _read_local(path: str) -> str:
+  """A local lease file's text ("" if missing), never through a link."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+  except OSError as e:
+    if e.errno in (errno.ENOENT, errno.ELOOP):
+      return ""
+    raise
+  with os.fdopen(fd, encoding="utf-8") as f:
+    return f.read()
+
+
+def live_holder(directory: io_utils.PathLike) -> Holder | None:
+  """The job that holds `directory`'s lease now, or None; takes nothing.
+
+  For side jobs that must know whether the owner of a directory still runs
+  (the index builder asks whether a trainer continues a run that left a
+  DONE marker). Remote: a holder whose heartbeat is fresh (younger than the
+  default `stale_seconds`). Local: the holder named in `.lease`, when it
+  runs on this host and its pid is alive; a lease is only locked, never
+  probed here, since even a brief probe lock would make a starting owner
+  refuse itself. A holder on another host cannot be checked and counts as
+  gone.
+  """
+  directory = io_utils.absolute(directory)
+  path = io_utils.join(directory, LEASE_FILE)
+  if not io_utils.is_local(directory):
+    try:
+      holder = Holder.parse(io_utils.read_text(path))
+    except FileNotFoundError:
+      return None
+    if holder is None or time.time() - holder.heartbeat >= STALE_SECONDS:
+      return None
+    return holder
+  holder = Holder.parse(_read_local(path))
+  if holder is None or holder.host != socket.gethostname():
+    return None
+  return holder if holder.pid == os.getpid() or _pid_alive(
+      holder.pid) else None
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Alive, owned by another user.
+    return True
+  return True
 
 
 @contextlib.contextmanager

@@ -226,6 +226,16 @@ def _open_shard(path: str, expected_rows: int):
   except (RuntimeError, ValueError, OSError) as e:
     raise ValueError(f"query cache shard {path} is corrupt ({e}); rebuild "
                      "the cache.") from e
+  if not reader.ok():
+    # The reader opens anything and reports why only from close() (e.g.
+    # "should be at least 64KB big" for a pickle put in a shard's place).
+    try:
+      reader.close()
+      reason = "unreadable"
+    except (RuntimeError, ValueError, OSError) as e:
+      reason = str(e)
+    raise ValueError(f"query cache shard {path} is not an ArrayRecord file "
+                     f"({reason}); rebuild the cache.")
   if (found := reader.num_records()) != expected_rows:
     reader.close()
     raise ValueError(

@@ -75,6 +75,11 @@ class BuilderConfig:
       then fails (non-zero exit) rather than leave the trainer on a stale
       index without a word.
     retry_seconds: first pause between tries; doubled each time (<= 60 s).
+    done_grace_seconds: a builder that finds the run finished (DONE, and
+      nothing left to index) at its first look waits this long for a
+      trainer to take the workdir and continue the run before it exits:
+      launchers start the builder first, and a trainer that extends a
+      finished run clears the old DONE only once it runs.
   """
   workdir: str | None = None
   block_store: str | None = None
@@ -90,6 +95,7 @@ class BuilderConfig:
   bfloat16: bool = False
   publish_attempts: int = 5
   retry_seconds: float = 2.0
+  done_grace_seconds: float = 60.0
 
   def __post_init__(self):
     if self.searcher_kind not in ("scann", "exact"):
@@ -278,9 +284,11 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
           retriever_config, config, max_indices, timeout, devices,
           on_publish) -> list[int]:
   """The builder's loop: publish the newest new checkpoint, or wait."""
+  unreadable: set[int] = set()
+  first_look = True
   while True:
     steps = [s for s in checkpoints.finalized_steps(ckpt_dir)
-             if s > last]
+             if s > last and s not in unreadable]
     if steps:
       step = steps[-1]
       if len(steps) > 1:
@@ -290,6 +298,16 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
       except FileNotFoundError:
         # Deleted by the trainer's retention between listing and reading.
         logging.warning("checkpoint %d vanished before it was read", step)
+        continue
+      except Exception as e:  # pylint: disable=broad-except
+        # A damaged checkpoint (truncated array file, DATA_LOSS): the
+        # builder only reads checkpoints, so it skips this one for good
+        # (the trainer moves it aside when it resumes) and takes the
+        # newest older one, instead of dying on it.
+        logging.warning("checkpoint %s does not restore (%s: %s); skipping "
+                        "it.", io_utils.join(ckpt_dir, str(step)),
+                        type(e).__name__, e)
+        unreadable.add(step)
         continue
       path = build_and_publish(retriever_params=params,
                                retriever_config=retriever_config, store=store,
@@ -305,13 +323,47 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
     if stop.requested:
       logging.info("stop requested; index builder exits after %s", out)
       return out
-    if checkpoints.is_done(ckpt_dir):
+    if _run_finished(ckpt_dir, grace=config.done_grace_seconds
+                     if first_look and not out else 0.0,
+                     poll=config.poll_seconds):
       logging.info("trainer is done; index builder exits after %s", out)
       return out
+    first_look = False
     if timeout is not None and time.time() - start > timeout:
       logging.warning("index builder: no DONE marker after %.0f s", timeout)
       return out
     time.sleep(config.poll_seconds)
+
+
+def _run_finished(ckpt_dir: str, *, grace: float, poll: float) -> bool:
+  """Whether the trainer's run is over, so the builder may exit.
+
+  DONE alone does not say so: a trainer that extends a finished run (more
+  steps, same workdir) finds the old DONE, and clears it only before its
+  first step. DONE counts when it records the newest checkpoint and no
+  live job holds the workdir's lease; with `grace` > 0, the builder first
+  waits up to `grace` seconds for a trainer to take the workdir.
+  """
+  workdir = io_utils.as_path(ckpt_dir).parent
+  deadline = time.time() + grace
+  while True:
+    final = checkpoints.done_step(ckpt_dir)
+    if final is None or final < max(checkpoints.finalized_steps(ckpt_dir),
+                                    default=-1):
+      return False  # No DONE, or a stale one: checkpoints came after it.
+    holder = lease_lib.live_holder(workdir)
+    if holder is not None:
+      logging.log_every_n_seconds(
+          logging.INFO, "DONE (step %d) is there, but %s holds %s: waiting "
+          "for it to continue or to exit.", 60, final,
+          holder.describe(heartbeat=not io_utils.is_local(workdir)), workdir)
+      return False
+    if time.time() >= deadline:
+      return True
+    logging.log_first_n(
+        logging.INFO, "The run at %s is DONE at step %d; waiting up to %.0f "
+        "s for a trainer that continues it.", 1, workdir, final, grace)
+    time.sleep(poll)
 
 
 # ----------------------------------------------------------------------------

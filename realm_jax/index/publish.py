@@ -40,7 +40,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
-from realm_jax.index import searchers
+from realm_jax.index import search_base, searchers
 
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
@@ -73,12 +73,22 @@ def params_checksum(tree: Any) -> str:
 
 
 def _files(directory: PathLike) -> dict[str, Any]:
-  """{relative POSIX path: epath.Path} of the files under `directory`."""
+  """{relative POSIX path: epath.Path} of the files under `directory`.
+
+  Raises:
+    IndexRejectedError: an entry is a symbolic link (an index holds its
+      own files; a link could serve, or checksum, a file from anywhere).
+  """
   out = {}
+  local = io_utils.is_local(directory)
 
   def visit(path, rel):
     for child in io_utils.listdir(path):
       name = f"{rel}{child.name}"
+      if local and os.path.islink(child):
+        raise IndexRejectedError(
+            f"{child} is a symbolic link (to {os.readlink(child)!r}); an "
+            "index is read only from its own files. Rebuild the index.")
       if child.is_dir():
         visit(child, name + "/")
       else:
@@ -105,8 +115,16 @@ def step_dir(index_root: PathLike, step: int) -> str:
 
 
 def read_latest(index_root: PathLike) -> int | None:
-  """The step LATEST points at, or None if nothing is published yet."""
+  """The step LATEST points at, or None if nothing is published yet.
+
+  Raises:
+    IndexRejectedError: LATEST is not a step number, or is a link.
+  """
   path = io_utils.as_path(index_root) / LATEST
+  try:
+    io_utils.check_no_links(path, index_root)
+  except io_utils.LinkRefusedError as e:
+    raise IndexRejectedError(str(e)) from None
   try:
     if not path.exists():
       return None
@@ -145,8 +163,14 @@ def _write_latest(index_root: PathLike, step: int | None) -> None:
 
 def _remove_index_dir(directory: PathLike) -> None:
   """Deletes an index, manifest first: on GCS a tree is removed object by
-  object, and a half-deleted index must not look complete."""
+  object, and a half-deleted index must not look complete.
+
+  Raises:
+    io_utils.LinkRefusedError: `directory` is a link (deleting through it
+      would delete files outside the index root).
+  """
   path = io_utils.as_path(directory)
+  io_utils.check_no_links(path, path.parent)
   (path / MANIFEST).unlink(missing_ok=True)
   io_utils.remove(path)
 
@@ -168,7 +192,12 @@ def clean_stale_temporaries(index_root: PathLike) -> list[str]:
     name = path.name
     stale = name.startswith(_TMP_PREFIX) or (name.isdigit() and (
         int(name) not in complete or latest is None or int(name) > latest))
-    if stale:
+    if stale and io_utils.is_local(path) and os.path.islink(path):
+      # Neither the link nor what it points at is this job's to delete.
+      logging.warning("%s is a symbolic link (to %r), not an index this "
+                      "builder wrote: left alone and never read; remove it.",
+                      path, os.readlink(path))
+    elif stale:
       _remove_index_dir(path) if name.isdigit() else io_utils.remove(path)
       removed.append(name)
   return removed
@@ -255,6 +284,8 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
   root = io_utils.as_path(index_root)
   root.mkdir(parents=True, exist_ok=True)
   final = io_utils.as_path(step_dir(root, step))
+  # Writes through a planted link would land outside the index root.
+  io_utils.check_no_links(final, root)
   if read_latest(root) == int(step):
     # Re-publishing the live step: unpublish it before touching its files.
     older = [s for s in published_steps(root) if s < int(step)]
@@ -306,7 +337,10 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
   _write_latest(root, step)
   for old in published_steps(root)[:-keep]:
     if old != step:
-      _remove_index_dir(step_dir(root, old))
+      try:
+        _remove_index_dir(step_dir(root, old))
+      except io_utils.LinkRefusedError as e:
+        logging.warning("not removing old index %d: %s", old, e)
   return os.fspath(final)
 
 
@@ -369,9 +403,15 @@ def load_index(index_root: PathLike, step: int | None = None,
       raise IndexRejectedError(f"{index_root}: no {LATEST} (nothing "
                                "published yet).")
   directory = step_dir(index_root, step)
+  try:
+    io_utils.check_no_links(directory, index_root)
+  except io_utils.LinkRefusedError as e:
+    raise IndexRejectedError(str(e)) from None
   if io_utils.is_local(directory):
     local = directory
     manifest = verify_index(directory, expect, checksums=checksums)
+    if not checksums:
+      _files(directory)  # Refuses links, which only a listing shows.
   else:
     # The manifest alone first: a mismatched index is refused uncopied.
     remote_manifest = verify_index(directory, expect, checksums=False)
@@ -387,7 +427,8 @@ def load_index(index_root: PathLike, step: int | None = None,
     except IndexRejectedError as e:
       io_utils.remove(local)  # Copied mid-rewrite, or corrupt: drop it.
       raise IndexRejectedError(f"{directory} (local copy): {e}") from e
-  embeddings = np.load(os.path.join(local, EMBEDDINGS), mmap_mode="r")
+  embeddings = search_base.load_embeddings(os.path.join(local, EMBEDDINGS),
+                                           error=IndexRejectedError)
   if embeddings.shape != (manifest["rows"], manifest["dim"]):
     raise IndexRejectedError(f"{directory}: embeddings {embeddings.shape} "
                              "do not match the manifest.")
@@ -542,16 +583,46 @@ class IndexWatcher:
     logging.info("Index watcher: now serving index %d.", self._current.step)
     return True
 
-  def wait_for_index(self, timeout: float | None = None) -> PublishedIndex:
-    """Blocks until an index is available (the first one), then swaps it in."""
-    deadline = None if timeout is None else time.time() + timeout
+  def _waiting_for(self) -> str:
+    """Why there is no index to serve yet, and the ways out."""
+    if self.rejected:
+      why = "rejected " + "; ".join(
+          f"index {step}: {reason}"
+          for step, reason in sorted(self.rejected.items()))
+    else:
+      why = f"nothing is published there yet (no {LATEST})"
+    return (f"{why}. Start (or fix) the index builder for this run, or "
+            "let the trainer build its indices itself with "
+            "PretrainConfig.index_mode=\"inline\" "
+            "(--gin.pretrain.PretrainConfig.index_mode=\"'inline'\").")
+
+  def wait_for_index(self, timeout: float | None = None,
+                     report_seconds: float = 30.0) -> PublishedIndex:
+    """Blocks until an index is available (the first one), then swaps it in.
+
+    Says what it waits for every `report_seconds` (each rejected index is
+    logged with its reason as the poll rejects it).
+
+    Raises:
+      TimeoutError: no valid index within `timeout` seconds; names every
+        rejected index with its reason, and the ways out.
+    """
+    start = time.time()
+    deadline = None if timeout is None else start + timeout
+    next_report = start + report_seconds
     while self._current is None:
       if self.maybe_swap():
         break
-      remaining = None if deadline is None else deadline - time.time()
+      now = time.time()
+      remaining = None if deadline is None else deadline - now
       if remaining is not None and remaining <= 0:
         raise TimeoutError(f"No valid index under {self.index_root} after "
-                           f"{timeout} s.")
+                           f"{timeout} s: {self._waiting_for()}")
+      if now >= next_report:
+        logging.warning("Index watcher: no index to serve after %.0f s "
+                        "under %s: %s", now - start, self.index_root,
+                        self._waiting_for())
+        next_report = now + report_seconds
       self._new.wait(min(self.poll_seconds, remaining or self.poll_seconds))
     return self._current
 

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from absl import logging
 import numpy as np
 
+from realm_jax.index import search_base
 from realm_jax.index.search_base import (ScannConfig, Searcher, as_config,
                                          check_embeddings)
 
@@ -160,7 +161,8 @@ class ScannSearcher(Searcher):
   @classmethod
   def _read(cls, directory, metadata):
     config = ScannConfig.from_dict(metadata["config"])
-    scann_dir = os.path.join(directory, metadata["scann_dir"])
+    scann_dir = search_base.member(directory, metadata["scann_dir"],
+                                   "scann_dir")
     assets = checked_scann_assets(scann_dir)
     # Not ScaNN's `load_searcher`: it unpickles `scann_docids.pkl` when
     # present, i.e. runs code from the index directory. Row i is block i
@@ -208,6 +210,11 @@ def checked_scann_assets(scann_dir: str) -> str:
                        f"{scann_dir}; rebuild the index.")
   expected = {_ASSETS_FILE, _CONFIG_FILE, *assets}
   present = set(os.listdir(scann_dir))
+  links = sorted(n for n in present
+                 if os.path.islink(os.path.join(scann_dir, n)))
+  if links:
+    raise ValueError(f"{scann_dir}: {links} are symbolic links; a ScaNN "
+                     "index is read only from its own files. Rebuild it.")
   if expected - present:
     raise ValueError(f"{scann_dir}: missing ScaNN assets "
                      f"{sorted(expected - present)}; rebuild the index.")

@@ -519,6 +519,50 @@ def require_local(directory: str) -> None:
         "to a local cache).")
 
 
+def member(directory: str, name: Any, field: str) -> str:
+  """The path of entry `name` that searcher.json's `field` names.
+
+  A saved searcher reads only its own directory: `name` must be a plain
+  entry of it (no separators, `..` or absolute paths, which would read
+  outside the checksummed files of an index) and not a symbolic link.
+
+  Raises:
+    ValueError: naming searcher.json, the field and the entry.
+  """
+  where = f"{os.path.join(directory, METADATA_FILE)}: {field}={name!r}"
+  if (not isinstance(name, str) or name in ("", os.curdir, os.pardir)
+      or os.path.basename(name) != name or (os.altsep and os.altsep in name)):
+    raise ValueError(f"{where} is not an entry of {directory}; a searcher "
+                     "reads only its own directory. Rebuild it.")
+  path = os.path.join(directory, name)
+  if os.path.islink(path):
+    raise ValueError(f"{where} is a symbolic link (to {os.readlink(path)!r})"
+                     "; a searcher reads only its own files. Rebuild it.")
+  return path
+
+
+def load_embeddings(path: str, *, error: type[Exception] = ValueError
+                    ) -> np.ndarray:
+  """The [rows, dim] matrix of a local .npy file, memory-mapped.
+
+  Never unpickled: an object array (which numpy stores as a pickle) is
+  refused naming the file, as is anything but a 2-D array.
+
+  Raises:
+    `error`: naming `path` and what is wrong with it.
+  """
+  try:
+    embeddings = np.load(path, mmap_mode="r", allow_pickle=False)
+  except (ValueError, OSError, EOFError) as e:
+    raise error(f"{path} is not a plain numeric .npy array ({e}); "
+                "realm_jax never unpickles index files. Rebuild the "
+                "index.") from e
+  if embeddings.ndim != 2:
+    raise error(f"{path} holds an array of shape {embeddings.shape}, not "
+                "[rows, dim]; rebuild the index.")
+  return embeddings
+
+
 def read_metadata(directory: str) -> dict[str, Any]:
   """Reads and checks `searcher.json` of a saved searcher.
 

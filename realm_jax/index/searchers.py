@@ -223,8 +223,8 @@ class ExactSearcher(Searcher):
     config = ExactConfig.from_dict(metadata["config"])
     # Memory-mapped: a 13M x 128 corpus is 6.8 GB that the numpy backend
     # streams block by block instead of holding in RAM.
-    embeddings = np.load(os.path.join(directory, metadata["embeddings_file"]),
-                         mmap_mode="r")
+    embeddings = search_base.load_embeddings(search_base.member(
+        directory, metadata["embeddings_file"], "embeddings_file"))
     return cls(embeddings, config)
 
 
@@ -317,7 +317,8 @@ class ShardedSearcher(Searcher):
   @classmethod
   def _read(cls, directory, metadata):
     config = ShardedConfig.from_dict(metadata["config"])
-    shards = [load_searcher(os.path.join(directory, name))
+    shards = [load_searcher(search_base.member(directory, name,
+                                               "shard_dirs"))
               for name in metadata["shard_dirs"]]
     return cls(shards, np.asarray(metadata["row_offsets"]), config)
 

@@ -278,12 +278,13 @@ class Run:
       params replicated over the mesh.
     """
     self._start()
-    start = self.ckpt.latest_step()
-    if start is not None:
-      params, opt_state, meta = self.ckpt.restore(
-          start, _abstract(fresh, self.replicated),
-          _abstract(jax.eval_shape(tx.init, trained(fresh)),
-                    self.replicated))
+    # The newest checkpoint that restores: a broken newer one (a truncated
+    # file) is named in a warning and moved aside.
+    restored = self.ckpt.restore_newest(
+        _abstract(fresh, self.replicated),
+        _abstract(jax.eval_shape(tx.init, trained(fresh)), self.replicated))
+    if restored is not None:
+      start, params, opt_state, meta = restored
       logging.info("%s: resumed from %s step %d", self.job,
                    self.ckpt.directory, start)
     else:
@@ -341,6 +342,14 @@ class Run:
     start = int(jax.device_get(state.step))
     end = total if stop_after is None else min(total, start + stop_after)
     metrics_path = io_utils.join(self.workdir, "metrics.jsonl")
+    if self.is_chief:
+      # A run killed after logging steps past its last checkpoint logs them
+      # again from that checkpoint on: their first lines go.
+      _truncate_metrics(metrics_path, start)
+      if start < total:
+        # Continuing a finished run (more steps): side jobs must not take
+        # the last run's DONE for this one's, so it goes before any step.
+        checkpoints.clear_done_marker(self.ckpt.directory)
     preempted = preemption_lib.Preemption()
     history = []
     base_rng = jax.random.key(c.seed if seed is None else seed)
@@ -402,10 +411,43 @@ class Run:
 
   def _write_history(self, start: int, history: list[dict[str, float]]
                      ) -> None:
-    """history.json holds the whole run: earlier calls' entries are kept."""
+    """history.json holds the whole run: earlier calls' entries are kept.
+
+    They come from metrics.jsonl (the same records, appended as they are
+    logged), since an earlier call killed before its end never wrote
+    history.json.
+    """
     path = io_utils.join(self.workdir, "history.json")
-    earlier = []
-    if io_utils.as_path(path).exists():
-      earlier = [h for h in json.loads(io_utils.read_text(path))
-                 if h["step"] <= start]
+    earlier = [h for h in _read_metrics(
+        io_utils.join(self.workdir, "metrics.jsonl")) if h["step"] <= start]
     io_utils.write_json(path, earlier + history)
+
+
+def _read_metrics(path: str) -> list[dict[str, Any]]:
+  """The records of metrics.jsonl ([] if missing); a torn last line (a
+  kill mid-append) is dropped."""
+  if not io_utils.as_path(path).exists():
+    return []
+  records = []
+  for line in io_utils.read_text(path).splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(record, dict) and isinstance(record.get("step"), int):
+      records.append(record)
+  return records
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+  """Drops the records of metrics.jsonl after `step` (atomically)."""
+  records = _read_metrics(path)
+  kept = [r for r in records if r["step"] <= step]
+  if len(kept) == len(records) and (
+      not records or io_utils.read_text(path).endswith("\n")):
+    return
+  logging.info("%s: dropping %d records after step %d (logged again from "
+               "the restored checkpoint on)", path, len(records) - len(kept),
+               step)
+  io_utils.atomic_write_text(path, "".join(json.dumps(r) + "\n"
+                                           for r in kept))

@@ -359,3 +359,21 @@ def test_checkpoints_and_run_files_take_epath(tmp_path, as_epath):
   assert json.loads((tmp_path / "run" / "checkpoints" / "DONE").read_text()
                     ) == {"final_step": 3}
   assert not [n for n in os.listdir(ckpt_dir) if "tmp" in n]
+
+
+def test_links_are_removed_not_followed_and_refused_inside_a_job(tmp_path):
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "keep.txt").write_text("precious")
+  job = tmp_path / "job"
+  (job / "sub").mkdir(parents=True)
+  os.symlink(outside, job / "sub" / "link")
+  io_utils.check_no_links(job / "sub", job)
+  with pytest.raises(io_utils.LinkRefusedError, match=r"sub/link is a symb"):
+    io_utils.check_no_links(job / "sub" / "link" / "keep.txt", job)
+  # The job's own root may be a link (a workdir on another disk).
+  os.symlink(job, tmp_path / "job_link")
+  io_utils.check_no_links(tmp_path / "job_link" / "sub", tmp_path / "job_link")
+  io_utils.remove(job / "sub" / "link")
+  assert not os.path.lexists(job / "sub" / "link")
+  assert (outside / "keep.txt").read_text() == "precious"

@@ -120,3 +120,51 @@ def test_every_writing_job_leases_what_it_writes(tmp_path):
     with pytest.raises(lease_lib.LeaseHeldError, match="someone else"):
       qa_eval.run_eval_job(checkpoint_dir="x", output_dir=out, examples=[],
                            model_config=model, index=None, store=None)
+
+
+def test_a_lease_file_planted_as_a_link_is_refused(tmp_path):
+  """A `.lease` linked to another file: the job neither truncates nor
+  overwrites that file, and names the link."""
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  os.symlink(victim, workdir / ".lease")
+  with pytest.raises(io_utils.LinkRefusedError,
+                     match=r"run/\.lease is a symbolic link"):
+    lease_lib.Lease(str(workdir), job="builder").acquire()
+  assert victim.read_text() == "precious"
+
+
+def test_local_refusals_name_no_heartbeat(tmp_path):
+  """Local leases do not heartbeat, so a refusal must not report a
+  'last heartbeat' age; remote ones do and say so."""
+  workdir = str(tmp_path / "run")
+  with lease_lib.Lease(workdir, job="first"):
+    with pytest.raises(lease_lib.LeaseHeldError) as e:
+      lease_lib.Lease(workdir, job="second").acquire()
+  assert "first" in str(e.value) and "heartbeat" not in str(e.value)
+  ram_fs.register()
+  root = ram_fs.unique_root("lease")
+  with lease_lib.Lease(root, job="first", heartbeat_seconds=0.2,
+                       stale_seconds=1.0):
+    with pytest.raises(lease_lib.LeaseHeldError, match="last heartbeat"):
+      lease_lib.Lease(root, job="second", heartbeat_seconds=0.2,
+                      stale_seconds=1.0).acquire()
+
+
+def test_live_holder_sees_running_owners_only(tmp_path):
+  workdir = str(tmp_path / "run")
+  assert lease_lib.live_holder(workdir) is None
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD, workdir],
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    assert lease_lib.live_holder(workdir).pid == holder.pid
+  finally:
+    holder.kill()
+    holder.wait()
+  assert lease_lib.live_holder(workdir) is None  # Killed: its name stays.
+  with lease_lib.Lease(workdir, job="mine"):
+    assert lease_lib.live_holder(workdir).job == "mine"
+  assert lease_lib.live_holder(workdir) is None  # Released.

@@ -4,6 +4,7 @@ import collections
 import hashlib
 import json
 import os
+import pickle
 import shutil
 
 import numpy as np
@@ -177,6 +178,17 @@ def test_reader_errors(fake_cache, tmp_path):
     qc.QueryStream(str(broken), seed=0, batch_size=2)
   # Host 0 of 2 reads shard 0 only, so it opens.
   qc.QueryStream(str(broken), seed=0, batch_size=2, process_count=2)
+
+
+def test_a_pickle_in_place_of_a_shard_fails_at_open_naming_it(tmp_path):
+  cache = tmp_path / "cache"
+  write_fake_cache(cache, [3, 4])
+  shard = cache / qc.shard_name(1, 2)
+  shard.write_bytes(pickle.dumps({"rows": list(range(4))}))
+  # It used to fail in the reader's close(), with no file name.
+  with pytest.raises(ValueError, match=r"00001-of-00002.array_record is "
+                     "not an ArrayRecord file"):
+    qc.QueryStream(str(cache), seed=0, batch_size=2)
 
 
 # -------------------------------------------------------- the Beam job ----

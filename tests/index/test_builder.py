@@ -1,10 +1,13 @@
 """The index builder: data-parallel embedding, polling, resume, DONE."""
 
+import dataclasses
 import io
 import logging
 import os
 import re
 import sys
+import threading
+import time
 
 from etils import epath
 import gin
@@ -15,6 +18,7 @@ import pytest
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core, importers
 from realm_jax.core import checkpoints
+from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer, default_model_dir
 from realm_jax.index import builder, embed, publish
@@ -147,10 +151,12 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
   assert published == [4]
   assert publish.read_latest(root) == 4
   assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
-  # Nothing new and DONE: returns at once.
-  assert builder.run_builder(workdir=workdir, store=store,
-                             retriever_config=CONFIG.retriever,
-                             config=config, timeout=120) == []
+  # Nothing new and DONE: returns at once (no grace for a trainer that
+  # would continue the run).
+  assert builder.run_builder(
+      workdir=workdir, store=store, retriever_config=CONFIG.retriever,
+      config=dataclasses.replace(config, done_grace_seconds=0.0),
+      timeout=120) == []
 
 
 def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
@@ -300,3 +306,78 @@ def test_job_one_shot_from_minilm_with_no_checkpoint(store, tmp_path):
   # MiniLM's mean-pooled, L2-normalised sentence embeddings.
   np.testing.assert_allclose(np.linalg.norm(index.embeddings, axis=1), 1.0,
                              atol=1e-5)
+
+
+def _finished_run(store, tmp_path):
+  """A run DONE at step 12, with its index 12 published; its checkpointer."""
+  workdir = str(tmp_path / "run")
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
+  _save(ckpt, 12, 12)
+  checkpoints.write_done_marker(ckpt_dir, 12)
+  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05,
+                                 done_grace_seconds=0.0)
+  assert builder.run_builder(workdir=workdir, store=store,
+                             retriever_config=CONFIG.retriever,
+                             config=config, timeout=60) == [12]
+  return workdir, ckpt
+
+
+def _extend(workdir, ckpt, leased: threading.Event):
+  """What a trainer that extends the run to step 13 does, in order: it
+  leases the workdir, restores and compiles (the old DONE still there),
+  clears DONE before its first step, checkpoints, writes DONE, exits."""
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  with lease_lib.Lease(workdir, job="extending trainer"):
+    leased.set()
+    time.sleep(0.5)
+    checkpoints.clear_done_marker(ckpt_dir)
+    _save(ckpt, 13, 13)
+    time.sleep(0.5)
+    checkpoints.write_done_marker(ckpt_dir, 13)
+
+
+@pytest.mark.parametrize("first", ["builder", "trainer"])
+def test_a_leftover_done_does_not_end_an_extended_run(store, tmp_path, first):
+  """The old DONE (step 12) must not make the builder exit while a trainer
+  extends the run: it indexes step 13, then exits on the new DONE."""
+  workdir, ckpt = _finished_run(store, tmp_path)
+  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05,
+                                 done_grace_seconds=30.0)
+  published, leased = [], threading.Event()
+  trainer = threading.Thread(target=_extend, args=(workdir, ckpt, leased))
+  if first == "trainer":  # No grace: the trainer's lease alone keeps it.
+    trainer.start()
+    assert leased.wait(30)
+    config = dataclasses.replace(config, done_grace_seconds=0.0)
+  job = threading.Thread(target=lambda: published.extend(builder.run_builder(
+      workdir=workdir, store=store, retriever_config=CONFIG.retriever,
+      config=config, timeout=60)))
+  job.start()
+  if first == "builder":
+    time.sleep(0.5)  # The builder has seen the old DONE by now.
+    trainer.start()
+  trainer.join(60)
+  job.join(60)
+  assert not job.is_alive()
+  assert published == [13]
+  assert publish.read_latest(checkpoints.index_root(workdir)) == 13
+
+
+def test_a_damaged_checkpoint_is_skipped_not_fatal(store, tmp_path, caplog):
+  workdir = str(tmp_path / "run")
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
+  _save(ckpt, 1, 1)
+  _save(ckpt, 2, 2)
+  data = os.path.join(ckpt_dir, "2", "retriever", "ocdbt.process_0", "d")
+  for name in os.listdir(data):
+    with open(os.path.join(data, name), "r+b") as f:
+      f.truncate(10)
+  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05)
+  with caplog.at_level(logging.WARNING):
+    assert builder.run_builder(workdir=workdir, store=store,
+                               retriever_config=CONFIG.retriever,
+                               config=config, max_indices=1,
+                               timeout=60) == [1]
+  assert re.search(r"checkpoints/2 does not restore", caplog.text)

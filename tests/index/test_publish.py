@@ -1,6 +1,7 @@
 """Atomic index publication and the trainer-side watcher."""
 
 import json
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -229,6 +230,34 @@ def test_watcher_retries_after_a_filesystem_error(tmp_path):
     watcher.close()
 
 
+def test_waiting_for_an_index_says_why_and_the_way_out(tmp_path, caplog):
+  """A builder-mode trainer with no valid index hears, while it waits,
+  why each index was rejected, and the timeout names index_mode="inline"."""
+  root = str(tmp_path / "index")
+  empty = publish.IndexWatcher(root, poll_seconds=0.02)
+  try:
+    with pytest.raises(TimeoutError, match="nothing is published"):
+      empty.wait_for_index(timeout=0.2)
+  finally:
+    empty.close()
+  _publish(root, 3, fingerprint="another corpus")
+  watcher = publish.IndexWatcher(
+      root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=0.02)
+  try:
+    with caplog.at_level(logging.WARNING):
+      with pytest.raises(TimeoutError) as e:
+        watcher.wait_for_index(timeout=1.0, report_seconds=0.3)
+  finally:
+    watcher.close()
+  message = str(e.value)
+  assert "index 3: " in message and "corpus_fingerprint" in message
+  assert 'index_mode="inline"' in message
+  waiting = [r.getMessage() for r in caplog.records
+             if "no index to serve after" in r.getMessage()]
+  assert waiting and "index 3: " in waiting[0]
+  assert 'index_mode="inline"' in waiting[0]
+
+
 class _PlantedPickle:
   """Unpickling it creates `path`: proof that code from the file ran."""
 
@@ -286,3 +315,95 @@ def test_scann_assets_outside_the_directory_are_refused(tmp_path):
                          'asset_path: "../../elsewhere/dataset.npy"'))
   with pytest.raises(ValueError, match="not a file of"):
     searchers.load_searcher(directory)
+
+
+def test_links_out_of_the_index_root_are_refused(tmp_path):
+  """No read, write or delete follows a link out of the index root."""
+  root = tmp_path / "index"
+  outside = tmp_path / "outside"
+  victim = outside / "victim"
+  victim.mkdir(parents=True)
+  (victim / publish.MANIFEST).write_text("precious")
+  _publish(str(root), 1)
+  # A link where a stale step would be: the builder's cleanup leaves both
+  # the link and its target alone (it used to delete victim/manifest.json,
+  # then crash in rmtree).
+  os.symlink(victim, root / "99")
+  assert publish.clean_stale_temporaries(str(root)) == []
+  assert (victim / publish.MANIFEST).read_text() == "precious"
+  # Publishing that step would write (and first delete) through the link.
+  with pytest.raises(ValueError, match="99 is a symbolic link"):
+    _publish(str(root), 99)
+  assert (victim / publish.MANIFEST).read_text() == "precious"
+  os.remove(root / "99")
+
+  # A published index whose files are links to copies outside (the
+  # checksums still match): refused by name, checked or not.
+  step = root / "1"
+  expect = publish.Expectation(FINGERPRINT, 50, 8)
+  for name in (publish.EMBEDDINGS, publish.SEARCHER_DIR):
+    os.rename(step / name, outside / name)
+    os.symlink(outside / name, step / name)
+    for checksums in (True, False):
+      with pytest.raises(publish.IndexRejectedError,
+                         match=f"{name} is a symbolic link"):
+        publish.load_index(str(root), expect=expect, checksums=checksums)
+    os.remove(step / name)
+    os.rename(outside / name, step / name)
+  publish.load_index(str(root), expect=expect)  # Restored: it loads.
+
+  # The step directory itself, and LATEST, as links.
+  os.symlink(step, root / "5")
+  with pytest.raises(publish.IndexRejectedError, match="5 is a symbolic"):
+    publish.load_index(str(root), 5, expect)
+  (outside / "latest").write_text("1\n")
+  os.remove(root / publish.LATEST)
+  os.symlink(outside / "latest", root / publish.LATEST)
+  with pytest.raises(publish.IndexRejectedError, match="LATEST is a symb"):
+    publish.read_latest(str(root))
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute", "link"])
+def test_searcher_files_outside_its_directory_are_refused(tmp_path, where):
+  emb = np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32)
+  directory = tmp_path / "s"
+  searchers.build_searcher(emb, "exact").save(str(directory))
+  outside = tmp_path / "outside" / "x.npy"
+  outside.parent.mkdir()
+  np.save(outside, emb)
+  meta_path = directory / searchers.METADATA_FILE
+  meta = json.loads(meta_path.read_text())
+  if where == "link":
+    os.remove(directory / meta["embeddings_file"])
+    os.symlink(outside, directory / meta["embeddings_file"])
+  else:
+    meta["embeddings_file"] = (str(outside) if where == "absolute" else
+                               "../outside/x.npy")
+    meta_path.write_text(json.dumps(meta))
+  with pytest.raises(ValueError, match="embeddings_file=.*(not an entry|"
+                     "symbolic link)"):
+    searchers.load_searcher(str(directory))
+
+
+def test_object_array_embeddings_are_refused_naming_the_file(tmp_path):
+  """numpy stores an object array as a pickle: refused with the file's
+  name, never unpickled, even when the manifest's checksums match."""
+  root = tmp_path / "index"
+  _publish(str(root), 1, rows=3, dim=2)
+  step = root / "1"
+  marker = tmp_path / "pwned"
+  objects = np.empty((3, 2), dtype=object)
+  objects[0, 0] = _PlantedPickle(str(marker))
+  for path in (step / publish.EMBEDDINGS,
+               step / publish.SEARCHER_DIR / "embeddings.npy"):
+    np.save(path, objects, allow_pickle=True)
+  manifest = json.loads((step / publish.MANIFEST).read_text())
+  manifest["files"] = publish._file_checksums(step)
+  (step / publish.MANIFEST).write_text(json.dumps(manifest))
+  with pytest.raises(publish.IndexRejectedError,
+                     match=r"1/embeddings.npy is not a plain numeric"):
+    publish.load_index(str(root))
+  with pytest.raises(ValueError,
+                     match=r"searcher/embeddings.npy is not a plain numeric"):
+    searchers.load_searcher(str(step / publish.SEARCHER_DIR))
+  assert not marker.exists()

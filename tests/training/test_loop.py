@@ -2,13 +2,19 @@
 
 import itertools
 import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from realm_jax.core import parallel
+from realm_jax.core import checkpoints, parallel
 from realm_jax.model.realm import RealmConfig
 from realm_jax.training import loop
 
@@ -79,3 +85,151 @@ def test_log_line_and_metrics_carry_progress(tmp_path, monkeypatch):
   # The loss the log line shows is the trained one: it goes down.
   losses = [h["loss"] for h in history]
   assert losses[0] > losses[1] > losses[2]
+
+
+def _run(workdir, steps, *, checkpoint_every=2, log_every=1,
+         hooks=loop.Hooks(), stop_after=None):
+  """Trains the linear model of `_linear_loss`; returns this call's history.
+
+  Deterministic: a resumed run logs the metrics an uninterrupted one does.
+  """
+  config = loop.TrainConfig(
+      workdir=str(workdir), block_store="", num_train_steps=steps,
+      batch_size=8, learning_rate=0.1, warmup_steps=0, log_every=log_every,
+      checkpoint_every=checkpoint_every)
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(8, 3)).astype(np.float32),
+           "y": rng.normal(size=(8,)).astype(np.float32)}
+  with loop.Run(config, RealmConfig(), job="test trainer") as run:
+    tx = optax.sgd(0.1)
+    fresh = {"retriever": {"w": np.zeros(3, np.float32)},
+             "reader": {"b": np.ones(2, np.float32)}}
+    state, params, _ = run.init_or_restore(
+        fresh, tx, lambda: fresh, trained=lambda p: p["retriever"])
+    return run.loop(
+        state, loop.make_train_step(_linear_loss, tx, run.mesh),
+        lambda step, _: parallel.shard_batch(run.mesh, batch), meta={},
+        saved_params=lambda s: dict(params, retriever=s.params),
+        hooks=hooks, stop_after=stop_after)
+
+
+def _logged(workdir):
+  return [json.loads(line) for line in
+          (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+  """kill -9 after step 5 (checkpoint 4, steps 1-5 logged, no history.json):
+  the resumed run drops step 5's line, logs 5-6 again, and history.json
+  covers the whole run."""
+  workdir = tmp_path / "run"
+  want = _run(tmp_path / "reference", 6)
+  _run(workdir, 6, stop_after=5)
+  ckpt_dir = workdir / "checkpoints"
+  assert checkpoints.finalized_steps(ckpt_dir) == [2, 4, 5]
+  # What kill -9 after step 5's log line, before its checkpoint, leaves.
+  os.rename(ckpt_dir / "5", tmp_path / "5")
+  os.remove(workdir / "history.json")
+  assert [m["step"] for m in _logged(workdir)] == [1, 2, 3, 4, 5]
+  _run(workdir, 6)
+  assert [m["step"] for m in _logged(workdir)] == [1, 2, 3, 4, 5, 6]
+  history = json.loads((workdir / "history.json").read_text())
+  assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([h["loss"] for h in history],
+                             [h["loss"] for h in want], rtol=1e-6)
+
+
+def test_an_extended_run_clears_done_before_its_first_step(tmp_path):
+  workdir = tmp_path / "run"
+  ckpt_dir = workdir / "checkpoints"
+  _run(workdir, 4)
+  assert checkpoints.done_step(ckpt_dir) == 4
+  seen = []
+  _run(workdir, 6, hooks=loop.Hooks(before_step=lambda step: seen.append(
+      (step, checkpoints.is_done(ckpt_dir)))))
+  assert seen == [(4, False), (5, False)]
+  assert checkpoints.done_step(ckpt_dir) == 6
+
+
+@pytest.mark.parametrize("damage", ["truncated array", "empty meta"])
+def test_resume_falls_back_past_a_broken_checkpoint(tmp_path, caplog,
+                                                    damage):
+  workdir = tmp_path / "run"
+  _run(workdir, 4)
+  ckpt_dir = workdir / "checkpoints"
+  if damage == "empty meta":
+    (ckpt_dir / "4" / "meta" / "metadata").write_text("")
+  else:
+    # TensorStore's data files (the process's and the merged ones).
+    for f in (ckpt_dir / "4" / "retriever").rglob("*"):
+      if f.parent.name == "d":
+        os.truncate(f, 10)
+  with caplog.at_level(logging.WARNING):
+    history = _run(workdir, 6)
+  # Resumed from 2, not 4; warned naming 4; 4 moved aside, not deleted.
+  assert [h["step"] for h in history] == [3, 4, 5, 6]
+  assert re.search(rf"{ckpt_dir / '4'} does not restore", caplog.text)
+  aside = [p.name for p in ckpt_dir.iterdir() if "unrestorable" in p.name]
+  assert len(aside) == 1 and aside[0].startswith("4.unrestorable-")
+  assert checkpoints.finalized_steps(ckpt_dir)[-1] == 6
+
+
+def test_no_checkpoint_restores_names_them_all_moves_none(tmp_path):
+  workdir = tmp_path / "run"
+  _run(workdir, 4)
+  ckpt_dir = workdir / "checkpoints"
+  for step in (2, 4):
+    (ckpt_dir / str(step) / "meta" / "metadata").write_text("")
+  with pytest.raises(checkpoints.CheckpointRestoreError) as e:
+    _run(workdir, 6)
+  for step in (2, 4):
+    assert f"{ckpt_dir / str(step)}: JSONDecodeError" in str(e.value)
+  assert sorted(p.name for p in ckpt_dir.iterdir()
+                if p.name.isdigit()) == ["2", "4"]
+
+
+_FAILING_SAVE = """
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+import test_loop
+from realm_jax.core import checkpoints
+from realm_jax.training import loop
+
+checkpoints.EXIT_GRACE_SECONDS = 2.0
+workdir = sys.argv[1]
+
+
+def break_the_checkpoint_directory(step):
+  # Orbax's next write (its temporary step directory) fails, in its
+  # background threads, as on a directory turned immutable. Only once
+  # checkpoint 3 is in place: a save in flight fails in another way.
+  if step == 3:
+    path = os.path.join(workdir, "checkpoints")
+    while 3 not in checkpoints.finalized_steps(path):
+      time.sleep(0.05)
+    time.sleep(0.2)
+    os.rename(path, path + ".moved")
+    open(path, "w").close()
+
+
+test_loop._run(workdir, 8, checkpoint_every=1, hooks=loop.Hooks(
+    before_step=break_the_checkpoint_directory))
+"""
+
+
+def test_a_failed_checkpoint_save_ends_the_trainer(tmp_path):
+  """The save fails in orbax's background threads, which then wait for
+  ever for signals that never come: the trainer must still exit, non-zero,
+  naming the path (a hang fails this test by its timeout)."""
+  workdir = tmp_path / "run"
+  t0 = time.time()
+  done = subprocess.run(
+      [sys.executable, "-c", _FAILING_SAVE, str(workdir),
+       os.path.dirname(__file__)],
+      capture_output=True, text=True, timeout=150)
+  assert done.returncode != 0, done.stderr[-3000:]
+  assert time.time() - t0 < 150
+  assert (f"CheckpointSaveError: Saving a checkpoint to "
+          f"{workdir / 'checkpoints'} failed" in done.stderr), (
+              done.stderr[-3000:])
+  assert "Not a directory" in done.stderr
