@@ -18,7 +18,13 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
   init            the retriever at its random initialisation (no training)
   ict             ICT warm start only (the baseline REALM must beat)
   realm           ICT + REALM, this repository's recipe
-                  (experiments/pretrain_world_cpu.gin)
+                  (experiments/pretrain_world_cpu.gin): the retriever is
+                  released by the gate (held-out utility on a dev split)
+  realm_fixed600  the recipe with the earlier fixed warm-up: the retriever
+                  released at step 600 whatever the reader does
+  query_side      the recipe, query-side training: unshared towers from
+                  the ICT tower, the document tower and the index frozen
+                  (built once), the query tower and the reader learn
   realm_original  ICT + REALM as the paper's code runs it: one learning
                   rate for both towers, no reader warm-up, the null
                   document scored by the embedding of `[CLS] [SEP] [SEP]`
@@ -30,6 +36,10 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
                   spans (evaluated, like all, on held-out salient spans)
   realm_repeat    `realm` again: the same seed must give the same numbers
   realm_slow      (only when named) the recipe with the retriever at 0.01x
+
+The world: --people, --heldout, --dev (people whose X articles are
+neither trained on nor evaluated: the gate's queries), --templates (a or
+b, `knowledge_world.TEMPLATES`), --seed.
 
 One JSON line per (condition, step) goes to --output; --plot draws the
 curves. On 2 CPU cores the default run takes about 45 minutes.
@@ -68,10 +78,15 @@ from realm_jax import gin_cli  # pylint: disable=wrong-import-position
 gin_cli.add_cpu_xla_flag()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-CONDITIONS = ("init", "ict", "realm", "frozen", "stale30", "stale30_rerank",
-              "random_masks", "realm_repeat", "realm_original")
+CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
+              "frozen", "stale30", "stale30_rerank", "random_masks",
+              "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
 EXTRA_CONDITIONS = ("realm_slow",)
+# Conditions that keep the recipe's retriever gate (the others fix their
+# own release step, or freeze the retriever).
+GATED = ("realm", "query_side", "stale30", "stale30_rerank", "random_masks",
+         "realm_repeat", "realm_slow")
 
 
 def _bindings(name: str, args) -> list[str]:
@@ -81,12 +96,18 @@ def _bindings(name: str, args) -> list[str]:
       "pretrain.PretrainConfig.freeze_retriever_steps = 0",
       "pretrain.PretrainConfig.adam_bias_correction = False",
       "realm.RetrieverConfig.null_score = 'embedding'"]
+  fixed = ["pretrain.PretrainConfig.retriever_gate = 'steps'"]
   return {
       "realm": [],
       "realm_repeat": [],
-      "realm_original": original,
-      "frozen": ["pretrain.PretrainConfig."
-                 "retriever_learning_rate_multiplier = 0.0"],
+      "realm_fixed600": fixed + [
+          "pretrain.PretrainConfig.freeze_retriever_steps = 600"],
+      "query_side": ["pretrain.PretrainConfig.retriever_training = "
+                     "'query_side'",
+                     "realm.RetrieverConfig.share_towers = False"],
+      "realm_original": original + fixed,
+      "frozen": fixed + ["pretrain.PretrainConfig."
+                         "retriever_learning_rate_multiplier = 0.0"],
       "stale30": [f"pretrain.PretrainConfig.checkpoint_every = "
                   f"{30 * args.refresh_every}"],
       "stale30_rerank": [f"pretrain.PretrainConfig.checkpoint_every = "
@@ -157,6 +178,11 @@ def main(argv=None) -> None:
   parser.add_argument("--rerank", type=int, default=32,
                       help="stale30_rerank: blocks the stale index proposes.")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--people", type=int, default=300)
+  parser.add_argument("--heldout", type=int, default=100)
+  parser.add_argument("--dev", type=int, default=20,
+                      help="People whose sentences are the gate's queries.")
+  parser.add_argument("--templates", default="a", choices=("a", "b"))
   parser.add_argument("--gin_file", action="append",
                       default=None, help="Recipe (default: "
                       "experiments/pretrain_world_cpu.gin).")
@@ -218,19 +244,35 @@ def main(argv=None) -> None:
     questions = [e for split in ("train", "dev")
                  for e in qa.read_qa_jsonl(demo_qa.path(split), strict=True)]
   else:
-    world = knowledge_world.write_world(os.path.join(args.workdir, "world"),
-                                        seed=args.seed)
+    world = knowledge_world.write_world(
+        os.path.join(args.workdir, "world"), seed=args.seed,
+        num_people=args.people, num_heldout=args.heldout, num_dev=args.dev,
+        templates=args.templates)
     store_dir, train_x, heldout_x = (world.block_store, world.train,
                                      world.heldout)
   store = block_store.BlockStore.open(store_dir)
   base = [f"WORKDIR = '{args.workdir}'",
           f"BLOCK_STORE = '{store_dir}'",
           f"QUERIES = '{os.path.join(args.workdir, 'queries_salient')}'",
+          f"GATE_QUERIES = '{os.path.join(args.workdir, 'queries_dev')}'",
           f"pretrain.PretrainConfig.num_train_steps = {args.steps}",
           f"pretrain.PretrainConfig.checkpoint_every = {args.refresh_every}",
           f"pretrain.PretrainConfig.seed = {args.seed}"] + list(args.gin)
   gin, model = _configs(gin_files, base)
   recipe = gin.get_configurable(pretrain.PretrainConfig)()
+  if recipe.retriever_gate == "utility" and (
+      recipe.freeze_retriever_steps >= 800):
+    # The recipe's bound is its whole run (800): keep it the whole run.
+    base.append(f"pretrain.PretrainConfig.freeze_retriever_steps = "
+                f"{args.steps}")
+  if recipe.retriever_gate == "utility" and not wiki:
+    if not world.dev:
+      parser.error("the recipe's gate needs --dev people.")
+    dev_cache = os.path.join(args.workdir, "queries_dev")
+    if not os.path.exists(dev_cache):
+      query_cache.build_query_cache(
+          world.dev, dev_cache, query_config=pretrain.realm_query_config(
+              recipe), seed=args.seed, num_shards=1)
   heldout = examples.read_realm_queries(
       heldout_x, Tokenizer(),
       config=pretrain.realm_query_config(recipe, masking="salient"),
@@ -306,7 +348,10 @@ def main(argv=None) -> None:
   # condition but `realm_original`: it runs once, in `realm`'s workdir, and
   # the other conditions resume from its checkpoint at the end of the
   # warm-up with their own settings (same optimiser state, same step).
-  warmup = recipe.freeze_retriever_steps
+  # (A gated recipe releases the retriever when its run says so: no
+  # warm-up is shared then.)
+  warmup = (recipe.freeze_retriever_steps
+            if recipe.retriever_gate == "steps" else 0)
 
   def queries_for(config):
     """The training sentences masked the condition's way (built once)."""
@@ -347,6 +392,14 @@ def main(argv=None) -> None:
              "train_max_null_probability": max(h["null_probability"]
                                                for h in logged),
              "train_seconds": round(seconds, 1)}
+    if "retriever_release_step" in logged[-1]:
+      release = int(logged[-1]["retriever_release_step"])
+      worst["retriever_release_step"] = (release if release < args.steps
+                                         else None)  # None: never released
+    gate_log = os.path.join(workdir, "gate.jsonl")
+    if os.path.exists(gate_log):
+      with open(gate_log, encoding="utf-8") as f:
+        worst["gate"] = [json.loads(line) for line in f]
     print(json.dumps(worst), flush=True)
     if out:
       out.write(json.dumps(worst) + "\n")
@@ -388,6 +441,7 @@ def plot(rows, path: str) -> None:
   recall = "recall@1" if "recall@1" in rows[0] else "qa_recall@1"
   panels = ((recall, f"held-out {recall}"),
             ("mlm_accuracy_marginal", "held-out masked-token accuracy"),
+            ("retrieval_utility", "held-out retrieval utility (nats)"),
             ("null_probability", "p(null | x)"),
             ("hubness", "hubness"))
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))

@@ -33,7 +33,8 @@ def test_there_are_gin_files():
 REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
             "QUERIES = '/tmp/a'", "TRAIN_JSONL = '/tmp/q.jsonl'",
             "INDEX_DIR = '/tmp/i'", "INIT_FROM = 'scratch'",
-            "OUTPUT_DIR = '/tmp/o'", "ANNOTATED = '/tmp/a/*'"]
+            "OUTPUT_DIR = '/tmp/o'", "ANNOTATED = '/tmp/a/*'",
+            "GATE_QUERIES = '/tmp/g'"]
 
 
 @pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)

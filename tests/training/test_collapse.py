@@ -3,8 +3,8 @@
 The guard's hubness and warnings on constructed collapsed states; then a
 small knowledge world (`realm_jax.testing.knowledge_world`), a short ICT
 warm start and a few REALM steps with the recipe
-(`experiments/pretrain_world_cpu.gin`: learned null score, reader warm-up,
-retriever on its own rate), during which p(null|x) and hubness must stay
+(`experiments/pretrain_world_cpu.gin`: learned null score, a fixed reader
+warm-up here, retriever on its own rate), during which p(null|x) and hubness must stay
 under the issue's bounds and no collapse warning may fire.
 """
 
@@ -31,7 +31,7 @@ def world_and_ict(tmp_path_factory):
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      "QUERIES = 'unused'",
+      "QUERIES = 'unused'", "GATE_QUERIES = 'unused'",
       "ict.IctTrainConfig.num_train_steps = 30",
       "ict.IctTrainConfig.batch_size = 16",
       "realm.RetrieverConfig.null_score = 'embedding'"])
@@ -48,8 +48,11 @@ def _pretrain(workdir, files, queries, ict_ckpts, bindings):
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      f"QUERIES = '{queries}'",
+      f"QUERIES = '{queries}'", "GATE_QUERIES = ''",
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
+      # A fixed warm-up (the recipe's gate is tested in
+      # test_retriever_gate.py): 4 frozen steps, then the retriever moves.
+      "pretrain.PretrainConfig.retriever_gate = 'steps'",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
       "pretrain.PretrainConfig.batch_size = 16",
       "pretrain.PretrainConfig.log_every = 2",
