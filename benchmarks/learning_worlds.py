@@ -1,0 +1,114 @@
+"""Tables and a plot of `benchmarks/learning.py` runs on several worlds.
+
+    python benchmarks/learning_worlds.py \\
+        --run="1000 people, seed 1, templates a=/tmp/gate/w1000_s1_a.jsonl" \\
+        --run="300 people, seed 2, templates b=/tmp/gate/w300_s2_b.jsonl" \\
+        --output=docs/results/learning_gate.jsonl \\
+        --plot=docs/results/learning_gate.png
+
+Merges the runs' JSON lines into one file (each line tagged with its
+`world`), prints one Markdown table of every (world, condition) at its last
+step next to ICT's, with the retriever's release step and pass/fail of the
+targets, and draws held-out recall@1, retrieval utility and hubness per
+step, one row of panels per world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _rows(path: str, world: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [dict(json.loads(line), world=world) for line in f if line.strip()]
+
+
+def summary_table(rows: list[dict]) -> str:
+  """One line per (world, condition): last step vs ICT's last step."""
+  lines = ["| world | condition | recall@1 | recall@5 | vs ICT @1 | "
+           "masked-token acc (null) | utility | max hubness (train) | "
+           "max p(null) (train) | retriever released at |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for world in dict.fromkeys(r["world"] for r in rows):
+    mine = [r for r in rows if r["world"] == world]
+    ict = [r for r in mine if r["condition"] == "ict" and "summary" not in r]
+    base = ict[-1]["recall@1"] if ict else float("nan")
+    for condition in dict.fromkeys(r["condition"] for r in mine):
+      evals = [r for r in mine if r["condition"] == condition
+               and "summary" not in r]
+      summary = next((r for r in mine if r["condition"] == condition
+                      and "summary" in r), {})
+      last = evals[-1]
+      release = summary.get("retriever_release_step", "-")
+      if condition in ("realm_fixed600",):
+        release = 600
+      lines.append(
+          f"| {world} | {condition} | {last['recall@1']:.3f} | "
+          f"{last['recall@5']:.3f} | {last['recall@1'] - base:+.3f} | "
+          f"{last['mlm_accuracy_marginal']:.3f} "
+          f"({last['mlm_accuracy_null']:.3f}) | "
+          f"{last['retrieval_utility']:.3f} | "
+          f"{summary.get('train_max_hubness', float('nan')):.3f} | "
+          f"{summary.get('train_max_null_probability', float('nan')):.3f} | "
+          f"{'never' if release is None else release} |")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  worlds = list(dict.fromkeys(r["world"] for r in rows))
+  panels = (("recall@1", "held-out recall@1"),
+            ("retrieval_utility", "held-out utility (nats)"),
+            ("hubness", "hubness"))
+  fig, axes = plt.subplots(len(worlds), len(panels),
+                           figsize=(5 * len(panels), 3.2 * len(worlds)),
+                           squeeze=False)
+  for i, world in enumerate(worlds):
+    mine = [r for r in rows if r["world"] == world and "summary" not in r]
+    releases = {r["condition"]: r.get("retriever_release_step")
+                for r in rows if r["world"] == world and "summary" in r}
+    for j, (key, title) in enumerate(panels):
+      ax = axes[i][j]
+      for c in dict.fromkeys(r["condition"] for r in mine):
+        pts = [(r["step"], r[key]) for r in mine if r["condition"] == c]
+        if c == "ict":
+          ax.axhline(pts[-1][1], linestyle="--", color="black",
+                     linewidth=1, label="ict")
+          continue
+        line, = ax.plot(*zip(*pts), marker="o", markersize=3, label=c)
+        release = 600 if c == "realm_fixed600" else releases.get(c)
+        if release is not None:
+          ax.axvline(release, color=line.get_color(), linestyle=":",
+                     linewidth=1)
+      ax.set_title(f"{world}: {title}", fontsize=9)
+      ax.set_xlabel("REALM step (dotted: retriever released)", fontsize=8)
+    axes[i][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=80)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--run", action="append", required=True,
+                      help="LABEL=path of a learning.py --output file.")
+  parser.add_argument("--output", default=None)
+  parser.add_argument("--plot", default=None)
+  args = parser.parse_args(argv)
+  rows = []
+  for run in args.run:
+    label, _, path = run.rpartition("=")
+    rows += _rows(path, label)
+  if args.output:
+    with open(args.output, "w", encoding="utf-8") as f:
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+  print(summary_table(rows))
+  if args.plot:
+    plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+  main()
