@@ -21,6 +21,13 @@ The cost is one forward pass of the reader over the queries used and a few
 seconds of head-only steps; `PretrainConfig.mlm_head_warmup_steps` turns it
 on for a run that starts from such a checkpoint. It touches nothing but the
 head, so the retriever (and index 0) are unchanged.
+
+`adapt_reader` goes further (`PretrainConfig.reader_adaptation_steps`):
+it trains the reader's BERT body as well as its head, reading each query
+with the null document, a random block and an "answer block" (another
+article's block that holds the masked span, `find_answer_blocks`), until
+the answer block helps on held-out queries. Still nothing of the
+retriever moves.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from realm_jax.model import functional
+from realm_jax.model import functional, losses
+from realm_jax.training import optimizer as optimizer_lib
 from realm_jax.training import realm_inputs
 
 
@@ -222,3 +230,428 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
                before[1], after[1], report["seconds"])
   reader = dict(params["reader"], mlm_head=head)
   return dict(params, reader=reader), report
+
+
+# -----------------------------------------------------------------------------
+# Reader adaptation: the body as well as the head, with answer blocks.
+# -----------------------------------------------------------------------------
+
+# Queries reader adaptation reads (the first ones of the run's query stream);
+# a tenth of them is held out.
+ADAPTATION_MAX_QUERIES = 2048
+# Documents each query is read with: the null document, a random block of
+# another article, an answer block (when one exists).
+NULL, RANDOM, ANSWER = 0, 1, 2
+# The answer block must help by more than this (nats per held-out mask) to
+# stop adaptation. Not 0: before the reader reads, a block's mere presence
+# shifts the log-likelihood of every mask by ~1e-4 nats, of either sign, and
+# a threshold of 0 then stops a reader that reads nothing (measured on the
+# knowledge world: 5e-5 nats at step 50, every accuracy 0).
+MIN_UTILITY = 0.05
+
+
+def masked_spans(queries: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+  """The masked wordpieces of each query, in position order (int32).
+
+  Salient-span masking masks one span, so this is the span itself; with
+  the random masking ablations it is the run of all masked wordpieces.
+  """
+  spans = []
+  for pos, tgt, w in zip(np.asarray(queries["mlm_positions"]),
+                         np.asarray(queries["mlm_targets"]),
+                         np.asarray(queries["mlm_weights"])):
+    real = w > 0
+    spans.append(tgt[real][np.argsort(pos[real], kind="stable")].astype(
+        np.int32))
+  return spans
+
+
+def _postings(store, firsts: np.ndarray, width: int, max_postings: int,
+              chunk_blocks: int) -> dict[int, tuple[np.ndarray, ...]]:
+  """Where the wordpieces `firsts` occur in the block bodies.
+
+  One pass over the store in chunks of blocks (stopped early once every
+  wordpiece has `max_postings` occurrences, which caps the cost of frequent
+  ones). Returns {wordpiece: (block ids, body columns, windows int32
+  [P, width] of the body from each occurrence on, zero past its end)}.
+  """
+  counts = {int(w): 0 for w in firsts}
+  found = {w: [] for w in counts}
+  wanted = np.array(sorted(counts), np.int32)
+  for lo in range(0, len(store), chunk_blocks):
+    ids = np.arange(lo, min(len(store), lo + chunk_blocks))
+    bodies, _ = store.bodies(ids, store.max_block_len)
+    rows, cols = np.nonzero(np.isin(bodies, wanted))
+    padded = np.pad(bodies, ((0, 0), (0, width)))
+    words = bodies[rows, cols]
+    for w in np.unique(words):
+      sel = np.flatnonzero(words == w)[:max_postings - counts[int(w)]]
+      counts[int(w)] += len(sel)
+      found[int(w)].append((ids[rows[sel]], cols[sel], padded[
+          rows[sel, None], cols[sel, None] + np.arange(width)]))
+    wanted = np.array([w for w in wanted if counts[int(w)] < max_postings],
+                      np.int32)
+    if not len(wanted):
+      break
+  empty = (np.zeros([0], np.int64), np.zeros([0], np.int64),
+           np.zeros([0, width], np.int32))
+  return {w: tuple(np.concatenate(p) for p in zip(*parts)) if parts
+          else empty for w, parts in found.items()}
+
+
+def _query_words(query_ids: np.ndarray, query_mask: np.ndarray,
+                 positions: np.ndarray) -> np.ndarray:
+  """The query's distinct wordpieces, without [CLS], [SEP] and masks."""
+  n = int(np.asarray(query_mask).sum())
+  keep = np.zeros(len(query_ids), bool)
+  keep[1:n - 1] = True
+  keep[positions] = False
+  return np.unique(query_ids[keep])
+
+
+def find_answer_blocks(queries: Mapping[str, np.ndarray], store, *,
+                       reader_length: int, max_postings: int = 4096,
+                       max_matches: int = 64,
+                       chunk_blocks: int = 4096) -> np.ndarray:
+  """An answer block per query: another article's block that holds its span.
+
+  A block qualifies when its body holds the query's masked wordpieces
+  (`masked_spans`) as a contiguous run, where the reader sees it (within
+  the `reader_length - len(query) - 1` body tokens the reader input keeps),
+  and its article is not the query's own (`store.doc_hash` vs.
+  `source_doc_hash`: REALM's no-trivial-retrieval rule, so the reader never
+  learns to copy the sentence's own context). Of the qualifying blocks, the
+  one that shares the most distinct wordpieces with the unmasked query is
+  chosen (the block a retriever would most likely return: on the knowledge
+  world, the person's biography rather than another one that names the
+  same city), the lowest block id on ties.
+
+  The search is by token matching over an inverted index, built in one pass
+  over the store, from the queries' first masked wordpieces to their first
+  `max_postings` occurrences (lowest block ids first); at most
+  `max_matches` (the lowest ids) qualifying blocks per query are compared.
+
+  Args:
+    queries: stacked REALM queries (`examples.REALM_QUERY_FEATURES`).
+    store: the knowledge corpus (`block_store.BlockStore`).
+    reader_length: the reader's input length.
+    max_postings, max_matches, chunk_blocks: cost caps (see above) and the
+      blocks read at a time.
+
+  Returns:
+    int64 [num_queries] block ids, -1 where no block qualifies.
+  """
+  spans = masked_spans(queries)
+  n = len(spans)
+  out = np.full([n], -1, np.int64)
+  lengths = [len(s) for s in spans if len(s)]
+  if not lengths or not len(store):
+    return out
+  index = _postings(store, np.unique([s[0] for s in spans if len(s)]),
+                    max(lengths), max_postings, chunk_blocks)
+  doc_hash = np.asarray(store.doc_hash)
+  for i, span in enumerate(spans):
+    if not len(span):
+      continue
+    blocks, cols, windows = index[int(span[0])]
+    room = (reader_length - int(np.sum(queries["query_mask"][i])) - 1)
+    ok = ((windows[:, :len(span)] == span).all(1)
+          & (cols + len(span) <= room)
+          & (doc_hash[blocks] != np.int64(queries["source_doc_hash"][i])))
+    candidates = np.unique(blocks[ok])[:max_matches]
+    if not len(candidates):
+      continue
+    words = _query_words(np.asarray(queries["query_ids"][i]),
+                         queries["query_mask"][i],
+                         np.asarray(queries["mlm_positions"][i])[
+                             np.asarray(queries["mlm_weights"][i]) > 0])
+    bodies, _ = store.bodies(candidates, max(room, 1))
+    shared = [len(np.intersect1d(b[b > 0], words)) for b in bodies]
+    out[i] = candidates[int(np.argmax(shared))]
+  return out
+
+
+def _random_blocks(rng: np.random.Generator, store,
+                   source_doc_hash: np.ndarray) -> np.ndarray:
+  """A uniformly random block per query, of another article than its own."""
+  doc_hash = np.asarray(store.doc_hash)
+  own_hash = np.asarray(source_doc_hash, np.int64)
+  blocks = rng.integers(0, len(store), len(own_hash))
+  for _ in range(8):  # Redraws: the own article is a tiny share of a corpus.
+    own = doc_hash[blocks] == own_hash
+    if not own.any():
+      return blocks
+    blocks[own] = rng.integers(0, len(store), int(own.sum()))
+  own = doc_hash[blocks] == own_hash
+  blocks[own] = (blocks[own] + 1) % len(store)  # Next article's, usually.
+  return blocks
+
+
+def _adaptation_batch(queries: Mapping[str, np.ndarray], rows: np.ndarray,
+                      random_blocks: np.ndarray, answer_blocks: np.ndarray,
+                      store, *, sep_id: int, reader_length: int
+                      ) -> dict[str, np.ndarray]:
+  """Reader inputs [B, 3, L] of `rows`, each read with the null document,
+  its random block and its answer block; "weights" [B, 3, M] are the real
+  masks', zero for the answer slot of a query without an answer block."""
+  b = len(rows)
+  has = answer_blocks >= 0
+  blocks = np.stack([random_blocks, np.where(has, answer_blocks, 0)], 1)
+  bodies, lengths = store.bodies(blocks.reshape(-1), store.max_block_len)
+  bodies = bodies.reshape(b, 2, -1) * np.stack(
+      [np.ones_like(has), has], 1)[..., None]
+  lengths = lengths.reshape(b, 2) * np.stack([np.ones_like(has), has], 1)
+  bodies = np.concatenate([np.zeros_like(bodies[:, :1]), bodies], 1)
+  lengths = np.concatenate([np.zeros_like(lengths[:, :1]), lengths], 1)
+  q = {k: np.asarray(v)[rows] for k, v in queries.items()}
+  inputs = realm_inputs.reader_inputs(
+      q["query_ids"], q["query_mask"], bodies, lengths,
+      seq_len=reader_length, sep_id=sep_id,
+      pad_id=int(store.manifest.get("pad_id", 0)))
+  read = np.stack([np.ones(b), np.ones(b), has], 1).astype(np.float32)
+  return dict(inputs, mlm_positions=q["mlm_positions"].astype(np.int32),
+              mlm_targets=q["mlm_targets"].astype(np.int32),
+              weights=(q["mlm_weights"][:, None, :].astype(np.float32)
+                       * read[:, :, None]))
+
+
+def _adaptation_fns(graphdef, tx):
+  """Jitted (train step, evaluation) of the reader's body and head."""
+
+  def token_ll(params, trained, batch, dropout_rng):
+    reader = dict(params["reader"], **trained)
+    model = functional.bind(graphdef, dict(params, reader=reader)).reader
+    positions = jnp.broadcast_to(batch["mlm_positions"][:, None, :],
+                                 batch["weights"].shape)
+    logits = model.mlm_logits(batch["token_ids"], batch["input_mask"],
+                              batch["segment_ids"], positions,
+                              dropout_rng=dropout_rng)
+    return logits, losses.token_log_likelihoods(logits, batch["mlm_targets"])
+
+  def loss_fn(trained, params, batch, dropout_rng):
+    _, ll = token_ll(params, trained, batch, dropout_rng)
+    w = batch["weights"]
+    return -jnp.sum(ll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+  @jax.jit
+  def step(trained, opt_state, params, batch, dropout_rng):
+    loss, grads = jax.value_and_grad(loss_fn)(trained, params, batch,
+                                              dropout_rng)
+    updates, opt_state = tx.update(grads, opt_state, trained)
+    return optax.apply_updates(trained, updates), opt_state, loss
+
+  @jax.jit
+  def evaluate(trained, params, batch):
+    logits, ll = token_ll(params, trained, batch, None)
+    correct = jnp.argmax(logits, -1) == batch["mlm_targets"][:, None, :]
+    return ll, correct
+
+  return step, evaluate
+
+
+def _heldout_metrics(evaluate, trained, params, batches) -> dict[str, float]:
+  """Held-out masked-token accuracy with each document and the utilities.
+
+  `batches` are `_adaptation_batch`es of the held-out queries (padding rows
+  have zero weights). Utilities are mean log-likelihood differences over
+  real masks, in nats: the answer block's over the queries that have one.
+  """
+  sums = np.zeros([3, 3])  # [document, (correct, log-likelihood, masks)]
+  answer_gain = random_gain = 0.0
+  for batch in batches:
+    ll, correct = (np.asarray(x, np.float64)
+                   for x in evaluate(trained, params, batch))
+    w = np.asarray(batch["weights"], np.float64)
+    for doc in (NULL, RANDOM, ANSWER):
+      sums[doc] += [np.sum(correct[:, doc] * w[:, doc]),
+                    np.sum(ll[:, doc] * w[:, doc]), np.sum(w[:, doc])]
+    answer_gain += np.sum((ll[:, ANSWER] - ll[:, NULL]) * w[:, ANSWER])
+    random_gain += np.sum((ll[:, RANDOM] - ll[:, NULL]) * w[:, RANDOM])
+
+  def ratio(x, n):
+    return float(x / n) if n else float("nan")
+
+  names = {NULL: "null", RANDOM: "random", ANSWER: "answer"}
+  out = {f"accuracy_{names[d]}": ratio(sums[d, 0], sums[d, 2])
+         for d in names}
+  out.update({f"loss_{names[d]}": ratio(-sums[d, 1], sums[d, 2])
+              for d in names})
+  out["utility"] = ratio(answer_gain, sums[ANSWER, 2])
+  out["random_utility"] = ratio(random_gain, sums[RANDOM, 2])
+  return out
+
+
+def _split_queries(n: int, max_queries: int, seed: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """(training rows, held-out rows): a seeded subset of at most
+  `max_queries` queries, a fixed tenth of it held out."""
+  rng = np.random.default_rng([seed, 3])
+  chosen = np.sort(rng.permutation(n)[:max_queries])
+  held = np.zeros(len(chosen), bool)
+  held[rng.permutation(len(chosen))[:max(1, len(chosen) // 10)]] = True
+  return chosen[~held], chosen[held]
+
+
+def _evaluation_batches(queries, rows, answer_blocks, store, *, sep_id,
+                        reader_length, batch_size, seed) -> list[dict]:
+  """The held-out queries' fixed batches (one random block each, drawn
+  once), padded to `batch_size` rows with zero weights (one compilation)."""
+  random_blocks = _random_blocks(np.random.default_rng([seed, 4]), store,
+                                 np.asarray(queries["source_doc_hash"])[rows])
+  batches = []
+  for lo in range(0, len(rows), batch_size):
+    part = np.arange(lo, min(len(rows), lo + batch_size))
+    pad = np.concatenate([part, np.full(batch_size - len(part), part[0])])
+    batch = _adaptation_batch(queries, rows[pad], random_blocks[pad],
+                              answer_blocks[pad], store, sep_id=sep_id,
+                              reader_length=reader_length)
+    batch["weights"][len(part):] = 0.0
+    batches.append(batch)
+  return batches
+
+
+def _log_evaluation(point: dict[str, Any], steps: int, t0: float,
+                    min_utility: float, patience: int) -> None:
+  step = point["step"]
+  elapsed = time.time() - t0
+  eta = elapsed / step * (steps - step) if step else float("nan")
+  logging.info(
+      "reader adaptation: step %d/%d (%.0f%%), %.0f s, ETA <= %.0f s; "
+      "held-out accuracy null %.3f random %.3f answer %.3f; answer-block "
+      "utility %.4f nats (> %g: %d/%d in a row), random block %.4f",
+      step, steps, 100.0 * step / steps, elapsed, eta,
+      point["accuracy_null"], point["accuracy_random"],
+      point["accuracy_answer"], point["utility"], min_utility,
+      point["streak"], patience, point["random_utility"])
+
+
+def _json_safe(value):
+  """NaN (no held-out answer block) as null: strict JSON has no NaN."""
+  return None if isinstance(value, float) and np.isnan(value) else value
+
+
+def _train_until_useful(params, graphdef, tx, heldout, make_batch, *,
+                        steps, eval_every, min_utility, patience, seed, t0):
+  """`adapt_reader`'s loop: (reader body and head, curve, stop reason,
+  steps trained)."""
+  step_fn, evaluate = _adaptation_fns(graphdef, tx)
+  trained = {k: jax.tree_util.tree_map(jnp.asarray, params["reader"][k])
+             for k in ("bert", "mlm_head")}
+  opt_state, curve, streak, reason, done = tx.init(trained), [], 0, "steps", 0
+  for done in range(steps + 1):
+    if done % eval_every == 0 or done == steps:
+      point = {"step": done, **_heldout_metrics(evaluate, trained, params,
+                                                heldout)}
+      # Step 0 is the baseline: only what training did counts.
+      streak = streak + 1 if done and point["utility"] > min_utility else 0
+      curve.append(dict(point, streak=streak,
+                        seconds=round(time.time() - t0, 1)))
+      _log_evaluation(curve[-1], steps, t0, min_utility, patience)
+      if streak >= patience:
+        reason = "utility"
+        break
+    if done == steps:
+      break
+    trained, opt_state, _ = step_fn(
+        trained, opt_state, params, make_batch(done),
+        jax.random.fold_in(jax.random.key(seed), done))
+  return trained, curve, reason, done
+
+
+def adapt_reader(params: dict[str, Any], graphdef,
+                 queries: Mapping[str, np.ndarray], *, store, sep_id: int,
+                 reader_length: int, steps: int, batch_size: int = 16,
+                 learning_rate: float = 1e-4, eval_every: int = 50,
+                 min_utility: float = MIN_UTILITY, patience: int = 2,
+                 max_queries: int = ADAPTATION_MAX_QUERIES,
+                 seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Trains the reader (BERT body and MLM head) until an answer block helps.
+
+  REALM's cold start: a reader that gains nothing from the retrieved blocks
+  learns to ignore them, and the retriever never gets a signal. So before
+  joint training the reader alone (the retriever untouched) learns the
+  run's salient-span masks, each query read with the null document, a
+  random block of another article and, where one exists, an answer block
+  (`find_answer_blocks`). The loss is the plain masked-LM cross-entropy of
+  every (query, document) pair over real masks. A fixed tenth of the
+  queries used is held out; every `eval_every` steps (and at step 0, a
+  baseline that does not count) their masked-token accuracies with each
+  document and the answer-block utility, log p(y|answer block, x) -
+  log p(y|null, x) in nats per mask, are measured. Training stops once the
+  utility exceeds `min_utility` at `patience` evaluations in a row
+  (reason "utility"), or after `steps` (reason "steps").
+
+  Args:
+    params: {"retriever", "reader"} parameters; the reader has an MLM head.
+    graphdef: the `Realm` graph definition.
+    queries: stacked REALM queries (`examples.REALM_QUERY_FEATURES`).
+    store, sep_id, reader_length: the knowledge corpus, [SEP] and the
+      reader's input length.
+    steps: the most training steps (the stop rule may end sooner).
+    batch_size: queries per step (each read with 3 documents).
+    learning_rate: the peak rate of BERT's optimiser (after a warmup of
+      steps // 10, decaying linearly to 0 at `steps`).
+    eval_every, min_utility, patience: the evaluations and the stop rule
+      (`MIN_UTILITY` says why the threshold is not 0).
+    max_queries: queries used (a seeded subset when there are more).
+    seed: subset, split, blocks, batches and dropout: the result is a
+      function of the inputs and the seed.
+
+  Returns:
+    The parameters with the new reader body and head (the retriever is the
+    same object), and a report: {"curve": the evaluations, "stop_reason",
+    "steps" trained, "max_steps", the query counts and answer-block shares,
+    "seconds"}.
+
+  Raises:
+    ValueError: if the reader has no MLM head, `steps`, `eval_every` or
+      `patience` is < 1, or there are too few queries.
+  """
+  if "mlm_head" not in params.get("reader", {}):
+    raise ValueError("adapt_reader: the reader has no MLM head "
+                     "(ReaderConfig.mlm_head=False).")
+  if steps < 1 or eval_every < 1 or patience < 1:
+    raise ValueError("adapt_reader: steps, eval_every and patience must be "
+                     f">= 1, got {steps}, {eval_every}, {patience}.")
+  t0 = time.time()
+  queries = {k: np.asarray(v) for k, v in queries.items()}
+  train, held = _split_queries(len(queries["query_ids"]), max_queries, seed)
+  if not len(train):
+    raise ValueError("adapt_reader: too few queries to hold a tenth out "
+                     f"({len(queries['query_ids'])}).")
+  answers = np.full(len(queries["query_ids"]), -1, np.int64)
+  used = np.concatenate([train, held])
+  answers[used] = find_answer_blocks({k: v[used] for k, v in queries.items()},
+                                     store, reader_length=reader_length)
+  heldout = _evaluation_batches(queries, held, answers, store, sep_id=sep_id,
+                                reader_length=reader_length,
+                                batch_size=batch_size, seed=seed)
+  # BERT's optimiser (clipping, weight decay, warmup then linear decay over
+  # `steps`) with Adam's bias correction: raw moments' larger early steps
+  # make a reader memorise facts rather than read (docs/results/learning.md).
+  tx = optimizer_lib.bert_optimizer(
+      learning_rate=learning_rate, num_train_steps=steps,
+      warmup_steps=steps // 10, bias_correction=True)
+
+  def make_batch(done):
+    rng = np.random.default_rng([seed, 5, done])
+    rows = rng.choice(train, min(batch_size, len(train)), replace=False)
+    return _adaptation_batch(
+        queries, rows, _random_blocks(rng, store, queries["source_doc_hash"][
+            rows]), answers[rows], store, sep_id=sep_id,
+        reader_length=reader_length)
+
+  trained, curve, reason, done = _train_until_useful(
+      params, graphdef, tx, heldout, make_batch, steps=steps,
+      eval_every=eval_every, min_utility=min_utility, patience=patience,
+      seed=seed, t0=t0)
+  report = {
+      "curve": [{k: _json_safe(v) for k, v in p.items()} for p in curve],
+      "stop_reason": reason, "steps": done, "max_steps": steps,
+      "queries": len(train), "heldout_queries": len(held),
+      "train_answer_share": float(np.mean(answers[train] >= 0)),
+      "heldout_answer_share": float(np.mean(answers[held] >= 0)),
+      "seconds": round(time.time() - t0, 1)}
+  logging.info("reader adaptation stopped at step %d/%d (%s) after %.0f s",
+               done, steps, reason, report["seconds"])
+  return dict(params, reader=dict(params["reader"], **trained)), report

@@ -103,6 +103,19 @@ class PretrainConfig(loop.TrainConfig):
       reader's MLM head alone to the queries' masks for this many steps
       (0: off). For checkpoints without an MLM head (MiniLM); see
       `training.mlm_warmup`.
+    reader_adaptation_steps: a fresh run then trains the reader (its BERT
+      body and MLM head; the retriever does not move) on the queries' masks,
+      each read with the null document, a random block and an answer block
+      (another article's block holding the masked span), for at most this
+      many steps (0: off); it stops sooner once an answer block helps on
+      held-out queries (`mlm_warmup.adapt_reader`). Its curve and stop
+      reason go to reader_adaptation.json.
+    reader_adaptation_learning_rate: its peak learning rate (BERT's
+      optimiser with Adam's bias correction, warmup, linear decay).
+    reader_adaptation_eval_every: its held-out evaluations' period (steps).
+    reader_adaptation_min_utility: its stop threshold: the answer block's
+      held-out utility (nats per mask) must exceed it at 2 evaluations in a
+      row.
     num_candidates: retrieved blocks per query k (REALM: 7), plus the null
       document when `null_document`.
     null_document: put the empty document first among the candidates.
@@ -171,6 +184,10 @@ class PretrainConfig(loop.TrainConfig):
   gate_patience: int = 2
   adam_bias_correction: bool = False
   mlm_head_warmup_steps: int = 0
+  reader_adaptation_steps: int = 0
+  reader_adaptation_learning_rate: float = 1e-4
+  reader_adaptation_eval_every: int = 50
+  reader_adaptation_min_utility: float = mlm_warmup.MIN_UTILITY
   num_candidates: int = 7
   null_document: bool = True
   masking: str = "salient"
@@ -193,6 +210,11 @@ class PretrainConfig(loop.TrainConfig):
   def __post_init__(self):
     super().__post_init__()
     checks.at_least(self, "num_candidates")
+    checks.at_least(self, "reader_adaptation_steps", minimum=0, integer=True)
+    checks.at_least(self, "reader_adaptation_eval_every", integer=True)
+    if not self.reader_adaptation_learning_rate > 0:
+      raise ValueError("reader_adaptation_learning_rate must be > 0, got "
+                       f"{self.reader_adaptation_learning_rate!r}.")
     if self.index_mode not in INDEX_MODES:
       raise ValueError(f"index_mode={self.index_mode!r}; use one of "
                        f"{INDEX_MODES}.")
@@ -741,10 +763,33 @@ def make_optimizer(config: PretrainConfig):
 
 def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
                     fresh, queries, store, is_chief: bool):
-  """`init_from`, then the MLM-head warm start when the config asks."""
+  """`init_from`, then the MLM-head warm start and the reader adaptation
+  when the config asks."""
   params = init_lib.initial_params(model, fresh, config.init_from)
-  if not config.mlm_head_warmup_steps:
-    return params
+  if config.mlm_head_warmup_steps:
+    params = _warm_start_head(config, graphdef, params, queries, store,
+                              is_chief)
+  if config.reader_adaptation_steps:
+    # Deterministic from the seed on the same queries: every host adapts
+    # the reader identically, so the replicated parameters agree.
+    params, report = mlm_warmup.adapt_reader(
+        params, graphdef,
+        queries.head(mlm_warmup.ADAPTATION_MAX_QUERIES), store=store,
+        sep_id=int(store.manifest["sep_id"]),
+        reader_length=config.reader_length,
+        steps=config.reader_adaptation_steps,
+        learning_rate=config.reader_adaptation_learning_rate,
+        eval_every=config.reader_adaptation_eval_every,
+        min_utility=config.reader_adaptation_min_utility, seed=config.seed)
+    if is_chief:
+      io_utils.write_json(
+          io_utils.join(config.workdir, "reader_adaptation.json"), report)
+  return params
+
+
+def _warm_start_head(config: PretrainConfig, graphdef, params, queries, store,
+                     is_chief: bool):
+  """The MLM-head warm start (`mlm_warmup.warm_start_mlm_head`)."""
   # Every host runs the same deterministic warm start on the same queries,
   # so the replicated parameters agree.
   params, report = mlm_warmup.warm_start_mlm_head(
