@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import jax
 from realm_jax import ask as ask_lib
-from realm_jax.core import checkpoints
+from realm_jax.core import checkpoints, checks
 from realm_jax.data import block_store
 from realm_jax.data import annotate_job, corpus_job, demo_qa, query_cache
 from realm_jax.data import wikipedia
@@ -107,6 +107,7 @@ class DemoConfig:
   finetune_bindings: tuple[str, ...] = ()
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.model not in ("minilm", "tiny"):
       raise ValueError(f"DemoConfig.model={self.model!r}; use 'minilm' or "
                        "'tiny'.")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from realm_jax.checkpoint_import import core, exported, importers
-from realm_jax.core import dataclass_json
+from realm_jax.core import checks, dataclass_json
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, RetrieverConfig
@@ -199,6 +199,9 @@ class ExportConfig:
   output_dir: str
   step: int | None = None
   vocab_path: str | None = None
+
+  def __post_init__(self):
+    checks.field_types(self)
 
 
 def export_checkpoint(config: ExportConfig) -> str:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import functools
 import numbers
+import os
+import types
+import typing
 from typing import Any
+
+import numpy as np
 
 
 def at_least(config: Any, *names: str, minimum: float = 1,
@@ -27,3 +35,104 @@ def at_least(config: Any, *names: str, minimum: float = 1,
       raise ValueError(
           f"{type(config).__name__}.{name} must be "
           f"{'an int ' if integer else ''}>= {minimum}, got {value!r}.")
+
+
+class ConfigTypeError(TypeError, ValueError):
+  """A config field holds a value of another type than it declares.
+
+  Also a ValueError: callers that catch a bad config's ValueError (a union
+  of configs tried in turn when reading JSON, a job's error report) treat
+  a wrong type as the bad value it is.
+  """
+
+
+@functools.lru_cache(maxsize=None)
+def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+  """(name, resolved type) of each init field of dataclass `cls`.
+
+  The modules use `from __future__ import annotations`, so the annotations
+  are strings until `typing.get_type_hints` resolves them. Cached per
+  class: configs are built often (`dataclasses.replace`).
+  """
+  hints = typing.get_type_hints(cls)
+  return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls)
+               if f.init)
+
+
+def _type_name(hint: Any) -> str:
+  if hint is type(None):
+    return "None"
+  if isinstance(hint, type) and not typing.get_args(hint):
+    return hint.__name__
+  return str(hint).replace("typing.", "")
+
+
+def _matches(value: Any, hint: Any) -> bool:
+  """Whether `value` is of type `hint` (recursing into containers)."""
+  if hint is Any or isinstance(hint, typing.TypeVar):
+    return True
+  if hint is None or hint is type(None):
+    return value is None
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin in (typing.Union, types.UnionType):
+    return any(_matches(value, a) for a in args)
+  if origin is typing.Literal:
+    return value in args
+  if origin is tuple:
+    if not isinstance(value, tuple):
+      return False
+    if len(args) == 2 and args[1] is Ellipsis:
+      return all(_matches(v, args[0]) for v in value)
+    return not args or (len(args) == len(value) and
+                        all(_matches(v, a) for v, a in zip(value, args)))
+  if origin in (list, collections.abc.Sequence):
+    kind = list if origin is list else collections.abc.Sequence
+    return (isinstance(value, kind) and not isinstance(value, str) and
+            (not args or all(_matches(v, args[0]) for v in value)))
+  if origin in (dict, collections.abc.Mapping):
+    kind = dict if origin is dict else collections.abc.Mapping
+    return isinstance(value, kind) and (not args or all(
+        _matches(k, args[0]) and _matches(v, args[1])
+        for k, v in value.items()))
+  if origin is collections.abc.Callable or hint is collections.abc.Callable:
+    return callable(value)
+  # A bool is an int to Python, never to a config: `batch_size=True` is a
+  # mistake. numpy scalars (e.g. read from an array) are registered with
+  # `numbers`.
+  if hint is bool:
+    return isinstance(value, (bool, np.bool_))
+  if hint is int:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+  if hint is float:  # An int is a float here (gin writes `1` for `1.0`).
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+  if hint is str:
+    # Python callers pass paths as `pathlib.Path`; io_utils takes both.
+    return isinstance(value, (str, os.PathLike))
+  if isinstance(hint, type):
+    return isinstance(value, hint)
+  return True  # A form this check does not model (e.g. a Protocol).
+
+
+def field_types(config: Any) -> None:
+  """Raises ConfigTypeError unless each field of `config` has its type.
+
+  The one type check of every config dataclass: call it first in
+  `__post_init__`, before any comparison, so that `checkpoint_every=2.5`
+  or `batch_size=8.0` fail when the config is built, not steps later after
+  outputs were written. Types come from the class's annotations (a
+  subclass's fields included): `int` takes no float and no bool, `float`
+  takes an int, `Optional[...]`, unions, `Literal`, tuples (of fixed or
+  any length), lists and dicts are checked with their items.
+
+  Args:
+    config: a dataclass instance.
+
+  Raises:
+    ConfigTypeError: naming the class, the field, the value and the type.
+  """
+  for name, hint in _field_hints(type(config)):
+    value = getattr(config, name)
+    if not _matches(value, hint):
+      raise ConfigTypeError(
+          f"{type(config).__name__}.{name} must be {_type_name(hint)}, got "
+          f"{value!r} ({type(value).__name__}).")

@@ -44,7 +44,7 @@ import uuid
 from absl import logging
 import apache_beam as beam
 
-from realm_jax.core import io_utils
+from realm_jax.core import checks, io_utils
 from realm_jax.data import beam_utils
 from realm_jax.data import salient_spans
 from realm_jax.data import wikipedia
@@ -153,6 +153,7 @@ class AnnotateConfig:
   overwrite: bool = False
 
   def __post_init__(self):
+    checks.field_types(self)
     for name in ("num_shards", "max_documents"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")

@@ -43,7 +43,7 @@ from absl import logging
 import apache_beam as beam
 import numpy as np
 
-from realm_jax.core import io_utils
+from realm_jax.core import checks, io_utils
 from realm_jax.data import beam_utils
 from realm_jax.data import block_store
 from realm_jax.data import blocks as blocks_lib
@@ -106,6 +106,7 @@ class CorpusConfig:
   overwrite: bool = False
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.max_block_len < blocks_lib.NUM_SPECIAL_TOKENS + 2:
       raise ValueError(
           f"max_block_len={self.max_block_len} leaves no room for a title "

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from realm_jax.core import checks
 from realm_jax.data import salient_spans as salient_spans_lib
 
 MASKING_MODES = ("salient", "random_tokens", "random_spans")
@@ -76,6 +77,7 @@ class RealmQueryConfig:
   span_length_p: float = 0.2
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.masking not in MASKING_MODES:
       raise ValueError(f"masking={self.masking!r}; use one of {MASKING_MODES}.")
     if self.max_masks < 1:
@@ -119,6 +121,7 @@ class IctConfig:
   remove_probability: float = 0.9
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.query_length < 3:
       raise ValueError(f"query_length={self.query_length} must be >= 3 "
                        "([CLS] sentence [SEP]).")

@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import numpy as np
 
-from realm_jax.core import io_utils
+from realm_jax.core import checks, io_utils
 from realm_jax.data import examples as examples_lib
 
 FORMAT_VERSION = 1
@@ -650,6 +650,7 @@ class QueryCacheConfig:
       init=False, default=examples_lib.RealmQueryConfig())
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.trainer_config:  # (its paths do not matter here)
       object.__setattr__(self, "query_config", trainer_query_config(
           self.trainer_config(workdir="", block_store="", queries="")))

@@ -53,7 +53,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
-from realm_jax.core import checkpoints, io_utils, parallel
+from realm_jax.core import checkpoints, checks, io_utils, parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
@@ -255,6 +255,7 @@ class EvalConfig:
   dpr_retrieval: bool = False
 
   def __post_init__(self):
+    checks.field_types(self)
     if not self.recall_ks or min(self.recall_ks) < 1:
       raise ValueError(f"EvalConfig.recall_ks={self.recall_ks} must be "
                        "positive integers, e.g. (1, 5, 20, 100).")

@@ -37,7 +37,7 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from realm_jax.core import checkpoints
+from realm_jax.core import checkpoints, checks
 from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
@@ -98,6 +98,7 @@ class BuilderConfig:
   done_grace_seconds: float = 60.0
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.searcher_kind not in ("scann", "exact"):
       raise ValueError(f"searcher_kind={self.searcher_kind!r}; use 'scann' "
                        "or 'exact'.")

@@ -74,6 +74,7 @@ class ExactConfig(SearcherConfig):
   queries_per_block: int = 256
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.backend not in ("numpy", "jax"):
       raise ValueError(
           f"ExactConfig.backend must be 'numpy' or 'jax', got "
@@ -163,6 +164,7 @@ class ScannConfig(SearcherConfig):
   search_batch_size: int = 256
 
   def __post_init__(self):
+    checks.field_types(self)
     checks.at_least(self, "num_leaves", "num_leaves_to_search",
                     "min_partition_size", "training_sample_size",
                     integer=True, optional=True)
@@ -261,13 +263,15 @@ class ShardedConfig(SearcherConfig):
   Attributes:
     num_shards: number of row ranges (sizes differ by at most one row).
     shard_kind: "exact" or "scann".
-    shard_config: config of every shard; None = that kind's default.
+    shard_config: config of every shard (or its `to_dict()`, as read from
+      JSON); None = that kind's default.
   """
   num_shards: int = 2
   shard_kind: str = "scann"
-  shard_config: ShardConfig | None = None
+  shard_config: ShardConfig | Mapping[str, Any] | None = None
 
   def __post_init__(self):
+    checks.field_types(self)
     checks.at_least(self, "num_shards", integer=True)
     if self.shard_kind not in SHARD_CONFIGS:
       raise ValueError(

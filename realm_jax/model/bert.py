@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from realm_jax.core import checks
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION_BATCHINGS = ("whole_batch", "per_sequence")
 DROPOUT_MASK_BITS = (32, 16)
@@ -89,6 +91,7 @@ class BertConfig:
   dropout_mask_bits: int = 32
 
   def __post_init__(self):
+    checks.field_types(self)
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                  "intermediate_size", "max_position_embeddings",
                  "type_vocab_size"):

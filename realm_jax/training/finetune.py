@@ -108,12 +108,12 @@ class FinetuneConfig(loop.TrainConfig):
   index_step: int | None = None
 
   def __post_init__(self):
+    super().__post_init__()  # The types first (`checks.field_types`).
     if (self.num_train_steps is None) == (self.num_epochs is None):
       raise ValueError(
           "Set exactly one of FinetuneConfig.num_train_steps and num_epochs "
           f"(got num_train_steps={self.num_train_steps}, num_epochs="
           f"{self.num_epochs}); set the other to None.")
-    super().__post_init__()
     if self.num_epochs is not None and self.num_epochs <= 0:
       raise ValueError("FinetuneConfig.num_epochs must be > 0.")
     self.qa_config(self.max_span_width or 1)  # Its checks, with its message.

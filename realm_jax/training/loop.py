@@ -74,6 +74,7 @@ class TrainConfig:
   seed: int = 0
 
   def __post_init__(self):
+    checks.field_types(self)  # Every subclass's fields too.
     checks.at_least(self, "num_train_steps", optional=True)
     checks.at_least(self, "batch_size", "checkpoint_every",
                     "keep_checkpoints", "log_every")

@@ -54,6 +54,7 @@ class QAConfig:
   max_span_width: int = 10
 
   def __post_init__(self):
+    checks.field_types(self)
     if self.num_reader_blocks > self.num_retrieved:
       raise ValueError(
           f"num_reader_blocks={self.num_reader_blocks} exceeds num_retrieved="
