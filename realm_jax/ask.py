@@ -13,7 +13,10 @@ The weights, index and blocks are `qa_eval.EvalConfig`'s (runs/eval.gin);
 a checkpoint's own model config and QA sizes are used
 (`qa_eval.checked_run_configs`). --json, --top_k and --snippet_chars only
 change how answers are shown. Weights whose span head was never trained
-(e.g. INIT_FROM='minilm') answer with a notice (JSON: "notice").
+(e.g. INIT_FROM='minilm') answer with a notice (JSON: "notice"). An empty
+question is an error; one longer than `QAConfig.question_length` is
+answered from its first wordpieces with a warning saying how many were kept
+(JSON: "warning").
 
 From Python:
 
@@ -46,8 +49,13 @@ def ask(question: str, qa_model: QAModel, top_k: int = 5) -> QAResult:
 
   Returns:
     The answer, its score and the evidence blocks with p(z|x).
+
+  Raises:
+    ValueError: the question is empty or whitespace. One longer than the
+      model's question length is answered from its first wordpieces, with
+      a warning saying how many were kept (`QAModel.ask`).
   """
-  return qa_model.predict([question], num_evidence=top_k)[0]
+  return qa_model.ask(question, top_k=top_k)
 
 
 def format_result(result: QAResult, snippet_chars: int = 200) -> str:
@@ -96,6 +104,13 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
   if not questions:
     raise SystemExit('Ask something: python -m realm_jax.ask ... "Where was '
                      'Mozart born?"')
+  # Before the model loads (which takes a while): an empty argument is a
+  # mistake (an unset shell variable), never a question.
+  for i, question in enumerate(questions):
+    if not question.strip():
+      raise SystemExit(f"Question {i + 1} of {len(questions)} is empty "
+                       f"({question!r}); ask something: python -m "
+                       'realm_jax.ask ... "Where was Mozart born?"')
   qa_eval.require(config, block_store="BLOCK_STORE")
   checkpoint_dir = config.checkpoint_dir or (
       checkpoints.checkpoint_dir(config.workdir) if config.workdir else None)
@@ -115,11 +130,21 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
             "Notice: " + qa_model_lib.UNTRAINED_SPAN_HEAD)
   if notice and not f.json:
     print(notice + "\n", flush=True)
-  for result in model.predict(questions, num_evidence=f.top_k):
+  # A question longer than the model reads is answered from its start,
+  # with a warning saying how much of it was read.
+  try:
+    warnings = [model.check_question(q) for q in questions]
+  except ValueError as e:  # No wordpieces (e.g. control characters only).
+    raise SystemExit(str(e)) from e
+  for result, warning in zip(
+      model.predict(questions, num_evidence=f.top_k), warnings):
     if f.json:
-      row = dict(result.to_json(), **({"notice": notice} if notice else {}))
+      row = dict(result.to_json(), **({"notice": notice} if notice else {}),
+                 **({"warning": warning} if warning else {}))
       print(json.dumps(row, ensure_ascii=False), flush=True)
     else:
+      if warning:
+        print(f"Warning: {warning}", flush=True)
       print(format_result(result, f.snippet_chars) + "\n", flush=True)
 
 

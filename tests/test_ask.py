@@ -27,6 +27,8 @@ QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
 QUESTIONS = ["Where was Mozart born?", "When did the Berlin Wall fall?",
              "What is the capital of Japan?", "Who explored the Amazon?",
              "Where was Einstein born?", "Where was Shakespeare born?"]
+# 10,000 wordpieces; the model reads 14 (question_length 16).
+LONG_QUESTION = " ".join([QUESTIONS[0]] * 2000)
 
 
 @pytest.fixture(scope="module")
@@ -150,28 +152,82 @@ def test_format_result(setup):
              if line.startswith("      "))
 
 
-def test_cli_json(setup):
+@pytest.mark.parametrize("question", ["", "   ", "\n\t "])
+def test_an_empty_question_is_an_error(setup, question):
+  with pytest.raises(ValueError, match="is empty; ask something"):
+    setup["model"].ask(question)
+  with pytest.raises(ValueError, match="is empty; ask something"):
+    ask_lib.ask(question, setup["model"])
+
+
+def test_a_long_question_is_answered_with_a_warning(setup, caplog):
+  """It is cut to the question length, with a warning saying how much
+  was kept; a question that fits gets none."""
+  model = setup["model"]
+  num_pieces = len(Tokenizer().tokenize([LONG_QUESTION])[0])
+  assert num_pieces == 10_000
+  with caplog.at_level("WARNING"):
+    model.ask(QUESTIONS[0])
+  assert "was cut" not in caplog.text
+  with caplog.at_level("WARNING"):
+    result = model.ask(LONG_QUESTION)
+  cut = [r.getMessage() for r in caplog.records
+         if "was cut" in r.getMessage()]
+  assert len(cut) == 1, caplog.text
+  assert "14 of its 10000 wordpieces were kept" in cut[0]
+  assert "QAConfig.question_length=16" in cut[0]
+  # Answered from its first 14 wordpieces: 14 of three times QUESTIONS[0].
+  thrice = model.predict([" ".join([QUESTIONS[0]] * 3)])[0]
+  assert result.question == LONG_QUESTION
+  assert result.retrieved_ids == thrice.retrieved_ids
+  assert result.prediction == thrice.prediction
+
+
+def _cli_bindings(setup) -> list[str]:
+  """models/tiny.gin's flags, resized to the fixture's model."""
   b = setup["config"].retriever.bert
-  # models/tiny.gin, resized to the fixture's model.
-  bindings = [f"--gin.BertConfig.{f.name}={getattr(b, f.name)!r}"
-              for f in dataclasses.fields(b)] + [
-                  "--gin.RetrieverConfig.projection_size=16",
-                  "--gin.RetrieverConfig.pooling='mean'",
-                  "--gin.ReaderConfig.span_hidden_size=8",
-                  "--gin.ReaderConfig.max_span_width=4"] + [
-                      f"--gin.QAConfig.{f.name}={getattr(QA_CONFIG, f.name)}"
-                      for f in dataclasses.fields(QA_CONFIG)]
+  return [f"--gin.BertConfig.{f.name}={getattr(b, f.name)!r}"
+          for f in dataclasses.fields(b)] + [
+              "--gin.RetrieverConfig.projection_size=16",
+              "--gin.RetrieverConfig.pooling='mean'",
+              "--gin.ReaderConfig.span_hidden_size=8",
+              "--gin.ReaderConfig.max_span_width=4"] + [
+                  f"--gin.QAConfig.{f.name}={getattr(QA_CONFIG, f.name)}"
+                  for f in dataclasses.fields(QA_CONFIG)]
+
+
+def test_cli_refuses_an_empty_question(setup):
+  """`realm-ask ""` exits non-zero before loading anything."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+       "--gin_file=runs/eval.gin", *_cli_bindings(setup),
+       f"--gin.WORKDIR='{setup['workdir']}'",
+       f"--gin.BLOCK_STORE='{setup['store'].path}'", QUESTIONS[0], "  "],
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+  assert proc.returncode != 0
+  assert "Question 2 of 2 is empty ('  '); ask something" in proc.stderr
+  assert not proc.stdout.strip()  # Not even the first one was answered.
+
+
+def test_cli_json(setup):
+  bindings = _cli_bindings(setup)
   proc = subprocess.run(
       [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *bindings,
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'", "--json", "--top_k=2",
-       QUESTIONS[0], QUESTIONS[4]],
+       QUESTIONS[0], QUESTIONS[4], LONG_QUESTION],
       capture_output=True, text=True, timeout=120,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines()
           if line.startswith("{")]
+  # The long question is answered, with a warning saying what was read.
+  long_row = rows.pop()
+  assert long_row["question"] == LONG_QUESTION and long_row["prediction"]
+  assert "14 of its 10000 wordpieces were kept" in long_row["warning"]
+  assert not any("warning" in row for row in rows)
   # The common job convention: --dry_run prints the resolved configs only.
   dry = subprocess.run(
       [sys.executable, "-m", "realm_jax.ask", "--dry_run",

@@ -9,7 +9,9 @@ evidence blocks and their p(z|x) = softmax of the retrieval logits over all
 K retrieved blocks (so the shown probabilities sum to <= 1). It works with
 this codebase's checkpoints and with imported released checkpoints
 (`init_from`, e.g. "orqa:<ckpt>", whose index is their `block_emb`
-published by `python -m realm_jax.index.builder --block_emb=...`).
+published by `python -m realm_jax.index.builder --gin_file=...
+--gin_file=runs/index_builder.gin
+--gin.builder.BuilderConfig.init_from="'block_emb:<encoded.ckpt>'"`).
 
     model = load_qa_model(model_config=..., store=..., workdir=...)
     result = model.predict(["Where was Mozart born?"])[0]
@@ -114,6 +116,45 @@ class QAResult:
 
 def _finite_or_none(x: float) -> float | None:
   return float(x) if math.isfinite(x) else None
+
+
+def check_question(question: str, tokenizer: Tokenizer,
+                   question_length: int) -> str | None:
+  """Refuses a question that asks nothing; says when one is cut.
+
+  The model reads `[CLS] question [SEP]` in `question_length` wordpieces,
+  so a longer question loses its end; an empty one would still be answered
+  (with whatever the empty query retrieves), which hides a mistake.
+
+  Args:
+    question: the question.
+    tokenizer: the model's tokenizer.
+    question_length: `QAConfig.question_length`.
+
+  Returns:
+    None, or a warning saying how many of its wordpieces were kept.
+
+  Raises:
+    TypeError: not a str.
+    ValueError: empty, whitespace or nothing the tokenizer keeps.
+  """
+  if not isinstance(question, str):
+    raise TypeError(f"A question is a str, got {question!r} "
+                    f"({type(question).__name__}).")
+  if not question.strip():
+    raise ValueError(f"The question {question!r} is empty; ask something, "
+                     "e.g. 'Where was Mozart born?'.")
+  num_pieces = len(tokenizer.tokenize([question])[0])
+  if not num_pieces:
+    raise ValueError(f"The question {question!r} has no wordpieces (only "
+                     "characters the tokenizer drops); ask in words.")
+  kept = question_length - 2  # [CLS] and [SEP].
+  if num_pieces <= kept:
+    return None
+  start = question[:60] + ("..." if len(question) > 60 else "")
+  return (f"The question {start!r} was cut: {kept} of its {num_pieces} "
+          f"wordpieces were kept (QAConfig.question_length={question_length}"
+          " holds [CLS] and [SEP] too); the rest was not read.")
 
 
 # ----------------------------------------------------------------------------
@@ -309,7 +350,7 @@ class QAModel:
     "realm:<embedder>,<bert>" or "checkpoint:<dir>[@step]". For released
     weights the index comes from their `block_emb`, published with
     `builder.publish_embeddings` (or `python -m realm_jax.index.builder
-    --block_emb=...`).
+    ... --gin.builder.BuilderConfig.init_from="'block_emb:<ckpt>'"`).
     """
     both_heads = dataclasses.replace(model_config, reader=dataclasses.replace(
         model_config.reader, mlm_head=True, span_head=True))
@@ -345,9 +386,23 @@ class QAModel:
 
   # -- Prediction.
 
+  def check_question(self, question: str) -> str | None:
+    """`check_question` with this model's tokenizer and question length:
+    ValueError for an empty question, a warning for a cut one."""
+    return check_question(question, self.tokenizer,
+                          self.qa_config.question_length)
+
   def ask(self, question: str, top_k: int | None = None) -> QAResult:
     """One question's answer: `.prediction`, `.score`, `.evidence` (the
-    top_k blocks, default the model's num_evidence, with p(z|x))."""
+    top_k blocks, default the model's num_evidence, with p(z|x)).
+
+    Raises ValueError for an empty or whitespace question; a question
+    longer than `QAConfig.question_length` is answered from its first
+    wordpieces with a logged warning saying how many were kept.
+    """
+    warning = self.check_question(question)
+    if warning:
+      logging.warning("%s", warning)
     return self.predict([question], num_evidence=top_k)[0]
 
   def predict(self, questions: Sequence[str], *,
