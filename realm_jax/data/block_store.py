@@ -643,7 +643,7 @@ def _read_manifest(path: str) -> dict[str, Any]:
       path, what="block store", format_version=FORMAT_VERSION,
       fields=("files", "fingerprint"), check=check,
       build="build it with `python -m realm_jax.data.corpus_job "
-      "--output_dir=...`")
+      "--gin_file=runs/corpus.gin --gin.OUTPUT_DIR=\"'...'\"`")
 
 
 def _cache_key(manifest: dict[str, Any]) -> str:

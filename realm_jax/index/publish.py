@@ -486,7 +486,9 @@ def load_frozen_index(index_dir: PathLike, store, model, *,
         f"needs an index published over its block_store ({len(store)} "
         f"blocks, corpus fingerprint {store.fingerprint}) with embeddings of "
         f"this model's retriever (embedding size {dim}); build one with "
-        f"`python -m realm_jax.index.builder --one_shot` or point {what} at "
+        "`python -m realm_jax.index.builder --gin_file=runs/index_builder.gin "
+        "--gin.builder.BuilderConfig.one_shot=True` (with the model's gin "
+        f"file, WORKDIR and BLOCK_STORE) or point {what} at "
         "the matching index.") from e
   if num_retrieved is not None and num_retrieved > index.manifest["rows"]:
     raise IndexRejectedError(

@@ -12,7 +12,8 @@ starts its reader from BERT) but is saved in every checkpoint beside the
 retriever, with the same orbax items as pre-training, so that
 
     REALM pre-training:  init_from = "checkpoint:<ict workdir>/checkpoints"
-    the index builder:   --workdir=<ict workdir> --one_shot
+    the index builder:   --gin.WORKDIR="'<ict workdir>'" \\
+                         --gin.builder.BuilderConfig.one_shot=True
 
 read an ICT run directly.
 
