@@ -803,6 +803,32 @@ def _warm_start_head(config: PretrainConfig, graphdef, params, queries, store,
   return params
 
 
+def _hooks(inputs: RetrievalInput, gate: RetrieverGate | None,
+           run: loop.Run) -> loop.Hooks:
+  """The trainer's work around `Run.loop`: index swaps and refreshes,
+  collapse and gate metrics, prefetched candidates, the gate's release."""
+
+  def checkpoint_meta(step):
+    return {**inputs.checkpoint_meta(step),
+            **(gate.checkpoint_meta() if gate else {})}
+
+  def log_metrics(step, metrics):
+    metrics = inputs.log_metrics(step, metrics)
+    if gate is not None:
+      metrics.update(retriever_release_step=gate.release,
+                     gate_utility=gate.last_utility)
+    return metrics
+
+  def after_checkpoint(step, state):
+    if inputs.refresh_due(step):
+      inputs.refresh(step, state, run.ckpt)
+
+  return loop.Hooks(before_step=inputs.before_step,
+                    after_checkpoint=after_checkpoint,
+                    log_metrics=log_metrics, checkpoint_meta=checkpoint_meta,
+                    update_state=gate.update_state if gate else None)
+
+
 def train(*, config: PretrainConfig, model: RealmConfig,
           operative_config: str = "", stop_after: int | None = None
           ) -> list[dict[str, float]]:
@@ -848,22 +874,6 @@ def train(*, config: PretrainConfig, model: RealmConfig,
       gate.restore(restored, start_step, state)
 
     meta = {"seed": config.seed}
-
-    def checkpoint_meta(step):
-      return {**inputs.checkpoint_meta(step),
-              **(gate.checkpoint_meta() if gate else {})}
-
-    def log_metrics(step, metrics):
-      metrics = inputs.log_metrics(step, metrics)
-      if gate is not None:
-        metrics.update(retriever_release_step=gate.release,
-                       gate_utility=gate.last_utility)
-      return metrics
-
-    def after_checkpoint(step, state):
-      if inputs.refresh_due(step):
-        inputs.refresh(step, state, run.ckpt)
-
     if run.ckpt.latest_step() is None:
       # The builder (or inline refresh) embeds these.
       run.save(start_step, state.params, state.opt_state, meta)
@@ -878,11 +888,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                     "hubness %.3f staleness %d",
                     ("loss", "retrieval_utility", "mlm_correct",
                      "null_probability", "hubness", "index_staleness")),
-          hooks=loop.Hooks(before_step=inputs.before_step,
-                           after_checkpoint=after_checkpoint,
-                           log_metrics=log_metrics,
-                           checkpoint_meta=checkpoint_meta,
-                           update_state=gate.update_state if gate else None),
+          hooks=_hooks(inputs, gate, run),
           stop_after=stop_after)
     finally:
       inputs.close(config.workdir, run.is_chief)
