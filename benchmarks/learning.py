@@ -78,6 +78,8 @@ from realm_jax import gin_cli  # pylint: disable=wrong-import-position
 gin_cli.add_cpu_xla_flag()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+WIKI_QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "data", "wiki_heldout_qa.jsonl")
 CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
@@ -120,9 +122,11 @@ def _bindings(name: str, args) -> list[str]:
   }[name]
 
 
-def _wiki_world(directory: str, num_documents: int):
-  """The enwiki slice: block store, and X split into train / held-out
-  articles (every 4th held out); returns (block_store, train, heldout)."""
+def _wiki_world(directory: str, num_documents: int | None):
+  """The enwiki slice: block store, and X split by article into train,
+  held-out (every 4th article: the masked-token metrics) and dev (every
+  8th of the rest: the gate's queries); returns (block_store, train,
+  heldout, dev)."""
   from realm_jax.data import annotate_job, corpus_job, salient_spans, wikipedia  # pylint: disable=g-import-not-at-top
   store_dir = os.path.join(directory, "blocks")
   if not os.path.exists(os.path.join(store_dir, "manifest.json")):
@@ -133,17 +137,21 @@ def _wiki_world(directory: str, num_documents: int):
     annotate_job.annotate_corpus(
         input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
         num_shards=1, max_documents=num_documents)
-  train, heldout = (os.path.join(directory, f"{n}.tfr.gz")
-                    for n in ("train", "heldout"))
-  if not os.path.exists(heldout):
+  splits = {n: os.path.join(directory, f"{n}.tfr.gz")
+            for n in ("train", "heldout", "dev")}
+
+  def split(i):
+    return "heldout" if i % 4 == 3 else "dev" if i % 8 == 1 else "train"
+
+  if not os.path.exists(splits["dev"]):
     docs = list(salient_spans.read_annotated(
         [salient_spans.shard_path(annotated, 0, 1)]))
-    for path, held in ((train, False), (heldout, True)):
+    for name, path in splits.items():
       tmp = path.replace(".tfr.gz", ".tmp.tfr.gz")  # Keeps the .gz codec.
       salient_spans.write_annotated(
-          tmp, [d for i, d in enumerate(docs) if (i % 4 == 3) == held])
+          tmp, [d for i, d in enumerate(docs) if split(i) == name])
       os.replace(tmp, path)
-  return store_dir, train, heldout
+  return store_dir, splits["train"], splits["heldout"], splits["dev"]
 
 
 def _configs(gin_files, bindings):
@@ -158,8 +166,16 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--world", choices=("people", "wiki"),
                       default="people")
-  parser.add_argument("--num_documents", type=int, default=16,
-                      help="wiki: articles of the enwiki slice.")
+  parser.add_argument("--num_documents", type=int, default=0,
+                      help="wiki: articles of the enwiki slice (0: all).")
+  parser.add_argument("--start", choices=("minilm", "random"),
+                      default="minilm",
+                      help="wiki: MiniLM in both towers (no ICT), or a "
+                      "small model from random weights with ICT first.")
+  parser.add_argument("--trivial", choices=("article", "block"),
+                      default=None,
+                      help="No-trivial-retrieval rule (default: article for "
+                      "people, block for wiki).")
   parser.add_argument("--max_heldout", type=int, default=0,
                       help="Held-out queries evaluated (0: all).")
   parser.add_argument("--workdir", default="/tmp/realm_learning")
@@ -168,7 +184,8 @@ def main(argv=None) -> None:
   parser.add_argument("--conditions", default=None,
                       help=f"Default: {','.join(CONDITIONS)}; wiki: "
                       "realm,frozen.")
-  parser.add_argument("--ict_steps", type=int, default=100)
+  parser.add_argument("--ict_steps", type=int, default=None,
+                      help="Default 100; wiki 600.")
   parser.add_argument("--steps", type=int, default=None,
                       help="Default 800; wiki 40.")
   parser.add_argument("--refresh_every", type=int, default=None,
@@ -193,20 +210,24 @@ def main(argv=None) -> None:
                       help="Extra binding for every pre-training run.")
   args = parser.parse_args(argv)
   wiki = args.world == "wiki"
-  for name, people, text in (("steps", 800, 40), ("refresh_every", 10, 20),
-                             ("eval_every", 100, 20)):
+  scratch = not wiki or args.start == "random"  # ICT from random weights
+  args.trivial = args.trivial or ("block" if wiki else "article")
+  for name, people, minilm, random in (
+      ("steps", 800, 40, 1200), ("ict_steps", 100, 0, 600),
+      ("refresh_every", 10, 20, 20),
+      ("eval_every", 100, 20, 100)):
     if getattr(args, name) is None:
-      setattr(args, name, text if wiki else people)
+      setattr(args, name, people if not wiki else random if scratch
+              else minilm)
   args.conditions = args.conditions or (
-      "realm,frozen" if wiki else ",".join(CONDITIONS))
+      "realm,frozen" if not scratch else "ict,realm,query_side" if wiki
+      else ",".join(CONDITIONS))
   if wiki and not args.max_heldout:
     args.max_heldout = 256
-  if wiki:  # The reader warm-up: the first half.
-    args.gin = [f"pretrain.PretrainConfig.freeze_retriever_steps = "
-                f"{args.steps // 2}"] + args.gin
   gin_files = args.gin_file or [
-      "experiments/pretrain_minilm_wiki.gin" if wiki
-      else "experiments/pretrain_world_cpu.gin"]
+      "experiments/pretrain_world_cpu.gin" if not wiki
+      else "experiments/pretrain_wiki_small_cpu.gin" if scratch
+      else "experiments/pretrain_minilm_wiki.gin"]
   if args.table_from:
     with open(args.table_from, encoding="utf-8") as f:
       rows = [json.loads(line) for line in f if line.strip()]
@@ -231,25 +252,24 @@ def main(argv=None) -> None:
   if unknown:
     parser.error(f"unknown conditions {sorted(unknown)}; use "
                  f"{CONDITIONS + EXTRA_CONDITIONS}")
-  if wiki and {"init", "ict", "realm_original"} & set(conditions):
-    parser.error("--world=wiki starts from MiniLM (no ICT): use realm, "
-                 "frozen, stale30, stale30_rerank, random_masks, "
-                 "realm_repeat, realm_slow.")
+  if not scratch and {"init", "ict", "realm_original"} & set(conditions):
+    parser.error("--start=minilm starts from MiniLM (no ICT): use realm, "
+                 "frozen, query_side, stale30, stale30_rerank, "
+                 "random_masks, realm_repeat, realm_slow.")
   os.makedirs(args.workdir, exist_ok=True)
   questions = ()
   if wiki:
-    from realm_jax.data import demo_qa, qa  # pylint: disable=g-import-not-at-top
-    store_dir, train_x, heldout_x = _wiki_world(
-        os.path.join(args.workdir, "wiki"), args.num_documents)
-    questions = [e for split in ("train", "dev")
-                 for e in qa.read_qa_jsonl(demo_qa.path(split), strict=True)]
+    from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
+    store_dir, train_x, heldout_x, dev_x = _wiki_world(
+        os.path.join(args.workdir, "wiki"), args.num_documents or None)
+    questions = qa.read_qa_jsonl(WIKI_QUESTIONS, strict=True)
   else:
     world = knowledge_world.write_world(
         os.path.join(args.workdir, "world"), seed=args.seed,
         num_people=args.people, num_heldout=args.heldout, num_dev=args.dev,
         templates=args.templates)
-    store_dir, train_x, heldout_x = (world.block_store, world.train,
-                                     world.heldout)
+    store_dir, train_x, heldout_x, dev_x = (world.block_store, world.train,
+                                            world.heldout, world.dev)
   store = block_store.BlockStore.open(store_dir)
   base = [f"WORKDIR = '{args.workdir}'",
           f"BLOCK_STORE = '{store_dir}'",
@@ -257,21 +277,23 @@ def main(argv=None) -> None:
           f"GATE_QUERIES = '{os.path.join(args.workdir, 'queries_dev')}'",
           f"pretrain.PretrainConfig.num_train_steps = {args.steps}",
           f"pretrain.PretrainConfig.checkpoint_every = {args.refresh_every}",
-          f"pretrain.PretrainConfig.seed = {args.seed}"] + list(args.gin)
+          f"pretrain.PretrainConfig.seed = {args.seed}",
+          f"pretrain.PretrainConfig.trivial_candidates = '{args.trivial}'"
+          ] + list(args.gin)
   gin, model = _configs(gin_files, base)
   recipe = gin.get_configurable(pretrain.PretrainConfig)()
   if recipe.retriever_gate == "utility" and (
       recipe.freeze_retriever_steps >= 800):
-    # The recipe's bound is its whole run (800): keep it the whole run.
+    # The recipe's bound is its whole run: keep it the whole run.
     base.append(f"pretrain.PretrainConfig.freeze_retriever_steps = "
                 f"{args.steps}")
-  if recipe.retriever_gate == "utility" and not wiki:
-    if not world.dev:
+  if recipe.retriever_gate == "utility":
+    if not dev_x:
       parser.error("the recipe's gate needs --dev people.")
     dev_cache = os.path.join(args.workdir, "queries_dev")
     if not os.path.exists(dev_cache):
       query_cache.build_query_cache(
-          world.dev, dev_cache, query_config=pretrain.realm_query_config(
+          dev_x, dev_cache, query_config=pretrain.realm_query_config(
               recipe), seed=args.seed, num_shards=1)
   heldout = examples.read_realm_queries(
       heldout_x, Tokenizer(),
@@ -295,7 +317,9 @@ def main(argv=None) -> None:
     row = {"condition": condition, "step": step, **pretrain_eval.evaluate(
         params, model, store, heldout, gold,
         num_candidates=recipe.num_candidates,
-        reader_length=recipe.reader_length, questions=questions), **extra}
+        reader_length=recipe.reader_length, questions=questions,
+        question_length=recipe.query_length,
+        trivial_candidates=args.trivial), **extra}
     if seconds is not None:
       row["train_seconds"] = round(seconds, 1)
     rows.append(row)
@@ -322,11 +346,11 @@ def main(argv=None) -> None:
     _, fresh = functional.init(lambda r: Realm(model, rngs=r), args.seed)
     report("init", 0, fresh, model)
 
-  # ICT warm start, shared by every REALM condition (wiki: MiniLM instead).
+  # ICT warm start, shared by every REALM condition (MiniLM instead).
   ict_dir = os.path.join(args.workdir, "ict")
   ict_ckpts = checkpoints.checkpoint_dir(ict_dir)
   t0 = time.time()
-  if not wiki:
+  if scratch:
     gin, model = _configs(gin_files, base + [
         f"ict.IctTrainConfig.workdir = '{ict_dir}'",
         f"ict.IctTrainConfig.num_train_steps = {args.ict_steps}",
@@ -340,7 +364,7 @@ def main(argv=None) -> None:
     if "ict" in conditions:
       evaluate_run("ict", model, ict_ckpts, time.time() - t0,
                    args.ict_steps // 4)
-  start_from = [] if wiki else [
+  start_from = [] if not scratch else [
       f"pretrain.PretrainConfig.init_from = 'checkpoint:{ict_ckpts}'"]
 
   # REALM conditions. The recipe's reader warm-up (the first

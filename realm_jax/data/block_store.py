@@ -412,6 +412,12 @@ class BlockStore:
     return self._a["doc_hash"]
 
   @property
+  def doc_block_offsets(self) -> np.ndarray:
+    """int64 [num_documents + 1]: article d's blocks are
+    [offsets[d], offsets[d + 1])."""
+    return self._a["doc_block_offsets"]
+
+  @property
   def doc_indices(self) -> np.ndarray:
     """int32 [num_blocks]: the article index of each block."""
     return self._a["doc_index"]

@@ -87,7 +87,8 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
              batch_size: int = 64,
              questions: Sequence[qa_lib.QAExample] = (),
              question_length: int = 32,
-             qa_ks: Sequence[int] = (1, 5, 20)) -> dict[str, float]:
+             qa_ks: Sequence[int] = (1, 5, 20),
+             trivial_candidates: str = "article") -> dict[str, float]:
   """Held-out retrieval and reading metrics of one set of parameters.
 
   Args:
@@ -104,6 +105,8 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     questions: open-domain questions with answers, for `qa_recall@k`.
     question_length: `[CLS] question [SEP]` wordpieces.
     qa_ks: the k of `qa_recall@k`.
+    trivial_candidates: the blocks a masked query may not retrieve, as in
+      training (`PretrainConfig.trivial_candidates`).
 
   Returns:
     The metrics listed in the module docstring, as floats.
@@ -134,9 +137,10 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
       params, queries["query_ids"][s], queries["query_mask"][s]))},
                          n, batch_size)["e"]
   scores = query_emb.astype(np.float64) @ block_emb.astype(np.float64).T
-  # A block of the query's own article is never a candidate (REALM).
-  scores[store.doc_hash[None, :] == queries["source_doc_hash"][:, None]] = (
-      -np.inf)
+  # A trivial candidate (the query's own article or block) never is one.
+  trivial = realm_inputs.TrivialCandidates(store, trivial_candidates)
+  scores[trivial.block_keys[None, :]
+         == trivial.query_keys(queries)[:, None]] = -np.inf
   ranking = np.argsort(-scores, axis=1, kind="stable")
   top1 = ranking[:, 0]
   candidates = ranking[:, :num_candidates]

@@ -66,8 +66,12 @@ class DeviceIndex:
 
   @classmethod
   def build(cls, store, embeddings: np.ndarray, mesh: Mesh,
-            dtype=jnp.float32) -> DeviceIndex:
-    """Uploads a `BlockStore`'s tokens and `embeddings` [len(store), D]."""
+            dtype=jnp.float32, block_keys=None) -> DeviceIndex:
+    """Uploads a `BlockStore`'s tokens and `embeddings` [len(store), D].
+
+    `block_keys` int64 [len(store)]: the no-trivial-retrieval keys
+    (`realm_inputs.TrivialCandidates.block_keys`; default the articles'
+    hashes)."""
     n, m = len(store), store.max_block_len
     vocab = int(store.manifest.get("vocab_size", 1 << 31))
     tokens = np.empty((n, m), np.uint16 if vocab <= 1 << 16 else np.int32)
@@ -79,7 +83,8 @@ class DeviceIndex:
       body = x["segment_ids"].sum(1)  # body [SEP]
       lengths[rows, 0] = x["input_mask"].sum(1) - body - 2
       lengths[rows, 1] = body - 1
-    doc_hash = _hash_words(store.doc_hash)
+    doc_hash = _hash_words(store.doc_hash if block_keys is None
+                           else block_keys)
     m = store.manifest
     index = cls(None, _put(mesh, tokens), _put(mesh, lengths),
                 _put(mesh, doc_hash), n, int(m["cls_id"]), int(m["sep_id"]),
@@ -206,7 +211,7 @@ def _reader_inputs(q_ids, q_mask, tok, tl, bl, doc_len, seq_len, sep_id,
 def candidate_batch(index: DeviceIndex, queries: Mapping[str, np.ndarray],
                     query_emb: jax.Array, *, k: int, doc_len: int = 288,
                     reader_len: int = 384, null_document: bool = True,
-                    approx: bool = False
+                    approx: bool = False, query_keys=None
                    ) -> tuple[dict[str, jax.Array], jax.Array]:
   """`pretraining_batch(select_candidates(search(...)))` on the devices.
 
@@ -219,6 +224,8 @@ def candidate_batch(index: DeviceIndex, queries: Mapping[str, np.ndarray],
       over `data` or not).
     k, doc_len, reader_len, null_document: as in `realm_inputs`.
     approx: approximate per-device top-k (see `search`).
+    query_keys: int64 [b] the queries' no-trivial-retrieval keys, matched
+      against the index's block keys (default `source_doc_hash`).
 
   Returns:
     (`realm_inputs.pretraining_batch`'s dict (same keys, shapes and dtypes),
@@ -236,7 +243,8 @@ def candidate_batch(index: DeviceIndex, queries: Mapping[str, np.ndarray],
   if doc_len < 3:
     raise ValueError(f"doc_len must be >= 3, got {doc_len}.")
   local = {name: np.asarray(queries[name]) for name in _QUERY_KEYS}
-  local["source_doc_hash"] = _hash_words(queries["source_doc_hash"])
+  local["source_doc_hash"] = _hash_words(
+      queries["source_doc_hash"] if query_keys is None else query_keys)
   sharded = parallel.shard_batch(index.mesh, local)
   query_hash = sharded.pop("source_doc_hash")
   return _candidate_batch(

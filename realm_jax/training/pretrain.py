@@ -119,6 +119,10 @@ class PretrainConfig(loop.TrainConfig):
     num_candidates: retrieved blocks per query k (REALM: 7), plus the null
       document when `null_document`.
     null_document: put the empty document first among the candidates.
+    trivial_candidates: REALM's no-trivial-retrieval rule: "article" (no
+      block of the sentence's own article) or "block" (only the block that
+      holds the sentence, as REALM's reference code). See
+      `realm_inputs.TrivialCandidates`.
     masking: "salient" (REALM), "random_tokens" or "random_spans".
     max_masks: masked targets per query at most (REALM: 10); the reader's
       vocabulary logits are computed for this many slots per candidate, so
@@ -190,6 +194,7 @@ class PretrainConfig(loop.TrainConfig):
   reader_adaptation_min_utility: float = mlm_warmup.MIN_UTILITY
   num_candidates: int = 7
   null_document: bool = True
+  trivial_candidates: str = "article"
   masking: str = "salient"
   max_masks: int = 10
   query_length: int = 96
@@ -235,6 +240,10 @@ class PretrainConfig(loop.TrainConfig):
           f">= num_candidates ({self.num_candidates}) proposals, "
           "retrieval='host' and overlap_input=False; set it to 0 to turn "
           "re-ranking off.")
+    if self.trivial_candidates not in realm_inputs.TRIVIAL_RULES:
+      raise ValueError(
+          f"trivial_candidates={self.trivial_candidates!r}; use one of "
+          f"{realm_inputs.TRIVIAL_RULES}.")
     if self.retriever_training not in RETRIEVER_TRAINING:
       raise ValueError(f"retriever_training={self.retriever_training!r}; "
                        f"use one of {RETRIEVER_TRAINING}.")
@@ -414,15 +423,17 @@ class RetrievalInput:
     self.index_root = checkpoints.index_root(config.workdir)
     self.expect = publish.Expectation(store.fingerprint, len(store),
                                       model.retriever.embedding_size)
-    # Blocks wanted per query outside its own article: the candidates, or
+    # Blocks wanted per query besides its trivial ones: the candidates, or
     # the proposals that re-ranking narrows down to them.
+    self.trivial = realm_inputs.TrivialCandidates(store,
+                                                  config.trivial_candidates)
     self.proposals = config.rerank_candidates or config.num_candidates
-    margin = int(min(np.bincount(store.doc_indices).max(), len(store) - 1))
+    margin = min(self.trivial.max_excluded, len(store) - 1)
     self.search_k = min(len(store), self.proposals + margin)
     if self.search_k - margin < self.proposals:
       raise ValueError(f"The block store has {len(store)} blocks; too few "
-                       f"for {self.proposals} candidates outside a query's "
-                       "own article.")
+                       f"for {self.proposals} candidates besides a query's "
+                       f"trivial ones ({config.trivial_candidates!r} rule).")
     if config.rerank_candidates:
       self.embed_documents = embed.make_embed_fn(model.retriever, mesh)
     # Query-side training: the document tower never changes, so the index
@@ -446,7 +457,8 @@ class RetrievalInput:
     if self.device_index is None:
       self.device_index = device_search.DeviceIndex.build(
           self.store, index.embeddings, self.mesh,
-          dtype=jnp.dtype(self.config.device_index_dtype))
+          dtype=jnp.dtype(self.config.device_index_dtype),
+          block_keys=self.trivial.block_keys)
     else:  # The tokens stay on the devices; only the embeddings change.
       self.device_index = self.device_index.with_embeddings(index.embeddings)
 
@@ -516,18 +528,17 @@ class RetrievalInput:
     return self.embed_queries(state.params, q["query_ids"], q["query_mask"])
 
   def _candidates(self, local, q_emb, index, params=None) -> np.ndarray:
-    """Host search: [b, k] blocks, none from the query's own article
-    (re-ranked with `params`' retriever when `rerank_candidates`)."""
+    """Host search: [b, k] blocks, none a trivial candidate (re-ranked
+    with `params`' retriever when `rerank_candidates`)."""
     queries = parallel.local_rows(q_emb)
     hits, _ = index.search(queries, self.search_k)
+    keys = self.trivial.query_keys(local)
     candidates = realm_inputs.select_candidates(
-        hits, self.store.doc_hash, local["source_doc_hash"], self.proposals)
+        hits, self.trivial.block_keys, keys, self.proposals)
     if self.config.rerank_candidates:
       candidates = self._rerank(queries, candidates, params)
-    # Never a trivial retrieval: no candidate from the query's own article.
-    if (self.store.doc_hash[candidates]
-        == local["source_doc_hash"][:, None]).any():
-      raise AssertionError("a query's own article reached its candidates")
+    if (self.trivial.block_keys[candidates] == keys[:, None]).any():
+      raise AssertionError("a trivial candidate reached a query's candidates")
     return candidates
 
   def _rerank(self, queries: np.ndarray, proposals: np.ndarray, params
@@ -569,7 +580,8 @@ class RetrievalInput:
       batch, block_ids = device_search.candidate_batch(
           self.device_index, local, self._query_embeddings(local, state),
           k=c.num_candidates, doc_len=self.store.max_block_len,
-          reader_len=c.reader_length, null_document=c.null_document)
+          reader_len=c.reader_length, null_document=c.null_document,
+          query_keys=self.trivial.query_keys(local))
       self.guard.add_top1(block_ids[:, 0])
       return batch
     if c.overlap_input:

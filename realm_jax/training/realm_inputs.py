@@ -1,7 +1,7 @@
 """Turning retrieved block ids into REALM pre-training model inputs.
 
-Per query: the searcher's top hits minus the query's own article (no trivial
-retrieval), the first `k` kept, the null document put in front; then the
+Per query: the searcher's top hits minus its trivial candidates (REALM's
+no-trivial-retrieval rule, `TrivialCandidates`), the first `k` kept, the null document put in front; then the
 retriever inputs of every candidate (`[CLS] title [SEP] body [SEP]`, the null
 document as `[CLS] [SEP] [SEP]`) and the reader inputs
 (`[CLS] x [SEP] body [SEP]`, packed contiguously so the masked positions of
@@ -18,32 +18,119 @@ from typing import Mapping
 import numpy as np
 
 
-def select_candidates(retrieved_ids: np.ndarray, block_doc_hash: np.ndarray,
-                      source_doc_hash: np.ndarray, k: int) -> np.ndarray:
-  """Drops blocks of the query's own article and keeps the first k.
+TRIVIAL_RULES = ("article", "block")
+
+
+class TrivialCandidates:
+  """Which blocks a query may not retrieve: REALM's no-trivial-retrieval rule.
+
+  A masked sentence of X that is also in Z would be filled by copying it
+  from its own block. Two rules:
+
+  * "article": no block of the sentence's article (`store.doc_hash` vs the
+    query's `source_doc_hash`). Safe whatever X is, but when X and Z are the
+    same few articles it also hides every block that is *about* the
+    sentence's subject, which is what a question about it needs.
+  * "block": only the block that holds the sentence (REALM's reference
+    code). The block is found in the sentence's article as the one sharing
+    most of the sentence's wordpiece bigrams (masks restored); a sentence
+    split over two blocks keeps its other part retrievable.
+
+  Both reduce to keys: block i is excluded for query q iff
+  `block_keys[i] == query_keys(q)`.
+  """
+
+  def __init__(self, store, rule: str = "article"):
+    if rule not in TRIVIAL_RULES:
+      raise ValueError(f"trivial_candidates={rule!r}; use one of "
+                       f"{TRIVIAL_RULES}.")
+    self.store, self.rule = store, rule
+    self.block_keys = (np.asarray(store.doc_hash, np.int64)
+                       if rule == "article"
+                       else np.arange(len(store), dtype=np.int64))
+    self._doc_of_hash = None
+
+  @property
+  def max_excluded(self) -> int:
+    """The most blocks one query can lose to the rule."""
+    if self.rule == "block":
+      return 1
+    return int(np.bincount(self.store.doc_indices).max())
+
+  def query_keys(self, queries: Mapping[str, np.ndarray]) -> np.ndarray:
+    """int64 [B]: each query's key (-1 when its article is not in Z)."""
+    if self.rule == "article":
+      return np.asarray(queries["source_doc_hash"], np.int64)
+    return self.source_blocks(queries)
+
+  def source_blocks(self, queries: Mapping[str, np.ndarray]) -> np.ndarray:
+    """int64 [B]: the block of each query's sentence, -1 if none."""
+    store = self.store
+    if self._doc_of_hash is None:
+      first = np.asarray(store.doc_block_offsets[:-1], np.int64)
+      self._doc_of_hash = dict(zip(
+          np.asarray(store.doc_hash)[first[first < len(store)]].tolist(),
+          range(len(first))))
+      special = store.special_ids()
+      self._special = np.asarray([special.cls_id, special.sep_id,
+                                  special.pad_id, special.mask_id])
+    ids = np.array(queries["query_ids"], np.int64)
+    rows = np.arange(len(ids))[:, None]
+    weights = np.asarray(queries["mlm_weights"]) > 0
+    positions = np.asarray(queries["mlm_positions"])
+    restored = np.where(weights, queries["mlm_targets"],
+                        ids[rows, positions])
+    ids[rows, positions] = restored
+    out = np.full(len(ids), -1, np.int64)
+    for q, source in enumerate(np.asarray(queries["source_doc_hash"])):
+      doc = self._doc_of_hash.get(int(source))
+      if doc is None:
+        continue
+      tokens = ids[q][np.asarray(queries["query_mask"][q]) > 0]
+      tokens = tokens[~np.isin(tokens, self._special)]
+      wanted = _bigrams(tokens)
+      blocks = store.document_blocks(doc)
+      shared = [np.isin(wanted, _bigrams(store.body_ids(b))).sum()
+                for b in blocks]
+      out[q] = blocks[int(np.argmax(shared))]
+    return out
+
+
+def _bigrams(tokens: np.ndarray) -> np.ndarray:
+  tokens = np.asarray(tokens, np.int64)
+  if len(tokens) < 2:
+    return tokens
+  return np.unique(tokens[:-1] * (1 << 32) + tokens[1:])
+
+
+def select_candidates(retrieved_ids: np.ndarray, block_keys: np.ndarray,
+                      query_keys: np.ndarray, k: int) -> np.ndarray:
+  """Drops each query's trivial candidates and keeps the first k.
 
   Args:
     retrieved_ids: int [B, R] searcher hits in rank order, R >= k.
-    block_doc_hash: int64 [num_blocks] article hash of every block.
-    source_doc_hash: int64 [B] article hash of each query's sentence.
+    block_keys: int64 [num_blocks] (`TrivialCandidates.block_keys`; the
+      article hash of every block under the "article" rule).
+    query_keys: int64 [B] (`TrivialCandidates.query_keys`; the article hash
+      of each query's sentence under the "article" rule).
     k: candidates to keep (REALM: 7).
 
   Returns:
     int64 [B, k] block ids, in rank order.
 
   Raises:
-    ValueError: if a query has fewer than k hits outside its own article;
-      retrieve more (R) hits.
+    ValueError: if a query has fewer than k non-trivial hits; retrieve more
+      (R) hits.
   """
   retrieved_ids = np.asarray(retrieved_ids, np.int64)
-  allowed = block_doc_hash[retrieved_ids] != np.asarray(
-      source_doc_hash, np.int64)[:, None]
+  allowed = block_keys[retrieved_ids] != np.asarray(
+      query_keys, np.int64)[:, None]
   counts = allowed.sum(1)
   if (counts < k).any():
     bad = int(np.argmin(counts))
     raise ValueError(
-        f"Query {bad} has only {counts[bad]} retrieved blocks outside its own "
-        f"article but needs {k}; search for more than "
+        f"Query {bad} has only {counts[bad]} retrieved blocks that are not "
+        f"trivial candidates but needs {k}; search for more than "
         f"{retrieved_ids.shape[1]} neighbours.")
   # Stable sort puts allowed hits first, keeping their rank order.
   order = np.argsort(~allowed, axis=1, kind="stable")[:, :k]

@@ -164,6 +164,28 @@ def test_candidate_batch_equals_host_batch(mesh, store, null_document,
     np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+def test_block_rule_on_device_equals_host(mesh, store):
+  """trivial_candidates="block": the device path excludes exactly the
+  blocks `select_candidates` does with the same keys."""
+  rng = np.random.default_rng(3)
+  emb, q_emb = _int_data(rng, len(store), 4, 8)
+  queries = _queries(store, rng)
+  keys = rng.integers(0, len(store), len(q_emb))  # one block per query
+  trivial = np.arange(len(store), dtype=np.int64)
+  index = device_search.DeviceIndex.build(store, emb, mesh,
+                                          block_keys=trivial)
+  _, ids = jax.device_get(device_search.candidate_batch(
+      index, queries, q_emb, k=3, doc_len=16, reader_len=28,
+      query_keys=keys))
+  hits, _ = searchers.ExactSearcher.build(
+      emb, {"backend": "jax"}).search_batched(q_emb, len(store))
+  want = realm_inputs.select_candidates(hits, trivial, keys, 3)
+  np.testing.assert_array_equal(ids, want)
+  assert not (ids == keys[:, None]).any()
+  # (The article rule would have dropped more: not the same candidates.)
+  assert (want != _host_candidates(store, emb, queries, q_emb, 3)).any()
+
+
 def test_swapping_embeddings_keeps_tokens_and_changes_results(mesh, store):
   rng = np.random.default_rng(7)
   emb, q_emb = _int_data(rng, len(store), 4, 8)

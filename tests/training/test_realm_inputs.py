@@ -44,6 +44,69 @@ def test_select_candidates_drops_the_source_article_keeping_rank(store):
                                    np.array([paris, paris]), 2)
 
 
+def _sentence_queries(tok, sentences, width=24):
+  """`[CLS] sentence [SEP]` queries, one wordpiece masked in each."""
+  n = len(sentences)
+  q = {"query_ids": np.zeros((n, width), np.int32),
+       "query_mask": np.zeros((n, width), np.int32),
+       "mlm_positions": np.zeros((n, 2), np.int32),
+       "mlm_targets": np.zeros((n, 2), np.int32),
+       "mlm_weights": np.zeros((n, 2), np.float32),
+       "source_doc_hash": np.zeros(n, np.int64)}
+  for i, (title, sentence) in enumerate(sentences):
+    ids = [tok.cls_id, *tok.tokenize([sentence])[0], tok.sep_id]
+    q["query_ids"][i, :len(ids)] = ids
+    q["query_mask"][i, :len(ids)] = 1
+    q["mlm_positions"][i, 0], q["mlm_targets"][i, 0] = 2, ids[2]
+    q["mlm_weights"][i, 0] = 1
+    q["query_ids"][i, 2] = tok.mask_id
+    q["source_doc_hash"][i] = blocks.title_hash(title)
+  return q
+
+
+def _contains(haystack, needle) -> bool:
+  return any(list(haystack[i:i + len(needle)]) == list(needle)
+             for i in range(len(haystack) - len(needle) + 1))
+
+
+def test_block_rule_excludes_only_the_sentences_own_block(store):
+  tok = Tokenizer()
+  sentences = [(t, x.strip() + ".") for t, text in ARTICLES.items()
+               for x in text.split(". ") if x]
+  queries = _sentence_queries(tok, sentences)
+  found = realm_inputs.TrivialCandidates(store, "block").source_blocks(
+      queries)
+  checked = 0
+  for (title, sentence), block in zip(sentences, found):
+    assert store.title(block) == title
+    holders = [b for b in range(len(store)) if store.title(b) == title
+               and _contains(store.body_ids(b), tok.tokenize([sentence])[0])]
+    if holders:  # (else the sentence is split over two blocks)
+      assert block in holders, (sentence, block, holders)
+      checked += 1
+  assert checked >= len(sentences) // 2
+  # The article's other blocks stay retrievable under "block", not under
+  # "article"; an unknown article excludes nothing.
+  n = len(store)
+  ranked = np.tile(np.arange(n), (len(sentences), 1))
+  for rule in ("block", "article"):
+    trivial = realm_inputs.TrivialCandidates(store, rule)
+    out = realm_inputs.select_candidates(
+        ranked, trivial.block_keys, trivial.query_keys(queries),
+        n - trivial.max_excluded)
+    for row, (title, _), block in zip(out, sentences, found):
+      assert block not in row
+      same = [b for b in row if store.title(b) == title]
+      assert bool(same) == (rule == "block" and len(
+          store.document_blocks(store.doc_index(block))) > 1)
+  unknown = dict(queries, source_doc_hash=np.full(len(sentences), 7,
+                                                  np.int64))
+  assert (realm_inputs.TrivialCandidates(store, "block").query_keys(unknown)
+          == -1).all()
+  with pytest.raises(ValueError, match="trivial_candidates='sentence'"):
+    realm_inputs.TrivialCandidates(store, "sentence")
+
+
 def test_pretraining_batch_layout(store):
   tok = Tokenizer()
   rng = np.random.default_rng(0)
