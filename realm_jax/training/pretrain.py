@@ -25,6 +25,7 @@ shards of it (`data.query_cache.QueryStream`).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -161,10 +162,15 @@ class PretrainConfig(loop.TrainConfig):
       without `overlap_input` (the re-embedding needs the step's own
       parameters, which the update step donates).
     index_wait_seconds: builder mode: how long to wait for the first index.
-    hubness_warning: warn once when the share of the queries since the last
-      log whose top-1 block is the single most common one exceeds this.
-    null_probability_warning: warn once when the mean p(null|x) of a
-      logged step exceeds this.
+    hubness_warning: warn once when the share of the recent queries whose
+      top-1 block is the single most common one exceeds this (judged over
+      the last `guard_min_queries` queries or more, pooled over log windows;
+      the logged `hubness` metric is the last log window's).
+    null_probability_warning: warn once when the mean p(null|x) of the
+      logged steps covering the last `guard_min_queries` queries exceeds
+      this.
+    guard_min_queries: the fewest queries the collapse guards judge: with
+      batches of 4, two equal top-1s would read as 50% hubness.
     stale_index_warning: builder mode: warn (once per served index) when it
       is more than this many checkpoint intervals older than the step (the
       builder died, lags, or cannot write); `index_staleness` is logged as
@@ -209,12 +215,13 @@ class PretrainConfig(loop.TrainConfig):
   index_wait_seconds: float = 600.0
   hubness_warning: float = 0.3
   null_probability_warning: float = 0.9
+  guard_min_queries: int = 64
   stale_index_warning: float = 4.0
   stale_index_error: float = 0.0
 
   def __post_init__(self):
     super().__post_init__()
-    checks.at_least(self, "num_candidates")
+    checks.at_least(self, "num_candidates", "guard_min_queries")
     checks.at_least(self, "reader_adaptation_steps", minimum=0, integer=True)
     checks.at_least(self, "reader_adaptation_eval_every", integer=True)
     if not self.reader_adaptation_learning_rate > 0:
@@ -313,13 +320,18 @@ class CollapseGuard:
   block every query retrieves with a saturated softmax (its gradient is then
   exactly 0, so the state is absorbing); and the null-document trap,
   p(null|x) ~ 1, where the reader ignores retrieval and the retriever gets
-  no signal.
+  no signal. Both are judged on the most recent `guard_min_queries` queries
+  or more (whole log windows pooled), never on one small batch.
   """
 
   def __init__(self, config: PretrainConfig):
     self.config = config
     self._top1: list[np.ndarray] = []
     self._warned: set[str] = set()
+    # The judged pool: (top-1 ids, p(null|x) of a logged step) per log
+    # window, newest last, trimmed to the fewest covering min_queries.
+    self._pool: collections.deque = collections.deque()
+    self._window: np.ndarray | None = None  # the last hubness() window
 
   def add_top1(self, block_ids: np.ndarray | jax.Array) -> None:
     """Top-1 block ids of a batch. A device array is read only when the
@@ -336,25 +348,51 @@ class CollapseGuard:
         parallel.local_rows(x) if isinstance(x, jax.Array) else np.asarray(x)
         for x in self._top1]).reshape(-1)
     self._top1 = []
+    self._window = top1
     return float(np.bincount(top1).max() / len(top1))
+
+  def pooled(self, null_probability: float
+             ) -> tuple[float, float, int] | None:
+    """Adds the last log window (its top-1s, its p(null|x)) to the pool;
+    returns (hubness, mean p(null|x), queries) over the pool, or None while
+    it holds fewer than `guard_min_queries` queries."""
+    window, self._window = self._window, None
+    if window is None or not len(window):
+      return None
+    self._pool.append((window, float(null_probability)))
+    minimum = self.config.guard_min_queries
+    while (len(self._pool) > 1 and
+           sum(len(t) for t, _ in self._pool) - len(self._pool[0][0])
+           >= minimum):
+      self._pool.popleft()
+    top1 = np.concatenate([t for t, _ in self._pool])
+    if len(top1) < minimum:
+      return None
+    null = sum(len(t) * p for t, p in self._pool) / len(top1)
+    return float(np.bincount(top1).max() / len(top1)), null, len(top1)
 
   def check(self, step: int, metrics: dict[str, float]) -> None:
     c = self.config
+    pooled = self.pooled(metrics["null_probability"])
+    if pooled is None:
+      return
+    hubness, null, n = pooled
     self._warn_once(
-        "hubness", metrics["hubness"] > c.hubness_warning,
-        "COLLAPSE WARNING at step %d: %.0f%% of the queries retrieve the "
-        "same block (hubness > %.2f); a hub's softmax saturates and its "
-        "gradient vanishes. Lower the retriever's rate "
+        "hubness", hubness > c.hubness_warning,
+        "COLLAPSE WARNING at step %d: %.0f%% of the last %d queries "
+        "retrieve the same block (hubness > %.2f); a hub's softmax "
+        "saturates and its gradient vanishes. Lower the retriever's rate "
         "(retriever_learning_rate_multiplier), warm the reader up first "
         "(freeze_retriever_steps) and start from an ICT-trained "
-        "retriever.", step, 100 * metrics["hubness"], c.hubness_warning)
+        "retriever.", step, 100 * hubness, n, c.hubness_warning)
     self._warn_once(
-        "null", metrics["null_probability"] > c.null_probability_warning,
-        "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f; the null "
-        "document takes the retrieval mass and the retriever gets no "
-        "gradient. Use RetrieverConfig.null_score='learned', or a "
-        "retriever whose document embeddings are trained (ICT).", step,
-        metrics["null_probability"], c.null_probability_warning)
+        "null", null > c.null_probability_warning,
+        "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f over the "
+        "last %d queries; the null document takes the retrieval mass and "
+        "the retriever gets no gradient. Use "
+        "RetrieverConfig.null_score='learned', or a retriever whose "
+        "document embeddings are trained (ICT).", step, null,
+        c.null_probability_warning, n)
 
   def _warn_once(self, kind: str, failed: bool, message: str, *args) -> None:
     if failed and kind not in self._warned:

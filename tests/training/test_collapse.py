@@ -67,10 +67,16 @@ def _pretrain(workdir, files, queries, ict_ckpts, bindings):
     gin.clear_config()
 
 
-def test_the_guard_reports_each_collapse_once(monkeypatch):
+def _guard(monkeypatch):
   warnings = []
   monkeypatch.setattr(absl_logging, "warning",
                       lambda msg, *a: warnings.append(msg % a))
+  config = pretrain.PretrainConfig(workdir="", block_store="", queries="")
+  assert config.guard_min_queries == 64
+  return pretrain.CollapseGuard(config), warnings
+
+
+def test_hubness_metric_is_per_log_window():
   config = pretrain.PretrainConfig(workdir="", block_store="", queries="")
   guard = pretrain.CollapseGuard(config)
   guard.add_top1(np.array([3, 3, 3, 5]))
@@ -79,12 +85,45 @@ def test_the_guard_reports_each_collapse_once(monkeypatch):
   assert guard.hubness() == 0.0  # a new window
   guard.add_top1(np.arange(8))
   assert guard.hubness() == pytest.approx(1 / 8)
-  guard.check(10, {"hubness": 0.75, "null_probability": 0.2})
-  guard.check(20, {"hubness": 0.2, "null_probability": 0.95})
-  guard.check(30, {"hubness": 0.9, "null_probability": 0.99})
+
+
+def _log(guard, step, top1, null=0.2):
+  guard.add_top1(np.asarray(top1))
+  metrics = {"hubness": guard.hubness(), "null_probability": null}
+  guard.check(step, metrics)
+  return metrics
+
+
+def test_a_healthy_small_batch_run_raises_no_alarm(monkeypatch):
+  """Batches of 4 (the demo's): two equal top-1s in one batch are 50% of
+  that batch, but nothing over the last 64 queries."""
+  guard, warnings = _guard(monkeypatch)
+  rng = np.random.default_rng(0)
+  windows = [rng.integers(0, 1000, 4) for _ in range(40)]
+  windows[5] = np.array([7, 7, 1, 2])
+  windows[20] = np.array([9, 9, 9, 2])
+  logged = [_log(guard, step, w) for step, w in enumerate(windows)]
+  assert max(m["hubness"] for m in logged) >= 0.5  # what fired before
+  assert not warnings, warnings
+
+
+def test_a_real_hub_and_the_null_trap_are_reported_once(monkeypatch):
+  guard, warnings = _guard(monkeypatch)
+  rng = np.random.default_rng(1)
+  for step in range(15):  # 60 queries: too few to judge, whatever they are
+    _log(guard, step, [3, 3, 3, 3])
+  assert not warnings
+  for step in range(15, 40):  # a hub: 3 of every 4 queries get block 3
+    _log(guard, step, [3, 3, 3, rng.integers(10, 1000)], null=0.2)
+  assert len(warnings) == 1, warnings
+  assert "step 15" in warnings[0] and "freeze_retriever_steps" in warnings[0]
+  assert "last 64 queries" in warnings[0]
+  for step in range(40, 80):  # then the null trap
+    _log(guard, step, rng.integers(0, 1000, 4), null=0.95)
   assert len(warnings) == 2, warnings
-  assert "step 10" in warnings[0] and "freeze_retriever_steps" in warnings[0]
-  assert "step 20" in warnings[1] and "null_score='learned'" in warnings[1]
+  assert "null_score='learned'" in warnings[1]
+  # Only once p(null) 0.95 fills the last 64 queries enough (>= 0.9).
+  assert int(warnings[1].split("step ")[1].split(":")[0]) >= 40 + 14
 
 
 def test_the_recipe_does_not_collapse(tmp_path, world_and_ict, monkeypatch):
