@@ -20,7 +20,10 @@ the configs of two experiment files (`experiments/demo_pretrain.gin`,
      demo_qa`, written about this corpus) against the frozen final index;
   5. evaluation of the fine-tuned checkpoint on the held-out questions (and
      the training ones): exact match, recall@k, predictions JSONL;
-  6. three held-out questions answered, each beside its gold answer.
+  6. three held-out questions answered, each beside its gold answer;
+  7. what pre-training changed: the held-out questions' retrieval recall@1
+     and @5 with the retriever (and its index) at the start and at the end
+     of pre-training, and after fine-tuning with its exact match.
 It prints one JSON line per stage and per logged step, as they happen, and
 ends with a `done` line, what the numbers mean and the commands to go on.
 The corpus and its annotation are kept in the workdir (keyed by their
@@ -51,9 +54,10 @@ from realm_jax.data import block_store
 from realm_jax.data import annotate_job, corpus_job, demo_qa, query_cache
 from realm_jax.data import wikipedia
 from realm_jax.data import qa as qa_lib
-from realm_jax.eval import qa_eval
+from realm_jax.eval import pretrain_eval, qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.index import builder as builder_lib
+from realm_jax.index import publish
 from realm_jax.training import finetune, pretrain, qa_inputs
 
 PRETRAIN_GIN = "experiments/demo_pretrain.gin"
@@ -326,6 +330,44 @@ def _showcase(qa_model) -> int:
   return right
 
 
+def retrieval_change(store, paths: dict[str, str], model, question_length: int
+                     ) -> dict[str, dict[str, float]]:
+  """Held-out recall@1/@5 at the first and the last pre-training checkpoint,
+  each with its own retriever and the index the builder made from it."""
+  questions = qa_lib.read_qa_jsonl(demo_qa.path("dev"), strict=True)
+  root = checkpoints.index_root(paths["pretrain"])
+  ckpt = checkpoints.TrainCheckpointer(
+      checkpoints.checkpoint_dir(paths["pretrain"]), async_save=False)
+  try:
+    steps = sorted(set(ckpt.all_steps()) & set(publish.published_steps(root)))
+    out = {}
+    for name, step in (("start", steps[0]), ("end", steps[-1])):
+      recall = pretrain_eval.qa_recall(
+          ckpt.restore_params(step), model, store,
+          publish.load_index(root, step).embeddings, questions,
+          question_length=question_length, ks=(1, 5))
+      out[name] = {"step": step, "recall@1": recall["qa_recall@1"],
+                   "recall@5": recall["qa_recall@5"]}
+  finally:
+    ckpt.close()
+  return out
+
+
+def _change_table(change: dict[str, dict[str, float]],
+                  dev: dict[str, float]) -> str:
+  rows = [("start of pre-training (step "
+           f"{change['start']['step']})", change["start"], ""),
+          (f"end of pre-training (step {change['end']['step']})",
+           change["end"], ""),
+          ("after fine-tuning", dev, f"{dev['exact_match']:.3f}")]
+  lines = [f"What pre-training changed, on the {dev['num_examples']} "
+           "held-out questions (an answer-bearing block in the top k):",
+           f"  {'retriever':<34}{'recall@1':>9}{'recall@5':>9}{'EM':>7}"]
+  lines += [f"  {name:<34}{r['recall@1']:>9.3f}{r['recall@5']:>9.3f}{em:>7}"
+            for name, r, em in rows]
+  return "\n".join(lines)
+
+
 def write_ask_gin(config: DemoConfig, run, paths: dict[str, str]) -> str:
   """A gin file for `python -m realm_jax.ask` with the fine-tuned run's
   model, question lengths and paths (runs/eval.gin's macros)."""
@@ -389,6 +431,11 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
       _log("mlm_head_warmup", **json.load(f))
   _log("pretrain_done", seconds=round(pretrain_seconds, 1),
        indices_published=published)
+  pretrain_run, pretrain_model, _ = stage_configs(config, "pretrain")
+  change = retrieval_change(store, paths, pretrain_model,
+                            pretrain_run.query_length)
+  _log("retrieval_change", **{f"{when}_{k}": v for when, r in change.items()
+                              for k, v in _round(r).items()})
 
   t = time.time()
   run, model, operative = stage_configs(config, "finetune")
@@ -438,6 +485,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
       train_exact_match=results["train"]["exact_match"],
       train_recall_at_5=results["train"]["recall@5"],
       showcase_right=right, workdir=config.workdir)
+  print(_change_table(change, dev), flush=True)
   _explain(config, results, paths, right, run.num_train_steps)
   return summary
 

@@ -71,6 +71,19 @@ def test_demo_runs_every_stage(tmp_path, capsys):
     assert records and all(r["evidence"] for r in records)
     counts[split] = len(records)
   assert summary["dev_questions"] == counts["dev"]
+  # What pre-training changed: recall at its first and last checkpoint
+  # (each with its own index), then after fine-tuning, with EM.
+  change = lines[stages.index("retrieval_change")]
+  assert (change["start_step"], change["end_step"]) == (0, config.train_steps)
+  table = out[out.index("What pre-training changed"):].splitlines()
+  assert "recall@1" in table[1] and "EM" in table[1]
+  assert table[2].split()[:5] == ["start", "of", "pre-training", "(step",
+                                  "0)"]
+  assert float(table[2].split()[-2]) == change["start_recall@1"]
+  assert table[4].split()[-1] == f"{summary['dev_exact_match']:.3f}"
+  assert float(table[4].split()[-2]) == summary["dev_recall_at_5"]
+  # A healthy run raises no alarm.
+  assert "WARNING" not in out + capsys.readouterr().err
   assert 0.0 <= summary["dev_exact_match"] <= 1.0
   assert 0.0 <= summary["dev_recall_at_5"] <= 1.0
 
@@ -81,11 +94,11 @@ def test_stage_configs_come_from_the_experiment_files(tmp_path):
   config = demo.DemoConfig(workdir=str(tmp_path), max_block_len=100,
                            finetune_steps=5)
   run, model, operative = demo.stage_configs(config, "pretrain")
-  assert (run.num_train_steps, run.freeze_retriever_steps) == (12, 6)
+  assert (run.num_train_steps, run.freeze_retriever_steps) == (8, 4)
   assert run.init_from == "minilm" and run.index_mode == "builder"
   assert run.reader_length == run.query_length + 100
   assert model.retriever.pooling == "mean" and model.retriever.normalize
-  assert "num_train_steps = 12" in operative
+  assert "num_train_steps = 8" in operative
   run, model, _ = demo.stage_configs(config, "finetune")
   assert (run.num_train_steps, run.checkpoint_every) == (5, 5)
   assert run.init_from.startswith("checkpoint:")

@@ -178,14 +178,20 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
       "hubness": float(np.bincount(top1).max() / n),
   })
   if questions:
-    metrics.update(_qa_recall(params, model, store, block_emb, questions,
+    metrics.update(qa_recall(params, model, store, block_emb, questions,
                               question_length, qa_ks, batch_size))
   return metrics
 
 
-def _qa_recall(params, model, store, block_emb, questions, question_length,
-               ks, batch_size) -> dict[str, float]:
-  """Share of questions with an answer in the top k blocks, per k."""
+def qa_recall(params, model, store, block_emb, questions,
+              question_length: int = 32, ks: Sequence[int] = (1, 5, 20),
+              batch_size: int = 64) -> dict[str, float]:
+  """Share of questions with an answer in the top k blocks, per k.
+
+  `params`' query tower embeds the questions; `block_emb` [len(store), D]
+  are the blocks' embeddings (an index's, or `embed_block_store`'s).
+  Returns {"qa_recall@k": share} for k in `ks`.
+  """
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
   q = qa_inputs.tokenize_questions(tokenizer, [e.question for e in questions],
