@@ -151,4 +151,5 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   _define_flags()
-  gin_cli.run(_job, positional_args=True)
+  gin_cli.run(_job, positional_args=True, runs_file="runs/eval.gin",
+              config_class="realm_jax.eval.qa_eval.EvalConfig")

@@ -1,5 +1,6 @@
 """Console scripts (pyproject.toml): `realm-pretrain ARGS` runs
-`python -m realm_jax.training.pretrain ARGS`, and so on for every job."""
+`python -m realm_jax.training.pretrain ARGS`, and so on for every job.
+`--help` exits 0 in each (`gin_cli.define_help_flags`), the demo's too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import runpy
 
 def _entry(module: str):
   def run() -> None:
+    from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+    gin_cli.define_help_flags()
     runpy.run_module(module, run_name="__main__", alter_sys=True)
   run.__doc__ = f"`python -m {module}`."
   return run

@@ -236,4 +236,5 @@ if __name__ == "__main__":
     else:
       module.export_checkpoint(config)
 
-  gin_cli.run(_job, defaults=["include 'runs/export.gin'"])
+  gin_cli.run(_job, runs_file="runs/export.gin",
+              config_class="realm_jax.export.ExportConfig")

@@ -1,16 +1,28 @@
 """Gin at the edges: `--gin_file` (repeatable), `--gin.X=Y`, `--dry_run`.
 
 Every job's `__main__` calls `run(job)` (Beam data jobs: `run_data_job`);
-`job(dry_run)` builds its configs with `gin.get_configurable(...)()`. `--gin.A.b=V` becomes the
-binding `A.b = V` (t5x's convention); `--gin_bindings` works too.
+`job(dry_run)` builds its configs with `gin.get_configurable(...)()`.
+`--gin.A.b=V` becomes the binding `A.b = V` (t5x's convention);
+`--gin_bindings` works too.
 Relative gin file paths are looked up in the working directory, then in the
 repository's `gin_configs/`.
+
+A job finds its own config: its runs file (e.g. `runs/corpus.gin`, named
+where the job is defined) is parsed first, before the command line's
+`--gin_file`s (which override it), unless one of those is or includes it.
+`--help` exits 0 and says so; a data job refuses a flag that neither absl,
+gin nor Beam's `PipelineOptions` takes, since Beam would drop it silently.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import importlib
 import logging
 import os
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -124,11 +136,235 @@ def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
     logger.removeFilter(probe_filter)
 
 
+# ------------------------------------------------------- its own gin file
+
+_INCLUDE = re.compile(r"""^\s*include\s+(['"])(?P<path>.+?)\1""", re.M)
+_REQUIRED = re.compile(r"^(?P<macro>[A-Z_][A-Z0-9_]*)\s*=\s*%gin\.REQUIRED",
+                       re.M)
+
+
+def find_gin_file(name: str) -> str | None:
+  """The real path of the gin file `name` as `parse` finds it (as given,
+  then in `gin_configs/`, then in the working directory), or None."""
+  prefixes = [""] if os.path.isabs(name) else ["", GIN_CONFIGS, os.getcwd()]
+  for prefix in prefixes:
+    path = os.path.join(prefix, name)
+    if os.path.isfile(path):
+      return os.path.realpath(path)
+  return None
+
+
+def included_gin_files(gin_files: Sequence[str]) -> set[str]:
+  """Real paths of `gin_files` and of every file they include (nested)."""
+  seen, todo = set(), list(gin_files)
+  while todo:
+    path = find_gin_file(todo.pop())
+    if path is None or path in seen:
+      continue
+    seen.add(path)
+    with open(path, encoding="utf-8") as f:
+      todo.extend(m["path"] for m in _INCLUDE.finditer(f.read()))
+  return seen
+
+
+def job_gin_files(gin_files: Sequence[str], runs_file: str) -> list[str]:
+  """The gin files a job parses: its own `runs_file` first (the command
+  line's `gin_files` override what it binds), unless one of `gin_files`
+  is it or includes it."""
+  own = find_gin_file(runs_file) if runs_file else None
+  if own is None or own in included_gin_files(gin_files):
+    return list(gin_files)
+  return [runs_file, *gin_files]
+
+
+def required_macros(runs_file: str) -> list[str]:
+  """The macros `runs_file` binds to `%gin.REQUIRED` (its "Must set")."""
+  path = find_gin_file(runs_file) if runs_file else None
+  if path is None:
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [m["macro"] for m in _REQUIRED.finditer(f.read())]
+
+
+def _config_class(config_class: str):
+  """The class of a dotted `module.Class` name (None if it has none)."""
+  module, _, name = config_class.rpartition(".")
+  return getattr(importlib.import_module(module), name) if module else None
+
+
+# ------------------------------------------------------------------ --help
+
+_HELP_EPILOG = [""]
+
+
+def _help_epilog(runs_file: str, config_class: str,
+                 pipeline_args: bool) -> str:
+  """What `--help` says after absl's usage: the gin flags, the job's own
+  gin file and (data jobs) Beam's options."""
+  lines = [
+      "", "gin flags (realm_jax.gin_cli):",
+      "  --gin_file: a gin file (repeatable), looked up in the working",
+      f"    directory, then in {GIN_CONFIGS}",
+      "  --gin.A.b=V: the gin binding A.b = V (a string in both quotes:",
+      "    --gin.OUTPUT_DIR=\"'/data/x'\")",
+      "  --gin_bindings: 'A.b = V' bindings (repeatable)",
+      "  --dry_run: parse the flags and gin files, build and check the",
+      "    config, print it and exit without doing the work"]
+  if runs_file:
+    lines += ["", f"This job's own gin file: {runs_file}, parsed before the",
+              "--gin_file's (which override it) unless one of them "
+              "includes it."]
+    macros = required_macros(runs_file)
+    if macros:
+      lines.append("Must set: " + " ".join(
+          f"--gin.{m}=\"'...'\"" for m in macros))
+  if config_class:
+    name = config_class.rpartition(".")[2]
+    lines.append(f"Its config: {name} (--gin.{name}.<field>=V).")
+  if pipeline_args:
+    lines += ["", "Other flags are Apache Beam pipeline options "
+              "(--runner=DirectRunner,", "--direct_num_workers=N, ...); a "
+              "flag that neither absl, gin nor Beam takes", "is refused."]
+  return "\n".join(lines)
+
+
+def define_help_flags(epilog: str = "") -> None:
+  """absl's `--help` (`-?`), `--helpshort` (`-h`) and `--helpfull`, exiting
+  with status 0 (absl's exit 1, which scripts and CI read as a failure),
+  `epilog` printed after absl's usage. Call before `app.run` (`run` does);
+  again to change the epilog."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  _HELP_EPILOG[0] = epilog
+  help_flag = _help_flag_class()
+  if "help" in flags.FLAGS and isinstance(flags.FLAGS["help"], help_flag):
+    return
+  app.define_help_flags()  # absl's (once), replaced here.
+  for name in ("help", "?", "helpshort", "helpfull"):
+    if name in flags.FLAGS:
+      delattr(flags.FLAGS, name)
+  for name, short_name, full in (("help", "?", False),
+                                 ("helpshort", "h", False),
+                                 ("helpfull", None, True)):
+    flags.DEFINE_flag(help_flag(name, short_name, full))
+
+
+@functools.lru_cache(maxsize=None)
+def _help_flag_class():
+  """absl's help flag, printing `_HELP_EPILOG` too and exiting 0."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+
+  class HelpFlag(flags.BooleanFlag):
+
+    def __init__(self, name: str, short_name: str | None, full: bool):
+      super().__init__(name, False, "show full help" if full
+                       else "show this help", short_name=short_name,
+                       allow_hide_cpp=True)
+      self.full = full
+
+    def parse(self, argument):
+      if self._parse(argument):
+        app.usage(shorthelp=not self.full, writeto_stdout=True)
+        if _HELP_EPILOG[0]:
+          print(_HELP_EPILOG[0])
+        if not self.full:
+          print("\nTry --helpfull to get a list of all flags.")
+        sys.stdout.flush()
+        sys.exit(0)
+
+  return HelpFlag
+
+
+# ------------------------------------------------- flags Beam would drop
+
+
+class _BeamParser(Exception):
+  """Carries Beam's own option parser out of `get_all_options`."""
+
+
+def beam_unknown_args(args: Sequence[str]) -> list[str]:
+  """The arguments Beam's `PipelineOptions` would drop (it logs a warning
+  and goes on): parsed with the very parser Beam builds from every
+  `PipelineOptions` subclass (the `add_extra_args_fn` hook hands it over)."""
+  from apache_beam.options import pipeline_options  # pylint: disable=g-import-not-at-top
+
+  def capture(parser):
+    raise _BeamParser(parser)
+
+  try:
+    pipeline_options.PipelineOptions(list(args)).get_all_options(
+        add_extra_args_fn=capture)
+  except _BeamParser as e:
+    return e.args[0].parse_known_args(list(args))[1]
+  raise AssertionError("Beam did not call add_extra_args_fn")
+
+
+def _gin_value(value: str | None) -> str:
+  """`value` as a gin literal on a shell command line."""
+  if value is None:
+    return "True"
+  try:
+    literal = ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    literal = value
+  return value if not isinstance(literal, str) else f"\"'{value}'\""
+
+
+def _suggestion(flag: str, value: str | None, runs_file: str,
+                config_class: str) -> str:
+  """The gin flag that sets what `--flag` meant, or ""."""
+  name = flag.lstrip("-").replace("-", "_")
+  if name.upper() in _macros(runs_file):
+    return f"--gin.{name.upper()}={_gin_value(value)}"
+  cls = _config_class(config_class) if config_class else None
+  if cls is not None and dataclasses.is_dataclass(cls) and name in {
+      f.name for f in dataclasses.fields(cls) if f.init}:
+    return f"--gin.{cls.__name__}.{name}={_gin_value(value)}"
+  return ""
+
+
+def _macros(runs_file: str) -> list[str]:
+  """Every macro `runs_file` defines (`NAME = ...` at the top level)."""
+  path = find_gin_file(runs_file) if runs_file else None
+  if path is None:
+    return []
+  with open(path, encoding="utf-8") as f:
+    return re.findall(r"^([A-Z_][A-Z0-9_]*)\s*=", f.read(), re.M)
+
+
+def refuse_unknown_args(args: Sequence[str], runs_file: str = "",
+                        config_class: str = "") -> None:
+  """Exits (status 1) naming each argument of `args` (what absl left for
+  Beam) that Beam would drop, with the gin flag meant where there is one."""
+  unknown = beam_unknown_args(args)
+  problems, i = [], 0
+  while i < len(unknown):
+    arg, i = unknown[i], i + 1
+    if not arg.startswith("-"):
+      problems.append(f"unexpected argument {arg!r} (this job takes flags "
+                      "only)")
+      continue
+    flag, eq, value = arg.partition("=")
+    if not eq and i < len(unknown) and not unknown[i].startswith("-"):
+      value, i = unknown[i], i + 1  # `--flag value`
+    hint = _suggestion(flag, value if eq or value else None, runs_file,
+                       config_class)
+    problems.append(f"{flag} is not an absl, gin or Apache Beam pipeline "
+                    "option (Beam would drop it)" + (
+                        f"; did you mean {hint}?" if hint else ""))
+  if problems:
+    sys.stderr.write("".join(f"FATAL Flags parsing error: {p}\n"
+                             for p in problems) +
+                     "Pass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
+
+
+# -------------------------------------------------------------------- jobs
+
+
 def _configured(module_name: str, config_class: str, gin_file: str = ""):
   """(module, `module.<config_class>` as gin binds it). The class is looked
   up in the imported module (not `__main__`, where `python -m` runs a
   second copy that gin has not registered)."""
-  import importlib  # pylint: disable=g-import-not-at-top
   import gin  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(module_name)
   try:
@@ -139,10 +375,12 @@ def _configured(module_name: str, config_class: str, gin_file: str = ""):
   return module, factory()
 
 
-def training_job(module_name: str, config_class: str
+def training_job(module_name: str, config_class: str, runs_file: str = ""
                  ) -> Callable[[bool], None]:
   """The `job(dry_run)` of a trainer module with `train(config, model, ...)`:
-  builds `module.<config_class>` and `RealmConfig` from gin."""
+  builds `module.<config_class>` and `RealmConfig` from gin. Its own gin
+  file (`run` parses it) is `runs_file`, by default `runs/<module>.gin`
+  (`runs/pretrain.gin` for `realm_jax.training.pretrain`)."""
 
   def job(dry_run: bool) -> None:
     import gin  # pylint: disable=g-import-not-at-top
@@ -157,6 +395,8 @@ def training_job(module_name: str, config_class: str
     module.train(config=config, model=model,
                  operative_config=gin.operative_config_str())
 
+  job.runs_file = runs_file or f"runs/{module_name.rpartition('.')[2]}.gin"
+  job.config_class = f"{module_name}.{config_class}"
   return job
 
 
@@ -164,10 +404,12 @@ def run_data_job(module_name: str, config_class: str, gin_file: str,
                  defaults: Sequence[str] = ()) -> None:
   """`run` of a Beam data job: `module.run(config, pipeline_args)`.
 
-  `config` is `module.<config_class>` as `gin_file` (and the command line)
-  bind it; the flags absl does not know are the Beam pipeline options.
-  `defaults`: bindings parsed before the command line's (the macros that
-  a trainer's gin files require and the job does not read).
+  `config` is `module.<config_class>` as `gin_file` (the job's own, parsed
+  first unless a `--gin_file` includes it) and the command line bind it;
+  the flags absl does not know are the Beam pipeline options, and one that
+  Beam does not know either is refused. `defaults`: bindings parsed before
+  the command line's (the macros that a trainer's gin files require and
+  the job does not read).
   """
 
   def job(dry_run: bool, pipeline_args: list[str]) -> None:
@@ -176,25 +418,51 @@ def run_data_job(module_name: str, config_class: str, gin_file: str,
     if dry_run:
       print(gin.operative_config_str())
       print(config, "Beam options:", pipeline_args)
-    else:
+      return
+    try:
       module.run(config, pipeline_args)
+    except FileExistsError as e:
+      flag = f"--gin.{config_class}.overwrite=True"
+      raise SystemExit(str(e) if flag in str(e) else
+                       f"{e} (From the command line: {flag}.)") from e
 
-  run(job, pipeline_args=True, distributed=False, defaults=defaults)
+  run(job, pipeline_args=True, distributed=False, defaults=defaults,
+      runs_file=gin_file, config_class=f"{module_name}.{config_class}")
+
+
+def _parse_or_exit(gin_files: Sequence[str], bindings: Sequence[str]
+                   ) -> None:
+  """`parse`, exiting with the flag to pass for a `%gin.REQUIRED` macro
+  that nothing set (gin raises a ValueError naming `NAME/macro.value`)."""
+  try:
+    parse(gin_files, bindings)
+  except ValueError as e:
+    missing = re.match(r"(\w+)/macro\.value set to `%gin\.REQUIRED`", str(e))
+    if not missing:
+      raise
+    raise SystemExit(
+        f"{missing[1]} is not set: pass --gin.{missing[1]}=\"'...'\" "
+        f"(gin files: {', '.join(gin_files)}; see --help).") from e
 
 
 def run(job: Callable[..., None], *, positional_args: bool = False,
         pipeline_args: bool = False, distributed: bool = True,
-        defaults: Sequence[str] = ()) -> None:
+        defaults: Sequence[str] = (), runs_file: str | None = None,
+        config_class: str | None = None) -> None:
   """absl entry point: parses gin flags, then calls `job(dry_run)`.
 
   With `positional_args`, the job is `job(dry_run, args)` and gets the
   command line's positional arguments (e.g. `ask`'s questions); with
   `pipeline_args` (the Beam data jobs), the flags absl does not know too
-  (Beam's options, `--runner=...`). `distributed=False` never joins the JAX
-  distributed runtime (nor imports JAX): data jobs use no accelerator, and
-  on a pod host whose launcher sets REALM_JAX_DISTRIBUTED=1 they would wait
-  for the trainer's processes. `defaults`: bindings parsed before the
-  command line's.
+  (Beam's options, `--runner=...`), after refusing any that Beam does not
+  know. `distributed=False` never joins the JAX distributed runtime (nor
+  imports JAX): data jobs use no accelerator, and on a pod host whose
+  launcher sets REALM_JAX_DISTRIBUTED=1 they would wait for the trainer's
+  processes. `defaults`: bindings parsed before the command line's.
+  `runs_file`: the job's own gin file (`job_gin_files`); `config_class`:
+  the dotted name of its config (for `--help` and for the gin flag a
+  refused flag meant). Both default to the job's attributes of those names
+  (`training_job` sets them).
 
   Order matters: gin is parsed before anything starts JAX, so that the
   XLA flags the config asks for (`apply_gin_xla_flags`) are in place when
@@ -202,15 +470,22 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
   before the job.
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
+  runs_file = getattr(job, "runs_file", "") if runs_file is None else runs_file
+  config_class = (getattr(job, "config_class", "") if config_class is None
+                  else config_class)
   flags.DEFINE_multi_string("gin_file", [], "Gin config files.")
   flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings.")
   flags.DEFINE_bool("dry_run", False, "Print the resolved config and exit.")
+  define_help_flags(_help_epilog(runs_file, config_class, pipeline_args))
   argv, extra = split_gin_flags(sys.argv)
 
   def main(args):
     f = flags.FLAGS
     logs.quiet_libraries(f.verbosity)
-    parse(f.gin_file, [*defaults, *f.gin_bindings, *extra])
+    if pipeline_args:
+      refuse_unknown_args(args[1:], runs_file, config_class)
+    _parse_or_exit(job_gin_files(f.gin_file, runs_file),
+                   [*defaults, *f.gin_bindings, *extra])
     apply_gin_xla_flags()
     if distributed:
       # Multi-host: joins the pod's JAX runtime when the launcher asks for

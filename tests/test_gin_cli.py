@@ -1,8 +1,13 @@
-"""Tests of realm_jax.gin_cli.run's options for the data jobs."""
+"""Tests of realm_jax.gin_cli.run: the data jobs' options, the job's own gin
+file, the flags Beam would drop."""
 
 import os
 import subprocess
 import sys
+
+import pytest
+
+from realm_jax import gin_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,15 +34,105 @@ def test_data_jobs_keep_beam_options_and_do_not_join_jax():
   # A pod host's launcher asks every process to join the JAX runtime; a
   # data job must not (it would wait for the trainer's processes).
   result = _run(["-c", _JOB, "--gin.X=2", "--runner=DirectRunner",
-                 "--project=p", "extra", "--dry_run"],
+                 "--project=p", "--direct_num_workers", "2", "--dry_run"],
                 REALM_JAX_DISTRIBUTED="1")
   assert result.returncode == 0, result.stderr[-2000:]
   # The command line's bindings win over `defaults`; JAX is not imported.
-  assert "ARGS ['--runner=DirectRunner', '--project=p', 'extra'] True 2 " \
-         "False" in result.stdout
+  assert ("ARGS ['--runner=DirectRunner', '--project=p', "
+          "'--direct_num_workers', '2'] True 2 False") in result.stdout
 
 
-def test_data_job_without_its_gin_file_says_which():
-  result = _run(["-m", "realm_jax.data.corpus_job", "--gin.OUTPUT_DIR='x'"])
+def test_a_job_finds_its_own_gin_file():
+  """The binding runs/corpus.gin advertises works without --gin_file."""
+  for files in ([], ["--gin_file=runs/corpus.gin"]):
+    result = _run(["-m", "realm_jax.data.corpus_job", *files,
+                   "--gin.OUTPUT_DIR='x'",
+                   "--gin.CorpusConfig.max_block_len=72", "--dry_run"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "CorpusConfig(output_dir='x'" in result.stdout
+    assert "max_block_len=72" in result.stdout
+  result = _run(["-m", "realm_jax.data.corpus_job", "--dry_run"])
   assert result.returncode != 0
-  assert "pass --gin_file=runs/corpus.gin and set its paths" in result.stderr
+  assert "OUTPUT_DIR is not set: pass --gin.OUTPUT_DIR=" in result.stderr
+
+
+@pytest.mark.parametrize("given, runs_file, parsed", [
+    ([], "runs/corpus.gin", ["runs/corpus.gin"]),
+    # First: what the command line's files bind wins.
+    (["models/tiny.gin"], "runs/pretrain.gin",
+     ["runs/pretrain.gin", "models/tiny.gin"]),
+    (["runs/pretrain.gin"], "runs/pretrain.gin", ["runs/pretrain.gin"]),
+    # Included (nested): not parsed twice.
+    (["experiments/demo_pretrain.gin"], "runs/pretrain.gin",
+     ["experiments/demo_pretrain.gin"]),
+    (["models/tiny.gin", "runs/pretrain_original.gin"], "runs/pretrain.gin",
+     ["models/tiny.gin", "runs/pretrain_original.gin"]),
+    (["experiments/pretrain_world_cpu.gin"], "runs/ict.gin",
+     ["experiments/pretrain_world_cpu.gin"]),
+    # A trainer's file does not include the query cache's.
+    (["experiments/pretrain_minilm_wiki.gin"], "runs/query_cache.gin",
+     ["runs/query_cache.gin", "experiments/pretrain_minilm_wiki.gin"]),
+    (["models/tiny.gin"], "", ["models/tiny.gin"]),
+])
+def test_job_gin_files(given, runs_file, parsed):
+  assert gin_cli.job_gin_files(given, runs_file) == parsed
+
+
+def test_the_jobs_own_gin_files_exist():
+  """Every job's own gin file (its runs file) is where the job says."""
+  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  del pretrain  # (training_job names it after the module)
+  for name in ("pretrain", "ict", "finetune"):
+    job = gin_cli.training_job(f"realm_jax.training.{name}", "X")
+    assert gin_cli.find_gin_file(job.runs_file), job.runs_file
+  assert gin_cli.required_macros("runs/corpus.gin") == ["OUTPUT_DIR"]
+  assert gin_cli.required_macros("runs/query_cache.gin") == [
+      "ANNOTATED", "OUTPUT_DIR"]
+
+
+def test_beam_unknown_args():
+  assert gin_cli.beam_unknown_args(
+      ["--runner=DirectRunner", "--direct_num_workers", "2",
+       "--direct_running_mode=multi_processing", "--max_block_len=128",
+       "--project=p", "extra"]) == ["--max_block_len=128", "extra"]
+  # Beam parses without abbreviations: a prefix is no option.
+  assert gin_cli.beam_unknown_args(["--direct_num=2"]) == ["--direct_num=2"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--max_block_len=128"],
+     ["--max_block_len is not an absl, gin or Apache Beam pipeline option "
+      "(Beam would drop it); did you mean "
+      "--gin.CorpusConfig.max_block_len=128?"]),
+    (["--overwrite"], ["did you mean --gin.CorpusConfig.overwrite=True?"]),
+    (["--output_dir", "/d"], ["did you mean --gin.OUTPUT_DIR=\"'/d'\"?"]),
+    (["--runner=DirectRunner", "--bogus", "x", "y"],
+     ["--bogus is not", "unexpected argument 'y'"]),
+])
+def test_a_data_job_refuses_what_beam_would_drop(args, said, capsys):
+  with pytest.raises(SystemExit) as e:
+    gin_cli.refuse_unknown_args(args, "runs/corpus.gin",
+                                "realm_jax.data.corpus_job.CorpusConfig")
+  assert e.value.code == 1
+  err = capsys.readouterr().err
+  for text in said:
+    assert text in err
+  gin_cli.refuse_unknown_args(["--runner=DirectRunner",
+                               "--direct_num_workers=2"], "runs/corpus.gin")
+
+
+def test_the_corpus_job_refuses_a_stale_flag():
+  """Issue 28: `--max_block_len=128` was dropped by Beam with a warning."""
+  result = _run(["-m", "realm_jax.data.corpus_job", "--gin.OUTPUT_DIR='x'",
+                 "--max_block_len=128", "--runner=DirectRunner",
+                 "--direct_num_workers=2", "--dry_run"])
+  assert result.returncode != 0
+  assert "--max_block_len is not" in result.stderr
+  assert "--gin.CorpusConfig.max_block_len=128" in result.stderr
+  assert "--runner" not in result.stderr and not result.stdout
+  result = _run(["-m", "realm_jax.data.corpus_job", "--gin.OUTPUT_DIR='x'",
+                 "--runner=DirectRunner", "--direct_num_workers=2",
+                 "--dry_run"])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ("Beam options: ['--runner=DirectRunner', '--direct_num_workers=2']"
+          in result.stdout)

@@ -611,4 +611,6 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   gin_cli.run(lambda dry_run: _job(dry_run,
-                                   gin_cli.command_line_bindings()))
+                                   gin_cli.command_line_bindings()),
+              runs_file="runs/eval.gin",
+              config_class="realm_jax.eval.qa_eval.EvalConfig")

@@ -443,4 +443,5 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
 
 if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(_job)
+  gin_cli.run(_job, runs_file="runs/index_builder.gin",
+              config_class="realm_jax.index.builder.BuilderConfig")
