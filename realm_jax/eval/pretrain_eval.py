@@ -88,7 +88,8 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
              questions: Sequence[qa_lib.QAExample] = (),
              question_length: int = 32,
              qa_ks: Sequence[int] = (1, 5, 20),
-             trivial_candidates: str = "article") -> dict[str, float]:
+             trivial_candidates: str = "article",
+             block_emb: np.ndarray | None = None) -> dict[str, float]:
   """Held-out retrieval and reading metrics of one set of parameters.
 
   Args:
@@ -107,6 +108,9 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     qa_ks: the k of `qa_recall@k`.
     trivial_candidates: the blocks a masked query may not retrieve, as in
       training (`PretrainConfig.trivial_candidates`).
+    block_emb: the blocks' embeddings by these parameters' document tower
+      (e.g. a query-side run's index, which never changes); default: the
+      corpus is embedded here.
 
   Returns:
     The metrics listed in the module docstring, as floats.
@@ -130,8 +134,12 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   used = max(1, int((queries["mlm_weights"] > 0).sum(1).max()))
   queries = {k: v[:, :used] if k.startswith("mlm_") else v
              for k, v in queries.items()}
-  block_emb, _ = embed_lib.embed_block_store(
-      params["retriever"], model.retriever, store, log_every_seconds=1e9)
+  if block_emb is None:
+    block_emb, _ = embed_lib.embed_block_store(
+        params["retriever"], model.retriever, store, log_every_seconds=1e9)
+  elif np.shape(block_emb)[0] != len(store):
+    raise ValueError(f"block_emb has {np.shape(block_emb)[0]} rows; the "
+                     f"store {store.path} has {len(store)} blocks.")
   embed_queries = _query_fn(model)
   query_emb = _in_chunks(lambda s: {"e": np.asarray(embed_queries(
       params, queries["query_ids"][s], queries["query_mask"][s]))},

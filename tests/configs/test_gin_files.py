@@ -102,6 +102,7 @@ CPU_EXPERIMENTS = {"eval_tiny_cpu.gin", "finetune_tiny_cpu.gin",
                    "ict_tiny_cpu.gin", "pretrain_tiny_cpu.gin",
                    "pretrain_world_cpu.gin", "pretrain_minilm_wiki.gin",
                    "pretrain_wiki_small_cpu.gin",
+                   "pretrain_minilm_wiki_gated.gin",
                    "demo_pretrain.gin", "demo_finetune.gin"}
 RUN_AND_EXPERIMENT_FILES = [
     f for f in GIN_FILES if "/runs/" in f or "/experiments/" in f]
