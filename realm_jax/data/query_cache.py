@@ -630,17 +630,40 @@ def trainer_query_config(run) -> examples_lib.RealmQueryConfig:
       mask_limit=run.query_length - 2)
 
 
+# The most shards a cache gets by default (the shards are sorted in a
+# worker's memory; more shards for a larger corpus: set num_shards).
+MAX_DEFAULT_SHARDS = 64
+
+
+def trainer_num_shards(run) -> int:
+  """The shard count a pre-training run's config accepts: the largest
+  divisor of its global `batch_size` that is at most `MAX_DEFAULT_SHARDS`
+  (and at most `gate_num_queries`, the batch of the held-out gate cache).
+
+  `QueryStream` wants num_shards <= the batch size and a multiple of the
+  host count, which divides the batch size; so a batch size of at most 64
+  gives that many shards (any host count the run can have reads them),
+  and a power-of-two batch gives a multiple of every power-of-two host
+  count up to 64. Other pods: set `QueryCacheConfig.num_shards`.
+  """
+  limit = min(MAX_DEFAULT_SHARDS, run.batch_size,
+              max(run.gate_num_queries, 1))
+  return max(d for d in range(1, limit + 1) if run.batch_size % d == 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class QueryCacheConfig:
   """The command line's `build_query_cache` (runs/query_cache.gin binds the
   paths). The masking is the trainer's: `trainer_config` is
   `pretrain.PretrainConfig` as the gin files bind it (add the pre-training
   run's file), read into `query_config` by `trainer_query_config`, so the
-  cache passes the trainer's `QueryStream.check`. `seed`: the masking
-  seed."""
+  cache passes the trainer's `QueryStream.check`. `num_shards`: None (the
+  default) takes `trainer_num_shards` of that config (without one,
+  `MAX_DEFAULT_SHARDS`); a number the trainer would refuse (more than its
+  global batch size) is an error. `seed`: the masking seed."""
   annotated: str
   output_dir: str
-  num_shards: int = 64
+  num_shards: int | None = None
   seed: int = 0
   vocab_path: str | None = None
   overwrite: bool = False
@@ -651,9 +674,21 @@ class QueryCacheConfig:
 
   def __post_init__(self):
     checks.field_types(self)
-    if self.trainer_config:  # (its paths do not matter here)
-      object.__setattr__(self, "query_config", trainer_query_config(
-          self.trainer_config(workdir="", block_store="", queries="")))
+    run = (self.trainer_config(workdir="", block_store="", queries="")
+           if self.trainer_config else None)  # (its paths do not matter)
+    if run is not None:
+      object.__setattr__(self, "query_config", trainer_query_config(run))
+    if self.num_shards is None:
+      object.__setattr__(self, "num_shards", trainer_num_shards(run)
+                         if run is not None else MAX_DEFAULT_SHARDS)
+    elif self.num_shards < 1:
+      raise ValueError(f"num_shards={self.num_shards} must be >= 1.")
+    elif run is not None and self.num_shards > run.batch_size:
+      raise ValueError(
+          f"num_shards={self.num_shards} is more than the trainer's global "
+          f"batch_size={run.batch_size}, so it would refuse the cache; leave "
+          f"num_shards unset (it would be {trainer_num_shards(run)}) or set "
+          "at most the batch size.")
 
 
 def run(config: QueryCacheConfig, pipeline_args: Sequence[str]) -> None:

@@ -289,34 +289,87 @@ def test_beam_job_is_deterministic(beam_cache, annotated, tmp_path):
       assert a.read() == b.read()
 
 
-def test_command_line_masks_as_the_trainer(annotated, tmp_path):
+def test_command_line_masks_and_shards_as_the_trainer(annotated, tmp_path):
   """The masking comes from pretrain.PretrainConfig's gin bindings, as
-  the trainer reads them: the cache passes the trainer's check."""
+  the trainer reads them: the cache passes the trainer's check. The job
+  finds runs/query_cache.gin itself, and the shard count is one the
+  trainer's batch size (4) accepts on any host count."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
   out = tmp_path / "cache"
   result = subprocess.run(
       [sys.executable, "-m", "realm_jax.data.query_cache",
-       "--gin_file=runs/query_cache.gin",
        f"--gin.ANNOTATED='{annotated}/part-*.tfr.gz'",
-       f"--gin.OUTPUT_DIR='{out}'", "--gin.QueryCacheConfig.num_shards=2",
+       f"--gin.OUTPUT_DIR='{out}'",
        "--gin.pretrain.PretrainConfig.query_length=32",
        "--gin.pretrain.PretrainConfig.max_masks=2",
+       "--gin.pretrain.PretrainConfig.batch_size=4",
        "--direct_num_workers=1"],  # a Beam option
       capture_output=True, text=True, cwd=tmp_path, check=False,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                query_length=32, max_masks=2)
-  stream = qc.QueryStream(str(out), seed=0, batch_size=2)
-  stream.check(pretrain.realm_query_config(run))
-  assert stream.manifest["num_shards"] == 2
+                                query_length=32, max_masks=2, batch_size=4)
+  for hosts in (1, 2, 4):
+    stream = qc.QueryStream(str(out), seed=0, batch_size=4,
+                            process_count=hosts)
+    stream.check(pretrain.realm_query_config(run))
+    stream.close()
+  assert stream.manifest["num_shards"] == 4
   assert stream.manifest["num_queries"] == 48
   for fields in ({}, dict(query_length=8, masking="random_spans")):
     run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
                                   **fields)
     assert qc.trainer_query_config(run) == pretrain.realm_query_config(run)
+
+
+@pytest.mark.parametrize("batch_size, gate_num_queries, num_shards", [
+    (1, 128, 1), (8, 128, 8), (32, 128, 32), (64, 128, 64), (48, 128, 48),
+    (96, 128, 48), (512, 128, 64), (4096, 128, 64), (32, 16, 16)])
+def test_default_shard_count_is_one_the_trainer_accepts(
+    batch_size, gate_num_queries, num_shards):
+  """Issue 28: 64 shards by default, which a batch of 32 refuses."""
+  import functools  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  trainer = functools.partial(pretrain.PretrainConfig,
+                              batch_size=batch_size,
+                              gate_num_queries=gate_num_queries)
+  config = qc.QueryCacheConfig(annotated="a", output_dir="o",
+                               trainer_config=trainer)
+  assert config.num_shards == num_shards
+  # The trainer's rules (QueryStream): at most the batch (and the gate's
+  # batch), a multiple of every host count that divides the batch up to 64
+  # when the batch is at most 64 or a power of two.
+  assert num_shards <= min(batch_size, gate_num_queries)
+  assert batch_size % num_shards == 0
+  if batch_size <= 64 and gate_num_queries >= batch_size:
+    assert num_shards == batch_size
+  if batch_size & (batch_size - 1) == 0:
+    assert num_shards == min(batch_size, 64, gate_num_queries)
+  # Told otherwise: kept, unless the trainer would refuse it.
+  assert qc.QueryCacheConfig(annotated="a", output_dir="o", num_shards=1,
+                             trainer_config=trainer).num_shards == 1
+  with pytest.raises(ValueError, match=f"more than the trainer's global "
+                     f"batch_size={batch_size}"):
+    qc.QueryCacheConfig(annotated="a", output_dir="o",
+                        num_shards=batch_size + 1, trainer_config=trainer)
+  # No trainer config: MAX_DEFAULT_SHARDS.
+  assert qc.QueryCacheConfig(annotated="a", output_dir="o").num_shards == (
+      qc.MAX_DEFAULT_SHARDS)
+
+
+def test_the_default_shards_open_on_every_host_count(tmp_path):
+  """A cache with `trainer_num_shards` shards opens in QueryStream with the
+  trainer's batch for each host count that divides it."""
+  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
+                                batch_size=24)
+  num_shards = qc.trainer_num_shards(run)
+  write_fake_cache(tmp_path / "c", [2] * num_shards)
+  for hosts in (1, 2, 3, 4, 6, 8, 12, 24):
+    qc.QueryStream(str(tmp_path / "c"), seed=0, batch_size=24,
+                   process_count=hosts, process_index=hosts - 1).close()
 
 
 def test_beam_job_errors(beam_cache, annotated, tmp_path):
