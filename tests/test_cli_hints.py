@@ -15,6 +15,7 @@ data jobs, Beam's pipeline options.
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import pathlib
 import re
@@ -210,3 +211,89 @@ def test_every_hinted_flag_is_accepted():
 def test_the_check_catches_flags_a_job_does_not_take(text, bad):
   problems = _problems([("hint", c) for c in _commands(text)])
   assert [p.split(": ", 1)[1] for p in problems] == bad
+
+
+# ------------------------------------------- gin flags named outside commands
+
+# `--gin.A.b=V` / `--gin.MACRO=V` anywhere in a message, docstring or gin
+# comment (a hint like "rerun with --gin.CorpusConfig.overwrite=True" is no
+# `python -m` command): placeholders (one letter, `{...}`, `<...>`) aside.
+_GIN_FLAG = re.compile(r"--gin\.(?P<target>[A-Za-z_][\w.]*)=")
+
+
+def _all_hint_texts() -> list[tuple[str, str]]:
+  """(where, text): every str literal of realm_jax/, every gin comment."""
+  out = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    where = str(path.relative_to(ROOT))
+    out.extend((where, s) for s in _strings(
+        ast.parse(path.read_text(encoding="utf-8"))))
+  return out + [(where, text) for where, text in _hint_sources()
+                if where.endswith(".gin")]
+
+
+@functools.lru_cache(maxsize=None)
+def _configurables() -> dict[str, set[str]]:
+  """Class or function name -> its fields / parameters, across realm_jax/."""
+  names = collections.defaultdict(set)
+  for path in PACKAGE.rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      if isinstance(node, ast.ClassDef):
+        names[node.name].update(
+            n.target.id for n in node.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+      elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        names[node.name].update(
+            x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+  return names
+
+
+@functools.lru_cache(maxsize=None)
+def _macros() -> frozenset[str]:
+  """Every macro a gin file defines (`NAME = ...`)."""
+  return frozenset(
+      m for path in (ROOT / "gin_configs").rglob("*.gin")
+      for m in re.findall(r"^([A-Z_][A-Z0-9_]*)\s*=",
+                          path.read_text(encoding="utf-8"), re.M))
+
+
+def _gin_flag_problems(texts) -> list[str]:
+  problems = []
+  for where, text in texts:
+    for match in _GIN_FLAG.finditer(text):
+      parts = match["target"].split(".")
+      if len(parts[-1]) == 1 or (len(parts) > 1 and len(parts[-2]) == 1):
+        continue  # A placeholder: --gin.X=Y, --gin.A.b=V.
+      if len(parts) == 1:
+        if parts[0] not in _macros():
+          problems.append(f"{where}: no gin file defines {parts[0]}")
+      elif parts[-1] not in _configurables().get(parts[-2], ()):
+        problems.append(f"{where}: {parts[-2]} has no field {parts[-1]} "
+                        f"(--gin.{match['target']})")
+  return problems
+
+
+def test_every_hinted_gin_flag_names_a_field():
+  """e.g. the block store's "already exists" hint: once "(--overwrite)",
+  which the corpus job dropped; now --gin.CorpusConfig.overwrite=True."""
+  texts = _all_hint_texts()
+  assert sum(len(_GIN_FLAG.findall(t)) for _, t in texts) >= 40
+  assert any("--gin.CorpusConfig.overwrite=True" in t for _, t in texts)
+  assert not _gin_flag_problems(texts), "\n".join(_gin_flag_problems(texts))
+  assert _gin_flag_problems([
+      ("hint", "pass --gin.CorpusConfig.overwrit=True"),
+      ("hint", "set --gin.OUTPUT_DIRS=\"'x'\" or --gin.A.b=V")]) == [
+          "hint: CorpusConfig has no field overwrit "
+          "(--gin.CorpusConfig.overwrit)",
+          "hint: no gin file defines OUTPUT_DIRS"]
+
+
+def test_no_hint_names_a_bare_pre_gin_flag():
+  """"(--overwrite)" and the like: a flag no job defines, outside any
+  command. Hints name gin flags instead."""
+  stale = re.compile(r"\(--(overwrite|output_dir|one_shot|block_emb|"
+                     r"max_block_len|num_shards)\b")
+  found = [f"{where}: {m.group(0)}" for where, text in _all_hint_texts()
+           for m in stale.finditer(text)]
+  assert not found, "\n".join(found)

@@ -179,8 +179,9 @@ def write_block_store(
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and not overwrite:
     raise FileExistsError(
-        f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
-        "replace it or choose another output directory.")
+        f"{out_dir} already exists; pass overwrite=True (the corpus job: "
+        "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
+        "output directory.")
   tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
   shutil.rmtree(tmp_dir, ignore_errors=True)
   os.makedirs(tmp_dir)
@@ -667,8 +668,9 @@ def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
   remote = io_utils.as_path(out_dir)
   if (remote / "manifest.json").exists() and not overwrite:
     raise FileExistsError(
-        f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
-        "replace it or choose another output directory.")
+        f"{out_dir} already exists; pass overwrite=True (the corpus job: "
+        "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
+        "output directory.")
   if remote.exists() and not (remote / "manifest.json").exists():
     logging.warning("%s has no manifest (an interrupted upload?); it will "
                     "be replaced.", out_dir)

@@ -293,3 +293,12 @@ def test_command_line(tmp_path):
                           cwd=tmp_path, check=False)
   assert result.returncode != 0
   assert "already exists" in result.stderr and str(out) in result.stderr
+  # ... and says how to replace it, with a flag that does.
+  assert "--gin.CorpusConfig.overwrite=True" in result.stderr
+  assert "Traceback" not in result.stderr
+  result = subprocess.run(
+      [*command[:-1], "--gin.CorpusConfig.overwrite=True",
+       "--gin.CorpusConfig.max_block_len=32"], capture_output=True,
+      text=True, env=env, cwd=tmp_path, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert block_store.BlockStore.open(str(out)).max_block_len == 32
