@@ -53,7 +53,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
-from realm_jax.core import checkpoints, checks, io_utils, parallel
+from realm_jax.core import checkpoints, checks, follow, io_utils, parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
@@ -349,6 +349,22 @@ def _read_ledger(path: str, identity: dict[str, Any]) -> dict[str, Any]:
   return ledger
 
 
+def _record(ledger, ledger_path: str, output_dir: str, writer, step: int,
+            metrics: dict[str, float], is_chief: bool) -> None:
+  """One evaluated step into the ledger, metrics.jsonl and the summaries."""
+  ledger["steps"][str(step)] = {
+      "metrics": metrics, "evaluated_at": time.time(),
+      "predictions": os.path.join("predictions", f"step_{step}.jsonl")}
+  if is_chief:
+    io_utils.write_json(ledger_path, ledger)
+    io_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL), metrics)
+    writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()
+                                if k != "step"})
+    writer.flush()
+  logging.info("step %d: %s", step, " ".join(
+      f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
+
+
 def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  examples: Sequence[qa_lib.QAExample],
                  model_config: RealmConfig, index: publish.PublishedIndex,
@@ -401,69 +417,48 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
         io_utils.join(output_dir, "summaries"), just_logging=not is_chief)
     logging.info("eval job: %d examples, %d steps already in %s",
                  len(examples), len(ledger["steps"]), ledger_path)
-    qa_model, evaluated, start, stopped = None, [], time.time(), "steps"
+    follower = None if steps is not None else follow.CheckpointFollower(
+        checkpoint_dir, mode="every",
+        poll_seconds=config.poll_seconds if poll_seconds is None
+        else poll_seconds, timeout=timeout, name="eval job",
+        skip=lambda step: str(step) in ledger["steps"])
+    qa_model, evaluated, stopped = None, [], "steps"
     unreadable: dict[int, int] = {}  # step -> failed reads in this run
-    poll = config.poll_seconds if poll_seconds is None else poll_seconds
-    while True:
-      # DONE is read BEFORE listing: the trainer writes it after its last
-      # checkpoint, so a listing made after seeing it is complete.
-      done = steps is None and checkpoints.is_done(checkpoint_dir)
-      wanted = (checkpoints.finalized_steps(checkpoint_dir) if steps is None
-                else sorted(steps))
-      pending = [s for s in wanted if str(s) not in ledger["steps"]
-                 and unreadable.get(s, 0) < _MAX_READ_ATTEMPTS]
-      if pending:
-        step = pending[0]
-        try:
-          metrics, qa_model = evaluate_checkpoint(
-              checkpoint_dir=checkpoint_dir, step=step, examples=examples,
-              output_dir=output_dir, model_config=model_config, index=index,
-              store=store, qa_config=qa_config, config=config, mesh=mesh,
-              qa_model=qa_model)
-        except FileNotFoundError as e:
-          if steps is not None:
-            raise
-          if not io_utils.as_path(checkpoint_dir).joinpath(str(step)).is_dir():
-            # Deleted by the trainer's retention between listing and reading.
-            logging.warning("checkpoint %d vanished before it was evaluated",
-                            step)
-            continue
-          # Listed but not readable (yet): retry a few times, then move on.
-          unreadable[step] = unreadable.get(step, 0) + 1
-          logging.warning("checkpoint %d is not readable (attempt %d): %s",
-                          step, unreadable[step], e)
-          time.sleep(poll)
+    for step in (follower if follower is not None else [
+        s for s in sorted(steps) if str(s) not in ledger["steps"]]):
+      try:
+        metrics, qa_model = evaluate_checkpoint(
+            checkpoint_dir=checkpoint_dir, step=step, examples=examples,
+            output_dir=output_dir, model_config=model_config, index=index,
+            store=store, qa_config=qa_config, config=config, mesh=mesh,
+            qa_model=qa_model)
+      except FileNotFoundError as e:
+        if follower is None:
+          raise
+        if not io_utils.as_path(checkpoint_dir).joinpath(str(step)).is_dir():
+          # Deleted by the trainer's retention between listing and reading.
+          logging.warning("checkpoint %d vanished before it was evaluated",
+                          step)
           continue
-        evaluated.append(step)
-        ledger["steps"][str(step)] = {
-            "metrics": metrics, "evaluated_at": time.time(),
-            "predictions": os.path.join("predictions", f"step_{step}.jsonl")}
-        if is_chief:
-          io_utils.write_json(ledger_path, ledger)
-          io_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL),
-                                 metrics)
-          writer.write_scalars(step, {f"eval/{k}": v for k, v in
-                                      metrics.items() if k != "step"})
-          writer.flush()
-        logging.info("step %d: %s", step, " ".join(
-            f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
-        if on_evaluated:
-          on_evaluated(step, metrics)
-        if max_evaluations is not None and len(evaluated) >= max_evaluations:
-          stopped = "max_evaluations"
-          break
+        # Listed but not readable (yet): retry a few times, then move on.
+        unreadable[step] = unreadable.get(step, 0) + 1
+        logging.warning("checkpoint %d is not readable (attempt %d): %s",
+                        step, unreadable[step], e)
+        (follower.give_up if unreadable[step] >= _MAX_READ_ATTEMPTS
+         else follower.retry)(step)
         continue
-      if steps is not None:
+      evaluated.append(step)
+      _record(ledger, ledger_path, output_dir, writer, step, metrics,
+              is_chief)
+      if on_evaluated:
+        on_evaluated(step, metrics)
+      if max_evaluations is not None and len(evaluated) >= max_evaluations:
+        stopped = "max_evaluations"
         break
-      if done:
-        stopped = "done"
-        logging.info("trainer is done; eval job exits after %s", evaluated)
-        break
-      if timeout is not None and time.time() - start > timeout:
-        stopped = "timeout"
-        logging.warning("eval job: no DONE marker after %.0f s", timeout)
-        break
-      time.sleep(poll)
+    else:
+      if follower is not None:
+        stopped = follower.stopped
+        logging.info("eval job exits (%s) after %s", stopped, evaluated)
     writer.close()
     return EvalJobResult(
         evaluated=evaluated, stopped=stopped,

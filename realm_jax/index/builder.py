@@ -37,7 +37,7 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from realm_jax.core import checkpoints, checks
+from realm_jax.core import checkpoints, checks, follow
 from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
@@ -284,87 +284,41 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
 def _poll(ckpt_dir, last, out, start, stop, *, store, root,
           retriever_config, config, max_indices, timeout, devices,
           on_publish) -> list[int]:
-  """The builder's loop: publish the newest new checkpoint, or wait."""
-  unreadable: set[int] = set()
-  first_look = True
-  while True:
-    steps = [s for s in checkpoints.finalized_steps(ckpt_dir)
-             if s > last and s not in unreadable]
-    if steps:
-      step = steps[-1]
-      if len(steps) > 1:
-        logging.info("skipping superseded checkpoints %s", steps[:-1])
-      try:
-        params = checkpoints.restore_retriever(ckpt_dir, step)
-      except FileNotFoundError:
-        # Deleted by the trainer's retention between listing and reading.
-        logging.warning("checkpoint %d vanished before it was read", step)
-        continue
-      except Exception as e:  # pylint: disable=broad-except
-        # A damaged checkpoint (truncated array file, DATA_LOSS): the
-        # builder only reads checkpoints, so it skips this one for good
-        # (the trainer moves it aside when it resumes) and takes the
-        # newest older one, instead of dying on it.
-        logging.warning("checkpoint %s does not restore (%s: %s); skipping "
-                        "it.", io_utils.join(ckpt_dir, str(step)),
-                        type(e).__name__, e)
-        unreadable.add(step)
-        continue
-      path = build_and_publish(retriever_params=params,
-                               retriever_config=retriever_config, store=store,
-                               root=root, step=step, config=config,
-                               devices=devices)
-      last = step
-      out.append(step)
-      if on_publish:
-        on_publish(step, path)
-      if max_indices is not None and len(out) >= max_indices:
-        return out
+  """The builder's loop: publish the newest new checkpoint, or wait
+  (`core.follow`: DONE is read before the checkpoints are listed)."""
+  follower = follow.CheckpointFollower(
+      ckpt_dir, mode="newest", after=last, poll_seconds=config.poll_seconds,
+      timeout=None if timeout is None else timeout - (time.time() - start),
+      done_grace_seconds=config.done_grace_seconds, stop=stop,
+      name="index builder")
+  for step in follower:
+    try:
+      params = checkpoints.restore_retriever(ckpt_dir, step)
+    except FileNotFoundError:
+      # Deleted by the trainer's retention between listing and reading.
+      logging.warning("checkpoint %d vanished before it was read", step)
       continue
-    if stop.requested:
-      logging.info("stop requested; index builder exits after %s", out)
+    except Exception as e:  # pylint: disable=broad-except
+      # A damaged checkpoint (truncated array file, DATA_LOSS): the
+      # builder only reads checkpoints, so it skips this one for good
+      # (the trainer moves it aside when it resumes) and takes the
+      # newest older one, instead of dying on it.
+      logging.warning("checkpoint %s does not restore (%s: %s); skipping "
+                      "it.", io_utils.join(ckpt_dir, str(step)),
+                      type(e).__name__, e)
+      follower.give_up(step)
+      continue
+    path = build_and_publish(retriever_params=params,
+                             retriever_config=retriever_config, store=store,
+                             root=root, step=step, config=config,
+                             devices=devices)
+    out.append(step)
+    if on_publish:
+      on_publish(step, path)
+    if max_indices is not None and len(out) >= max_indices:
       return out
-    if _run_finished(ckpt_dir, grace=config.done_grace_seconds
-                     if first_look and not out else 0.0,
-                     poll=config.poll_seconds):
-      logging.info("trainer is done; index builder exits after %s", out)
-      return out
-    first_look = False
-    if timeout is not None and time.time() - start > timeout:
-      logging.warning("index builder: no DONE marker after %.0f s", timeout)
-      return out
-    time.sleep(config.poll_seconds)
-
-
-def _run_finished(ckpt_dir: str, *, grace: float, poll: float) -> bool:
-  """Whether the trainer's run is over, so the builder may exit.
-
-  DONE alone does not say so: a trainer that extends a finished run (more
-  steps, same workdir) finds the old DONE, and clears it only before its
-  first step. DONE counts when it records the newest checkpoint and no
-  live job holds the workdir's lease; with `grace` > 0, the builder first
-  waits up to `grace` seconds for a trainer to take the workdir.
-  """
-  workdir = io_utils.as_path(ckpt_dir).parent
-  deadline = time.time() + grace
-  while True:
-    final = checkpoints.done_step(ckpt_dir)
-    if final is None or final < max(checkpoints.finalized_steps(ckpt_dir),
-                                    default=-1):
-      return False  # No DONE, or a stale one: checkpoints came after it.
-    holder = lease_lib.live_holder(workdir)
-    if holder is not None:
-      logging.log_every_n_seconds(
-          logging.INFO, "DONE (step %d) is there, but %s holds %s: waiting "
-          "for it to continue or to exit.", 60, final,
-          holder.describe(heartbeat=not io_utils.is_local(workdir)), workdir)
-      return False
-    if time.time() >= deadline:
-      return True
-    logging.log_first_n(
-        logging.INFO, "The run at %s is DONE at step %d; waiting up to %.0f "
-        "s for a trainer that continues it.", 1, workdir, final, grace)
-    time.sleep(poll)
+  logging.info("index builder exits (%s) after %s", follower.stopped, out)
+  return out
 
 
 # ----------------------------------------------------------------------------

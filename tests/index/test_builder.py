@@ -364,6 +364,40 @@ def test_a_leftover_done_does_not_end_an_extended_run(store, tmp_path, first):
   assert publish.read_latest(checkpoints.index_root(workdir)) == 13
 
 
+def test_the_final_index_is_built_when_done_lands_after_the_listing(
+    store, tmp_path, monkeypatch):
+  """The trainer saves its last checkpoint and writes DONE between the
+  builder's listing of the checkpoints and its look for DONE. Listing first
+  (the old order) then saw DONE without the last checkpoint and exited
+  without its index; reading DONE first builds it."""
+  workdir = str(tmp_path / "run")
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  root = checkpoints.index_root(workdir)
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
+  _save(ckpt, 1, 1)
+  listing = checkpoints.finalized_steps
+  finished = []
+
+  def racy_listing(directory):
+    steps = listing(directory)
+    if (not finished and steps == [1]
+        and publish.published_steps(root) == [1]):
+      finished.append(True)  # The trainer ends right after this listing.
+      _save(ckpt, 2, 2)
+      checkpoints.write_done_marker(ckpt_dir, 2)
+    return steps
+
+  monkeypatch.setattr(checkpoints, "finalized_steps", racy_listing)
+  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05,
+                                 done_grace_seconds=0.0)
+  published = builder.run_builder(workdir=workdir, store=store,
+                                  retriever_config=CONFIG.retriever,
+                                  config=config, timeout=60)
+  assert finished  # the race happened
+  assert published == [1, 2]
+  assert publish.read_latest(root) == 2
+
+
 def test_a_damaged_checkpoint_is_skipped_not_fatal(store, tmp_path, caplog):
   workdir = str(tmp_path / "run")
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
