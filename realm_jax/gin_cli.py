@@ -9,7 +9,8 @@ repository's `gin_configs/`.
 
 A job finds its own config: its runs file (e.g. `runs/corpus.gin`, named
 where the job is defined) is parsed first, before the command line's
-`--gin_file`s (which override it), unless one of those is or includes it.
+`--gin_file`s (which override it), unless one of those is or includes it,
+or binds the job's config class itself.
 `--help` exits 0 and says so; a data job refuses a flag that neither absl,
 gin nor Beam's `PipelineOptions` takes, since Beam would drop it silently.
 """
@@ -154,25 +155,34 @@ def find_gin_file(name: str) -> str | None:
   return None
 
 
-def included_gin_files(gin_files: Sequence[str]) -> set[str]:
-  """Real paths of `gin_files` and of every file they include (nested)."""
-  seen, todo = set(), list(gin_files)
+def included_gin_files(gin_files: Sequence[str]) -> dict[str, str]:
+  """Real path -> text of `gin_files` and of every file they include."""
+  seen, todo = {}, list(gin_files)
   while todo:
     path = find_gin_file(todo.pop())
     if path is None or path in seen:
       continue
-    seen.add(path)
     with open(path, encoding="utf-8") as f:
-      todo.extend(m["path"] for m in _INCLUDE.finditer(f.read()))
+      seen[path] = f.read()
+    todo.extend(m["path"] for m in _INCLUDE.finditer(seen[path]))
   return seen
 
 
-def job_gin_files(gin_files: Sequence[str], runs_file: str) -> list[str]:
+def job_gin_files(gin_files: Sequence[str], runs_file: str,
+                  config_class: str = "") -> list[str]:
   """The gin files a job parses: its own `runs_file` first (the command
   line's `gin_files` override what it binds), unless one of `gin_files`
-  is it or includes it."""
+  (or a file it includes) is it, or binds `config_class` (dotted or not)
+  itself: the runs file's `%gin.REQUIRED` macros would then be left unset.
+  """
   own = find_gin_file(runs_file) if runs_file else None
-  if own is None or own in included_gin_files(gin_files):
+  if own is None:
+    return list(gin_files)
+  given = included_gin_files(gin_files)
+  name = re.escape(config_class.rpartition(".")[2])
+  binds = re.compile(rf"^[ \t]*(?:[\w.]+/)?(?:[\w.]+\.)?{name}"
+                     rf"(?:\.\w+[ \t]*=|[ \t]*:[ \t]*$)", re.M)
+  if own in given or (name and any(binds.search(t) for t in given.values())):
     return list(gin_files)
   return [runs_file, *gin_files]
 
@@ -213,7 +223,7 @@ def _help_epilog(runs_file: str, config_class: str,
   if runs_file:
     lines += ["", f"This job's own gin file: {runs_file}, parsed before the",
               "--gin_file's (which override it) unless one of them "
-              "includes it."]
+              "includes it", "or binds the job's config itself."]
     macros = required_macros(runs_file)
     if macros:
       lines.append("Must set: " + " ".join(
@@ -484,7 +494,7 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
     logs.quiet_libraries(f.verbosity)
     if pipeline_args:
       refuse_unknown_args(args[1:], runs_file, config_class)
-    _parse_or_exit(job_gin_files(f.gin_file, runs_file),
+    _parse_or_exit(job_gin_files(f.gin_file, runs_file, config_class),
                    [*defaults, *f.gin_bindings, *extra])
     apply_gin_xla_flags()
     if distributed:

@@ -78,6 +78,36 @@ def test_job_gin_files(given, runs_file, parsed):
   assert gin_cli.job_gin_files(given, runs_file) == parsed
 
 
+def test_job_gin_files_leaves_out_its_own_if_a_file_binds_its_config(
+    tmp_path):
+  """A file of the user's that binds the config itself (no macros) would
+  leave the runs file's %gin.REQUIRED macros unset."""
+  cls = "realm_jax.data.corpus_job.CorpusConfig"
+  for text in ("corpus_job.CorpusConfig.output_dir = '/x'\n",
+               "CorpusConfig:\n  output_dir = '/x'\n",
+               "scope/corpus_job.CorpusConfig.output_dir = '/x'\n"):
+    (tmp_path / "mine.gin").write_text("# CorpusConfig.x = 1\n" + text)
+    (tmp_path / "top.gin").write_text(f"include '{tmp_path}/mine.gin'\n")
+    for given in ([str(tmp_path / "mine.gin")], [str(tmp_path / "top.gin")]):
+      assert gin_cli.job_gin_files(given, "runs/corpus.gin", cls) == given
+  # A comment, another class or a value naming it is no binding.
+  (tmp_path / "mine.gin").write_text(
+      "# CorpusConfig.max_block_len = 1\nX = @CorpusConfig\n"
+      "corpus_job.CorpusConfigs.x = 1\nquery_cache.QueryCacheConfig.x = 1\n")
+  given = [str(tmp_path / "mine.gin")]
+  assert gin_cli.job_gin_files(given, "runs/corpus.gin", cls) == [
+      "runs/corpus.gin", *given]
+  # The job runs with it (the runs file would have wanted OUTPUT_DIR).
+  (tmp_path / "mine.gin").write_text(
+      "from __gin__ import dynamic_registration\n"
+      "from realm_jax.data import corpus_job\n"
+      f"corpus_job.CorpusConfig.output_dir = '{tmp_path}/out'\n")
+  result = _run(["-m", "realm_jax.data.corpus_job",
+                 f"--gin_file={tmp_path}/mine.gin", "--dry_run"])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert f"CorpusConfig(output_dir='{tmp_path}/out'" in result.stdout
+
+
 def test_the_jobs_own_gin_files_exist():
   """Every job's own gin file (its runs file) is where the job says."""
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
