@@ -523,4 +523,5 @@ if __name__ == "__main__":
                        f"(default: {FINETUNE_GIN}'s).")
   flags.DEFINE_bool("dry_run", False, "Print both stages' resolved configs "
                     "and exit.")
+  gin_cli.define_help_flags()  # --help exits 0
   app.run(main)

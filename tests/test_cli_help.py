@@ -89,16 +89,7 @@ def test_the_jobs_are_collected():
           "python -m realm_jax.data.qa"} <= names
 
 
-# `python -m realm_jax.demo` runs absl's app.run itself; its help exits 0
-# once its __main__ calls gin_cli.define_help_flags() (realm-demo does).
-_DEMO_MODULE = pytest.mark.xfail(
-    strict=True, reason="realm_jax/demo.py's __main__ does not call "
-    "gin_cli.define_help_flags() yet")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=_DEMO_MODULE) if n == "python -m realm_jax.demo"
-    else n for n in _commands()])
+@pytest.mark.parametrize("name", _commands())
 def test_help_exits_0(name):
   result = _results()[name]
   output = result.stdout + result.stderr
