@@ -15,7 +15,7 @@ Example (launch/README.md walks through a whole run):
 
   python launch/tpu_pod.py train --name=realm-v4 --zone=us-central2-b \\
       --workdir=gs://bucket/run1 --block_store=/var/tmp/realm/blocks \\
-      --queries=/mnt/data/queries --gin_file=models/bert_base.gin \\
+      --queries=/mnt/data/queries --gin_file=models/minilm_l6.gin \\
       --gin_file=runs/pretrain.gin --gin=INIT_FROM='"minilm"' --dry_run
 
 Flags may also come from a file, one per line: `tpu_pod.py train @pod.args`.
