@@ -484,11 +484,13 @@ def plot(rows, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   recall = "recall@1" if "recall@1" in rows[0] else "qa_recall@1"
-  panels = ((recall, f"held-out {recall}"),
-            ("mlm_accuracy_marginal", "held-out masked-token accuracy"),
-            ("retrieval_utility", "held-out retrieval utility (nats)"),
-            ("null_probability", "p(null | x)"),
-            ("hubness", "hubness"))
+  panels = ((recall, f"held-out {recall}"),) + (
+      (("qa_recall@5", "held-out qa_recall@5"),) if recall == "qa_recall@1"
+      else ()) + (
+          ("mlm_accuracy_marginal", "held-out masked-token accuracy"),
+          ("retrieval_utility", "held-out retrieval utility (nats)"),
+          ("null_probability", "p(null | x)"),
+          ("hubness", "hubness"))
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
   conditions = list(dict.fromkeys(r["condition"] for r in rows))
   for ax, (key, title) in zip(axes, panels):

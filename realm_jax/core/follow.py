@@ -30,6 +30,9 @@ from realm_jax.core import checkpoints, io_utils
 from realm_jax.core import lease as lease_lib
 
 MODES = ("newest", "every")
+# Why a follower stopped (`CheckpointFollower.stopped`), for the logs.
+REASONS = {"done": "trainer is done", "timeout": "no DONE marker in time",
+           "stop": "stop requested"}
 
 
 def run_finished(ckpt_dir: io_utils.PathLike, *, grace: float = 0.0,

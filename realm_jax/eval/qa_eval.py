@@ -458,7 +458,8 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
     else:
       if follower is not None:
         stopped = follower.stopped
-        logging.info("eval job exits (%s) after %s", stopped, evaluated)
+        logging.info("%s; eval job exits after %s", follow.REASONS[stopped],
+                     evaluated)
     writer.close()
     return EvalJobResult(
         evaluated=evaluated, stopped=stopped,

@@ -317,7 +317,8 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
       on_publish(step, path)
     if max_indices is not None and len(out) >= max_indices:
       return out
-  logging.info("index builder exits (%s) after %s", follower.stopped, out)
+  logging.info("%s; index builder exits after %s",
+               follow.REASONS[follower.stopped], out)
   return out
 
 

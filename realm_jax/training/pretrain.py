@@ -25,10 +25,8 @@ shards of it (`data.query_cache.QueryStream`).
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
-import json
 from typing import Any
 
 from absl import logging
@@ -46,10 +44,12 @@ from realm_jax.index import builder as builder_lib
 from realm_jax.index import device_search
 from realm_jax.index import embed
 from realm_jax.index import publish
+from realm_jax.index import service as service_lib
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
-from realm_jax.training import loop, mlm_warmup, realm_inputs
+from realm_jax.training import collapse, loop, mlm_warmup, realm_inputs
+from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
 
 INDEX_MODES = ("inline", "builder")
@@ -308,133 +308,8 @@ def make_loss_fn(graphdef, null_document: bool = True):
   return loss_fn
 
 
-# ----------------------------------------------------------------------------
-# Collapse guards
-# ----------------------------------------------------------------------------
-
-
-class CollapseGuard:
-  """Hubness of the retrieved blocks, and one loud warning per failure mode.
-
-  REALM's two ways to stop learning (docs/results/learning.md): a hub, one
-  block every query retrieves with a saturated softmax (its gradient is then
-  exactly 0, so the state is absorbing); and the null-document trap,
-  p(null|x) ~ 1, where the reader ignores retrieval and the retriever gets
-  no signal. Both are judged on the most recent `guard_min_queries` queries
-  or more (whole log windows pooled), never on one small batch.
-  """
-
-  def __init__(self, config: PretrainConfig):
-    self.config = config
-    self._top1: list[np.ndarray] = []
-    self._warned: set[str] = set()
-    # The judged pool: (top-1 ids, p(null|x) of a logged step) per log
-    # window, newest last, trimmed to the fewest covering min_queries.
-    self._pool: collections.deque = collections.deque()
-    self._window: np.ndarray | None = None  # the last hubness() window
-
-  def add_top1(self, block_ids: np.ndarray | jax.Array) -> None:
-    """Top-1 block ids of a batch. A device array is read only when the
-    hubness is computed (at log time), so that the host never waits for the
-    device to finish a batch just to count its top-1s."""
-    self._top1.append(block_ids)
-
-  def hubness(self) -> float:
-    """Share of the queries since the last call whose top-1 is the single
-    most common top-1 block (then starts a new window)."""
-    if not self._top1:
-      return 0.0
-    top1 = np.concatenate([
-        parallel.local_rows(x) if isinstance(x, jax.Array) else np.asarray(x)
-        for x in self._top1]).reshape(-1)
-    self._top1 = []
-    self._window = top1
-    return float(np.bincount(top1).max() / len(top1))
-
-  def pooled(self, null_probability: float
-             ) -> tuple[float, float, int] | None:
-    """Adds the last log window (its top-1s, its p(null|x)) to the pool;
-    returns (hubness, mean p(null|x), queries) over the pool, or None while
-    it holds fewer than `guard_min_queries` queries."""
-    window, self._window = self._window, None
-    if window is None or not len(window):
-      return None
-    self._pool.append((window, float(null_probability)))
-    minimum = self.config.guard_min_queries
-    while (len(self._pool) > 1 and
-           sum(len(t) for t, _ in self._pool) - len(self._pool[0][0])
-           >= minimum):
-      self._pool.popleft()
-    top1 = np.concatenate([t for t, _ in self._pool])
-    if len(top1) < minimum:
-      return None
-    null = sum(len(t) * p for t, p in self._pool) / len(top1)
-    return float(np.bincount(top1).max() / len(top1)), null, len(top1)
-
-  def check(self, step: int, metrics: dict[str, float]) -> None:
-    c = self.config
-    pooled = self.pooled(metrics["null_probability"])
-    if pooled is None:
-      return
-    hubness, null, n = pooled
-    self._warn_once(
-        "hubness", hubness > c.hubness_warning,
-        "COLLAPSE WARNING at step %d: %.0f%% of the last %d queries "
-        "retrieve the same block (hubness > %.2f); a hub's softmax "
-        "saturates and its gradient vanishes. Lower the retriever's rate "
-        "(retriever_learning_rate_multiplier), warm the reader up first "
-        "(freeze_retriever_steps) and start from an ICT-trained "
-        "retriever.", step, 100 * hubness, n, c.hubness_warning)
-    self._warn_once(
-        "null", null > c.null_probability_warning,
-        "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f over the "
-        "last %d queries; the null document takes the retrieval mass and "
-        "the retriever gets no gradient. Use "
-        "RetrieverConfig.null_score='learned', or a retriever whose "
-        "document embeddings are trained (ICT).", step, null,
-        c.null_probability_warning, n)
-
-  def _warn_once(self, kind: str, failed: bool, message: str, *args) -> None:
-    if failed and kind not in self._warned:
-      self._warned.add(kind)
-      logging.warning(message, *args)
-
-
-class StaleIndexError(RuntimeError):
-  """The served index is older than `PretrainConfig.stale_index_error`."""
-
-
-class StalenessMonitor:
-  """Builder mode: notices when no fresh index arrives.
-
-  Warns once per served index past `stale_index_warning` checkpoint
-  intervals, and stops the run past `stale_index_error` (when set).
-  """
-
-  def __init__(self, config: PretrainConfig, watcher: publish.IndexWatcher):
-    self.config, self.watcher = config, watcher
-    self._warned_for: int | None = None
-
-  def check(self, step: int, index_step: int) -> None:
-    c = self.config
-    age = step - index_step
-    intervals = age / c.checkpoint_every
-    if c.stale_index_error and intervals > c.stale_index_error:
-      raise StaleIndexError(
-          f"step {step}: the served index {index_step} is {age} steps old "
-          f"(> {c.stale_index_error:g} x checkpoint_every="
-          f"{c.checkpoint_every}) and no newer index reached "
-          f"{self.watcher.index_root}. Check the index builder's log (is it "
-          "running? can it write there?), then rerun: training resumes "
-          "from the last checkpoint.")
-    if intervals > c.stale_index_warning and self._warned_for != index_step:
-      self._warned_for = index_step
-      logging.warning(
-          "STALE INDEX at step %d: still serving index %d (%d steps, > %g "
-          "checkpoint intervals). Is the index builder running and able to "
-          "write to %s? Rejected indices: %s", step, index_step, age,
-          c.stale_index_warning, self.watcher.index_root,
-          self.watcher.rejected or "none")
+# Raised by a builder-mode run when no fresh index arrives (index.service).
+StaleIndexError = service_lib.StaleIndexError
 
 
 # ----------------------------------------------------------------------------
@@ -445,10 +320,9 @@ class StalenessMonitor:
 class RetrievalInput:
   """The batches of pre-training: masked queries -> MIPS -> reader inputs.
 
-  Owns the served index: in builder mode a watcher swaps in the builder's
-  newest index before a step (at the same step on every host); inline,
-  `refresh` rebuilds it right after a checkpoint. Every host embeds its
-  queries, searches and builds its rows of the global batch.
+  Retrieves from the index `service` serves (`index.service`: swapped in
+  from the builder, or rebuilt inline after a checkpoint). Every host
+  embeds its queries, searches and builds its rows of the global batch.
   """
 
   def __init__(self, config: PretrainConfig, model: RealmConfig, graphdef,
@@ -457,10 +331,7 @@ class RetrievalInput:
                                                          store, queries)
     self.mesh = mesh
     self.embed_queries = embed.make_query_embedder(graphdef, mesh)
-    self.guard = CollapseGuard(config)
-    self.index_root = checkpoints.index_root(config.workdir)
-    self.expect = publish.Expectation(store.fingerprint, len(store),
-                                      model.retriever.embedding_size)
+    self.guard = collapse.CollapseGuard(config)
     # Blocks wanted per query besides its trivial ones: the candidates, or
     # the proposals that re-ranking narrows down to them.
     self.trivial = realm_inputs.TrivialCandidates(store,
@@ -479,17 +350,33 @@ class RetrievalInput:
     # candidates' embeddings.
     self.query_side = config.retriever_training == "query_side"
     self.null_embedding = None  # query_side: the frozen null document's
-    self.index = self.watcher = self.staleness = None
     self.device_index = None  # retrieval="device": the served index's copy
+    self.service = service_lib.IndexService(
+        root=checkpoints.index_root(config.workdir), store=store,
+        retriever_config=model.retriever, mode=config.index_mode,
+        expect=publish.Expectation(store.fingerprint, len(store),
+                                   model.retriever.embedding_size),
+        builder_config=builder_lib.BuilderConfig(
+            searcher_kind=config.searcher),
+        wait_seconds=config.index_wait_seconds,
+        last_step=config.num_train_steps, frozen=self.query_side,
+        staleness=dict(checkpoint_every=config.checkpoint_every,
+                       warning=config.stale_index_warning,
+                       error=config.stale_index_error),
+        on_serve=self._serve)
     # overlap_input: (step, future of its (host batch, candidates)).
     self._pending: tuple[int, concurrent.futures.Future] | None = None
     self._saved_candidates: dict[int, np.ndarray] = {}
     self._thread = concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix="pretrain-input")
 
+  @property
+  def index(self):
+    """The served index."""
+    return self.service.current
+
   def _serve(self, index) -> None:
-    """Makes `index` the served one (and its device copy, if used)."""
-    self.index = index
+    """Keeps the device copy of the served index (if used) current."""
     if self.config.retrieval != "device":
       return
     if self.device_index is None:
@@ -501,24 +388,10 @@ class RetrievalInput:
       self.device_index = self.device_index.with_embeddings(index.embeddings)
 
   def serve(self, start_step: int, state, ckpt) -> None:
-    """Loads the first index (waiting for the builder, or building it)."""
-    if self.config.index_mode == "builder":
-      self.watcher = publish.IndexWatcher(self.index_root, self.expect)
-      self.staleness = StalenessMonitor(self.config, self.watcher)
-      self._serve(self.watcher.wait_for_index(
-          timeout=self.config.index_wait_seconds))
-    # Inline, index s is always built right after checkpoint s; a resumed
-    # run serves the index of its own step (rebuilt if the previous run
-    # died before publishing it) and so replays the same trajectory.
-    elif publish.read_latest(self.index_root) == start_step or (
-        self.query_side and publish.read_latest(self.index_root) is not None):
-      self._serve(publish.load_index(
-          self.index_root, publish.read_latest(self.index_root), self.expect))
-    else:
-      self.refresh(start_step, state, ckpt)
+    """Serves the first index (waiting for the builder, or building it)."""
+    self.service.start(start_step, state, ckpt)
     if self.query_side:
       self.null_embedding = self._null_embedding(state.params)
-    logging.info("serving index %d at step %d", self.index.step, start_step)
 
   def _null_embedding(self, params) -> np.ndarray | None:
     """The null document's embedding by the (frozen) document tower, when
@@ -537,28 +410,6 @@ class RetrievalInput:
     return parallel.local_rows(embed_fn(
         params["retriever"], inputs["token_ids"], inputs["input_mask"],
         inputs["segment_ids"]))[0]
-
-  def refresh_due(self, step: int) -> bool:
-    """Inline mode rebuilds the index after checkpoint `step` (never in
-    query-side training: its document tower does not change)."""
-    return (self.config.index_mode == "inline" and not self.query_side
-            and step < self.config.num_train_steps)
-
-  def refresh(self, step: int, state, ckpt) -> None:
-    """Inline mode: embeds the corpus with `state`'s retriever, publishes."""
-    ckpt.wait_until_finished()  # Index s only after checkpoint s is durable.
-    builder_lib.build_and_publish(
-        retriever_params=parallel.host_copy(state.params["retriever"]),
-        retriever_config=self.model.retriever, store=self.store,
-        root=self.index_root, step=step,
-        config=builder_lib.BuilderConfig(searcher_kind=self.config.searcher))
-    self._serve(publish.load_index(self.index_root, step, self.expect))
-
-  def before_step(self, step: int) -> None:
-    if self.watcher is not None:
-      if self.watcher.maybe_swap():
-        self._serve(self.watcher.current)
-      self.staleness.check(step, self.index.step)
 
   def _query_embeddings(self, local, state) -> jax.Array:
     q = parallel.shard_batch(self.mesh, {k: local[k] for k in
@@ -694,107 +545,7 @@ class RetrievalInput:
   def close(self, workdir: str, is_chief: bool) -> None:
     self._thread.shutdown(wait=True, cancel_futures=True)
     self.queries.close()
-    if self.watcher is not None:
-      self.watcher.close()
-      if is_chief:
-        io_utils.write_json(
-            io_utils.join(workdir, "index_swaps.json"),
-            [{"index_step": s, "loaded_at": l, "swapped_at": w}
-             for s, l, w in self.watcher.swap_log])
-
-
-class RetrieverGate:
-  """Releases the retriever when the reader is measured to read.
-
-  REALM's cold start: until the reader uses the retrieved blocks, the
-  retriever's gradient r(z) = [p(y|z,x)/p(y|x) - 1] p(z|x) is noise, and
-  following it destroys the warm start (a fixed warm-up tuned on one world
-  released it too early on a larger one: docs/results/learning.md). So the
-  retriever stays frozen until the retrieval utility on held-out queries
-  (`PretrainConfig.gate_queries`, never trained on) clears
-  `gate_min_utility` nats for `gate_patience` evaluations in a row. The
-  release step is written into the optimiser state (so a checkpoint keeps
-  it), the streak into the checkpoints' meta (so a restart decides the
-  same), every decision into the log and gate.jsonl.
-  """
-
-  def __init__(self, config: PretrainConfig, inputs: RetrievalInput,
-               loss_fn, workdir: str, is_chief: bool):
-    self.config, self.inputs, self.is_chief = config, inputs, is_chief
-    self.path = io_utils.join(workdir, "gate.jsonl")
-    stream = query_cache.QueryStream(
-        config.gate_queries, seed=config.seed,
-        batch_size=max(config.gate_num_queries, 1))
-    try:
-      stream.check(realm_query_config(config))
-      queries = stream.head(config.gate_num_queries)
-    finally:
-      stream.close()
-    # This host's rows of the fixed held-out batch.
-    n, hosts, me = (len(queries["query_ids"]), jax.process_count(),
-                    jax.process_index())
-    if n % (hosts * len(inputs.mesh.local_devices)):
-      raise ValueError(
-          f"gate_queries {config.gate_queries} gives {n} queries, not a "
-          f"multiple of the {hosts * len(inputs.mesh.local_devices)} "
-          "devices; set gate_num_queries to a multiple of it (and at most "
-          "the cache's size).")
-    self.queries = {k: v[me * n // hosts:(me + 1) * n // hosts]
-                    for k, v in queries.items()}
-    self.evaluate = jax.jit(lambda params, batch: loss_fn(params, batch,
-                                                          None))
-    self.streak, self.last_utility = 0, float("nan")
-    self.release = config.freeze_retriever_steps
-
-  def restore(self, meta: dict[str, Any], start_step: int, state) -> None:
-    self.streak = int(meta.get("retriever_gate", {}).get("streak", 0))
-    self.release = optimizer_lib.release_step(state.opt_state)
-    if self.is_chief and io_utils.as_path(self.path).exists():
-      # Decisions after the restored step are replayed by this run.
-      kept = [line for line in io_utils.read_text(self.path).splitlines()
-              if line.strip() and json.loads(line)["step"] < start_step]
-      io_utils.atomic_write_text(self.path,
-                                 "".join(l + "\n" for l in kept))
-
-  def utility(self, state) -> float:
-    """Held-out retrieval utility, nats per mask, with the served index."""
-    local = self.queries
-    candidates = self.inputs._candidates(  # pylint: disable=protected-access
-        local, self.inputs._query_embeddings(local, state),  # pylint: disable=protected-access
-        self.inputs.index, state.params)
-    batch = parallel.shard_batch(self.inputs.mesh, self.inputs._host_batch(  # pylint: disable=protected-access
-        local, candidates))
-    _, weights, sums = self.evaluate(state.params, batch)
-    return float(jax.device_get(sums["retrieval_utility"])) / max(
-        float(jax.device_get(weights)), 1.0)
-
-  def update_state(self, step: int, state):
-    release = self.release  # (Host copy: no device sync every step.)
-    if release is None or step >= release or step % self.config.gate_every:
-      return state
-    c = self.config
-    utility = self.last_utility = self.utility(state)
-    self.streak = self.streak + 1 if utility >= c.gate_min_utility else 0
-    opens = bool(distributed.broadcast_from_chief(
-        np.int32(self.streak >= c.gate_patience)))
-    logging.info(
-        "retriever gate at step %d: held-out utility %.4f nats (threshold "
-        "%.3f), %d/%d in a row -> %s", step, utility, c.gate_min_utility,
-        self.streak, c.gate_patience,
-        "RELEASE the retriever" if opens else
-        f"hold (release at step {release} at the latest)")
-    if self.is_chief:
-      io_utils.append_jsonl(self.path, {
-          "step": step, "utility": utility, "streak": self.streak,
-          "released": opens})
-    if not opens:
-      return state
-    self.release = step
-    return state.replace(opt_state=optimizer_lib.release_frozen(
-        state.opt_state, step))
-
-  def checkpoint_meta(self) -> dict[str, Any]:
-    return {"retriever_gate": {"streak": self.streak}}
+    self.service.close(workdir, is_chief)
 
 
 def make_optimizer(config: PretrainConfig):
@@ -853,7 +604,7 @@ def _warm_start_head(config: PretrainConfig, graphdef, params, queries, store,
   return params
 
 
-def _hooks(inputs: RetrievalInput, gate: RetrieverGate | None,
+def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
            run: loop.Run) -> loop.Hooks:
   """The trainer's work around `Run.loop`: index swaps and refreshes,
   collapse and gate metrics, prefetched candidates, the gate's release."""
@@ -870,10 +621,10 @@ def _hooks(inputs: RetrievalInput, gate: RetrieverGate | None,
     return metrics
 
   def after_checkpoint(step, state):
-    if inputs.refresh_due(step):
-      inputs.refresh(step, state, run.ckpt)
+    if inputs.service.refresh_due(step):
+      inputs.service.refresh(step, state, run.ckpt)
 
-  return loop.Hooks(before_step=inputs.before_step,
+  return loop.Hooks(before_step=inputs.service.before_step,
                     after_checkpoint=after_checkpoint,
                     log_metrics=log_metrics, checkpoint_meta=checkpoint_meta,
                     update_state=gate.update_state if gate else None)
@@ -919,8 +670,9 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     loss_fn = make_loss_fn(graphdef, config.null_document)
     gate = None
     if config.retriever_gate == "utility":
-      gate = RetrieverGate(config, inputs, loss_fn, config.workdir,
-                           run.is_chief)
+      gate = gate_lib.RetrieverGate(config, realm_query_config(config),
+                                    inputs, loss_fn, config.workdir,
+                                    run.is_chief)
       gate.restore(restored, start_step, state)
 
     meta = {"seed": config.seed}

@@ -16,7 +16,7 @@ from absl import logging as absl_logging
 from realm_jax import gin_cli
 from realm_jax.model.realm import RealmConfig
 from realm_jax.testing import corpus, knowledge_world
-from realm_jax.training import ict, pretrain
+from realm_jax.training import collapse, ict, pretrain
 from realm_jax.core import checkpoints
 
 STEPS = 10
@@ -73,12 +73,12 @@ def _guard(monkeypatch):
                       lambda msg, *a: warnings.append(msg % a))
   config = pretrain.PretrainConfig(workdir="", block_store="", queries="")
   assert config.guard_min_queries == 64
-  return pretrain.CollapseGuard(config), warnings
+  return collapse.CollapseGuard(config), warnings
 
 
 def test_hubness_metric_is_per_log_window():
   config = pretrain.PretrainConfig(workdir="", block_store="", queries="")
-  guard = pretrain.CollapseGuard(config)
+  guard = collapse.CollapseGuard(config)
   guard.add_top1(np.array([3, 3, 3, 5]))
   guard.add_top1(np.array([3, 3, 1, 3]))
   assert guard.hubness() == pytest.approx(6 / 8)
