@@ -182,15 +182,19 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
   gin.clear_config()
   gin_cli.parse(files, extra)
   task = gin.get_configurable(cls)()
-  model = gin.get_configurable(RealmConfig)()
-  operative = gin.operative_config_str()
-  n = jax.device_count()
+  # Bound, not patched afterwards: the operative config is what runs.
+  n, scope = jax.device_count(), ("pretrain.PretrainConfig"
+                                  if stage == "pretrain"
+                                  else "finetune.FinetuneConfig")
   prefix = (task.query_length if stage == "pretrain"
             else task.question_length)
-  task = dataclasses.replace(
-      task, batch_size=-(-task.batch_size // n) * n,
-      reader_length=prefix + config.max_block_len)
-  return task, model, operative
+  extra += [f"{scope}.batch_size = {-(-task.batch_size // n) * n}",
+            f"{scope}.reader_length = {prefix + config.max_block_len}"]
+  gin.clear_config()
+  gin_cli.parse(files, extra)
+  task = gin.get_configurable(cls)()
+  model = gin.get_configurable(RealmConfig)()
+  return task, model, gin.operative_config_str()
 
 
 class _Follow(threading.Thread):

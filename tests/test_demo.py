@@ -99,6 +99,9 @@ def test_stage_configs_come_from_the_experiment_files(tmp_path):
   assert run.reader_length == run.query_length + 100
   assert model.retriever.pooling == "mean" and model.retriever.normalize
   assert "num_train_steps = 8" in operative
+  # The operative config is what runs: batch and reader length included.
+  assert f"reader_length = {run.reader_length}" in operative
+  assert f"batch_size = {run.batch_size}" in operative
   run, model, _ = demo.stage_configs(config, "finetune")
   assert (run.num_train_steps, run.checkpoint_every) == (5, 5)
   assert run.init_from.startswith("checkpoint:")
