@@ -140,19 +140,22 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   elif np.shape(block_emb)[0] != len(store):
     raise ValueError(f"block_emb has {np.shape(block_emb)[0]} rows; the "
                      f"store {store.path} has {len(store)} blocks.")
-  embed_queries = _query_fn(model)
-  query_emb = _in_chunks(lambda s: {"e": np.asarray(embed_queries(
-      params, queries["query_ids"][s], queries["query_mask"][s]))},
-                         n, batch_size)["e"]
-  scores = query_emb.astype(np.float64) @ block_emb.astype(np.float64).T
-  # A trivial candidate (the query's own article or block) never is one.
-  trivial = realm_inputs.TrivialCandidates(store, trivial_candidates)
-  scores[trivial.block_keys[None, :]
-         == trivial.query_keys(queries)[:, None]] = -np.inf
-  ranking = np.argsort(-scores, axis=1, kind="stable")
-  top1 = ranking[:, 0]
-  candidates = ranking[:, :num_candidates]
+  ranking = _ranking(params, model, store, queries, block_emb,
+                     trivial_candidates, batch_size)
+  metrics = _reading_metrics(params, model, store, queries, ranking,
+                             num_candidates, gold, reader_length, batch_size)
+  if questions:
+    metrics.update(qa_recall(params, model, store, block_emb, questions,
+                              question_length, qa_ks, batch_size))
+  return metrics
 
+
+def _reading_metrics(params, model, store, queries, ranking, num_candidates,
+                     gold, reader_length, batch_size) -> dict[str, float]:
+  """What the reader makes of the top `num_candidates` blocks (and of the
+  gold block, when known), per mask; recall and hubness of `ranking`."""
+  n = len(ranking)
+  top1, candidates = ranking[:, 0], ranking[:, :num_candidates]
   read = _reader_fn(model)
 
   def reader_outputs(s, cands):
@@ -178,17 +181,27 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     metrics = {"recall@1": float(np.mean(rank_of_gold < 1)),
                "recall@5": float(np.mean(rank_of_gold < 5)),
                "mlm_accuracy_gold": per_mask(with_gold["correct_each"][:, 1])}
-  metrics.update({
+  return metrics | {
       "mlm_accuracy_marginal": per_mask(retrieved["correct_marginal"]),
       "mlm_accuracy_null": per_mask(retrieved["correct_each"][:, 0]),
       "retrieval_utility": per_mask(retrieved["utility"]),
       "null_probability": float(np.mean(retrieved["null_probability"])),
-      "hubness": float(np.bincount(top1).max() / n),
-  })
-  if questions:
-    metrics.update(qa_recall(params, model, store, block_emb, questions,
-                              question_length, qa_ks, batch_size))
-  return metrics
+      "hubness": float(np.bincount(top1).max() / n)}
+
+
+def _ranking(params, model, store, queries, block_emb, trivial_candidates,
+             batch_size) -> np.ndarray:
+  """Every block for every query, best first; trivial candidates (the
+  query's own article or block) last, at -inf."""
+  embed_queries = _query_fn(model)
+  query_emb = _in_chunks(lambda s: {"e": np.asarray(embed_queries(
+      params, queries["query_ids"][s], queries["query_mask"][s]))},
+                         len(queries["query_ids"]), batch_size)["e"]
+  scores = query_emb.astype(np.float64) @ block_emb.astype(np.float64).T
+  trivial = realm_inputs.TrivialCandidates(store, trivial_candidates)
+  scores[trivial.block_keys[None, :]
+         == trivial.query_keys(queries)[:, None]] = -np.inf
+  return np.argsort(-scores, axis=1, kind="stable")
 
 
 def qa_recall(params, model, store, block_emb, questions,
