@@ -245,7 +245,7 @@ def main(argv=None) -> None:
       rows = [json.loads(line) for line in f if line.strip()]
     print(table(rows))
     if args.plot:
-      plot([r for r in rows if "summary" not in r], args.plot)
+      plot(rows, args.plot)
     return
 
   import jax  # pylint: disable=g-import-not-at-top
@@ -446,6 +446,7 @@ def main(argv=None) -> None:
       with open(gate_log, encoding="utf-8") as f:
         worst["gate"] = [json.loads(line) for line in f]
     print(json.dumps(worst), flush=True)
+    rows.append(worst)
     if out:
       out.write(json.dumps(worst) + "\n")
 
@@ -479,7 +480,8 @@ def table(rows) -> str:
 
 
 def plot(rows, path: str) -> None:
-  """Held-out recall@1, gold/null/marginal accuracy and p(null) per step."""
+  """Held-out recall, reader accuracy, utility, p(null) and hubness per
+  step; and each gated condition's gate decisions (summary rows)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -491,9 +493,20 @@ def plot(rows, path: str) -> None:
           ("retrieval_utility", "held-out retrieval utility (nats)"),
           ("null_probability", "p(null | x)"),
           ("hubness", "hubness"))
+  gates = {r["condition"]: r["gate"] for r in rows if r.get("gate")}
+  rows = [r for r in rows if "summary" not in r]
+  panels += (("gate", "gate: dev utility (nats)"),) if gates else ()
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
   conditions = list(dict.fromkeys(r["condition"] for r in rows))
   for ax, (key, title) in zip(axes, panels):
+    if key == "gate":
+      for c, decisions in gates.items():
+        ax.plot([d["step"] for d in decisions],
+                [d["utility"] for d in decisions], marker="o",
+                markersize=3, label=c)
+      ax.set_title(title)
+      ax.set_xlabel("REALM step")
+      continue
     for c in conditions:
       pts = [(r["step"], r[key]) for r in rows if r["condition"] == c]
       if c in ("init", "ict"):
