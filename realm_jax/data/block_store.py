@@ -177,95 +177,23 @@ def write_block_store(
         source=source, max_block_len=max_block_len, overwrite=overwrite,
         report=report, extra_manifest=extra_manifest, options=options)
   out_dir = os.path.abspath(out_dir)
-  if os.path.exists(out_dir) and not overwrite:
-    raise FileExistsError(
-        f"{out_dir} already exists; pass overwrite=True (the corpus job: "
-        "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
-        "output directory.")
-  tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp_dir, ignore_errors=True)
-  os.makedirs(tmp_dir)
-  writers = {}
-
-  def open_writers(arrays):
-    for name, dtype in arrays:
-      writers[name] = _ArrayWriter(os.path.join(tmp_dir, name + ".npy"), dtype)
-      if name.endswith("offsets"):
-        writers[name].append([0])
-
-  def append(flat: str, offsets: str, values) -> None:
-    """Appends one ragged row; its end is the flat array's new length."""
-    writers[flat].append(values)
-    writers[offsets].append([writers[flat].length])
-
+  tmp_dir = _local_tmp_dir(out_dir, overwrite)
+  writers = _Writers(tmp_dir)
   try:
-    open_writers(_ARRAYS)
-    num_blocks = num_documents = 0
-    for block in blocks:
-      n_body = len(block.body_ids)
-      special = blocks_lib.NUM_SPECIAL_TOKENS
-      if special + len(block.title_ids) + n_body > max_block_len:
-        raise ValueError(
-            f"block {num_blocks} ('{block.title}') has {len(block.title_ids)} "
-            f"title and {n_body} body wordpieces: over max_block_len "
-            f"{max_block_len} with the 3 special tokens.")
-      if block.doc_index == num_documents:  # the first block of an article
-        if num_documents:
-          writers["doc_block_offsets"].append([num_blocks])
-        append("title_ids", "title_offsets", block.title_ids)
-        append("title_bytes", "title_byte_offsets", _utf8(block.title))
-        num_documents += 1
-        doc_hash = blocks_lib.title_hash(block.title)
-      elif block.doc_index != num_documents - 1:
-        raise ValueError(
-            f"block {num_blocks} has doc_index {block.doc_index} after "
-            f"{num_documents - 1}: blocks must come in article order.")
-      if not num_blocks and block.passage_id is not None:
-        open_writers(_ID_ARRAYS)
-      if (block.passage_id is not None) != ("passage_id_bytes" in writers):
-        raise ValueError(f"block {num_blocks} ('{block.title}'): either "
-                         "every block has a passage_id or none has.")
-      if block.passage_id is not None:
-        append("passage_id_bytes", "passage_id_offsets",
-               _utf8(block.passage_id))
-      append("body_ids", "body_offsets", block.body_ids)
-      append("sentence_starts", "sentence_offsets", block.sentence_starts)
-      append("text_bytes", "text_offsets", _utf8(block.text))
-      writers["doc_index"].append([block.doc_index])
-      writers["doc_hash"].append([doc_hash])
-      num_blocks += 1
+    num_blocks, num_documents = _write_blocks(blocks, writers, max_block_len)
     if not num_blocks:
       raise ValueError(
           f"no blocks to write to {out_dir}: the input held no usable "
           "article (see the report's skip counts).")
     writers["doc_block_offsets"].append([num_blocks])
     files = {name: writer.close() for name, writer in writers.items()}
-    signature_entry = token_signatures.write(
-        tmp_dir, np.load(os.path.join(tmp_dir, "body_ids.npy"), mmap_mode="r"),
-        np.load(os.path.join(tmp_dir, "body_offsets.npy")))
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "num_blocks": num_blocks,
-        "num_documents": num_documents,
-        "max_block_len": max_block_len,
-        "vocab_sha256": io_utils.sha256_file(tokenizer_vocab_path),
-        **_special_ids(tokenizer_vocab_path),
-        "source": source,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "fingerprint": _fingerprint(files, options),
-        "files": files,
-        "signatures": signature_entry,
-        "options": options or {},
-        **(extra_manifest or {}),
-    }
-    io_utils.write_json(os.path.join(tmp_dir, "manifest.json"), manifest)
+    manifest = _write_manifest(
+        tmp_dir, files, num_blocks=num_blocks, num_documents=num_documents,
+        max_block_len=max_block_len,
+        tokenizer_vocab_path=tokenizer_vocab_path, source=source,
+        extra_manifest=extra_manifest, options=options)
     if report is not None:
-      io_utils.write_json(os.path.join(tmp_dir, "report.json"), dict(
-          report.summary(), dropped_list=DROPPED_FILE))
-      with open(os.path.join(tmp_dir, DROPPED_FILE), "w",
-                encoding="utf-8") as f:
-        f.writelines(json.dumps({"title": title, "reason": reason}) + "\n"
-                     for reason, title in report.dropped)
+      _write_report(tmp_dir, report)
     BlockStore.open(tmp_dir)  # refuse to publish what cannot be read back
     io_utils.replace_local_dir(tmp_dir, out_dir)
   except BaseException:
@@ -277,6 +205,127 @@ def write_block_store(
                "%s", out_dir, num_blocks, num_documents,
                manifest["fingerprint"][:16])
   return BlockStore.open(out_dir)
+
+
+def _local_tmp_dir(out_dir: str, overwrite: bool) -> str:
+  """Refuses an existing `out_dir` unless `overwrite`; makes a fresh, empty
+  `out_dir + ".tmp-<pid>"` to build the store in and returns it."""
+  if os.path.exists(out_dir) and not overwrite:
+    raise FileExistsError(
+        f"{out_dir} already exists; pass overwrite=True (the corpus job: "
+        "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
+        "output directory.")
+  tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp_dir, ignore_errors=True)
+  os.makedirs(tmp_dir)
+  return tmp_dir
+
+
+class _Writers(dict):
+  """The store's `_ArrayWriter`s by array name, all in one directory."""
+
+  def __init__(self, directory: str):
+    super().__init__()
+    self.directory = directory
+
+  def open(self, arrays) -> None:
+    """Opens a writer per `(name, dtype)`; offsets start with a 0."""
+    for name, dtype in arrays:
+      self[name] = _ArrayWriter(os.path.join(self.directory, name + ".npy"),
+                                dtype)
+      if name.endswith("offsets"):
+        self[name].append([0])
+
+  def append_row(self, flat: str, offsets: str, values) -> None:
+    """Appends one ragged row; its end is the flat array's new length."""
+    self[flat].append(values)
+    self[offsets].append([self[flat].length])
+
+
+def _write_blocks(blocks: Iterable[blocks_lib.Block], writers: _Writers,
+                  max_block_len: int) -> tuple[int, int]:
+  """Opens `writers` and streams `blocks` into them, checking each.
+
+  Returns:
+    The numbers of blocks and of documents written. The closing entry of
+    `doc_block_offsets` is left to the caller.
+  """
+  writers.open(_ARRAYS)
+  num_blocks = num_documents = 0
+  for block in blocks:
+    n_body = len(block.body_ids)
+    special = blocks_lib.NUM_SPECIAL_TOKENS
+    if special + len(block.title_ids) + n_body > max_block_len:
+      raise ValueError(
+          f"block {num_blocks} ('{block.title}') has {len(block.title_ids)} "
+          f"title and {n_body} body wordpieces: over max_block_len "
+          f"{max_block_len} with the 3 special tokens.")
+    if block.doc_index == num_documents:  # the first block of an article
+      if num_documents:
+        writers["doc_block_offsets"].append([num_blocks])
+      writers.append_row("title_ids", "title_offsets", block.title_ids)
+      writers.append_row("title_bytes", "title_byte_offsets",
+                         _utf8(block.title))
+      num_documents += 1
+      doc_hash = blocks_lib.title_hash(block.title)
+    elif block.doc_index != num_documents - 1:
+      raise ValueError(
+          f"block {num_blocks} has doc_index {block.doc_index} after "
+          f"{num_documents - 1}: blocks must come in article order.")
+    if not num_blocks and block.passage_id is not None:
+      writers.open(_ID_ARRAYS)
+    if (block.passage_id is not None) != ("passage_id_bytes" in writers):
+      raise ValueError(f"block {num_blocks} ('{block.title}'): either "
+                       "every block has a passage_id or none has.")
+    if block.passage_id is not None:
+      writers.append_row("passage_id_bytes", "passage_id_offsets",
+                         _utf8(block.passage_id))
+    writers.append_row("body_ids", "body_offsets", block.body_ids)
+    writers.append_row("sentence_starts", "sentence_offsets",
+                       block.sentence_starts)
+    writers.append_row("text_bytes", "text_offsets", _utf8(block.text))
+    writers["doc_index"].append([block.doc_index])
+    writers["doc_hash"].append([doc_hash])
+    num_blocks += 1
+  return num_blocks, num_documents
+
+
+def _write_manifest(tmp_dir: str, files: dict[str, dict[str, Any]], *,
+                    num_blocks: int, num_documents: int, max_block_len: int,
+                    tokenizer_vocab_path: str, source: str,
+                    extra_manifest: dict[str, Any] | None,
+                    options: dict[str, Any] | None) -> dict[str, Any]:
+  """Writes the body signatures and `manifest.json`; returns the manifest."""
+  signature_entry = token_signatures.write(
+      tmp_dir, np.load(os.path.join(tmp_dir, "body_ids.npy"), mmap_mode="r"),
+      np.load(os.path.join(tmp_dir, "body_offsets.npy")))
+  manifest = {
+      "format_version": FORMAT_VERSION,
+      "num_blocks": num_blocks,
+      "num_documents": num_documents,
+      "max_block_len": max_block_len,
+      "vocab_sha256": io_utils.sha256_file(tokenizer_vocab_path),
+      **_special_ids(tokenizer_vocab_path),
+      "source": source,
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "fingerprint": _fingerprint(files, options),
+      "files": files,
+      "signatures": signature_entry,
+      "options": options or {},
+      **(extra_manifest or {}),
+  }
+  io_utils.write_json(os.path.join(tmp_dir, "manifest.json"), manifest)
+  return manifest
+
+
+def _write_report(tmp_dir: str, report: wikipedia.Report) -> None:
+  """Writes `report.json` (the counts) and `dropped.jsonl` (the skips)."""
+  io_utils.write_json(os.path.join(tmp_dir, "report.json"), dict(
+      report.summary(), dropped_list=DROPPED_FILE))
+  with open(os.path.join(tmp_dir, DROPPED_FILE), "w",
+            encoding="utf-8") as f:
+    f.writelines(json.dumps({"title": title, "reason": reason}) + "\n"
+                 for reason, title in report.dropped)
 
 
 # -----------------------------------------------------------------------------
