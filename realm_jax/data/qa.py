@@ -483,6 +483,32 @@ def gold_spans_batch(
         "([answer_ids] * num_blocks for blocks of one question).")
   if max_span_width < 1:
     raise ValueError(f"max_span_width must be >= 1, got {max_span_width}.")
+  mask_cumsum, followed_by_piece = _span_filters(ids, token_mask,
+                                                 continuation_mask)
+  by_length = _answers_by_length(answer_token_ids,
+                                 min(max_span_width, seq_len))
+  rows, starts, widths = _match_spans(ids, by_length, mask_cumsum,
+                                      followed_by_piece, max_span_width)
+  return _padded_spans(rows, starts, widths, num_blocks, max_spans)
+
+
+def _span_filters(
+    ids: np.ndarray, token_mask: np.ndarray | None,
+    continuation_mask: np.ndarray | None,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+  """Checks `token_mask`; precomputes what `_match_spans` filters with.
+
+  Returns:
+    (mask_cumsum, followed_by_piece): the int64 [num_blocks, seq_len + 1]
+    prefix sums of `token_mask` (None without one), and the bool
+    [num_blocks, seq_len] positions whose next token continues their word
+    (None without `continuation_mask`).
+
+  Raises:
+    ValueError: if `token_mask` is not shaped like `ids`.
+  """
+  num_blocks = ids.shape[0]
+  mask_cumsum = followed_by_piece = None
   if token_mask is not None:
     token_mask = np.asarray(token_mask, bool)
     if token_mask.shape != ids.shape:
@@ -498,19 +524,41 @@ def gold_spans_batch(
     followed_by_piece[:, :-1] = continuation_mask[ids[:, 1:]]
     if token_mask is not None:
       followed_by_piece[:, :-1] &= token_mask[:, 1:]
+  return mask_cumsum, followed_by_piece
 
-  # Group the answers by wordpiece length so each length is one vector op:
-  # by_length[m] = (rows, answer ids [n, m]).
+
+def _answers_by_length(
+    answer_token_ids: Sequence[Sequence[np.ndarray]], max_width: int,
+) -> dict[int, tuple[list[int], list[np.ndarray]]]:
+  """Groups the answers by wordpiece length so each length is one vector op.
+
+  Returns:
+    by_length[m] = (block rows, answer ids each [m]) for 1 <= m <= max_width.
+  """
   by_length: dict[int, tuple[list[int], list[np.ndarray]]] = {}
   for row, answers in enumerate(answer_token_ids):
     for answer in answers:
       answer = np.asarray(answer).reshape(-1)
       m = answer.shape[0]
-      if 1 <= m <= min(max_span_width, seq_len):
+      if 1 <= m <= max_width:
         rows, arrays = by_length.setdefault(m, ([], []))
         rows.append(row)
         arrays.append(answer)
+  return by_length
 
+
+def _match_spans(
+    ids: np.ndarray, by_length: dict[int, tuple[list[int], list[np.ndarray]]],
+    mask_cumsum: np.ndarray | None, followed_by_piece: np.ndarray | None,
+    max_span_width: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Every occurrence of the answers `by_length` in the rows of `ids`.
+
+  Returns:
+    int64 (rows, starts, widths) of the spans, sorted by (row, start,
+    width), without duplicates.
+  """
+  seq_len = ids.shape[1]
   found_rows, found_starts, found_widths = [], [], []
   for m, (rows, arrays) in by_length.items():
     rows = np.asarray(rows)
@@ -522,35 +570,39 @@ def gold_spans_batch(
     row_ids = ids[rows]  # [n, seq_len]
     for k in range(m):
       match &= row_ids[:, k:k + num_windows] == answers[:, k:k + 1]
-    if token_mask is not None:
+    if mask_cumsum is not None:
       inside = mask_cumsum[rows, m:] - mask_cumsum[rows, :num_windows]
       match &= inside == m
-    if continuation_mask is not None:
+    if followed_by_piece is not None:
       match &= ~followed_by_piece[rows, m - 1:]
     answer_index, start = np.nonzero(match)
     found_rows.append(rows[answer_index])
     found_starts.append(start)
     found_widths.append(np.full(start.shape, m))
 
-  if found_rows:
-    rows = np.concatenate(found_rows)
-    starts = np.concatenate(found_starts).astype(np.int64)
-    widths = np.concatenate(found_widths).astype(np.int64)
-    # One sortable key per (row, start, width): np.unique sorts and dedups.
-    key = (rows.astype(np.int64) * seq_len + starts) * (max_span_width + 1)
-    key = np.unique(key + widths)
-    widths = key % (max_span_width + 1)
-    starts = (key // (max_span_width + 1)) % seq_len
-    rows = key // (max_span_width + 1) // seq_len
-  else:
-    rows = starts = widths = np.zeros([0], np.int64)
+  if not found_rows:
+    return (np.zeros([0], np.int64),) * 3
+  rows = np.concatenate(found_rows)
+  starts = np.concatenate(found_starts).astype(np.int64)
+  widths = np.concatenate(found_widths).astype(np.int64)
+  # One sortable key per (row, start, width): np.unique sorts and dedups.
+  key = (rows.astype(np.int64) * seq_len + starts) * (max_span_width + 1)
+  key = np.unique(key + widths)
+  widths = key % (max_span_width + 1)
+  starts = (key // (max_span_width + 1)) % seq_len
+  rows = key // (max_span_width + 1) // seq_len
+  return rows, starts, widths
 
+
+def _padded_spans(rows: np.ndarray, starts: np.ndarray, widths: np.ndarray,
+                  num_blocks: int, max_spans: int | None) -> GoldSpans:
+  """The sorted flat spans as `GoldSpans`, padded or cut to `max_spans`."""
   counts = np.bincount(rows, minlength=num_blocks)
   width = (max_spans if max_spans is not None else
            int(counts.max()) if num_blocks else 0)
   out_starts = np.full((num_blocks, width), -1, np.int32)
   out_ends = np.full((num_blocks, width), -1, np.int32)
-  # Rank of each span inside its row (rows are sorted by the unique above).
+  # Rank of each span inside its row (`_match_spans` sorts the rows).
   row_offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
   rank = np.arange(rows.shape[0]) - row_offsets[rows] if rows.size else rows
   keep = rank < width
