@@ -463,6 +463,121 @@ def hf_realm_layout(source: core.Source, hf: dict, config_json: str) -> str:
       sorted(names), [])
 
 
+def _read_hf_config(config_json: str) -> dict[str, Any]:
+  """The HF config.json at `config_json`; {} if there is none."""
+  hf = {}
+  if os.path.exists(config_json):
+    with open(config_json) as f:
+      try:
+        hf = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{config_json} is not valid JSON: {e}") from e
+  return hf
+
+
+def _hf_bert_overrides(hf: dict[str, Any], config_json: str,
+                       config_overrides: dict[str, Any]) -> dict[str, Any]:
+  """`config_overrides` over the BertConfig fields that config.json sets.
+
+  Raises:
+    ValueError: config.json's hidden_act is not a GELU.
+  """
+  act = hf.get("hidden_act", "gelu_new")
+  if act not in _HF_GELUS:
+    raise ValueError(
+        f"{config_json}: hidden_act={act!r} is not supported; realm_jax's "
+        f"BERT has GELU only ({', '.join(_HF_GELUS)}).")
+  return {"gelu_approximate": _HF_GELUS[act],
+          "layer_norm_eps": hf.get("layer_norm_eps", 1e-12),
+          **config_overrides}
+
+
+@dataclasses.dataclass
+class _HfRealmPlan:
+  """What `core.load` reads from a HF REALM checkpoint, a part at a time.
+
+  Attributes:
+    expected: the abstract params ("retriever" and/or "reader").
+    rules: our path -> the checkpoint's variable.
+    ignore: patterns of the checkpoint's variables left unread.
+  """
+  expected: dict[str, Any] = dataclasses.field(default_factory=dict)
+  rules: dict[Path, Rule] = dataclasses.field(default_factory=dict)
+  ignore: list[str] = dataclasses.field(
+      default_factory=lambda: [r"block_emb"])
+
+  def add_retriever(self, source: core.Source, embedder_at: str,
+                    hf: dict[str, Any], num_heads: int | None,
+                    config_overrides: dict[str, Any]) -> RetrieverConfig:
+    """Plans the embedder(s) at `embedder_at`; returns the retriever config.
+
+    A `query_embedder.*` stored beside a prefixed embedder is a separate
+    query tower (`_untie_hf_towers` decides whether it stays one).
+    """
+    towers = {"query_embedder": embedder_at}
+    if "query_embedder." + _HF_WORD in source and embedder_at:
+      towers = {"query_embedder": "query_embedder.",
+                "document_embedder": embedder_at}
+    for tower, at in towers.items():
+      r_config, r_expected, r_rules = _embedder_from_source(
+          source, at, "hf", num_heads=num_heads,
+          projection_size=hf.get("retriever_proj_size"), **config_overrides)
+      self.expected.setdefault("retriever", {})[tower] = r_expected
+      self.rules.update(
+          {("retriever", tower) + k: v for k, v in r_rules.items()})
+      self.ignore.append(re.escape(at) + r"cls\.predictions\..*")
+    return r_config
+
+  def add_reader(self, source: core.Source, reader_at: str, span: bool,
+                 hf: dict[str, Any], num_heads: int | None,
+                 config_overrides: dict[str, Any]) -> ReaderConfig:
+    """Plans the reader at `reader_at` (with a span head if `span`, and an
+    MLM head if stored or not `span`); returns its config."""
+    from realm_jax.model.realm import Reader  # pylint: disable=g-import-not-at-top
+    bert = infer_bert_config(source, reader_at + "realm.", "hf",
+                             num_heads=num_heads, **config_overrides)
+    span_shape = source.shapes().get(
+        reader_at + "qa_outputs.dense_intermediate.weight", (512,))
+    reader_config = ReaderConfig(
+        bert=bert, span_head=span,
+        mlm_head=not span or reader_at + "cls.predictions.bias" in source,
+        span_hidden_size=hf.get("span_hidden_size", span_shape[0] // 2),
+        max_span_width=hf.get("max_span_width", 10),
+        span_layer_norm_eps=hf.get("reader_layer_norm_eps", 1e-3))
+    self.rules.update(bert_rules(bert.num_layers, "hf", reader_at + "realm.",
+                                 ("reader", "bert"), optional_pooler=True))
+    if span:
+      self.rules.update(module_rules(_SPAN_MODULES, "hf", reader_at,
+                                     ("reader", "span_head")))
+    if reader_config.mlm_head:
+      self.rules.update(module_rules(_MLM_MODULES, "hf", reader_at + "cls.",
+                                     ("reader", "mlm_head")))
+    self.ignore.append(re.escape(reader_at) + r"cls\.predictions\.decoder\..*")
+    self.expected["reader"] = _abstract(
+        lambda r: Reader(reader_config, rngs=r))
+    return reader_config
+
+
+def _untie_hf_towers(config, params: Params):
+  """Drops a loaded `document_embedder` equal to the query tower (tied in
+  HF) from `params`, in place; else marks the retriever unshared.
+
+  Returns:
+    `config`, with `share_towers=False` if the towers differ.
+  """
+  towers = params.get("retriever", {})
+  if "document_embedder" in towers:  # Unshared unless equal (tied in HF).
+    query, doc = core.flatten(towers["query_embedder"]), core.flatten(
+        towers["document_embedder"])
+    if query.keys() == doc.keys() and all(
+        np.array_equal(query[k], doc[k]) for k in query):
+      del towers["document_embedder"]
+    else:
+      config = dataclasses.replace(config, retriever=dataclasses.replace(
+          config.retriever, share_towers=False))
+  return config
+
+
 def load_hf_realm(path: str, *, num_heads: int | None = None,
                   config_json: str | None = None, strict: bool = True,
                   **config_overrides):
@@ -501,75 +616,25 @@ def load_hf_realm(path: str, *, num_heads: int | None = None,
       shaped for the detected class.
     ValueError: a config.json field realm_jax cannot honour.
   """
-  from realm_jax.model.realm import RealmConfig, Reader  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
   source = core.SafetensorsSource(_safetensors_file(path) or path)
   config_json = config_json or os.path.join(os.path.dirname(source.path),
                                             "config.json")
-  hf = {}
-  if os.path.exists(config_json):
-    with open(config_json) as f:
-      try:
-        hf = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{config_json} is not valid JSON: {e}") from e
-  act = hf.get("hidden_act", "gelu_new")
-  if act not in _HF_GELUS:
-    raise ValueError(
-        f"{config_json}: hidden_act={act!r} is not supported; realm_jax's "
-        f"BERT has GELU only ({', '.join(_HF_GELUS)}).")
-  config_overrides = {"gelu_approximate": _HF_GELUS[act],
-                      "layer_norm_eps": hf.get("layer_norm_eps", 1e-12),
-                      **config_overrides}
+  hf = _read_hf_config(config_json)
+  config_overrides = _hf_bert_overrides(hf, config_json, config_overrides)
   num_heads = num_heads or hf.get("num_attention_heads")
   embedder_at, reader_at, span = HF_REALM_LAYOUTS[
       hf_realm_layout(source, hf, config_json)]
-  config, expected, rules, ignore = RealmConfig(), {}, {}, [r"block_emb"]
+  config, plan = RealmConfig(), _HfRealmPlan()
   if embedder_at is not None:
-    towers = {"query_embedder": embedder_at}
-    if "query_embedder." + _HF_WORD in source and embedder_at:
-      towers = {"query_embedder": "query_embedder.",
-                "document_embedder": embedder_at}
-    for tower, at in towers.items():
-      r_config, r_expected, r_rules = _embedder_from_source(
-          source, at, "hf", num_heads=num_heads,
-          projection_size=hf.get("retriever_proj_size"), **config_overrides)
-      expected.setdefault("retriever", {})[tower] = r_expected
-      rules.update({("retriever", tower) + k: v for k, v in r_rules.items()})
-      ignore.append(re.escape(at) + r"cls\.predictions\..*")
-    config = dataclasses.replace(config, retriever=r_config)
+    config = dataclasses.replace(config, retriever=plan.add_retriever(
+        source, embedder_at, hf, num_heads, config_overrides))
   if reader_at is not None:
-    bert = infer_bert_config(source, reader_at + "realm.", "hf",
-                             num_heads=num_heads, **config_overrides)
-    span_shape = source.shapes().get(
-        reader_at + "qa_outputs.dense_intermediate.weight", (512,))
-    reader_config = ReaderConfig(
-        bert=bert, span_head=span,
-        mlm_head=not span or reader_at + "cls.predictions.bias" in source,
-        span_hidden_size=hf.get("span_hidden_size", span_shape[0] // 2),
-        max_span_width=hf.get("max_span_width", 10),
-        span_layer_norm_eps=hf.get("reader_layer_norm_eps", 1e-3))
-    rules.update(bert_rules(bert.num_layers, "hf", reader_at + "realm.",
-                            ("reader", "bert"), optional_pooler=True))
-    if span:
-      rules.update(module_rules(_SPAN_MODULES, "hf", reader_at,
-                                ("reader", "span_head")))
-    if reader_config.mlm_head:
-      rules.update(module_rules(_MLM_MODULES, "hf", reader_at + "cls.",
-                                ("reader", "mlm_head")))
-    ignore.append(re.escape(reader_at) + r"cls\.predictions\.decoder\..*")
-    expected["reader"] = _abstract(lambda r: Reader(reader_config, rngs=r))
-    config = dataclasses.replace(config, reader=reader_config)
-  params = core.load(source, expected, rules, ignore=ignore, strict=strict)
-  towers = params.get("retriever", {})
-  if "document_embedder" in towers:  # Unshared unless equal (tied in HF).
-    query, doc = core.flatten(towers["query_embedder"]), core.flatten(
-        towers["document_embedder"])
-    if query.keys() == doc.keys() and all(
-        np.array_equal(query[k], doc[k]) for k in query):
-      del towers["document_embedder"]
-    else:
-      config = dataclasses.replace(config, retriever=dataclasses.replace(
-          config.retriever, share_towers=False))
+    config = dataclasses.replace(config, reader=plan.add_reader(
+        source, reader_at, span, hf, num_heads, config_overrides))
+  params = core.load(source, plan.expected, plan.rules, ignore=plan.ignore,
+                     strict=strict)
+  config = _untie_hf_towers(config, params)
   block_emb = load_block_emb(source.path) if "block_emb" in source else None
   return config, params, block_emb
 
