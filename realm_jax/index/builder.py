@@ -37,13 +37,13 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from realm_jax.core import checkpoints, checks, follow
+from realm_jax.core import checkpoints, checks, dataclass_json, follow
 from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, searchers
-from realm_jax.model.realm import RetrieverConfig
+from realm_jax.model.realm import RealmConfig, RetrieverConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +216,25 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
   return path
 
 
+def checkpoint_retriever_config(ckpt_dir: str, step: int,
+                                default: RetrieverConfig) -> RetrieverConfig:
+  """The retriever config checkpoint `step` was trained with (the model
+  config its meta carries), as eval and export read it; `default` (the gin
+  model's) only for checkpoints written before configs were saved."""
+  meta = checkpoints.read_meta(ckpt_dir, step)
+  if "model_config" not in meta:
+    logging.warning("checkpoint %s/%d carries no model config; embedding "
+                    "with the gin files' retriever config.", ckpt_dir, step)
+    return default
+  ours = dataclass_json.from_dict(
+      RealmConfig, meta["model_config"],
+      f"{ckpt_dir}/{step}/meta:model_config").retriever
+  if ours != default:
+    logging.info("retriever config from checkpoint %d: %s (the gin files "
+                 "say %s)", step, ours, default)
+  return ours
+
+
 def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
                 config: BuilderConfig = BuilderConfig(),
                 max_indices: int | None = None, timeout: float | None = None,
@@ -243,7 +262,8 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
   Args:
     workdir: the trainer's workdir (checkpoints/ and index/ inside).
     store: the block store the trainer retrieves from.
-    retriever_config: the trainer's retriever config.
+    retriever_config: the trainer's retriever config, for checkpoints that
+      carry none (each checkpoint's own config is used when it has one).
     config: builder settings.
     max_indices: stop after publishing this many (tests, one-offs).
     timeout: stop after this many seconds without DONE.
@@ -294,6 +314,8 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
   for step in follower:
     try:
       params = checkpoints.restore_retriever(ckpt_dir, step)
+      trained_with = checkpoint_retriever_config(ckpt_dir, step,
+                                                 retriever_config)
     except FileNotFoundError:
       # Deleted by the trainer's retention between listing and reading.
       logging.warning("checkpoint %d vanished before it was read", step)
@@ -309,7 +331,7 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
       follower.give_up(step)
       continue
     path = build_and_publish(retriever_params=params,
-                             retriever_config=retriever_config, store=store,
+                             retriever_config=trained_with, store=store,
                              root=root, step=step, config=config,
                              devices=devices)
     out.append(step)
@@ -357,7 +379,7 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
   import gin  # pylint: disable=g-import-not-at-top
   from realm_jax.checkpoint_import import importers, init_from as init_lib  # pylint: disable=g-import-not-at-top
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
-  from realm_jax.model.realm import Realm, RealmConfig  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   kind, _, source = (config.init_from or "").partition(":")
   if not kind and not config.one_shot:
     _run_builder(workdir=config.workdir, store=store,
@@ -382,8 +404,7 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
     retriever_config = model.retriever
     params = init_lib.initial_params(model, fresh,
                                      config.init_from)["retriever"]
-  else:  # One shot from the trainer's checkpoint, the gin model's retriever.
-    retriever_config = gin.get_configurable(RealmConfig)().retriever
+  else:  # One shot from the trainer's checkpoint, with its retriever config.
     ckpt_dir = checkpoints.checkpoint_dir(config.workdir)
     try:
       step = (config.step if config.step is not None
@@ -391,6 +412,8 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
     except FileNotFoundError as e:
       raise SystemExit(str(e)) from e
     params = checkpoints.restore_retriever(ckpt_dir, step)
+    retriever_config = checkpoint_retriever_config(
+        ckpt_dir, step, gin.get_configurable(RealmConfig)().retriever)
   build_and_publish(retriever_params=params,
                     retriever_config=retriever_config, store=store,
                     root=root, step=step, config=config)

@@ -17,7 +17,7 @@ import pytest
 
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core, importers
-from realm_jax.core import checkpoints
+from realm_jax.core import checkpoints, dataclass_json
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer, default_model_dir
@@ -279,6 +279,46 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
   np.testing.assert_array_equal(index.embeddings, emb)
   with pytest.raises(ValueError, match="random weights"):
     builder.BuilderConfig(init_from="scratch")
+
+
+def test_the_builder_embeds_with_the_checkpoints_own_retriever_config(
+    store, tmp_path):
+  """A checkpoint that carries its model config is embedded with it, not
+  with the gin files' (here: L2-normalised embeddings, which the tiny model
+  file does not ask for), in the follow mode and in the one-shot job."""
+  trained = dataclasses.replace(CONFIG, retriever=dataclasses.replace(
+      CONFIG.retriever, normalize=True))
+  params = _params(3)
+  for name in ("follow", "one_shot"):
+    ckpt = checkpoints.TrainCheckpointer(
+        checkpoints.checkpoint_dir(str(tmp_path / name)), keep=5,
+        async_save=False)
+    ckpt.save(3, params, {"count": np.zeros(())},
+              {"model_config": dataclass_json.to_dict(trained)}, force=True)
+    ckpt.wait_until_finished()
+  want = _direct_embeddings(params["retriever"], store, trained)
+  np.testing.assert_allclose(np.linalg.norm(want, axis=1), 1.0, atol=1e-5)
+
+  assert builder.run_builder(
+      workdir=str(tmp_path / "follow"), store=store,
+      retriever_config=CONFIG.retriever, max_indices=1,
+      config=builder.BuilderConfig(searcher_kind="exact",
+                                   poll_seconds=0.05)) == [3]
+  gin.clear_config()
+  try:
+    gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], [
+        f"WORKDIR = '{tmp_path / 'one_shot'}'",
+        f"BLOCK_STORE = '{store.path}'",
+        "builder.BuilderConfig.one_shot = True",
+        "builder.BuilderConfig.searcher_kind = 'exact'"])
+    assert not gin.get_configurable(RealmConfig)().retriever.normalize
+    builder._job(False)
+  finally:
+    gin.clear_config()
+  for name in ("follow", "one_shot"):
+    np.testing.assert_allclose(
+        publish.load_index(checkpoints.index_root(str(tmp_path / name)))
+        .embeddings, want, atol=2e-5)
 
 
 def test_job_one_shot_from_minilm_with_no_checkpoint(store, tmp_path):
