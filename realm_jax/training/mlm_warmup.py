@@ -122,6 +122,74 @@ def _features(params, graphdef, queries, rows, *, sep_id, store,
   return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+def _head_features(params, graphdef, queries, *, sep_id, store,
+                   reader_length, max_queries, seed
+                   ) -> dict[str, dict[str, np.ndarray]]:
+  """{"train", "heldout"} `_features` of a seeded subset of at most
+  `max_queries` queries, a tenth of it (at least one) held out."""
+  rng = np.random.default_rng(seed)
+  n = len(queries["query_ids"])
+  chosen = np.sort(rng.permutation(n)[:max_queries])
+  held = np.zeros(len(chosen), bool)
+  held[rng.permutation(len(chosen))[:max(1, len(chosen) // 10)]] = True
+  return {name: _features(params, graphdef, queries, chosen[rows],
+                          sep_id=sep_id, store=store,
+                          reader_length=reader_length, rng=rng)
+          for name, rows in (("train", ~held), ("heldout", held))}
+
+
+def _head_fns(params, graphdef, tx):
+  """(jitted Adam step of the MLM head, its evaluation) on mask features;
+  every parameter but the head is that of `params`."""
+
+  def head_logits(head, hidden):
+    reader = functional.bind(
+        graphdef, dict(params, reader=dict(params["reader"], mlm_head=head))
+    ).reader
+    return reader.mlm_head(
+        hidden, reader.bert.embeddings.word_embeddings.embedding[...])
+
+  def loss_fn(head, hidden, targets):
+    log_probs = jax.nn.log_softmax(head_logits(head, hidden), -1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, targets[:, None], -1))
+
+  @jax.jit
+  def step(head, opt_state, hidden, targets):
+    loss, grads = jax.value_and_grad(loss_fn)(head, hidden, targets)
+    updates, opt_state = tx.update(grads, opt_state, head)
+    return optax.apply_updates(head, updates), opt_state, loss
+
+  @jax.jit
+  def sums(head, hidden, targets):
+    log_probs = jax.nn.log_softmax(head_logits(head, hidden), -1)
+    ll = jnp.take_along_axis(log_probs, targets[:, None], -1)[:, 0]
+    return jnp.sum(jnp.argmax(log_probs, -1) == targets), -jnp.sum(ll)
+
+  def evaluate(head, f, chunk=1024):
+    """(accuracy, mean negative log-likelihood) over the masks of `f`."""
+    m = len(f["targets"])
+    parts = [sums(head, f["hidden"][lo:lo + chunk], f["targets"][lo:lo + chunk])
+             for lo in range(0, m, chunk)]
+    return (sum(float(c) for c, _ in parts) / max(m, 1),
+            sum(float(n) for _, n in parts) / max(m, 1))
+
+  return step, evaluate
+
+
+def _fit_head(step, opt_state, head, train, *, steps, batch_size, seed):
+  """`steps` head steps on seeded random batches of the `train` masks
+  (logging the loss four times); returns the head."""
+  m = len(train["targets"])
+  for i in range(steps):
+    rows = np.random.default_rng([seed, i]).integers(0, m, min(batch_size, m))
+    head, opt_state, loss = step(head, opt_state, train["hidden"][rows],
+                                 train["targets"][rows])
+    if (i + 1) % max(1, steps // 4) == 0:
+      logging.info("MLM head warm start: step %d/%d, loss %.3f", i + 1,
+                   steps, float(loss))
+  return head
+
+
 def warm_start_mlm_head(params: dict[str, Any], graphdef,
                         queries: Mapping[str, np.ndarray], *, sep_id: int,
                         store=None, reader_length: int = 0,
@@ -157,63 +225,19 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
     raise ValueError("warm_start_mlm_head: the reader has no MLM head "
                      "(ReaderConfig.mlm_head=False).")
   t0 = time.time()
-  rng = np.random.default_rng(seed)
-  n = len(queries["query_ids"])
-  chosen = np.sort(rng.permutation(n)[:max_queries])
-  held = np.zeros(len(chosen), bool)
-  held[rng.permutation(len(chosen))[:max(1, len(chosen) // 10)]] = True
-  features = {name: _features(params, graphdef, queries, chosen[rows],
-                              sep_id=sep_id, store=store,
-                              reader_length=reader_length, rng=rng)
-              for name, rows in (("train", ~held), ("heldout", held))}
+  features = _head_features(params, graphdef, queries, sep_id=sep_id,
+                            store=store, reader_length=reader_length,
+                            max_queries=max_queries, seed=seed)
   if len(features["train"]["targets"]) == 0:
     raise ValueError("warm_start_mlm_head: the queries have no mask.")
-
-  def head_logits(head, hidden):
-    reader = functional.bind(
-        graphdef, dict(params, reader=dict(params["reader"], mlm_head=head))
-    ).reader
-    return reader.mlm_head(
-        hidden, reader.bert.embeddings.word_embeddings.embedding[...])
-
-  def loss_fn(head, hidden, targets):
-    log_probs = jax.nn.log_softmax(head_logits(head, hidden), -1)
-    return -jnp.mean(jnp.take_along_axis(log_probs, targets[:, None], -1))
-
   tx = optax.adam(learning_rate)
-
-  @jax.jit
-  def step(head, opt_state, hidden, targets):
-    loss, grads = jax.value_and_grad(loss_fn)(head, hidden, targets)
-    updates, opt_state = tx.update(grads, opt_state, head)
-    return optax.apply_updates(head, updates), opt_state, loss
-
-  @jax.jit
-  def sums(head, hidden, targets):
-    log_probs = jax.nn.log_softmax(head_logits(head, hidden), -1)
-    ll = jnp.take_along_axis(log_probs, targets[:, None], -1)[:, 0]
-    return jnp.sum(jnp.argmax(log_probs, -1) == targets), -jnp.sum(ll)
-
-  def evaluate(head, f, chunk=1024):
-    """(accuracy, mean negative log-likelihood) over the masks of `f`."""
-    m = len(f["targets"])
-    parts = [sums(head, f["hidden"][lo:lo + chunk], f["targets"][lo:lo + chunk])
-             for lo in range(0, m, chunk)]
-    return (sum(float(c) for c, _ in parts) / max(m, 1),
-            sum(float(n) for _, n in parts) / max(m, 1))
-
+  step, evaluate = _head_fns(params, graphdef, tx)
   head = jax.tree_util.tree_map(jnp.asarray, params["reader"]["mlm_head"])
   before = evaluate(head, features["heldout"])
-  opt_state = tx.init(head)
   train = features["train"]
   m = len(train["targets"])
-  for i in range(steps):
-    rows = np.random.default_rng([seed, i]).integers(0, m, min(batch_size, m))
-    head, opt_state, loss = step(head, opt_state, train["hidden"][rows],
-                                 train["targets"][rows])
-    if (i + 1) % max(1, steps // 4) == 0:
-      logging.info("MLM head warm start: step %d/%d, loss %.3f", i + 1,
-                   steps, float(loss))
+  head = _fit_head(step, tx.init(head), head, train, steps=steps,
+                   batch_size=batch_size, seed=seed)
   after = evaluate(head, features["heldout"])
   report = {
       "masks": float(m),
@@ -558,6 +582,59 @@ def _train_until_useful(params, graphdef, tx, heldout, make_batch, *,
   return trained, curve, reason, done
 
 
+def _check_adaptation_args(params: dict[str, Any], steps: int,
+                           eval_every: int, patience: int) -> None:
+  """Raises `adapt_reader`'s ValueErrors about its arguments."""
+  if "mlm_head" not in params.get("reader", {}):
+    raise ValueError("adapt_reader: the reader has no MLM head "
+                     "(ReaderConfig.mlm_head=False).")
+  if steps < 1 or eval_every < 1 or patience < 1:
+    raise ValueError("adapt_reader: steps, eval_every and patience must be "
+                     f">= 1, got {steps}, {eval_every}, {patience}.")
+
+
+def _adaptation_optimizer(learning_rate: float, steps: int):
+  """BERT's optimiser (clipping, weight decay, warmup then linear decay over
+  `steps`) with Adam's bias correction: raw moments' larger early steps
+  make a reader memorise facts rather than read (docs/results/learning.md).
+  """
+  return optimizer_lib.bert_optimizer(
+      learning_rate=learning_rate, num_train_steps=steps,
+      warmup_steps=steps // 10, bias_correction=True)
+
+
+def _adaptation_queries(queries: dict[str, np.ndarray], store, *,
+                        max_queries: int, seed: int, reader_length: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(training rows, held-out rows, answer block of every query): the
+  `_split_queries` rows, and `find_answer_blocks` for them (-1 elsewhere).
+
+  Raises:
+    ValueError: if there are too few queries to hold a tenth out.
+  """
+  train, held = _split_queries(len(queries["query_ids"]), max_queries, seed)
+  if not len(train):
+    raise ValueError("adapt_reader: too few queries to hold a tenth out "
+                     f"({len(queries['query_ids'])}).")
+  answers = np.full(len(queries["query_ids"]), -1, np.int64)
+  used = np.concatenate([train, held])
+  answers[used] = find_answer_blocks({k: v[used] for k, v in queries.items()},
+                                     store, reader_length=reader_length)
+  return train, held, answers
+
+
+def _adaptation_report(curve, reason, done, steps, train, held, answers,
+                       t0) -> dict[str, Any]:
+  """`adapt_reader`'s report (see there); "seconds" since `t0`."""
+  return {
+      "curve": [{k: _json_safe(v) for k, v in p.items()} for p in curve],
+      "stop_reason": reason, "steps": done, "max_steps": steps,
+      "queries": len(train), "heldout_queries": len(held),
+      "train_answer_share": float(np.mean(answers[train] >= 0)),
+      "heldout_answer_share": float(np.mean(answers[held] >= 0)),
+      "seconds": round(time.time() - t0, 1)}
+
+
 def adapt_reader(params: dict[str, Any], graphdef,
                  queries: Mapping[str, np.ndarray], *, store, sep_id: int,
                  reader_length: int, steps: int, batch_size: int = 16,
@@ -607,31 +684,16 @@ def adapt_reader(params: dict[str, Any], graphdef,
     ValueError: if the reader has no MLM head, `steps`, `eval_every` or
       `patience` is < 1, or there are too few queries.
   """
-  if "mlm_head" not in params.get("reader", {}):
-    raise ValueError("adapt_reader: the reader has no MLM head "
-                     "(ReaderConfig.mlm_head=False).")
-  if steps < 1 or eval_every < 1 or patience < 1:
-    raise ValueError("adapt_reader: steps, eval_every and patience must be "
-                     f">= 1, got {steps}, {eval_every}, {patience}.")
+  _check_adaptation_args(params, steps, eval_every, patience)
   t0 = time.time()
   queries = {k: np.asarray(v) for k, v in queries.items()}
-  train, held = _split_queries(len(queries["query_ids"]), max_queries, seed)
-  if not len(train):
-    raise ValueError("adapt_reader: too few queries to hold a tenth out "
-                     f"({len(queries['query_ids'])}).")
-  answers = np.full(len(queries["query_ids"]), -1, np.int64)
-  used = np.concatenate([train, held])
-  answers[used] = find_answer_blocks({k: v[used] for k, v in queries.items()},
-                                     store, reader_length=reader_length)
+  train, held, answers = _adaptation_queries(
+      queries, store, max_queries=max_queries, seed=seed,
+      reader_length=reader_length)
   heldout = _evaluation_batches(queries, held, answers, store, sep_id=sep_id,
                                 reader_length=reader_length,
                                 batch_size=batch_size, seed=seed)
-  # BERT's optimiser (clipping, weight decay, warmup then linear decay over
-  # `steps`) with Adam's bias correction: raw moments' larger early steps
-  # make a reader memorise facts rather than read (docs/results/learning.md).
-  tx = optimizer_lib.bert_optimizer(
-      learning_rate=learning_rate, num_train_steps=steps,
-      warmup_steps=steps // 10, bias_correction=True)
+  tx = _adaptation_optimizer(learning_rate, steps)
 
   def make_batch(done):
     rng = np.random.default_rng([seed, 5, done])
@@ -645,13 +707,8 @@ def adapt_reader(params: dict[str, Any], graphdef,
       params, graphdef, tx, heldout, make_batch, steps=steps,
       eval_every=eval_every, min_utility=min_utility, patience=patience,
       seed=seed, t0=t0)
-  report = {
-      "curve": [{k: _json_safe(v) for k, v in p.items()} for p in curve],
-      "stop_reason": reason, "steps": done, "max_steps": steps,
-      "queries": len(train), "heldout_queries": len(held),
-      "train_answer_share": float(np.mean(answers[train] >= 0)),
-      "heldout_answer_share": float(np.mean(answers[held] >= 0)),
-      "seconds": round(time.time() - t0, 1)}
+  report = _adaptation_report(curve, reason, done, steps, train, held,
+                              answers, t0)
   logging.info("reader adaptation stopped at step %d/%d (%s) after %.0f s",
                done, steps, reason, report["seconds"])
   return dict(params, reader=dict(params["reader"], **trained)), report
