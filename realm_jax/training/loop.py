@@ -343,14 +343,7 @@ class Run:
     start = int(jax.device_get(state.step))
     end = total if stop_after is None else min(total, start + stop_after)
     metrics_path = io_utils.join(self.workdir, "metrics.jsonl")
-    if self.is_chief:
-      # A run killed after logging steps past its last checkpoint logs them
-      # again from that checkpoint on: their first lines go.
-      _truncate_metrics(metrics_path, start)
-      if start < total:
-        # Continuing a finished run (more steps): side jobs must not take
-        # the last run's DONE for this one's, so it goes before any step.
-        checkpoints.clear_done_marker(self.ckpt.directory)
+    self._begin_steps(start, total, metrics_path)
     preempted = preemption_lib.Preemption()
     history = []
     base_rng = jax.random.key(c.seed if seed is None else seed)
@@ -366,41 +359,77 @@ class Run:
         since_log += 1
         if step % c.log_every == 0 or step == end:
           now = clock()
-          metrics = {k: float(v)
-                     for k, v in parallel.host_copy(metrics).items()}
-          metrics.update(progress(since_log, now - t_last, step, total,
-                                  c.batch_size),
-                         learning_rate=float(learning_rate(step - 1)))
+          self._log_step(step, total, metrics, steps=since_log,
+                         seconds=now - t_last, learning_rate=learning_rate,
+                         hooks=hooks, log_line=log_line, history=history,
+                         metrics_path=metrics_path)
           t_last, since_log = now, 0
-          if hooks.log_metrics:
-            metrics = hooks.log_metrics(step, metrics)
-          self.writer.write_scalars(step, metrics)
-          history.append(dict(metrics, step=step))
-          if self.is_chief:
-            io_utils.append_jsonl(metrics_path, dict(metrics, step=step))
-          fmt, names = log_line
-          logging.info("step %d/%d: " + fmt + ", %.3f s/step, %.2f steps/s, "
-                       "%.1f examples/s, eta %s", step, total,
-                       *[metrics[n] for n in names],
-                       metrics["seconds_per_step"], metrics["steps_per_sec"],
-                       metrics["examples_per_second"],
-                       format_eta(metrics["eta_seconds"]))
-        # Process 0 decides, so every host stops after the same step.
-        stop = bool(distributed.broadcast_from_chief(
-            np.int32(preempted.requested))) if jax.process_count() > 1 else (
-                preempted.requested)
+        stop = _stop_requested(preempted)
         if step % c.checkpoint_every == 0 or step == end or stop:
-          self.save(step, saved_params(state), state.opt_state, {
-              **meta, **(hooks.checkpoint_meta(step)
-                         if hooks.checkpoint_meta else {})})
-          if hooks.after_checkpoint:
-            hooks.after_checkpoint(step, state)
+          self._checkpoint(step, state, meta, saved_params, hooks)
         if stop:
           logging.warning("Stop requested (SIGTERM or Ctrl-C): checkpointed "
                           "step %d, exiting.", step)
           break
     finally:
       preempted.close()
+    self._end_steps(start, step, total, history)
+    return history
+
+  def _begin_steps(self, start: int, total: int, metrics_path: str) -> None:
+    """Tidies the workdir (process 0) before `loop` trains from `start`."""
+    if self.is_chief:
+      # A run killed after logging steps past its last checkpoint logs them
+      # again from that checkpoint on: their first lines go.
+      _truncate_metrics(metrics_path, start)
+      if start < total:
+        # Continuing a finished run (more steps): side jobs must not take
+        # the last run's DONE for this one's, so it goes before any step.
+        checkpoints.clear_done_marker(self.ckpt.directory)
+
+  def _log_step(self, step: int, total: int, metrics, *, steps: int,
+                seconds: float, learning_rate, hooks: Hooks,
+                log_line: tuple[str, Sequence[str]],
+                history: list[dict[str, float]], metrics_path: str) -> None:
+    """Logs `step`'s metrics, with the rates over the last `steps` steps
+    (in `seconds`), to the summary writer, `history`, metrics.jsonl (process
+    0) and the log line."""
+    metrics = {k: float(v)
+               for k, v in parallel.host_copy(metrics).items()}
+    metrics.update(progress(steps, seconds, step, total,
+                            self.config.batch_size),
+                   learning_rate=float(learning_rate(step - 1)))
+    if hooks.log_metrics:
+      metrics = hooks.log_metrics(step, metrics)
+    self.writer.write_scalars(step, metrics)
+    history.append(dict(metrics, step=step))
+    if self.is_chief:
+      io_utils.append_jsonl(metrics_path, dict(metrics, step=step))
+    fmt, names = log_line
+    logging.info("step %d/%d: " + fmt + ", %.3f s/step, %.2f steps/s, "
+                 "%.1f examples/s, eta %s", step, total,
+                 *[metrics[n] for n in names],
+                 metrics["seconds_per_step"], metrics["steps_per_sec"],
+                 metrics["examples_per_second"],
+                 format_eta(metrics["eta_seconds"]))
+
+  def _checkpoint(self, step: int, state: TrainState,
+                  meta: Mapping[str, Any],
+                  saved_params: Callable[[TrainState], Any],
+                  hooks: Hooks) -> None:
+    """Saves checkpoint `step` with the hooks' meta; runs their
+    `after_checkpoint`."""
+    self.save(step, saved_params(state), state.opt_state, {
+        **meta, **(hooks.checkpoint_meta(step)
+                   if hooks.checkpoint_meta else {})})
+    if hooks.after_checkpoint:
+      hooks.after_checkpoint(step, state)
+
+  def _end_steps(self, start: int, step: int, total: int,
+                 history: list[dict[str, float]]) -> None:
+    """After `loop` trained from `start` to `step`: waits for the last
+    checkpoint, marks a finished run DONE, writes history.json (process 0)
+    and meets the other hosts."""
     self.ckpt.wait_until_finished()
     if step >= total and self.is_chief:
       checkpoints.write_done_marker(self.ckpt.directory, step)
@@ -408,7 +437,6 @@ class Run:
     if self.is_chief:
       self._write_history(start, history)
     distributed.barrier(f"{self.job}: exit")
-    return history
 
   def _write_history(self, start: int, history: list[dict[str, float]]
                      ) -> None:
@@ -422,6 +450,14 @@ class Run:
     earlier = [h for h in _read_metrics(
         io_utils.join(self.workdir, "metrics.jsonl")) if h["step"] <= start]
     io_utils.write_json(path, earlier + history)
+
+
+def _stop_requested(preempted: preemption_lib.Preemption) -> bool:
+  """Whether to stop after this step. Process 0 decides, so every host
+  stops after the same step."""
+  return bool(distributed.broadcast_from_chief(
+      np.int32(preempted.requested))) if jax.process_count() > 1 else (
+          preempted.requested)
 
 
 def _read_metrics(path: str) -> list[dict[str, Any]]:
