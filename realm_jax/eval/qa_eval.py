@@ -53,7 +53,8 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
-from realm_jax.core import checkpoints, checks, follow, io_utils, parallel
+from realm_jax.core import checkpoints, checks, follow, gin_config, io_utils
+from realm_jax.core import parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
@@ -365,6 +366,58 @@ def _record(ledger, ledger_path: str, output_dir: str, writer, step: int,
       f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
 
 
+def _open_job_outputs(output_dir: str, checkpoint_dir: str,
+                      examples: Sequence[qa_lib.QAExample],
+                      index: publish.PublishedIndex, is_chief: bool):
+  """`run_eval_job`'s (ledger path, ledger, summary writer) in `output_dir`.
+
+  Raises:
+    ValueError: the ledger belongs to another checkpoint directory,
+      evaluation set or index.
+  """
+  io_utils.makedirs(output_dir)
+  ledger_path = io_utils.join(output_dir, LEDGER)
+  ledger = _read_ledger(ledger_path, {
+      "checkpoint_dir": io_utils.absolute(checkpoint_dir),
+      "examples_sha256": examples_fingerprint(examples),
+      "index_step": int(index.step)})
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.create_default_writer(
+      io_utils.join(output_dir, "summaries"), just_logging=not is_chief)
+  logging.info("eval job: %d examples, %d steps already in %s",
+               len(examples), len(ledger["steps"]), ledger_path)
+  return ledger_path, ledger, writer
+
+
+def _follower(checkpoint_dir: str, ledger: dict[str, Any], *,
+              poll_seconds: float, timeout: float | None
+              ) -> follow.CheckpointFollower:
+  """Every new checkpoint of `checkpoint_dir` whose step is not (yet) in
+  `ledger`, ascending, until DONE or `timeout`."""
+  return follow.CheckpointFollower(
+      checkpoint_dir, mode="every", poll_seconds=poll_seconds,
+      timeout=timeout, name="eval job",
+      skip=lambda step: str(step) in ledger["steps"])
+
+
+def _unreadable_checkpoint(follower: follow.CheckpointFollower,
+                           checkpoint_dir: str, step: int,
+                           error: FileNotFoundError,
+                           unreadable: dict[int, int]) -> None:
+  """A followed checkpoint that could not be read: skipped if it is gone,
+  else retried (counted in `unreadable`) until `_MAX_READ_ATTEMPTS`."""
+  if not io_utils.as_path(checkpoint_dir).joinpath(str(step)).is_dir():
+    # Deleted by the trainer's retention between listing and reading.
+    logging.warning("checkpoint %d vanished before it was evaluated", step)
+    return
+  # Listed but not readable (yet): retry a few times, then move on.
+  unreadable[step] = unreadable.get(step, 0) + 1
+  logging.warning("checkpoint %d is not readable (attempt %d): %s",
+                  step, unreadable[step], error)
+  (follower.give_up if unreadable[step] >= _MAX_READ_ATTEMPTS
+   else follower.retry)(step)
+
+
 def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  examples: Sequence[qa_lib.QAExample],
                  model_config: RealmConfig, index: publish.PublishedIndex,
@@ -406,22 +459,11 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
   """
   with lease_lib.job_lease(output_dir, "evaluation job"):
     is_chief = jax.process_index() == 0
-    io_utils.makedirs(output_dir)
-    ledger_path = io_utils.join(output_dir, LEDGER)
-    ledger = _read_ledger(ledger_path, {
-        "checkpoint_dir": io_utils.absolute(checkpoint_dir),
-        "examples_sha256": examples_fingerprint(examples),
-        "index_step": int(index.step)})
-    from clu import metric_writers  # pylint: disable=g-import-not-at-top
-    writer = metric_writers.create_default_writer(
-        io_utils.join(output_dir, "summaries"), just_logging=not is_chief)
-    logging.info("eval job: %d examples, %d steps already in %s",
-                 len(examples), len(ledger["steps"]), ledger_path)
-    follower = None if steps is not None else follow.CheckpointFollower(
-        checkpoint_dir, mode="every",
-        poll_seconds=config.poll_seconds if poll_seconds is None
-        else poll_seconds, timeout=timeout, name="eval job",
-        skip=lambda step: str(step) in ledger["steps"])
+    ledger_path, ledger, writer = _open_job_outputs(
+        output_dir, checkpoint_dir, examples, index, is_chief)
+    follower = None if steps is not None else _follower(
+        checkpoint_dir, ledger, timeout=timeout, poll_seconds=(
+            config.poll_seconds if poll_seconds is None else poll_seconds))
     qa_model, evaluated, stopped = None, [], "steps"
     unreadable: dict[int, int] = {}  # step -> failed reads in this run
     for step in (follower if follower is not None else [
@@ -435,17 +477,7 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
       except FileNotFoundError as e:
         if follower is None:
           raise
-        if not io_utils.as_path(checkpoint_dir).joinpath(str(step)).is_dir():
-          # Deleted by the trainer's retention between listing and reading.
-          logging.warning("checkpoint %d vanished before it was evaluated",
-                          step)
-          continue
-        # Listed but not readable (yet): retry a few times, then move on.
-        unreadable[step] = unreadable.get(step, 0) + 1
-        logging.warning("checkpoint %d is not readable (attempt %d): %s",
-                        step, unreadable[step], e)
-        (follower.give_up if unreadable[step] >= _MAX_READ_ATTEMPTS
-         else follower.retry)(step)
+        _unreadable_checkpoint(follower, checkpoint_dir, step, e, unreadable)
         continue
       evaluated.append(step)
       _record(ledger, ledger_path, output_dir, writer, step, metrics,
@@ -469,20 +501,6 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
 # ----------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------
-
-
-def configured(cls):
-  """`cls` as bound by gin, or its defaults if no gin file mentions it.
-
-  For the jobs (this one and `realm_jax.ask`) that read several configs and
-  accept gin files that bind only some of them.
-  """
-  import gin  # pylint: disable=g-import-not-at-top
-  try:
-    factory = gin.get_configurable(cls)
-  except ValueError:  # Not registered: no gin file names it.
-    factory = cls
-  return factory()
 
 
 def _differences(ours, theirs, path: str):
@@ -550,9 +568,9 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.eval import qa_eval as module  # pylint: disable=g-import-not-at-top
-  config = configured(module.EvalConfig)
-  qa_config = configured(qa_inputs.QAConfig)
-  model_config = configured(RealmConfig)
+  config = gin_config.configured(module.EvalConfig)
+  qa_config = gin_config.configured(qa_inputs.QAConfig)
+  model_config = gin_config.configured(RealmConfig)
   if dry_run:
     print(config, qa_config, model_config, sep="\n")
     return
