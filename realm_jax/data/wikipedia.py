@@ -287,39 +287,66 @@ def iter_wikipedia_pages(
           report.skip("malformed_page", where, "missing title or namespace")
           continue
         last_title = title
-        if page["ns"] != 0:
-          report.skip("non_article_namespace", where, f"ns={page['ns']}")
-          continue
-        text = page.get("text")
-        if page.get("redirect") or (
-            text and text.lstrip()[:9].lower() == "#redirect"):
-          report.skip("redirect", where)
-          continue
-        lowered = title.lower()
-        if not keep_lists and lowered.startswith(_TITLE_PREFIXES_SKIPPED):
-          report.skip("list_or_index_page", where, title=title)
-          continue
-        if not keep_disambiguation and (
-            lowered.endswith("(disambiguation)") or
-            (text and _DISAMBIGUATION_TEMPLATE.search(text))):
-          report.skip("disambiguation", where, title=title)
-          continue
-        if document := _check_document(
-            title, text, where, report, max_article_chars=max_article_chars,
+        if document := _page_document(
+            page, where, report, keep_lists=keep_lists,
+            keep_disambiguation=keep_disambiguation,
+            max_article_chars=max_article_chars,
             max_title_chars=max_title_chars):
           yield document
     except (ET.ParseError, EOFError, OSError) as e:
-      position = getattr(e, "position", None)
-      at = f" at line {position[0]}, column {position[1]}" if position else ""
-      message = (
-          f"{path}: malformed dump{at} after page '{last_title}': {e}. The "
-          "file is truncated or corrupt; re-download it and check its "
-          "sha1 against the dump's *-sha1sums.txt")
-      if not allow_truncated:
-        raise CorruptDumpError(
-            message + ", or pass allow_truncated=True to keep the pages "
-            "before the damage.") from e
-      report.skip("truncated_file", path, message)
+      _damaged_dump(e, path, last_title, report,
+                    allow_truncated=allow_truncated)
+
+
+def _page_document(page: dict[str, Any], where: str, report: Report, *,
+                   keep_lists: bool, keep_disambiguation: bool,
+                   max_article_chars: int, max_title_chars: int
+                   ) -> Document | None:
+  """The `Document` of a well-formed page (`_read_page`, with a title and
+  a namespace), or None if it is skipped (and counted in `report`); see
+  `iter_wikipedia_pages`."""
+  title = page["title"]
+  if page["ns"] != 0:
+    report.skip("non_article_namespace", where, f"ns={page['ns']}")
+    return None
+  text = page.get("text")
+  if page.get("redirect") or (
+      text and text.lstrip()[:9].lower() == "#redirect"):
+    report.skip("redirect", where)
+    return None
+  lowered = title.lower()
+  if not keep_lists and lowered.startswith(_TITLE_PREFIXES_SKIPPED):
+    report.skip("list_or_index_page", where, title=title)
+    return None
+  if not keep_disambiguation and (
+      lowered.endswith("(disambiguation)") or
+      (text and _DISAMBIGUATION_TEMPLATE.search(text))):
+    report.skip("disambiguation", where, title=title)
+    return None
+  return _check_document(
+      title, text, where, report, max_article_chars=max_article_chars,
+      max_title_chars=max_title_chars)
+
+
+def _damaged_dump(error: Exception, path: str, last_title: str | None,
+                  report: Report, *, allow_truncated: bool) -> None:
+  """An XML or compression `error` reading the dump at `path`: counted as
+  `truncated_file` if `allow_truncated`.
+
+  Raises:
+    CorruptDumpError: unless `allow_truncated`.
+  """
+  position = getattr(error, "position", None)
+  at = f" at line {position[0]}, column {position[1]}" if position else ""
+  message = (
+      f"{path}: malformed dump{at} after page '{last_title}': {error}. The "
+      "file is truncated or corrupt; re-download it and check its "
+      "sha1 against the dump's *-sha1sums.txt")
+  if not allow_truncated:
+    raise CorruptDumpError(
+        message + ", or pass allow_truncated=True to keep the pages "
+        "before the damage.") from error
+  report.skip("truncated_file", path, message)
 
 
 def _read_page(page: ET.Element) -> dict[str, Any]:
