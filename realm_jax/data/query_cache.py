@@ -473,6 +473,27 @@ def _to_record(example: dict[str, Any], num_shards: int):
           (source, index, encode_query(example)))
 
 
+def _task_registration(files: Sequence[str], vocab_path: str,
+                       vocab_sha256: str, lower_case: bool,
+                       query_config: examples_lib.RealmQueryConfig
+                       ) -> dict[str, Any]:
+  """`tasks.register_pretrain_task`'s arguments for the cache's seqio task.
+
+  seqio seeds each input file's masks from the task name, so the name
+  holds no path: the same files and settings give the same masks wherever
+  they (and the vocabulary) are stored.
+  """
+  spec = json.dumps([[os.path.basename(f) for f in files], vocab_sha256,
+                     lower_case, dataclasses.asdict(query_config)],
+                    sort_keys=True)
+  task_name = ("realm_query_cache_" +
+               hashlib.sha256(spec.encode()).hexdigest()[:16])
+  return dict(annotated_pattern=tuple(files), name=task_name,
+              masking=query_config.masking, vocab_path=vocab_path,
+              lower_case=lower_case, query_config=query_config,
+              shuffle_buffer_size=None, overwrite=True)
+
+
 def build_query_cache(
     annotated: str | Sequence[str],
     output_dir: str,
@@ -520,18 +541,9 @@ def build_query_cache(
   files = _expand(patterns)
   vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
   vocab_sha256 = io_utils.sha256_file(vocab_path)
-  # seqio seeds each input file's masks from the task name, so the name
-  # holds no path: the same files and settings give the same masks wherever
-  # they (and the vocabulary) are stored.
-  spec = json.dumps([[os.path.basename(f) for f in files], vocab_sha256,
-                     lower_case, dataclasses.asdict(query_config)],
-                    sort_keys=True)
-  task_name = ("realm_query_cache_" +
-               hashlib.sha256(spec.encode()).hexdigest()[:16])
-  register = dict(annotated_pattern=tuple(files), name=task_name,
-                  masking=query_config.masking, vocab_path=vocab_path,
-                  lower_case=lower_case, query_config=query_config,
-                  shuffle_buffer_size=None, overwrite=True)
+  register = _task_registration(files, vocab_path, vocab_sha256, lower_case,
+                                query_config)
+  task_name = register["name"]
   task = tasks.register_pretrain_task(**register)
   start = time.time()
   with output as out:
