@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from realm_jax.core import checkpoints
+from realm_jax.core import checkpoints, gin_config
 from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult
@@ -94,9 +94,9 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  config = qa_eval.configured(qa_eval.EvalConfig)
-  model_config = qa_eval.configured(RealmConfig)
-  qa_config = qa_eval.configured(qa_inputs.QAConfig)
+  config = gin_config.configured(qa_eval.EvalConfig)
+  model_config = gin_config.configured(RealmConfig)
+  qa_config = gin_config.configured(qa_inputs.QAConfig)
   if dry_run:
     print(gin.operative_config_str())
     print(config, model_config, qa_config, sep="\n")

@@ -49,7 +49,7 @@ from typing import Any, Sequence
 
 import jax
 from realm_jax import ask as ask_lib
-from realm_jax.core import checkpoints, checks
+from realm_jax.core import checkpoints, checks, gin_config
 from realm_jax.data import block_store
 from realm_jax.data import annotate_job, corpus_job, demo_qa, query_cache
 from realm_jax.data import wikipedia
@@ -181,7 +181,7 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
     extra += list(config.finetune_bindings)
   gin.clear_config()
   gin_cli.parse(files, extra)
-  task = gin.get_configurable(cls)()
+  task = gin_config.configured(cls)
   # Bound, not patched afterwards: the operative config is what runs.
   n, scope = jax.device_count(), ("pretrain.PretrainConfig"
                                   if stage == "pretrain"
@@ -192,8 +192,8 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
             f"{scope}.reader_length = {prefix + config.max_block_len}"]
   gin.clear_config()
   gin_cli.parse(files, extra)
-  task = gin.get_configurable(cls)()
-  model = gin.get_configurable(RealmConfig)()
+  task = gin_config.configured(cls)
+  model = gin_config.configured(RealmConfig)
   return task, model, gin.operative_config_str()
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from realm_jax.checkpoint_import import core, exported, importers
-from realm_jax.core import checks, dataclass_json
+from realm_jax.core import checks, dataclass_json, gin_config
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, RetrieverConfig
@@ -230,7 +230,7 @@ if __name__ == "__main__":
     # The module gin registered (`python -m` runs a second copy as
     # __main__).
     from realm_jax import export as module  # pylint: disable=g-import-not-at-top
-    config = gin.get_configurable(module.ExportConfig)()
+    config = gin_config.configured(module.ExportConfig)
     if dry_run:
       print(gin.operative_config_str(), config)
     else:

@@ -1,7 +1,7 @@
 """Gin at the edges: `--gin_file` (repeatable), `--gin.X=Y`, `--dry_run`.
 
 Every job's `__main__` calls `run(job)` (Beam data jobs: `run_data_job`);
-`job(dry_run)` builds its configs with `gin.get_configurable(...)()`.
+`job(dry_run)` builds its configs with `core.gin_config.configured(...)`.
 `--gin.A.b=V` becomes the binding `A.b = V` (t5x's convention);
 `--gin_bindings` works too.
 Relative gin file paths are looked up in the working directory, then in the
@@ -375,14 +375,11 @@ def _configured(module_name: str, config_class: str, gin_file: str = ""):
   """(module, `module.<config_class>` as gin binds it). The class is looked
   up in the imported module (not `__main__`, where `python -m` runs a
   second copy that gin has not registered)."""
-  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(module_name)
-  try:
-    factory = gin.get_configurable(getattr(module, config_class))
-  except ValueError as e:  # Not registered: no gin file mentions it.
-    raise SystemExit(f"{config_class} is not configured: pass --gin_file="
-                     f"{gin_file or '...'} and set its paths.") from e
-  return module, factory()
+  return module, gin_config.configured(
+      getattr(module, config_class),
+      required=f"pass --gin_file={gin_file or '...'} and set its paths.")
 
 
 def training_job(module_name: str, config_class: str, runs_file: str = ""
@@ -394,9 +391,10 @@ def training_job(module_name: str, config_class: str, runs_file: str = ""
 
   def job(dry_run: bool) -> None:
     import gin  # pylint: disable=g-import-not-at-top
+    from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
     from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
     module, config = _configured(module_name, config_class)
-    model = gin.get_configurable(RealmConfig)()
+    model = gin_config.configured(RealmConfig)
     if dry_run:
       print(gin.operative_config_str())
       print(config)

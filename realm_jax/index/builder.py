@@ -38,6 +38,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import checkpoints, checks, dataclass_json, follow
+from realm_jax.core import gin_config
 from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
@@ -354,11 +355,7 @@ def _job(dry_run: bool) -> None:
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.index import builder as module  # pylint: disable=g-import-not-at-top
-  try:
-    factory = gin.get_configurable(module.BuilderConfig)
-  except ValueError:  # Not registered: no gin file names it.
-    factory = module.BuilderConfig
-  config = factory()
+  config = gin_config.configured(module.BuilderConfig)
   if dry_run:
     print(gin.operative_config_str())
     print(config)
@@ -376,14 +373,13 @@ def _job(dry_run: bool) -> None:
 
 def _publish(config: BuilderConfig, store, root: str) -> None:
   """The job's modes (under its lease)."""
-  import gin  # pylint: disable=g-import-not-at-top
   from realm_jax.checkpoint_import import importers, init_from as init_lib  # pylint: disable=g-import-not-at-top
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   kind, _, source = (config.init_from or "").partition(":")
   if not kind and not config.one_shot:
     _run_builder(workdir=config.workdir, store=store,
-                 retriever_config=gin.get_configurable(RealmConfig)()
+                 retriever_config=gin_config.configured(RealmConfig)
                  .retriever, config=config, timeout=config.timeout_seconds)
     return
   step = config.step or 0
@@ -399,7 +395,7 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
     realm_config, params = importers.load_orqa(source)
     retriever_config, params = realm_config.retriever, params["retriever"]
   elif kind:  # Any other init_from, into the gin model (models/*.gin).
-    model = gin.get_configurable(RealmConfig)()
+    model = gin_config.configured(RealmConfig)
     _, fresh = functional.init(lambda r: Realm(model, rngs=r), 0)
     retriever_config = model.retriever
     params = init_lib.initial_params(model, fresh,
@@ -413,7 +409,7 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
       raise SystemExit(str(e)) from e
     params = checkpoints.restore_retriever(ckpt_dir, step)
     retriever_config = checkpoint_retriever_config(
-        ckpt_dir, step, gin.get_configurable(RealmConfig)().retriever)
+        ckpt_dir, step, gin_config.configured(RealmConfig).retriever)
   build_and_publish(retriever_params=params,
                     retriever_config=retriever_config, store=store,
                     root=root, step=step, config=config)
