@@ -302,20 +302,10 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
     np.save(os.path.join(stage, EMBEDDINGS),
             np.ascontiguousarray(embeddings))
     searcher.save(os.path.join(stage, SEARCHER_DIR))
-    manifest = {
-        "step": int(step),
-        "rows": int(embeddings.shape[0]),
-        "dim": int(embeddings.shape[1]),
-        "dtype": str(embeddings.dtype),
-        "corpus_fingerprint": corpus_fingerprint,
-        "params_sha256": params_sha256,
-        "searcher": {"kind": searcher.kind,
-                     "config": searcher.config.to_dict()},
-        "build_seconds": round(float(build_seconds), 3),
-        "created": time.time(),
-        "files": _file_checksums(stage),
-        **(extra or {}),
-    }
+    manifest = _index_manifest(
+        stage, step, embeddings, searcher,
+        corpus_fingerprint=corpus_fingerprint, params_sha256=params_sha256,
+        build_seconds=build_seconds, extra=extra)
     manifest_text = json.dumps(manifest, indent=1)
     if local:
       io_utils.atomic_write_text(os.path.join(stage, MANIFEST),
@@ -335,13 +325,41 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
     if not local:
       io_utils.remove(stage)
   _write_latest(root, step)
+  _remove_old_indices(root, step, keep)
+  return os.fspath(final)
+
+
+def _index_manifest(stage: str, step: int, embeddings: np.ndarray, searcher,
+                    *, corpus_fingerprint: str, params_sha256: str,
+                    build_seconds: float, extra: dict[str, Any] | None
+                    ) -> dict[str, Any]:
+  """The manifest of the index files written in `stage` (see
+  `publish_index`), with their checksums."""
+  return {
+      "step": int(step),
+      "rows": int(embeddings.shape[0]),
+      "dim": int(embeddings.shape[1]),
+      "dtype": str(embeddings.dtype),
+      "corpus_fingerprint": corpus_fingerprint,
+      "params_sha256": params_sha256,
+      "searcher": {"kind": searcher.kind,
+                   "config": searcher.config.to_dict()},
+      "build_seconds": round(float(build_seconds), 3),
+      "created": time.time(),
+      "files": _file_checksums(stage),
+      **(extra or {}),
+  }
+
+
+def _remove_old_indices(root: PathLike, step: int, keep: int) -> None:
+  """Removes all but the newest `keep` published indices (never `step`'s);
+  one behind a planted link is left, with a warning."""
   for old in published_steps(root)[:-keep]:
     if old != step:
       try:
         _remove_index_dir(step_dir(root, old))
       except io_utils.LinkRefusedError as e:
         logging.warning("not removing old index %d: %s", old, e)
-  return os.fspath(final)
 
 
 @dataclasses.dataclass
