@@ -36,6 +36,7 @@ import gin
 import timing
 from realm_jax import gin_cli
 from realm_jax.testing import corpus
+from realm_jax.training import candidates
 from realm_jax.training import pretrain
 
 
@@ -83,10 +84,11 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
   # critical path by design.
   parts = ("copy", "query_tower", "rerank")
   batch_seconds, spent = [], dict.fromkeys(parts, 0.0)
+  sources = candidates.CandidateSource, candidates.HostCandidates
   originals = {"batch": pretrain.RetrievalInput.batch,
-               "copy": pretrain.parallel.shard_batch,
-               "query_tower": pretrain.RetrievalInput._query_embeddings,
-               "rerank": pretrain.RetrievalInput._rerank}
+               "copy": candidates.parallel.shard_batch,
+               "query_tower": sources[0].query_embeddings,
+               "rerank": sources[1].rerank}
   main_thread = threading.main_thread()
 
   def timed(part):
@@ -106,16 +108,16 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
     return out
 
   pretrain.RetrievalInput.batch = timed_batch
-  pretrain.parallel.shard_batch = timed("copy")
-  pretrain.RetrievalInput._query_embeddings = timed("query_tower")
-  pretrain.RetrievalInput._rerank = timed("rerank")
+  candidates.parallel.shard_batch = timed("copy")
+  sources[0].query_embeddings = timed("query_tower")
+  sources[1].rerank = timed("rerank")
   try:
     history = pretrain.train(config=config, model=model)
   finally:
     pretrain.RetrievalInput.batch = originals["batch"]
-    pretrain.parallel.shard_batch = originals["copy"]
-    pretrain.RetrievalInput._query_embeddings = originals["query_tower"]
-    pretrain.RetrievalInput._rerank = originals["rerank"]
+    candidates.parallel.shard_batch = originals["copy"]
+    sources[0].query_embeddings = originals["query_tower"]
+    sources[1].rerank = originals["rerank"]
   steps_s = [h["seconds_per_step"] for h in history][2:]
   return statistics.median(steps_s), {
       k: statistics.median(b[k] for b in batch_seconds[2:])

@@ -12,7 +12,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from realm_jax.core import distributed, io_utils, parallel
+from realm_jax.core import distributed, io_utils
 from realm_jax.data import query_cache
 from realm_jax.training import optimizer as optimizer_lib
 
@@ -75,12 +75,7 @@ class RetrieverGate:
 
   def utility(self, state) -> float:
     """Held-out retrieval utility, nats per mask, with the served index."""
-    local = self.queries
-    candidates = self.inputs._candidates(  # pylint: disable=protected-access
-        local, self.inputs._query_embeddings(local, state),  # pylint: disable=protected-access
-        self.inputs.index, state.params)
-    batch = parallel.shard_batch(self.inputs.mesh, self.inputs._host_batch(  # pylint: disable=protected-access
-        local, candidates))
+    batch = self.inputs.held_out_batch(self.queries, state)
     _, weights, sums = self.evaluate(state.params, batch)
     return float(jax.device_get(sums["retrieval_utility"])) / max(
         float(jax.device_get(weights)), 1.0)

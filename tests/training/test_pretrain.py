@@ -19,6 +19,7 @@ import pytest
 
 from realm_jax import gin_cli
 from realm_jax.testing import corpus
+from realm_jax.training import candidates as candidates_lib
 from realm_jax.training import pretrain
 from realm_jax.core import checkpoints
 
@@ -223,8 +224,8 @@ def test_retrieval_on_device_trains_like_retrieval_on_host(
   the 8 devices give the host path's candidates, so the same losses."""
   reference, _ = reference_run
   calls = []
-  real = pretrain.device_search.candidate_batch
-  monkeypatch.setattr(pretrain.device_search, "candidate_batch",
+  real = candidates_lib.device_search.candidate_batch
+  monkeypatch.setattr(candidates_lib.device_search, "candidate_batch",
                       lambda *a, **kw: calls.append(1) or real(*a, **kw))
   workdir = str(tmp_path / "device")
   config, model = _configs(_bindings(workdir, tiny_corpus,
@@ -248,19 +249,19 @@ def test_overlapped_input_searches_ahead_and_restarts_exactly(
   instead of searching with the (newer) restored retriever."""
   import threading  # pylint: disable=g-import-not-at-top
   searches, embedded_with = [], []
-  real_candidates = pretrain.RetrievalInput._candidates
-  real_embed = pretrain.RetrievalInput._query_embeddings
+  source = candidates_lib.OverlappedHostCandidates
+  real_search, real_embed = source.search, source.query_embeddings
 
-  def candidates(self, local, q_emb, index):
+  def search(self, local, q_emb, index):
     searches.append(threading.current_thread().name)
-    return real_candidates(self, local, q_emb, index)
+    return real_search(self, local, q_emb, index)
 
   def embed(self, local, state):
     embedded_with.append(int(jax.device_get(state.step)))
     return real_embed(self, local, state)
 
-  monkeypatch.setattr(pretrain.RetrievalInput, "_candidates", candidates)
-  monkeypatch.setattr(pretrain.RetrievalInput, "_query_embeddings", embed)
+  monkeypatch.setattr(source, "search", search)
+  monkeypatch.setattr(source, "query_embeddings", embed)
 
   def run(workdir, stop_after=None):
     config, model = _configs(_bindings(workdir, tiny_corpus,
@@ -314,14 +315,14 @@ def test_reranking_a_stale_index_trains_like_a_fresh_index(
             "retriever_learning_rate_multiplier": 1.0,
             "learning_rate": 3e-2, "searcher": "exact"}
   reordered = []
-  real_rerank = pretrain.RetrievalInput._rerank
+  real_rerank = candidates_lib.HostCandidates.rerank
 
   def rerank(self, queries, proposals, params):
     out = real_rerank(self, queries, proposals, params)
     reordered.append(not np.array_equal(out, proposals[:, :3]))
     return out
 
-  monkeypatch.setattr(pretrain.RetrievalInput, "_rerank", rerank)
+  monkeypatch.setattr(candidates_lib.HostCandidates, "rerank", rerank)
 
   def run(name, **overrides):
     workdir = str(tmp_path / name)

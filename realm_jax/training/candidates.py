@@ -1,0 +1,281 @@
+"""Where a pre-training step's retrieved blocks come from: one source per mode.
+
+Every source turns step `s`'s masked queries (`QueryStream.batch(s)`) and
+the current train state into the sharded global batch of the per-core step,
+and reports each query's top-1 block (for the collapse guard):
+
+- `HostCandidates` (retrieval="host"): the query tower on the devices, MIPS
+  top (k + margin) of the served index on the host, the query's trivial
+  blocks dropped, optionally re-ranked by the current document tower
+  (`rerank_candidates`, Atlas-style), the reader inputs assembled on the
+  host. In query-side training the frozen index's rows are the candidates'
+  embeddings and travel with the batch.
+- `OverlappedHostCandidates` (overlap_input=True): the same, with step s+1's
+  search and assembly on a host thread while step s trains; a checkpoint
+  keeps the prefetched candidates, so a restart replays them exactly.
+- `DeviceCandidates` (retrieval="device"): exact search, top k and gathers
+  on the devices, against a device copy of the served index.
+
+The served index itself (builder swaps, inline refreshes, staleness) is
+`index.service.IndexService`; `source(...)` picks the source for a config.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from realm_jax.core import distributed, parallel
+from realm_jax.index import device_search, embed
+from realm_jax.training import realm_inputs
+
+
+class CandidateSource:
+  """What every mode shares: the run, its queries and the query tower."""
+
+  def __init__(self, config, model, graphdef, store, queries, mesh, service,
+               trivial: realm_inputs.TrivialCandidates):
+    """`config`: the `pretrain.PretrainConfig`; `model`: its RealmConfig;
+    `service`: the `index.service.IndexService` serving the index."""
+    self.config, self.model, self.store, self.queries = (config, model,
+                                                         store, queries)
+    self.mesh, self.service, self.trivial = mesh, service, trivial
+    self.embed_queries = embed.make_query_embedder(graphdef, mesh)
+
+  def query_embeddings(self, local, state) -> jax.Array:
+    """The current query tower's embeddings of this host's `local` rows."""
+    q = parallel.shard_batch(self.mesh, {k: local[k] for k in
+                                         ("query_ids", "query_mask")})
+    return self.embed_queries(state.params, q["query_ids"], q["query_mask"])
+
+  def start(self, state) -> None:
+    """Called once the first index is served."""
+
+  def on_serve(self, index) -> None:
+    """Called with every index the service swaps in."""
+
+  def batch(self, step: int, state) -> tuple[dict[str, jax.Array],
+                                             np.ndarray]:
+    """Step `step`'s sharded global batch, and this host's top-1 blocks."""
+    raise NotImplementedError
+
+  def checkpoint_meta(self, step: int) -> dict[str, Any]:
+    del step
+    return {}
+
+  def restore(self, meta: dict[str, Any], step: int) -> None:
+    del meta, step
+
+  def close(self) -> None:
+    pass
+
+
+class HostCandidates(CandidateSource):
+  """Host MIPS over the served index (optionally re-ranked)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    c, store = self.config, self.store
+    # Blocks wanted per query besides its trivial ones: the candidates, or
+    # the proposals that re-ranking narrows down to them.
+    self.proposals = c.rerank_candidates or c.num_candidates
+    margin = min(self.trivial.max_excluded, len(store) - 1)
+    self.search_k = min(len(store), self.proposals + margin)
+    if self.search_k - margin < self.proposals:
+      raise ValueError(f"The block store has {len(store)} blocks; too few "
+                       f"for {self.proposals} candidates besides a query's "
+                       f"trivial ones ({c.trivial_candidates!r} rule).")
+    if c.rerank_candidates:
+      self.embed_documents = embed.make_embed_fn(self.model.retriever,
+                                                 self.mesh)
+    # Query-side training: the document tower never changes, so the index
+    # built at the start is exact for the whole run and its rows are the
+    # candidates' embeddings.
+    self.query_side = c.retriever_training == "query_side"
+    self.null_embedding = None  # query_side: the frozen null document's
+
+  def start(self, state) -> None:
+    if self.query_side:
+      self.null_embedding = self._null_embedding(state.params)
+
+  def _null_embedding(self, params) -> np.ndarray | None:
+    """The null document's embedding by the (frozen) document tower, when
+    it is scored by its embedding."""
+    if not (self.config.null_document
+            and self.model.retriever.null_score == "embedding"):
+      return None
+    m = self.store.manifest
+    null = realm_inputs.null_document_inputs(
+        self.store.max_block_len, int(m["cls_id"]), int(m["sep_id"]),
+        int(m.get("pad_id", 0)))
+    rows = len(self.mesh.local_devices)
+    inputs = parallel.shard_batch(self.mesh, {
+        k: np.broadcast_to(v, (rows,) + v.shape) for k, v in null.items()})
+    embed_fn = embed.make_embed_fn(self.model.retriever, self.mesh)
+    return parallel.local_rows(embed_fn(
+        params["retriever"], inputs["token_ids"], inputs["input_mask"],
+        inputs["segment_ids"]))[0]
+
+  def search(self, local, q_emb, index, params=None) -> np.ndarray:
+    """[b, k] blocks of `index` for the queries, none a trivial candidate
+    (re-ranked with `params`' retriever when `rerank_candidates`)."""
+    queries = parallel.local_rows(q_emb)
+    hits, _ = index.search(queries, self.search_k)
+    keys = self.trivial.query_keys(local)
+    candidates = realm_inputs.select_candidates(
+        hits, self.trivial.block_keys, keys, self.proposals)
+    if self.config.rerank_candidates:
+      candidates = self.rerank(queries, candidates, params)
+    if (self.trivial.block_keys[candidates] == keys[:, None]).any():
+      raise AssertionError("a trivial candidate reached a query's candidates")
+    return candidates
+
+  def rerank(self, queries: np.ndarray, proposals: np.ndarray, params
+             ) -> np.ndarray:
+    """The top k of each query's proposals [b, L] by the current document
+    tower's embeddings (fresh inner products), in score order."""
+    b, num_proposals = proposals.shape
+    blocks = parallel.shard_batch(self.mesh, self.store.retriever_inputs(
+        proposals.reshape(-1), self.store.max_block_len))
+    documents = parallel.local_rows(self.embed_documents(
+        params["retriever"], blocks["token_ids"], blocks["input_mask"],
+        blocks["segment_ids"])).reshape(b, num_proposals, -1)
+    scores = np.einsum("bd,bld->bl", queries, documents)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(proposals, order[:, :self.config.num_candidates],
+                              axis=1)
+
+  def host_batch(self, local, candidates) -> dict[str, np.ndarray]:
+    """This host's rows of the reader's (and retriever's) inputs."""
+    c = self.config
+    batch = realm_inputs.pretraining_batch(
+        local, candidates, self.store, doc_len=self.store.max_block_len,
+        reader_len=c.reader_length, null_document=c.null_document)
+    if self.query_side:
+      embeddings = self.service.current.embeddings[candidates.reshape(-1)]
+      embeddings = np.asarray(embeddings, np.float32).reshape(
+          candidates.shape + (-1,))
+      if c.null_document:  # Slot 0 (unread when the null score is learned).
+        null = (np.zeros(embeddings.shape[-1], np.float32)
+                if self.null_embedding is None else self.null_embedding)
+        embeddings = np.concatenate([np.broadcast_to(
+            null, (len(candidates), 1, embeddings.shape[-1])), embeddings],
+                                    axis=1)
+      batch["candidate_embeddings"] = embeddings
+    return batch
+
+  def batch_for(self, local, state) -> tuple[dict[str, jax.Array],
+                                             np.ndarray]:
+    """The sharded batch of the queries `local` with `state`'s retriever
+    and the served index (also the retriever gate's held-out batch)."""
+    candidates = self.search(local, self.query_embeddings(local, state),
+                             self.service.current, state.params)
+    return (parallel.shard_batch(self.mesh, self.host_batch(local,
+                                                            candidates)),
+            candidates[:, 0])
+
+  def batch(self, step, state):
+    return self.batch_for(self.queries.batch(step), state)
+
+
+class OverlappedHostCandidates(HostCandidates):
+  """Host MIPS one step ahead, on a thread, while the devices train."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    # (step, future of its (host batch, candidates)).
+    self._pending: tuple[int, concurrent.futures.Future] | None = None
+    self._saved: dict[int, np.ndarray] = {}
+    self._thread = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="pretrain-input")
+
+  def batch(self, step, state):
+    pending, self._pending = self._pending, None
+    if pending is not None and pending[0] == step:
+      host, candidates = pending[1].result()
+    else:  # This process's first step: a restart's saved candidates (the
+      # uninterrupted run's), else those of this state's retriever.
+      local = self.queries.batch(step)
+      candidates = self._saved.pop(step, None)
+      if candidates is None:
+        candidates = self.search(local, self.query_embeddings(local, state),
+                                 self.service.current)
+      host = self.host_batch(local, candidates)
+    # The next step's queries are embedded now, before this step's update
+    # is dispatched (so the devices do it first); the host waits for them,
+    # searches and assembles on the thread while the devices train.
+    nxt = self.queries.batch(step + 1)
+    q_emb, index = self.query_embeddings(nxt, state), self.service.current
+
+    def work():
+      candidates = self.search(nxt, q_emb, index)
+      return self.host_batch(nxt, candidates), candidates
+
+    self._pending = (step + 1, self._thread.submit(work))
+    return parallel.shard_batch(self.mesh, host), candidates[:, 0]
+
+  def checkpoint_meta(self, step: int) -> dict[str, Any]:
+    """The prefetched candidates of `step` (the first step after checkpoint
+    `step`), every host's rows in global order, so a restart replays them."""
+    if self._pending is None or self._pending[0] != step:
+      return {}
+    _, candidates = self._pending[1].result()
+    return {"prefetched_candidates": {
+        "step": step,
+        "ids": distributed.allgather_rows(candidates).tolist()}}
+
+  def restore(self, meta: dict[str, Any], step: int) -> None:
+    """Takes this host's rows of a checkpoint's prefetched candidates."""
+    saved = meta.get("prefetched_candidates")
+    if not (saved and saved["step"] == step):
+      return
+    ids = np.asarray(saved["ids"], np.int64)
+    b, k, hosts = (self.config.batch_size, self.config.num_candidates,
+                   jax.process_count())
+    if ids.shape != (b, k):
+      logging.warning("checkpoint %d's prefetched candidates have shape %s, "
+                      "not this run's %s; searching them again.", step,
+                      ids.shape, (b, k))
+      return
+    me = jax.process_index()
+    self._saved[step] = ids[me * b // hosts:(me + 1) * b // hosts]
+
+  def close(self) -> None:
+    self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+class DeviceCandidates(CandidateSource):
+  """Exact search and gathers on the devices (`index.device_search`)."""
+
+  device_index = None  # The served index's device copy.
+
+  def on_serve(self, index) -> None:
+    if self.device_index is None:
+      self.device_index = device_search.DeviceIndex.build(
+          self.store, index.embeddings, self.mesh,
+          dtype=jnp.dtype(self.config.device_index_dtype),
+          block_keys=self.trivial.block_keys)
+    else:  # The tokens stay on the devices; only the embeddings change.
+      self.device_index = self.device_index.with_embeddings(index.embeddings)
+
+  def batch(self, step, state):
+    c = self.config
+    local = self.queries.batch(step)
+    batch, block_ids = device_search.candidate_batch(
+        self.device_index, local, self.query_embeddings(local, state),
+        k=c.num_candidates, doc_len=self.store.max_block_len,
+        reader_len=c.reader_length, null_document=c.null_document,
+        query_keys=self.trivial.query_keys(local))
+    return batch, block_ids[:, 0]
+
+
+def source_class(config) -> type[CandidateSource]:
+  """The candidate source of a `pretrain.PretrainConfig`."""
+  if config.retrieval == "device":
+    return DeviceCandidates
+  return OverlappedHostCandidates if config.overlap_input else HostCandidates

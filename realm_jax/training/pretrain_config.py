@@ -1,0 +1,249 @@
+"""The REALM pre-training run's settings (`pretrain.PretrainConfig`).
+
+Gin binds it as `pretrain.PretrainConfig` (the trainer module re-exports
+it); its checks run when it is built, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from realm_jax.core import checks
+from realm_jax.data import examples as examples_lib
+from realm_jax.data import query_cache
+from realm_jax.training import loop, mlm_warmup, realm_inputs
+
+INDEX_MODES = ("inline", "builder")
+RETRIEVER_TRAINING = ("full", "query_side")
+RETRIEVER_GATES = ("steps", "utility")
+# The query-side mode's frozen subtree: the document tower.
+DOCUMENT_TOWER = ("retriever", "document_embedder")
+# Parameters the masked-LM loss never reads (a reader built with the span
+# head for later fine-tuning): no weight decay, so they stay as initialised.
+UNUSED_BY_PRETRAINING = (("reader", "span_head"),)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig(loop.TrainConfig):
+  """A REALM pre-training run (`loop.TrainConfig`; REALM's defaults).
+
+  Attributes:
+    queries: the pre-training corpus X as a query cache directory (masked
+      REALM queries written by `python -m realm_jax.data.query_cache` with
+      this run's query_length, max_masks and masking; its shard count a
+      multiple of the host count).
+    learning_rate: the reader's when the retriever has its own schedule.
+    retriever_learning_rate_multiplier: the retriever's peak rate relative
+      to `learning_rate` (REALM: 1; 0 freezes the retriever).
+    freeze_retriever_steps: reader warm-up: the retriever does not move for
+      this many steps (REALM: 0). See `optimizer.realm_optimizer`. With
+      `retriever_gate="utility"` it is the upper bound: the gate may
+      release the retriever earlier (set it to num_train_steps to release
+      the retriever only on the gate's evidence).
+    retriever_training: "full" (REALM: both towers learn, the index is
+      refreshed) or "query_side" (Atlas's cheap variant: the document
+      tower and so the index stay fixed; only the query tower and the
+      reader learn, the index is built once and never refreshed, and the
+      candidates' embeddings come from the index instead of being
+      recomputed). Needs RetrieverConfig.share_towers=False; a source with
+      one tower initialises both.
+    retriever_gate: "steps" (release the retriever at
+      freeze_retriever_steps) or "utility": every `gate_every` steps, the
+      retrieval utility (log p(y|x) - log p(y|null, x), nats per mask) of
+      the reader on `gate_num_queries` held-out queries (`gate_queries`,
+      candidates from the served index) is measured; the retriever is
+      released once it is >= `gate_min_utility` for `gate_patience`
+      evaluations in a row, i.e. when the reader has started to use the
+      retrieved blocks. Decisions go to the log and to gate.jsonl.
+    gate_queries: a query cache of sentences never trained on (built like
+      `queries`, from held-out articles of X).
+    gate_every, gate_num_queries, gate_min_utility, gate_patience: see
+      `retriever_gate`.
+    adam_bias_correction: Adam's bias-corrected moments instead of BERT's
+      raw ones (REALM: False); see `optimizer.bert_optimizer`.
+    mlm_head_warmup_steps: a fresh run (no checkpoint yet) first fits the
+      reader's MLM head alone to the queries' masks for this many steps
+      (0: off). For checkpoints without an MLM head (MiniLM); see
+      `training.mlm_warmup`.
+    reader_adaptation_steps: a fresh run then trains the reader (its BERT
+      body and MLM head; the retriever does not move) on the queries' masks,
+      each read with the null document, a random block and an answer block
+      (another article's block holding the masked span), for at most this
+      many steps (0: off); it stops sooner once an answer block helps on
+      held-out queries (`mlm_warmup.adapt_reader`). Its curve and stop
+      reason go to reader_adaptation.json.
+    reader_adaptation_learning_rate: its peak learning rate (BERT's
+      optimiser with Adam's bias correction, warmup, linear decay).
+    reader_adaptation_eval_every: its held-out evaluations' period (steps).
+    reader_adaptation_min_utility: its stop threshold: the answer block's
+      held-out utility (nats per mask) must exceed it at 2 evaluations in a
+      row.
+    num_candidates: retrieved blocks per query k (REALM: 7), plus the null
+      document when `null_document`.
+    null_document: put the empty document first among the candidates.
+    trivial_candidates: REALM's no-trivial-retrieval rule: "article" (no
+      block of the sentence's own article) or "block" (only the block that
+      holds the sentence, as REALM's reference code). See
+      `realm_inputs.TrivialCandidates`.
+    masking: "salient" (REALM), "random_tokens" or "random_spans".
+    max_masks: masked targets per query at most (REALM: 10); the reader's
+      vocabulary logits are computed for this many slots per candidate, so
+      corpora of short spans train faster with fewer.
+    query_length, reader_length: 96 and 384 (= 96 + 288) in REALM.
+    checkpoint_every: also the inline index refresh period.
+    index_mode: "builder" (REALM: a separate job refreshes the index) or
+      "inline" (rebuilt in-process after each checkpoint: small CPU runs,
+      exactly reproducible restarts).
+    searcher: "scann" or "exact" (inline index).
+    retrieval: "host" (the served index's searcher on the host, then the
+      batch built in numpy from the memory-mapped block store) or "device":
+      the served index's embeddings and the block tokens live on the
+      devices, sharded by rows, and exact top-k search, the candidates'
+      tokens and the batch are computed there (`index/device_search.py`);
+      the query embeddings never leave the devices. For corpora that fit in
+      device memory (13.35M x 128 bf16 is 3.4 GB, plus ~7.7 GB of uint16
+      tokens at 288, over all devices).
+    device_index_dtype: "float32" or "bfloat16" block embeddings (retrieval
+      "device").
+    overlap_input: retrieval "host": the next step's search, candidate
+      gathering and batch assembly run on a host thread while the devices
+      compute this step. The next step's candidates are then chosen with
+      this step's retriever (one update older; the index is hundreds of
+      steps older anyway) and, so that a restart replays the run exactly,
+      the candidates of the step after a checkpoint are saved in it.
+      Retrieval "device" overlaps by itself (asynchronous dispatch).
+    rerank_candidates: Atlas-style re-ranking (0: off): the served index
+      proposes this many blocks per query (outside its own article), the
+      current document tower re-embeds them and the `num_candidates` with
+      the highest fresh scores are kept. A stale index then only has to
+      put the right block among the proposals, not in the top k. It costs
+      a forward pass of the document tower over batch x rerank_candidates
+      blocks every step: for refresh intervals much longer than REALM's
+      ~500 steps (docs/benchmarks/refresh_cost.md). Retrieval "host"
+      without `overlap_input` (the re-embedding needs the step's own
+      parameters, which the update step donates).
+    index_wait_seconds: builder mode: how long to wait for the first index.
+    hubness_warning: warn once when the share of the recent queries whose
+      top-1 block is the single most common one exceeds this (judged over
+      the last `guard_min_queries` queries or more, pooled over log windows;
+      the logged `hubness` metric is the last log window's).
+    null_probability_warning: warn once when the mean p(null|x) of the
+      logged steps covering the last `guard_min_queries` queries exceeds
+      this.
+    guard_min_queries: the fewest queries the collapse guards judge: with
+      batches of 4, two equal top-1s would read as 50% hubness.
+    stale_index_warning: builder mode: warn (once per served index) when it
+      is more than this many checkpoint intervals older than the step (the
+      builder died, lags, or cannot write); `index_staleness` is logged as
+      a metric every `log_every` steps.
+    stale_index_error: builder mode: stop with an error past this many
+      intervals (0: never).
+  """
+
+  queries: str
+  num_train_steps: int = 200_000
+  batch_size: int = 512
+  learning_rate: float = 3e-5
+  retriever_learning_rate_multiplier: float = 1.0
+  freeze_retriever_steps: int = 0
+  retriever_training: str = "full"
+  retriever_gate: str = "steps"
+  gate_queries: str = ""
+  gate_every: int = 50
+  gate_num_queries: int = 128
+  gate_min_utility: float = 0.1
+  gate_patience: int = 2
+  adam_bias_correction: bool = False
+  mlm_head_warmup_steps: int = 0
+  reader_adaptation_steps: int = 0
+  reader_adaptation_learning_rate: float = 1e-4
+  reader_adaptation_eval_every: int = 50
+  reader_adaptation_min_utility: float = mlm_warmup.MIN_UTILITY
+  num_candidates: int = 7
+  null_document: bool = True
+  trivial_candidates: str = "article"
+  masking: str = "salient"
+  max_masks: int = 10
+  query_length: int = 96
+  reader_length: int = 384
+  checkpoint_every: int = 500
+  index_mode: str = "builder"
+  searcher: str = "scann"
+  retrieval: str = "host"
+  device_index_dtype: str = "float32"
+  overlap_input: bool = False
+  rerank_candidates: int = 0
+  index_wait_seconds: float = 600.0
+  hubness_warning: float = 0.3
+  null_probability_warning: float = 0.9
+  guard_min_queries: int = 64
+  stale_index_warning: float = 4.0
+  stale_index_error: float = 0.0
+
+  def __post_init__(self):
+    super().__post_init__()
+    checks.at_least(self, "num_candidates", "guard_min_queries")
+    checks.at_least(self, "reader_adaptation_steps", minimum=0, integer=True)
+    checks.at_least(self, "reader_adaptation_eval_every", integer=True)
+    if not self.reader_adaptation_learning_rate > 0:
+      raise ValueError("reader_adaptation_learning_rate must be > 0, got "
+                       f"{self.reader_adaptation_learning_rate!r}.")
+    if self.index_mode not in INDEX_MODES:
+      raise ValueError(f"index_mode={self.index_mode!r}; use one of "
+                       f"{INDEX_MODES}.")
+    if self.index_mode == "builder" and self.keep_checkpoints < 5:
+      raise ValueError("keep_checkpoints must be >= 5 when an index builder "
+                       "reads the checkpoints.")
+    if self.retrieval not in ("host", "device"):
+      raise ValueError(f"retrieval={self.retrieval!r}; use 'host' or "
+                       "'device'.")
+    if self.device_index_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"device_index_dtype={self.device_index_dtype!r}; use "
+                       "'float32' or 'bfloat16'.")
+    if self.rerank_candidates and (
+        self.rerank_candidates < self.num_candidates
+        or self.retrieval != "host" or self.overlap_input):
+      raise ValueError(
+          f"rerank_candidates={self.rerank_candidates} needs "
+          f">= num_candidates ({self.num_candidates}) proposals, "
+          "retrieval='host' and overlap_input=False; set it to 0 to turn "
+          "re-ranking off.")
+    if self.trivial_candidates not in realm_inputs.TRIVIAL_RULES:
+      raise ValueError(
+          f"trivial_candidates={self.trivial_candidates!r}; use one of "
+          f"{realm_inputs.TRIVIAL_RULES}.")
+    if self.retriever_training not in RETRIEVER_TRAINING:
+      raise ValueError(f"retriever_training={self.retriever_training!r}; "
+                       f"use one of {RETRIEVER_TRAINING}.")
+    if self.retriever_training == "query_side" and (
+        self.rerank_candidates or self.retrieval != "host"):
+      raise ValueError(
+          "retriever_training='query_side' keeps the index exact for the "
+          "whole run: it needs retrieval='host' and rerank_candidates=0.")
+    if self.retriever_gate not in RETRIEVER_GATES:
+      raise ValueError(f"retriever_gate={self.retriever_gate!r}; use one of "
+                       f"{RETRIEVER_GATES}.")
+    if self.retriever_gate == "utility":
+      checks.at_least(self, "gate_every", "gate_num_queries", "gate_patience",
+                      integer=True)
+      if not self.gate_queries:
+        raise ValueError(
+            "retriever_gate='utility' measures the reader on held-out "
+            "queries: set gate_queries to a query cache built from articles "
+            "that are not in `queries` (python -m realm_jax.data.query_cache "
+            "on them), or use retriever_gate='steps'.")
+      if not self.freeze_retriever_steps:
+        raise ValueError(
+            "retriever_gate='utility' with freeze_retriever_steps=0 releases "
+            "the retriever at step 0; set freeze_retriever_steps to the "
+            "latest release (num_train_steps: only on the gate's evidence).")
+    if self.reader_length <= self.query_length:
+      raise ValueError("reader_length must exceed query_length (the reader "
+                       "reads [CLS] x [SEP] body [SEP]).")
+
+
+def realm_query_config(config: PretrainConfig, masking: str | None = None
+                       ) -> examples_lib.RealmQueryConfig:
+  """How the run's queries are masked (`masking` overrides the run's)."""
+  return dataclasses.replace(query_cache.trainer_query_config(config),
+                             masking=masking or config.masking)
