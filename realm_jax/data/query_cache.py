@@ -489,9 +489,8 @@ def _task_registration(files: Sequence[str], vocab_path: str,
   task_name = ("realm_query_cache_" +
                hashlib.sha256(spec.encode()).hexdigest()[:16])
   return dict(annotated_pattern=tuple(files), name=task_name,
-              masking=query_config.masking, vocab_path=vocab_path,
-              lower_case=lower_case, query_config=query_config,
-              shuffle_buffer_size=None, overwrite=True)
+              vocab_path=vocab_path, lower_case=lower_case,
+              query_config=query_config, overwrite=True)
 
 
 def build_query_cache(

@@ -1,12 +1,9 @@
-"""seqio Tasks for REALM pre-training: masked queries from annotated TFRecords.
+"""The seqio Task behind the query cache: masked queries from annotated files.
 
-Tasks (registered by `register_pretrain_task`, parametrised by data paths):
-
-  realm_pretrain_salient        REALM masked queries from an annotated corpus
-  realm_pretrain_random_tokens  ablation: random wordpieces masked
-  realm_pretrain_random_spans   ablation: one random span masked
-
-They are not read by the trainer directly: `query_cache` runs a task through
+`register_pretrain_task` registers one task per (annotated files,
+vocabulary, `RealmQueryConfig`): REALM's salient-span masks, or the
+ablations' random wordpieces or one random span (`RealmQueryConfig.masking`).
+It is not read by the trainer directly: `query_cache` runs the task through
 `seqio.beam_utils.PreprocessTask` in an Apache Beam pipeline and writes the
 queries to sharded ArrayRecord files that `query_cache.QueryStream` reads.
 
@@ -42,12 +39,6 @@ import tensorflow as tf
 from realm_jax.data import examples as examples_lib
 from realm_jax.data import salient_spans as salient_spans_lib
 from realm_jax.data import tokenizer as tokenizer_lib
-
-PRETRAIN_TASK_NAMES = {
-    "salient": "realm_pretrain_salient",
-    "random_tokens": "realm_pretrain_random_tokens",
-    "random_spans": "realm_pretrain_random_spans",
-}
 
 # ------------------------------------------------------------- registry ----
 
@@ -130,7 +121,6 @@ class PretrainTaskSpec:
   vocab_path: str
   lower_case: bool
   query_config: examples_lib.RealmQueryConfig
-  shuffle_buffer_size: int | None
 
 
 def _title_hash(title: bytes) -> int:
@@ -279,36 +269,31 @@ def _realm_output_features(vocab_size: int) -> dict[str, seqio.Feature]:
 
 def register_pretrain_task(
     *,
+    name: str,
     annotated_pattern: str | Sequence[str],
-    masking: str = "salient",
-    name: str | None = None,
+    query_config: examples_lib.RealmQueryConfig,
     vocab_path: str | None = None,
     lower_case: bool = True,
-    query_config: examples_lib.RealmQueryConfig | None = None,
-    shuffle_buffer_size: int | None = 10_000,
     overwrite: bool = False,
 ) -> seqio.Task:
-  """Registers one REALM pre-training task (split "train").
+  """Registers one REALM pre-training task (split "train", not shuffled:
+  the query cache orders and the trainer shuffles).
 
   Args:
+    name: the task name (the query cache derives it from the files and
+      settings, so equal inputs give equal masks).
     annotated_pattern: glob pattern(s) of annotated TFRecord files (".gz"
       ones are read as gzip).
-    masking: "salient", "random_tokens" or "random_spans".
-    name: task name; default `PRETRAIN_TASK_NAMES[masking]`.
+    query_config: lengths and masking ("salient", "random_tokens" or
+      "random_spans").
     vocab_path: BERT vocab.txt; default `tokenizer.default_vocab_path()`.
     lower_case: lower-case before WordPiece (uncased vocabularies).
-    query_config: lengths; its `masking` is replaced by `masking`.
-    shuffle_buffer_size: Task shuffle buffer of queries.
     overwrite: see `add_task`.
   """
   patterns = ((annotated_pattern,) if isinstance(annotated_pattern, str)
               else tuple(annotated_pattern))
-  config = dataclasses.replace(
-      query_config or examples_lib.RealmQueryConfig(), masking=masking)
   vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
-  name = name or PRETRAIN_TASK_NAMES[masking]
-  spec = PretrainTaskSpec(patterns, vocab_path, lower_case, config,
-                          shuffle_buffer_size)
+  spec = PretrainTaskSpec(patterns, vocab_path, lower_case, query_config)
 
   def build():
     tokenizer = tokenizer_lib.Tokenizer(vocab_path, lower_case=lower_case)
@@ -322,13 +307,13 @@ def register_pretrain_task(
             functools.partial(annotated_to_sentences, vocab_path=vocab_path,
                               lower_case=lower_case),
             functools.partial(
-                mask_sentences, config=config,
+                mask_sentences, config=query_config,
                 special=examples_lib.SpecialIds.from_tokenizer(tokenizer)),
             # Everything above runs offline (`query_cache`, through
             # seqio.beam_utils.PreprocessTask's `preprocess_precache`).
             seqio.CacheDatasetPlaceholder(),
-            functools.partial(check_sequence_length, config=config),
+            functools.partial(check_sequence_length, config=query_config),
         ],
-        shuffle_buffer_size=shuffle_buffer_size)
+        shuffle_buffer_size=None)
 
   return add_task(name, spec, build, overwrite=overwrite)

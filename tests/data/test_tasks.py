@@ -1,6 +1,7 @@
 """Tests of the seqio REALM pre-training tasks."""
 
 import collections
+import functools
 import importlib
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import seqio
 
 from realm_jax.data import blocks
+from realm_jax.data import examples
 from realm_jax.data import salient_spans as ss
 from realm_jax.data import tasks
 from realm_jax.data import tokenizer as tokenizer_lib
@@ -19,6 +21,7 @@ def tok():
 
 
 # (title, [(sentence, [salient substrings])]); sentences are unique and short.
+SALIENT = examples.RealmQueryConfig(masking="salient")
 ARTICLES = [
     ("Ada Lovelace", [("Ada Lovelace was born in London in 1815.",
                        ["Ada Lovelace", "London", "1815"]),
@@ -108,6 +111,7 @@ def _items(task_name, **kwargs):
 
 def test_pretrain_task_masks_salient_spans(annotated_files, tok):
   tasks.register_pretrain_task(
+      name="realm_pretrain_salient", query_config=SALIENT,
       annotated_pattern=str(annotated_files / "one-*.tfr.gz"),
       overwrite=True)
   expected = _expected_queries(tok)
@@ -132,8 +136,9 @@ def test_pretrain_sharding_is_disjoint_and_covering(annotated_files, pattern,
                                                     tok):
   # One file: seqio shards the documents; two files: it shards the files.
   tasks.register_pretrain_task(
-      annotated_pattern=str(annotated_files / pattern), masking="random_spans",
-      overwrite=True)
+      name="realm_pretrain_random_spans",
+      query_config=examples.RealmQueryConfig(masking="random_spans"),
+      annotated_pattern=str(annotated_files / pattern), overwrite=True)
   shards = [collections.Counter(
       _restore(x)[:2] for x in _items(
           "realm_pretrain_random_spans",
@@ -150,16 +155,21 @@ def test_pretrain_sharding_is_disjoint_and_covering(annotated_files, pattern,
 
 def test_registration_is_idempotent(annotated_files, tmp_path):
   pattern = str(annotated_files / "one-*.tfr.gz")
-  first = tasks.register_pretrain_task(annotated_pattern=pattern,
-                                       overwrite=True)
+  task = functools.partial(tasks.register_pretrain_task,
+                           name="realm_pretrain_salient",
+                           query_config=SALIENT)
+  first = task(annotated_pattern=pattern, overwrite=True)
   assert first.name == "realm_pretrain_salient"
-  assert tasks.register_pretrain_task(annotated_pattern=pattern) is first
+  assert task(annotated_pattern=pattern) is first
   # Importing the module again and registering again does not crash.
   reloaded = importlib.reload(tasks)
-  assert reloaded.register_pretrain_task(annotated_pattern=pattern) is first
+  assert reloaded.register_pretrain_task(
+      name="realm_pretrain_salient", query_config=SALIENT,
+      annotated_pattern=pattern) is first
   assert seqio.get_mixture_or_task("realm_pretrain_salient") is first
   with pytest.raises(ValueError, match="overwrite=True"):
     reloaded.register_pretrain_task(
+        name="realm_pretrain_salient", query_config=SALIENT,
         annotated_pattern=str(tmp_path / "other-*"))
   with pytest.raises(ValueError, match="sequence_length"):
     first.get_dataset(sequence_length={"query_ids": 64}, split="train",
