@@ -27,8 +27,8 @@ from realm_jax.checkpoint_import import core
 from realm_jax.checkpoint_import.core import Path, Rule
 from realm_jax.model import functional
 from realm_jax.model.bert import Bert, BertConfig
-from realm_jax.model.realm import (Embedder, MLMHead, ReaderConfig,
-                                   RetrieverConfig)
+from realm_jax.model.realm import (Embedder, MLMHead, Reader, ReaderConfig,
+                                   RealmConfig, RetrieverConfig)
 
 Dialect = Literal["tf", "hf"]
 Params = dict[str, Any]
@@ -330,7 +330,6 @@ def load_realm_pretrained(embedder_checkpoint: str, bert_checkpoint: str, *,
   The reader gets REALM's MLM head; the span head is freshly initialised
   later by fine-tuning (`ReaderConfig.span_head=False` here).
   """
-  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
   retriever_config, retriever = load_realm_embedder(
       embedder_checkpoint, num_heads=num_heads, strict=strict,
       **config_overrides)
@@ -356,7 +355,6 @@ def load_orqa(checkpoint: str, *, num_heads: int | None = None,
   Returns:
     (RealmConfig, {"retriever": {"query_embedder": ...}, "reader": ...}).
   """
-  from realm_jax.model.realm import RealmConfig, Reader  # pylint: disable=g-import-not-at-top
   source = core.TFCheckpointSource(checkpoint)
   r_config, r_expected, r_rules = _embedder_from_source(
       source, ORQA_RETRIEVER_PREFIX, "tf", num_heads=num_heads,
@@ -533,7 +531,6 @@ class _HfRealmPlan:
                  config_overrides: dict[str, Any]) -> ReaderConfig:
     """Plans the reader at `reader_at` (with a span head if `span`, and an
     MLM head if stored or not `span`); returns its config."""
-    from realm_jax.model.realm import Reader  # pylint: disable=g-import-not-at-top
     bert = infer_bert_config(source, reader_at + "realm.", "hf",
                              num_heads=num_heads, **config_overrides)
     span_shape = source.shapes().get(
@@ -616,7 +613,6 @@ def load_hf_realm(path: str, *, num_heads: int | None = None,
       shaped for the detected class.
     ValueError: a config.json field realm_jax cannot honour.
   """
-  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
   source = core.SafetensorsSource(_safetensors_file(path) or path)
   config_json = config_json or os.path.join(os.path.dirname(source.path),
                                             "config.json")

@@ -35,16 +35,21 @@ import time
 from typing import Any, Callable
 
 from absl import logging
+import jax
 import numpy as np
 
-from realm_jax.core import checkpoints, checks, dataclass_json, follow
-from realm_jax.core import gin_config
+from realm_jax.checkpoint_import import importers
+from realm_jax.checkpoint_import import init_from as init_lib
+from realm_jax.core import checkpoints, checks, dataclass_json, distributed
+from realm_jax.core import follow, gin_config
 from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
+from realm_jax.data import block_store
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, searchers
-from realm_jax.model.realm import RealmConfig, RetrieverConfig
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm, RealmConfig, RetrieverConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +152,6 @@ def build_and_publish(*, retriever_params: Any,
   result is identical to a single-process build), builds the searcher and
   publishes; every process returns the published path.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
   start = time.time()
   index, count = jax.process_index(), jax.process_count()
   embeddings, stats = embed_lib.embed_block_store(
@@ -274,8 +277,6 @@ def _run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
   Returns:
     The steps published by this call.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from realm_jax.core import distributed  # pylint: disable=g-import-not-at-top
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
   root = checkpoints.index_root(workdir)
   # Process 0 alone, before anyone writes: another host's fresh shard files
@@ -352,7 +353,6 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
 
 def _job(dry_run: bool) -> None:
   import gin  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
   # The registered classes live in the imported module, not in __main__.
   from realm_jax.index import builder as module  # pylint: disable=g-import-not-at-top
   config = gin_config.configured(module.BuilderConfig)
@@ -373,9 +373,6 @@ def _job(dry_run: bool) -> None:
 
 def _publish(config: BuilderConfig, store, root: str) -> None:
   """The job's modes (under its lease)."""
-  from realm_jax.checkpoint_import import importers, init_from as init_lib  # pylint: disable=g-import-not-at-top
-  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
-  from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   kind, _, source = (config.init_from or "").partition(":")
   if not kind and not config.one_shot:
     _run_builder(workdir=config.workdir, store=store,
