@@ -268,6 +268,11 @@ def _write_blocks(blocks: Iterable[blocks_lib.Block], writers: _Writers,
                          _utf8(block.title))
       num_documents += 1
       doc_hash = blocks_lib.title_hash(block.title)
+    elif not num_documents:
+      raise ValueError(
+          f"block 0 ('{block.title}') has doc_index {block.doc_index}: the "
+          "first article's blocks have doc_index 0 (articles are numbered "
+          "from 0, in order).")
     elif block.doc_index != num_documents - 1:
       raise ValueError(
           f"block {num_blocks} has doc_index {block.doc_index} after "

@@ -372,6 +372,16 @@ def test_writer_rejects_bad_blocks(tokenizer, tmp_path):
     block_store.write_block_store([], str(tmp_path / "s"),
                                   tokenizer_vocab_path=tokenizer.vocab_path,
                                   source="t")
+  # A first block numbered -1 (not 0) was taken for the article's second
+  # block and failed with an UnboundLocalError.
+  for doc_index in (-1, 1):
+    first = blocks.Block(doc_index, "T", np.array([1]), "x", np.arange(3),
+                         np.array([0]))
+    with pytest.raises(ValueError, match=f"block 0 .*doc_index {doc_index}"
+                       ".*numbered from 0"):
+      block_store.write_block_store(
+          [first], str(tmp_path / "s"),
+          tokenizer_vocab_path=tokenizer.vocab_path, source="t")
   assert os.listdir(tmp_path) == []
 
 
