@@ -80,7 +80,11 @@ def _jobs() -> dict[str, str]:
     if "gin_cli.run" not in source:
       continue
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    for name in re.findall(r"^class (\w+Config)\b", source, re.M):
+    # Its own config classes, and the one its `training_job` names (which
+    # may live in another module, e.g. pretrain_config.PretrainConfig).
+    names = re.findall(r"^class (\w+Config)\b", source, re.M)
+    names += re.findall(r"training_job\(\s*\"[\w.]+\",\s*\"(\w+)\"", source)
+    for name in names:
       jobs.setdefault(name, module)
   return jobs
 
