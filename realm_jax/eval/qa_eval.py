@@ -43,6 +43,7 @@ same questions); it splits each batch over all local devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -457,10 +458,12 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
     ValueError: the ledger belongs to another checkpoint directory,
       evaluation set or index.
   """
-  with lease_lib.job_lease(output_dir, "evaluation job"):
+  with contextlib.ExitStack() as cleanup:
+    cleanup.enter_context(lease_lib.job_lease(output_dir, "evaluation job"))
     is_chief = jax.process_index() == 0
     ledger_path, ledger, writer = _open_job_outputs(
         output_dir, checkpoint_dir, examples, index, is_chief)
+    cleanup.callback(writer.close)  # (Also when an evaluation raises.)
     follower = None if steps is not None else _follower(
         checkpoint_dir, ledger, timeout=timeout, poll_seconds=(
             config.poll_seconds if poll_seconds is None else poll_seconds))
@@ -492,7 +495,6 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
         stopped = follower.stopped
         logging.info("%s; eval job exits after %s", follow.REASONS[stopped],
                      evaluated)
-    writer.close()
     return EvalJobResult(
         evaluated=evaluated, stopped=stopped,
         metrics={int(s): v["metrics"] for s, v in ledger["steps"].items()})

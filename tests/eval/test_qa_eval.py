@@ -441,3 +441,36 @@ def test_eval_cli_names_the_macro_of_a_missing_path(files, bindings,
       qa_eval._job(False)
   finally:
     gin.clear_config()
+
+
+def test_eval_job_closes_its_writer_when_an_evaluation_raises(
+    setup, tmp_path, monkeypatch):
+  """The summary writer is closed (and the lease released) when an
+  evaluation fails, not only after a clean run."""
+  ckpt_dir, out = str(tmp_path / "checkpoints"), str(tmp_path / "eval")
+  _save(ckpt_dir, 1, setup["params"])
+  closed, real_open = [], qa_eval._open_job_outputs
+
+  def open_outputs(*args):
+    ledger_path, ledger, writer = real_open(*args)
+    real_close = writer.close
+    writer.close = lambda: closed.append(1) or real_close()
+    return ledger_path, ledger, writer
+
+  monkeypatch.setattr(qa_eval, "_open_job_outputs", open_outputs)
+
+  def fail(step, metrics):
+    raise RuntimeError(f"after step {step}")
+
+  kwargs = dict(checkpoint_dir=ckpt_dir, output_dir=out,
+                examples=[qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS],
+                model_config=setup["config"], index=setup["index"],
+                store=setup["store"], qa_config=QA_CONFIG,
+                config=qa_eval.EvalConfig(recall_ks=(1, 5), batch_size=4),
+                steps=[1])
+  with pytest.raises(RuntimeError, match="after step 1"):
+    qa_eval.run_eval_job(on_evaluated=fail, **kwargs)
+  assert closed == [1]
+  # The lease was released: the next run starts (step 1 is in the ledger).
+  assert qa_eval.run_eval_job(**kwargs).evaluated == []
+  assert closed == [1, 1]
