@@ -366,10 +366,15 @@ def test_the_default_shards_open_on_every_host_count(tmp_path):
   run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
                                 batch_size=24)
   num_shards = qc.trainer_num_shards(run)
+  assert num_shards == 24  # The batch itself: <= 64 and <= gate_num_queries.
   write_fake_cache(tmp_path / "c", [2] * num_shards)
   for hosts in (1, 2, 3, 4, 6, 8, 12, 24):
-    qc.QueryStream(str(tmp_path / "c"), seed=0, batch_size=24,
-                   process_count=hosts, process_index=hosts - 1).close()
+    stream = qc.QueryStream(str(tmp_path / "c"), seed=0, batch_size=24,
+                            process_count=hosts, process_index=hosts - 1)
+    try:  # Each host reads its share of every step's global batch.
+      assert len(stream.batch(0)["query_ids"]) == 24 // hosts
+    finally:
+      stream.close()
 
 
 def test_beam_job_errors(beam_cache, annotated, tmp_path):
