@@ -82,7 +82,8 @@ class QAResult:
     evidence: the top blocks (and the answer's block if not among them).
     retrieved_ids: block ids in rank order (K, or the recall depth if
       deeper).
-    retrieved_scores: their retrieval logits (the index's inner products).
+    retrieved_scores: the index's inner products Embed(x) . Embed(z) (the
+      retrieval logits divided by the retriever's `score_scale`).
     answers: reference answers, when given.
     is_regex: the answers are regular expressions.
     correct: exact match (regex match) against the answers.

@@ -53,6 +53,15 @@ class RetrieverConfig:
       pooling it scored ~100 against ~10 for real blocks at a random
       initialisation, p(null|x) was 1.000 and the retriever's gradient
       underflowed to 0 (see docs/results/learning.md).
+    score_scale: f(x, z) = score_scale * Embed(x) . Embed(z) (1 in REALM).
+      L2-normalised embeddings give cosine scores in [-1, 1], and a
+      softmax over a few candidates of nearly equal cosine is flat:
+      MiniLM's p(null|x) was 0.2499 = 1 / 5 to four digits over 4
+      candidates, so the retriever's gradient was tiny. Sentence-embedding
+      models are tuned with a scaled softmax (20 in sentence-transformers'
+      contrastive loss); the same scale gives their posterior its shape
+      back. A positive scale never changes which blocks MIPS returns, so
+      the index is the same with or without it.
   """
 
   bert: BertConfig = BertConfig()
@@ -61,6 +70,7 @@ class RetrieverConfig:
   normalize: bool = False
   share_towers: bool = True
   null_score: str = "embedding"
+  score_scale: float = 1.0
 
   def __post_init__(self):
     checks.field_types(self)
@@ -73,6 +83,10 @@ class RetrieverConfig:
     if self.projection_size is not None and self.projection_size <= 0:
       raise ValueError("RetrieverConfig.projection_size must be positive or "
                        f"None, got {self.projection_size}.")
+    if not self.score_scale > 0:
+      raise ValueError("RetrieverConfig.score_scale must be positive (it "
+                       "multiplies f(x, z)), got "
+                       f"{self.score_scale}.")
 
   @property
   def embedding_size(self) -> int:
@@ -180,9 +194,12 @@ def document_tower_params(retriever_params: dict) -> dict:
 
 
 def retrieval_logits(query_embeddings: jax.Array,
-                     document_embeddings: jax.Array) -> jax.Array:
-  """f(x, z): [batch, dim] . [batch, candidates, dim] -> [batch, candidates]."""
-  return jnp.einsum("bd,bcd->bc", query_embeddings, document_embeddings)
+                     document_embeddings: jax.Array,
+                     score_scale: float = 1.0) -> jax.Array:
+  """f(x, z): [batch, dim] . [batch, candidates, dim] -> [batch, candidates],
+  times `RetrieverConfig.score_scale`."""
+  logits = jnp.einsum("bd,bcd->bc", query_embeddings, document_embeddings)
+  return logits if score_scale == 1 else score_scale * logits
 
 
 class Retriever(nnx.Module):
@@ -233,7 +250,7 @@ class Retriever(nnx.Module):
                                   candidate_mask[:, first:],
                                   candidate_segment_ids[:, first:],
                                   dropout_rng=d_rng)
-    logits = retrieval_logits(query, docs)
+    logits = retrieval_logits(query, docs, self.config.score_scale)
     if not learned_null:
       return logits
     # The null document's score follows the retrieved ones (no gradient
@@ -553,7 +570,8 @@ class Realm(nnx.Module):
         jax.random.split(dropout_rng))
     query = self.retriever.embed_queries(
         batch["question_ids"], batch["question_mask"], dropout_rng=q_rng)
-    logits = retrieval_logits(query, batch["retrieved_embeddings"])
+    logits = retrieval_logits(query, batch["retrieved_embeddings"],
+                              self.retriever.config.score_scale)
     logits = jnp.where(batch["retrieved_mask"], logits, -jnp.inf)
     spans = self.reader.span_logits(
         batch["reader_ids"], batch["reader_mask"],

@@ -207,8 +207,8 @@ def ict_loss(retriever: Retriever, batch: dict[str, jax.Array],
       dropout_rng=b_rng)  # [b, D]
   global_blocks = jax.lax.all_gather(block_embeddings, parallel.DATA_AXIS,
                                      tiled=True)  # [B, D]
-  retrieval_logits = jnp.einsum("qd,bd->qb", query_embeddings,
-                                global_blocks)  # [b, B]
+  retrieval_logits = retriever.config.score_scale * jnp.einsum(
+      "qd,bd->qb", query_embeddings, global_blocks)  # [b, B]
   b = query_embeddings.shape[0]
   correct = jax.lax.axis_index(parallel.DATA_AXIS) * b + jnp.arange(b)
   log_probs = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), -1)

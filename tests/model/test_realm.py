@@ -13,6 +13,8 @@ from realm_jax.model.bert import Bert, BertConfig
 from realm_jax.model.realm import (Embedder, Reader, ReaderConfig, Realm,
                                    Retriever, RetrieverConfig, span_mask)
 from realm_jax.testing import reference, tiny
+from realm_jax.core import parallel
+from realm_jax.training import ict
 
 
 def test_bert_config_errors_say_what_to_fix():
@@ -385,3 +387,76 @@ def test_remat_recomputes_each_layer_with_the_same_gradients():
   assert plain.count("optimization_barrier") == 0
   assert remat.count("optimization_barrier") >= cfg.num_layers
   assert remat.count("dot_general") > plain.count("dot_general")
+
+
+def test_score_scale_multiplies_every_retrieval_logit():
+  # f(x, z) = score_scale * Embed(x) . Embed(z) wherever the trainer, the
+  # QA model and ICT score a block; the parameters and the embeddings (so
+  # the index and MIPS's ranking) do not change.
+  rng = np.random.default_rng(0)
+  batch = {k: jnp.asarray(v) for k, v in tiny.random_pretraining_batch(
+      rng, batch=3, candidates=4).items()}
+  qa = {"question_ids": batch["query_ids"],
+        "question_mask": batch["query_mask"],
+        "retrieved_embeddings": jnp.asarray(
+            rng.normal(size=(3, 4, 16)), jnp.float32),
+        "retrieved_mask": jnp.asarray([[1, 1, 1, 0]] * 3, bool),
+        "reader_ids": batch["reader_ids"][:, :2],
+        "reader_mask": batch["reader_mask"][:, :2],
+        "reader_segment_ids": batch["reader_segment_ids"][:, :2],
+        "block_start": jnp.full((3, 2), 13), "block_end": jnp.full((3, 2), 20)}
+  ict_batch = {"query_ids": batch["query_ids"],
+               "query_mask": batch["query_mask"],
+               "query_segment_ids": jnp.zeros_like(batch["query_ids"]),
+               "block_ids": batch["candidate_ids"][:, 1],
+               "block_mask": batch["candidate_mask"][:, 1],
+               "block_segment_ids": batch["candidate_segment_ids"][:, 1],
+               "sentence_removed": jnp.zeros(3, jnp.int32)}
+  outputs = {}
+  for scale in (1.0, 20.0):
+    cfg = tiny.tiny_realm(pooling="mean", normalize=True,
+                          null_score="learned", score_scale=scale)
+    g, params = functional.init(lambda r, c=cfg: Realm(c, rngs=r), 0)
+    params["retriever"]["null_score_bias"] = jnp.float32(0.3)
+    model = functional.bind(g, params)
+    qa_retrieval, qa_reader = model.qa_logits(qa)
+    mesh = parallel.make_mesh(jax.devices()[:1])
+    ict_loss = jax.jit(parallel.data_parallel_value_and_grad(
+        ict.make_loss_fn(ict.retriever_graphdef(cfg)), mesh))(
+            params["retriever"], parallel.shard_batch(mesh, ict_batch))[0]
+    q = model.retriever.embed_queries(ict_batch["query_ids"],
+                                      ict_batch["query_mask"])
+    d = model.retriever.embed_documents(ict_batch["block_ids"],
+                                        ict_batch["block_mask"],
+                                        ict_batch["block_segment_ids"])
+    f = scale * np.asarray(q, np.float64) @ np.asarray(d, np.float64).T
+    f -= f.max(1, keepdims=True)
+    want = -np.mean(np.diagonal(f) - np.log(np.exp(f).sum(1)))
+    np.testing.assert_allclose(ict_loss, want, rtol=1e-4)
+    outputs[scale] = (model.pretraining_logits(batch)[0], qa_retrieval,
+                      qa_reader, ict_loss, model.reader.span_logits(
+                          qa["reader_ids"], qa["reader_mask"],
+                          qa["reader_segment_ids"], qa["block_start"],
+                          qa["block_end"]))
+  (pre1, qa1, _, ict1, _), (pre20, qa20, reader20, ict20, spans) = (
+      outputs[1.0], outputs[20.0])
+  # Real candidates' scores scale; the learned null score follows their
+  # (scaled) mean plus its offset.
+  np.testing.assert_allclose(pre20[:, 1:], 20 * pre1[:, 1:], rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(pre20[:, 0], pre20[:, 1:].mean(1) + 0.3,
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(qa20[:, :3], 20 * qa1[:, :3], rtol=1e-5,
+                             atol=1e-5)
+  assert np.all(np.isneginf(qa20[:, 3]))
+  # The reader's joint score adds the scaled retrieval logit.
+  finite = np.isfinite(spans)
+  np.testing.assert_allclose(
+      np.asarray(reader20)[finite],
+      np.asarray(spans + qa20[:, :2, None, None])[finite], rtol=1e-5,
+      atol=1e-4)
+  # Cosines within [-1, 1]: a flat softmax at scale 1, a sharper one at 20.
+  assert np.abs(pre1[:, 1:]).max() <= 1 + 1e-5
+  p1, p20 = jax.nn.softmax(pre1, -1), jax.nn.softmax(pre20, -1)
+  assert float(p20.max() - p20.min()) > float(p1.max() - p1.min())
+  assert abs(float(ict20) - float(ict1)) > 1e-2

@@ -30,17 +30,20 @@ def _reader_that_reads(params, factor=10.0):
   return jax.tree_util.tree_map_with_path(scale, params)
 
 
-def _setup(null_score="embedding"):
-  cfg = tiny.tiny_realm(null_score=null_score)
+def _setup(null_score="embedding", **retriever):
+  cfg = tiny.tiny_realm(null_score=null_score, **retriever)
   graphdef, params = functional.init(lambda r: Realm(cfg, rngs=r), 0)
   batch = {k: jnp.asarray(v) for k, v in tiny.random_pretraining_batch(
       np.random.default_rng(0), batch=6, candidates=5).items()}
   return graphdef, _reader_that_reads(params), batch
 
 
-@pytest.mark.parametrize("null_score", ["embedding", "learned"])
-def test_retriever_gradient_is_the_papers_identity(null_score):
-  graphdef, params, batch = _setup(null_score)
+@pytest.mark.parametrize("null_score,retriever", [
+    ("embedding", {}), ("learned", {}),
+    # f(x, z) = 20 cos(x, z): the identity holds for the scaled scores.
+    ("learned", {"pooling": "mean", "normalize": True, "score_scale": 20.0})])
+def test_retriever_gradient_is_the_papers_identity(null_score, retriever):
+  graphdef, params, batch = _setup(null_score, **retriever)
   loss_fn = pretrain.make_loss_fn(graphdef)
 
   def mean_loss(p):
