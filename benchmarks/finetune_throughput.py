@@ -131,13 +131,14 @@ def publish_random_index(store, root: str, dim: int) -> None:
 def run_trainer(*, model, store_dir, index_dir, qa_path, batch_size, k,
                 steps, workdir):
   """Median seconds/step of the real trainer after its first 2 steps."""
-  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import finetune, qa_inputs  # pylint: disable=g-import-not-at-top
   shutil.rmtree(workdir, ignore_errors=True)
   config = finetune.FinetuneConfig(
       workdir=workdir, train_jsonl=qa_path, index_dir=index_dir,
       block_store=store_dir, num_train_steps=steps + 2,
       batch_size=batch_size, learning_rate=1e-5, warmup_steps=1,
-      num_retrieved=k, checkpoint_every=10**6, log_every=1)
+      qa=qa_inputs.QAConfig(num_retrieved=k), checkpoint_every=10**6,
+      log_every=1)
   history = finetune.train(config=config, model=model)
   timed = history[2:-1] or history[2:]  # The last step also checkpoints.
   return (float(np.median([h["seconds_per_step"] for h in timed])),

@@ -61,8 +61,7 @@ def load(path: str, *, block_store: str | None = None,
                    qa_config or qa_inputs.QAConfig(), **kwargs)
   directory = checkpoint_directory(path)
   step = checkpoints.newest_step(directory) if step is None else step
-  model_config, run_qa, task = qa_model_lib.run_configs(directory, step)
-  qa_config = qa_config or run_qa
+  model_config, _, task = qa_model_lib.run_configs(directory, step)
   where = f"{directory}/{step}/meta"
   block_store = block_store or task.get("block_store")
   index_dir = index_dir or task.get("index_dir") or checkpoints.index_root(
@@ -73,7 +72,7 @@ def load(path: str, *, block_store: str | None = None,
       model_config=model_config,
       store=block_store_lib.BlockStore.open(block_store),
       checkpoint_dir=directory, step=step, index_dir=index_dir,
-      qa_config=qa_config or qa_inputs.QAConfig(), **kwargs)
+      qa_config=qa_config, **kwargs)
 
 
 def config_of(path: str, step: int | None = None) -> dict[str, Any]:

@@ -58,7 +58,7 @@ from realm_jax.eval import pretrain_eval, qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
-from realm_jax.training import finetune, pretrain, qa_inputs
+from realm_jax.training import finetune, pretrain
 
 PRETRAIN_GIN = "experiments/demo_pretrain.gin"
 FINETUNE_GIN = "experiments/demo_finetune.gin"
@@ -187,9 +187,10 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
                                   if stage == "pretrain"
                                   else "finetune.FinetuneConfig")
   prefix = (task.query_length if stage == "pretrain"
-            else task.question_length)
+            else task.qa.question_length)
+  lengths = scope if stage == "pretrain" else "qa_inputs.QAConfig"
   extra += [f"{scope}.batch_size = {-(-task.batch_size // n) * n}",
-            f"{scope}.reader_length = {prefix + config.max_block_len}"]
+            f"{lengths}.reader_length = {prefix + config.max_block_len}"]
   gin.clear_config()
   gin_cli.parse(files, extra)
   task = gin_config.configured(cls)
@@ -372,9 +373,10 @@ def _change_table(change: dict[str, dict[str, float]],
   return "\n".join(lines)
 
 
-def write_ask_gin(config: DemoConfig, run, paths: dict[str, str]) -> str:
+def write_ask_gin(config: DemoConfig, paths: dict[str, str]) -> str:
   """A gin file for `python -m realm_jax.ask` with the fine-tuned run's
-  model, question lengths and paths (runs/eval.gin's macros)."""
+  model and paths (runs/eval.gin's macros); ask reads the run's QA sizes
+  from its checkpoint."""
   files = ["models/minilm_l6.gin"] + (
       ["models/tiny.gin"] if config.model == "tiny" else []) + [
           "models/cpu.gin", "runs/eval.gin"]
@@ -382,10 +384,6 @@ def write_ask_gin(config: DemoConfig, run, paths: dict[str, str]) -> str:
            '"question"`: the demo\'s fine-tuned model.']
   lines += [f"include '{f}'" for f in files] + [
       'realm.RetrieverConfig.null_score = "learned"',
-      f"qa_inputs.QAConfig.question_length = {run.question_length}",
-      f"qa_inputs.QAConfig.num_retrieved = {run.num_retrieved}",
-      f"qa_inputs.QAConfig.num_reader_blocks = {run.num_reader_blocks}",
-      f"qa_inputs.QAConfig.reader_length = {run.reader_length}",
       f"WORKDIR = {paths['finetune']!r}",
       f"INDEX_DIR = {checkpoints.index_root(paths['pretrain'])!r}",
       f"BLOCK_STORE = {paths['blocks']!r}"]
@@ -446,18 +444,13 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   ft_history = _train("finetune", finetune.train, run, model, operative,
                       _FINETUNE_FIELDS)
   finetune_seconds = time.time() - t
-  write_ask_gin(config, run, paths)
+  write_ask_gin(config, paths)
 
   t = time.time()
   qa_model = qa_model_lib.load_qa_model(
       model_config=model, store=store, workdir=run.workdir,
       index_dir=checkpoints.index_root(paths["pretrain"]),
-      qa_config=qa_inputs.QAConfig(
-          question_length=run.question_length,
-          num_retrieved=run.num_retrieved,
-          num_reader_blocks=run.num_reader_blocks,
-          reader_length=run.reader_length),
-      batch_size=run.batch_size)
+      batch_size=run.batch_size)  # The run's QA sizes: its checkpoint's.
   results = {}
   for split in ("dev", "train"):
     examples = qa_lib.read_qa_jsonl(demo_qa.path(split), strict=True)

@@ -22,8 +22,7 @@ from realm_jax.testing import corpus, tiny
 from realm_jax.training import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
-                               num_reader_blocks=3, reader_length=48,
-                               max_span_width=4)
+                               num_reader_blocks=3, reader_length=48)
 QUESTIONS = ["Where was Mozart born?", "When did the Berlin Wall fall?",
              "What is the capital of Japan?", "Who explored the Amazon?",
              "Where was Einstein born?", "Where was Shakespeare born?"]
@@ -251,12 +250,15 @@ def test_cli_json(setup):
 
 
 def _save_with_configs(directory, params, model_config, task):
-  """A checkpoint carrying its configs, as the trainers write them."""
+  """A checkpoint carrying its configs, as the trainers write them (`task`:
+  a config, or a FinetuneConfig's JSON)."""
   from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
   ckpt = checkpoints.TrainCheckpointer(directory, async_save=False)
   ckpt.save(2, params, {"count": np.zeros((), np.int32)}, {
-      "index_step": 0, "task_class": type(task).__name__,
-      "task_config": dataclass_json.to_dict(task),
+      "index_step": 0, "task_class": ("FinetuneConfig" if isinstance(
+          task, dict) else type(task).__name__),
+      "task_config": (task if isinstance(task, dict)
+                      else dataclass_json.to_dict(task)),
       "model_config": dataclass_json.to_dict(model_config)}, force=True)
   ckpt.close()
 
@@ -270,8 +272,7 @@ def test_model_config_comes_from_the_checkpoint(setup, tmp_path):
   run = finetune.FinetuneConfig(
       workdir=str(tmp_path), block_store=setup["store"].path,
       train_jsonl="t.jsonl", index_dir=str(setup["workdir"] / "index"),
-      num_epochs=1.0, question_length=16, num_retrieved=6,
-      num_reader_blocks=3, reader_length=48)
+      num_epochs=1.0, qa=QA_CONFIG)
   ckpt_dir = str(tmp_path / "checkpoints")
   _save_with_configs(ckpt_dir, setup["params"], config, run)
   # What a user's gin files might say: another pooling, ORQA's sizes.
@@ -279,9 +280,7 @@ def test_model_config_comes_from_the_checkpoint(setup, tmp_path):
       config.retriever, pooling="cls"))
   model, qa = qa_eval.checked_run_configs(ckpt_dir, None, gin_model,
                                           qa_inputs.QAConfig(), [])
-  assert model == config
-  assert qa == dataclasses.replace(QA_CONFIG,
-                                   max_span_width=config.reader.max_span_width)
+  assert model == config and qa == QA_CONFIG
   # Eval settings bound on the command line win; agreeing bindings pass.
   model, qa = qa_eval.checked_run_configs(
       ckpt_dir, 2, config, dataclasses.replace(QA_CONFIG, num_retrieved=5),
@@ -299,6 +298,35 @@ def test_model_config_comes_from_the_checkpoint(setup, tmp_path):
       str(setup["workdir"] / "checkpoints"), 1, gin_model, QA_CONFIG,
       ["RetrieverConfig.pooling = 'cls'"])
   assert model == gin_model and qa == QA_CONFIG
+
+
+def test_old_finetune_checkpoints_answer_with_their_qa_sizes(setup,
+                                                             tmp_path):
+  """A fine-tuning checkpoint written when FinetuneConfig held the QA sizes
+  as flat fields (max_span_width among them) loads with those sizes."""
+  from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
+  new = dataclass_json.to_dict(finetune.FinetuneConfig(
+      workdir=str(tmp_path), block_store=setup["store"].path,
+      train_jsonl="t.jsonl", index_dir=str(setup["workdir"] / "index"),
+      num_epochs=1.0))
+  del new["qa"]
+  old = dict(new, question_length=16, num_retrieved=6, num_reader_blocks=3,
+             reader_length=48, max_span_width=None)
+  ckpt_dir = str(tmp_path / "checkpoints")
+  _save_with_configs(ckpt_dir, setup["params"], setup["config"], old)
+  _, qa = qa_eval.checked_run_configs(ckpt_dir, None, setup["config"],
+                                      qa_inputs.QAConfig(), [])
+  assert qa == QA_CONFIG
+  # Without a qa_config, the answering model takes the checkpoint's.
+  model = qa_model.load_qa_model(
+      model_config=setup["config"], store=setup["store"],
+      checkpoint_dir=ckpt_dir, index_dir=str(setup["workdir"] / "index"),
+      batch_size=4)
+  assert model.qa_config == QA_CONFIG
+  assert model.ask(QUESTIONS[0]).prediction == setup["model"].ask(
+      QUESTIONS[0]).prediction
 
 
 def test_untrained_span_head_is_announced(setup, tmp_path, caplog):

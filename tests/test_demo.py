@@ -12,6 +12,28 @@ import os
 from realm_jax import demo
 
 
+def _what_ask_answers_with(ask_gin: str):
+  """(EvalConfig.workdir, QA sizes) of `realm_jax.ask --gin_file=ask_gin`,
+  resolved as ask resolves them."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  try:
+    gin_cli.parse([ask_gin], [])
+    workdir = gin.get_configurable(qa_eval.EvalConfig)().workdir
+    _, qa = qa_eval.checked_run_configs(
+        checkpoints.checkpoint_dir(workdir), None,
+        gin.get_configurable(RealmConfig)(),
+        gin.get_configurable(qa_inputs.QAConfig)(), [])
+  finally:
+    gin.clear_config()
+  return workdir, qa
+
+
 def test_demo_runs_every_stage(tmp_path, capsys):
   config = demo.DemoConfig(
       workdir=str(tmp_path), num_documents=3, max_block_len=48,
@@ -23,9 +45,9 @@ def test_demo_runs_every_stage(tmp_path, capsys):
       finetune_bindings=(
           "finetune.FinetuneConfig.batch_size = 8",
           "finetune.FinetuneConfig.learning_rate = 1e-3",
-          "finetune.FinetuneConfig.num_retrieved = 8",
-          "finetune.FinetuneConfig.num_reader_blocks = 2",
-          "finetune.FinetuneConfig.question_length = 16"))
+          "qa_inputs.QAConfig.num_retrieved = 8",
+          "qa_inputs.QAConfig.num_reader_blocks = 2",
+          "qa_inputs.QAConfig.question_length = 16"))
   summary = demo.run_demo(config)
 
   out = capsys.readouterr().out
@@ -43,19 +65,12 @@ def test_demo_runs_every_stage(tmp_path, capsys):
   assert out.count("   gold: ") == len(demo.DEMO_QUESTIONS)
   assert out.count("RIGHT") + out.count("WRONG") == len(demo.DEMO_QUESTIONS)
   assert "python -m realm_jax.ask" in out and "tensorboard" in out
-  # The ask hint's gin file resolves to the fine-tuned run's QA settings.
-  import gin  # pylint: disable=g-import-not-at-top
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
-  gin.clear_config()
-  gin_cli.parse([str(tmp_path / "ask.gin")], [])
-  qa = gin.get_configurable(qa_inputs.QAConfig)()
+  # The ask hint's gin file names the fine-tuned run, whose checkpoint
+  # carries its QA settings: ask answers with those.
+  workdir, qa = _what_ask_answers_with(str(tmp_path / "ask.gin"))
+  assert workdir == str(tmp_path / "finetune")
   assert (qa.question_length, qa.num_retrieved, qa.num_reader_blocks,
           qa.reader_length) == (16, 8, 2, 16 + 48)
-  assert gin.get_configurable(qa_eval.EvalConfig)().workdir == str(
-      tmp_path / "finetune")
-  gin.clear_config()
   # The builder beside the trainer published index 0 (what the trainer
   # started from), each checkpoint's index, and the final step's (which
   # fine-tuning freezes).
@@ -106,5 +121,5 @@ def test_stage_configs_come_from_the_experiment_files(tmp_path):
   assert (run.num_train_steps, run.checkpoint_every) == (5, 5)
   assert run.init_from.startswith("checkpoint:")
   assert run.workdir == str(tmp_path / "finetune")
-  assert run.reader_length == run.question_length + 100
+  assert run.qa.reader_length == run.qa.question_length + 100
   assert model.retriever.null_score == "learned"

@@ -35,8 +35,11 @@ and clu summaries. The index is frozen (fine-tuning's): loaded once.
         [--gin.EvalConfig.step=N | --gin.INIT_FROM="'orqa:CKPT'"]
 
 The model config and QA sizes are the checkpoint's
-(`checked_run_configs`): a command-line binding contradicting the model
+(`checked_run_configs`; a job started before the trainer's first
+checkpoint waits for it): a command-line binding contradicting the model
 config is refused; QAConfig bindings (eval settings) override the run's.
+The gin files' QAConfig serves imported weights (INIT_FROM) and
+checkpoints that carry no configs.
 It is a single-process side job (every host of a pod would evaluate the
 same questions); it splits each batch over all local devices.
 """
@@ -557,6 +560,20 @@ def checked_run_configs(checkpoint_dir: str, step: int | None,
   return run_model, qa_config
 
 
+def _has_checkpoint(checkpoint_dir: str, config: EvalConfig) -> bool:
+  """Whether `checkpoint_dir` holds a finalized step, the one whose configs
+  the job evaluates with: waited for (as the job would) when none is there
+  yet and no step was asked for, until the run is over or
+  `config.timeout_seconds`."""
+  if config.step is None and not checkpoints.finalized_steps(checkpoint_dir):
+    logging.info("eval job: waiting for a checkpoint in %s (it carries the "
+                 "run's configs)", checkpoint_dir)
+    next(iter(follow.CheckpointFollower(
+        checkpoint_dir, mode="every", poll_seconds=config.poll_seconds,
+        timeout=config.timeout_seconds, name="eval job")), None)
+  return bool(checkpoints.finalized_steps(checkpoint_dir))
+
+
 def require(config: EvalConfig, **macros: str) -> None:
   """Exits naming the gin macro of each unset `config` field (field=MACRO)."""
   missing = [m for name, m in macros.items() if getattr(config, name) is None]
@@ -585,7 +602,7 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
   if not (checkpoint_dir or config.init_from) or not index_dir:
     raise SystemExit("Set WORKDIR (a run's workdir), or INDEX_DIR and "
                      "INIT_FROM (or EvalConfig.checkpoint_dir).")
-  if not config.init_from and checkpoints.finalized_steps(checkpoint_dir):
+  if not config.init_from and _has_checkpoint(checkpoint_dir, config):
     model_config, qa_config = module.checked_run_configs(
         checkpoint_dir, config.step, model_config, qa_config, bindings)
   output_dir = config.output_dir or io_utils.join(

@@ -245,6 +245,16 @@ def configs_of(directory: str, step: int) -> dict[str, Any]:
   return meta
 
 
+def _run_qa_config(meta: dict[str, Any], where: str
+                   ) -> qa_inputs.QAConfig | None:
+  """The QA sizes a fine-tuning checkpoint's meta carries, else None (other
+  runs, and checkpoints written before configs were saved)."""
+  if meta.get("task_class") != "FinetuneConfig":
+    return None
+  return finetune.config_from_dict(meta.get("task_config") or {},
+                                   f"{where}:task_config").qa
+
+
 def run_configs(directory: str, step: int) -> tuple[
     RealmConfig, qa_inputs.QAConfig | None, dict[str, Any]]:
   """(model config, the QA sizes of a fine-tuning run or None, the task
@@ -253,13 +263,8 @@ def run_configs(directory: str, step: int) -> tuple[
   where = f"{directory}/{step}/meta"
   model_config = dataclass_json.from_dict(
       RealmConfig, meta["model_config"], f"{where}:model_config")
-  task = meta.get("task_config") or {}
-  if meta.get("task_class") != "FinetuneConfig":
-    return model_config, None, task
-  run = dataclass_json.from_dict(finetune.FinetuneConfig, task,
-                                 f"{where}:task_config")
-  return model_config, run.qa_config(
-      model_config.reader.max_span_width), task
+  return (model_config, _run_qa_config(meta, where),
+          meta.get("task_config") or {})
 
 
 class QAModel:
@@ -283,8 +288,8 @@ class QAModel:
       params: {"retriever", "reader"}; an MLM head is ignored.
       index: the frozen index of the block store (row i = block i).
       store: the block store.
-      qa_config: sizes; K and R are capped at the corpus size and W is the
-        reader's max_span_width.
+      qa_config: sizes; K and R are capped at the corpus size. Answer
+        spans are up to the reader's `ReaderConfig.max_span_width`.
       tokenizer: default: the BERT uncased vocabulary of the store.
       mesh: a 1-D `data` mesh over local devices, or None for one device.
       batch_size: questions per model call (a multiple of the mesh size).
@@ -306,8 +311,7 @@ class QAModel:
     k = min(qa_config.num_retrieved, len(store))
     self.qa_config = dataclasses.replace(
         qa_config, num_retrieved=k,
-        num_reader_blocks=min(qa_config.num_reader_blocks, k),
-        max_span_width=self.model_config.reader.max_span_width)
+        num_reader_blocks=min(qa_config.num_reader_blocks, k))
     max_len = self.model_config.reader.bert.max_position_embeddings
     if self.qa_config.reader_length > max_len:
       raise ValueError(
@@ -533,7 +537,7 @@ class QAModel:
                   for a, x in zip(answers, regex)]
     gold = qa_inputs.span_positives(
         batch["reader_ids"], batch["block_start"], batch["block_end"],
-        answer_ids, self.qa_config.max_span_width)
+        answer_ids, self.model_config.reader.max_span_width)
     gold &= batch["retrieved_mask"][:, :r, None, None]
     text_level = np.array([f[:r].any() for f in flags])
     return np.where(regex, text_level, gold.any(axis=(1, 2, 3)))
@@ -553,7 +557,9 @@ def load_qa_model(*, model_config: RealmConfig, store,
                   workdir: str | None = None,
                   checkpoint_dir: str | None = None, step: int | None = None,
                   init_from: str | None = None, index_dir: str | None = None,
-                  index_step: int | None = None, **kwargs) -> QAModel:
+                  index_step: int | None = None,
+                  qa_config: qa_inputs.QAConfig | None = None,
+                  **kwargs) -> QAModel:
   """A `QAModel` from a run's workdir, a checkpoint dir or imported weights.
 
   Args:
@@ -567,7 +573,10 @@ def load_qa_model(*, model_config: RealmConfig, store,
     index_dir: published index root, or a directory holding one as
       `index/` (overrides the workdir's).
     index_step: index step (default: LATEST).
-    **kwargs: more `QAModel` arguments (qa_config, mesh, batch_size, ...).
+    qa_config: the QA sizes; default: those a fine-tuning checkpoint
+      carries (`FinetuneConfig.qa`), else (imported weights, other runs)
+      `QAConfig()`.
+    **kwargs: more `QAModel` arguments (mesh, batch_size, ...).
   """
   if workdir:
     checkpoint_dir = checkpoint_dir or checkpoints.checkpoint_dir(workdir)
@@ -581,16 +590,19 @@ def load_qa_model(*, model_config: RealmConfig, store,
     raise ValueError("No weights: give workdir, checkpoint_dir or init_from.")
   else:
     step = checkpoints.newest_step(checkpoint_dir) if step is None else step
+    meta = checkpoints.read_meta(checkpoint_dir, step)
+    qa_config = qa_config or _run_qa_config(
+        meta, f"{checkpoint_dir}/{step}/meta")
     if index_step is None:
       # A fine-tuned query tower belongs with the index it was trained on,
       # which need not be LATEST any more.
-      index_step = checkpoints.read_meta(checkpoint_dir, step).get(
-          "index_step")
+      index_step = meta.get("index_step")
       if index_step not in publish.published_steps(
           publish.resolve_index_root(index_dir)):
         index_step = None
     make = functools.partial(QAModel.from_checkpoint, checkpoint_dir, step)
   return make(model_config=model_config, store=store,
               index=publish.load_frozen_index(index_dir, store, model_config,
-                                              step=index_step), **kwargs)
+                                              step=index_step),
+              qa_config=qa_config or qa_inputs.QAConfig(), **kwargs)
 

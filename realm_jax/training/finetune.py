@@ -39,14 +39,14 @@ import functools
 import math
 import re
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.core import distributed, parallel
+from realm_jax.core import dataclass_json, distributed, parallel
 from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
@@ -85,12 +85,10 @@ class FinetuneConfig(loop.TrainConfig):
     num_train_steps: total steps; or set `num_epochs` instead.
     num_epochs: passes over the training questions (steps = ceil(epochs *
       questions / batch_size)); exactly one of the two must be set.
-    question_length: `[CLS] question [SEP]` wordpieces (32).
-    num_retrieved: K, blocks of the retriever's marginal (5000).
-    num_reader_blocks: R, top blocks the reader reads (5).
-    reader_length: question_length + block body (320 = 32 + 288).
-    max_span_width: widest answer span; None = the reader's
-      `ReaderConfig.max_span_width` (10). If set it must equal that.
+    qa: the QA sizes (question and reader lengths, K retrieved, R read;
+      ORQA's by default), bound as `qa_inputs.QAConfig.<field>` in gin.
+      Checkpoints carry them, and evaluating or asking the run uses them.
+      Answer spans are up to the reader's `ReaderConfig.max_span_width`.
     index_step: which published index; None = LATEST.
   """
 
@@ -100,11 +98,7 @@ class FinetuneConfig(loop.TrainConfig):
   num_epochs: float | None = None
   batch_size: int = 16
   learning_rate: float = 1e-5
-  question_length: int = 32
-  num_retrieved: int = 5000
-  num_reader_blocks: int = 5
-  reader_length: int = 320
-  max_span_width: int | None = None
+  qa: qa_inputs.QAConfig = qa_inputs.QAConfig()
   index_step: int | None = None
 
   def __post_init__(self):
@@ -116,20 +110,37 @@ class FinetuneConfig(loop.TrainConfig):
           f"{self.num_epochs}); set the other to None.")
     if self.num_epochs is not None and self.num_epochs <= 0:
       raise ValueError("FinetuneConfig.num_epochs must be > 0.")
-    self.qa_config(self.max_span_width or 1)  # Its checks, with its message.
-
-  def qa_config(self, max_span_width: int) -> qa_inputs.QAConfig:
-    return qa_inputs.QAConfig(
-        question_length=self.question_length,
-        num_retrieved=self.num_retrieved,
-        num_reader_blocks=self.num_reader_blocks,
-        reader_length=self.reader_length, max_span_width=max_span_width)
 
   def total_steps(self, num_questions: int) -> int:
     if self.num_train_steps is not None:
       return self.num_train_steps
     return max(1, math.ceil(self.num_epochs * num_questions
                             / self.batch_size))
+
+
+# The QA sizes FinetuneConfig held as its own fields before `qa`.
+_FLAT_QA_FIELDS = ("question_length", "num_retrieved", "num_reader_blocks",
+                   "reader_length")
+
+
+def config_from_dict(data: dict[str, Any], where: str) -> FinetuneConfig:
+  """The `FinetuneConfig` a checkpoint carries (its `task_config` JSON).
+
+  Checkpoints written before `FinetuneConfig.qa` hold the QA sizes as flat
+  fields (question_length, num_retrieved, num_reader_blocks,
+  reader_length, max_span_width): the first four become `qa`, and
+  max_span_width (None or, by a check of the time, the reader's) is
+  dropped: the width is the model's `ReaderConfig.max_span_width`.
+
+  Args:
+    data: `dataclass_json.to_dict` of a FinetuneConfig, old or new.
+    where: names the source in errors.
+  """
+  data = dict(data)
+  if "qa" not in data:
+    data.pop("max_span_width", None)
+    data["qa"] = {k: data.pop(k) for k in _FLAT_QA_FIELDS if k in data}
+  return dataclass_json.from_dict(FinetuneConfig, data, where)
 
 
 # ----------------------------------------------------------------------------
@@ -179,7 +190,7 @@ class QuestionSet:
     logging.info("%s: %d questions (%d malformed lines skipped)",
                  config.train_jsonl, len(examples), report.malformed)
     seed = int(distributed.broadcast_from_chief(np.int64(config.seed)))
-    return cls(examples, tokenizer, question_length=config.question_length,
+    return cls(examples, tokenizer, question_length=config.qa.question_length,
                seed=seed)
 
   def __len__(self) -> int:
@@ -357,9 +368,9 @@ class QAInput:
   the input needs) are timed apart and logged per step.
   """
 
-  def __init__(self, config: FinetuneConfig, qa_config, questions, index,
-               store, tokenizer, embed_queries, mesh):
-    self.config, self.qa_config = config, qa_config
+  def __init__(self, config: FinetuneConfig, max_span_width: int,
+               questions, index, store, tokenizer, embed_queries, mesh):
+    self.config, self.max_span_width = config, max_span_width
     self.questions, self.index, self.store = questions, index, store
     self.tokenizer, self.embed_queries, self.mesh = (tokenizer,
                                                      embed_queries, mesh)
@@ -383,12 +394,14 @@ class QAInput:
     q_emb = parallel.local_rows(self.embed_queries(
         state.params, q["question_ids"], q["question_mask"]))
     t_query = time.time() - t_query
-    retrieved_ids, _ = self.index.search(q_emb, self.config.num_retrieved)
+    retrieved_ids, _ = self.index.search(q_emb,
+                                         self.config.qa.num_retrieved)
     answer_ids = answers_for_batch(self.questions, example_index,
                                    retrieved_ids, self.store, self.tokenizer)
     batch = qa_inputs.qa_batch(local, retrieved_ids, self.index.embeddings,
-                               self.store, self.qa_config,
-                               answer_ids=answer_ids)
+                               self.store, self.config.qa,
+                               answer_ids=answer_ids,
+                               max_span_width=self.max_span_width)
     device_batch = parallel.shard_batch(
         self.mesh, {k: batch[k] for k in DEVICE_FEATURES})
     self.query_seconds += t_query
@@ -415,20 +428,22 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
   """Runs (or resumes) open-QA fine-tuning (arguments as `ict.train`).
 
   Raises:
-    ValueError: a model without a span head or another max span width, or
-      no usable training question.
+    ValueError: a model without a span head, or no usable training
+      question.
     publish.IndexRejectedError: the index does not match the block store or
       the model (see `index.publish.load_frozen_index`).
   """
   with loop.Run(config, model, job="finetune trainer",
                 operative_config=operative_config) as run:
-    qa_config = _check_model(config, model)
+    if not model.reader.span_head:
+      raise ValueError("Fine-tuning needs the reader's span head; set "
+                       "ReaderConfig.span_head = True.")
     store = block_store.BlockStore.open(config.block_store)
     tokenizer = Tokenizer()
     store.check_vocab(tokenizer.vocab_path)
     index = publish.load_frozen_index(config.index_dir, store, model,
                                       step=config.index_step,
-                                      num_retrieved=config.num_retrieved,
+                                      num_retrieved=config.qa.num_retrieved,
                                       what="FinetuneConfig.index_dir")
     questions = QuestionSet.read(config, tokenizer)
     seed, num_steps = questions.seed, config.total_steps(len(questions))
@@ -436,8 +451,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
                  "%d (%d blocks) from %s; K=%d R=%d", num_steps,
                  config.batch_size, num_steps * config.batch_size
                  / len(questions), index.step, index.manifest["rows"],
-                 config.index_dir, config.num_retrieved,
-                 config.num_reader_blocks)
+                 config.index_dir, config.qa.num_retrieved,
+                 config.qa.num_reader_blocks)
     _, fresh = functional.init(lambda r: Realm(model, rngs=r), seed)
     tx, train_step, embed_queries = _step_functions(
         model, run.mesh, **config.schedule(num_steps))
@@ -448,8 +463,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
       logging.warning("the checkpoint was trained against index %s, this "
                       "run serves index %d", meta.get("index_step"),
                       index.step)
-    inputs = QAInput(config, qa_config, questions, index, store, tokenizer,
-                     embed_queries, run.mesh)
+    inputs = QAInput(config, model.reader.max_span_width, questions, index,
+                     store, tokenizer, embed_queries, run.mesh)
     return run.loop(
         state, train_step, inputs.batch, num_train_steps=num_steps,
         seed=seed, meta={"seed": seed, "index_step": index.step,
@@ -461,21 +476,6 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
                    "reader_span_correct")),
         hooks=loop.Hooks(log_metrics=inputs.log_metrics),
         stop_after=stop_after)
-
-
-def _check_model(config: FinetuneConfig, model: RealmConfig
-                 ) -> qa_inputs.QAConfig:
-  """The run's QA shapes, once the reader is known to fit them."""
-  if not model.reader.span_head:
-    raise ValueError("Fine-tuning needs the reader's span head; set "
-                     "ReaderConfig.span_head = True.")
-  span_width = model.reader.max_span_width
-  if config.max_span_width not in (None, span_width):
-    raise ValueError(
-        f"FinetuneConfig.max_span_width={config.max_span_width} but the "
-        f"reader scores spans up to ReaderConfig.max_span_width={span_width}"
-        "; set them equal (or leave FinetuneConfig.max_span_width None).")
-  return config.qa_config(span_width)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Per question (batched over many questions):
   reader_* [R, L]              `[CLS] question [SEP] body [SEP]` for the top
                                R = 5 blocks (L = 320 = 32 + 288)
   block_start/block_end [R]    first / last body position in the reader input
-  gold_spans [R, L, W]         spans (start, width) equal to an answer
+  gold_spans [R, L, W]         spans (start, width) equal to an answer; W is
+                               the reader's `ReaderConfig.max_span_width`
 """
 
 from __future__ import annotations
@@ -38,20 +39,24 @@ MODEL_FEATURES = ("question_ids", "question_mask", "retrieved_embeddings",
 
 @dataclasses.dataclass(frozen=True)
 class QAConfig:
-  """Sizes of the open-QA pipeline (the paper's values by default).
+  """Sizes of the open-QA pipeline (ORQA's values by default).
+
+  Fine-tuning holds one (`FinetuneConfig.qa`) and its checkpoints carry it,
+  so evaluating or asking a fine-tuned run uses the run's. The widest
+  answer span W is the model's (`ReaderConfig.max_span_width`), not a QA
+  size.
 
   Attributes:
-    question_length: `[CLS] question [SEP]` wordpieces.
-    num_retrieved: K, blocks the retriever loss marginalises over.
-    num_reader_blocks: R, top blocks the reader reads.
-    reader_length: reader input length (question_length + block length).
-    max_span_width: widest answer span W.
+    question_length: `[CLS] question [SEP]` wordpieces (32).
+    num_retrieved: K, blocks the retriever loss marginalises over (5000).
+    num_reader_blocks: R, top blocks the reader reads (5).
+    reader_length: reader input length, question_length + block body (320
+      = 32 + 288).
   """
   question_length: int = 32
   num_retrieved: int = 5000
   num_reader_blocks: int = 5
   reader_length: int = 320
-  max_span_width: int = 10
 
   def __post_init__(self):
     checks.field_types(self)
@@ -62,7 +67,7 @@ class QAConfig:
     if self.reader_length <= self.question_length:
       raise ValueError("reader_length must exceed question_length.")
     checks.at_least(self, "question_length", "num_retrieved",
-                    "num_reader_blocks", "max_span_width")
+                    "num_reader_blocks")
 
 
 def tokenize_questions(tokenizer, questions: Sequence[str], length: int
@@ -100,16 +105,21 @@ def span_positives(reader_ids: np.ndarray, block_start: np.ndarray,
 
 def qa_batch(questions: dict[str, np.ndarray], retrieved_ids: np.ndarray,
              block_embeddings: np.ndarray, store, config: QAConfig, *,
-             answer_ids: Sequence[Sequence[np.ndarray]] | None = None
-             ) -> dict[str, np.ndarray]:
+             answer_ids: Sequence[Sequence[np.ndarray]] | None = None,
+             max_span_width: int | None = None) -> dict[str, np.ndarray]:
   """The model batch for questions and their retrieved blocks.
 
   Arrays as described in the module docstring, plus `retrieved_mask`, for
   `retrieved_ids` int [B, K] in rank order (-1 = none found) and the
   index's `block_embeddings` [num_blocks, D] (may be mmap). `answer_ids`
   (per question, the wordpiece arrays of its answers from
-  `qa.tokenize_answers`) adds `has_answer` and `gold_spans`.
+  `qa.tokenize_answers`) adds `has_answer` and `gold_spans` of spans up to
+  `max_span_width` wordpieces (the reader's `ReaderConfig.max_span_width`,
+  required with `answer_ids`).
   """
+  if answer_ids is not None and max_span_width is None:
+    raise TypeError("qa_batch: answer_ids needs max_span_width (the "
+                    "reader's ReaderConfig.max_span_width).")
   retrieved_ids = np.asarray(retrieved_ids, np.int64)
   b, k = retrieved_ids.shape
   valid = retrieved_ids >= 0
@@ -146,7 +156,7 @@ def qa_batch(questions: dict[str, np.ndarray], retrieved_ids: np.ndarray,
     out["has_answer"] = has_answer(store, safe_ids, answer_ids) & valid
     out["gold_spans"] = span_positives(
         reader["token_ids"], block_start, block_end, answer_ids,
-        config.max_span_width)
+        max_span_width)
   return out
 
 

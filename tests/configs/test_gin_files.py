@@ -49,17 +49,9 @@ def test_gin_file_parses(path):
     elif name.startswith("eval") or "/runs/eval" in path:
       config = gin.get_configurable(qa_eval.EvalConfig)()
       assert config.recall_ks
-      qa = gin.get_configurable(qa_inputs.QAConfig)()
-      if name == "eval_tiny_cpu.gin":  # Must be fine-tuning's sizes.
-        gin.clear_config()
-        gin_cli.parse(["experiments/finetune_tiny_cpu.gin"], REQUIRED)
-        ft = gin.get_configurable(finetune.FinetuneConfig)()
-        assert (qa.question_length, qa.reader_length,
-                qa.num_reader_blocks) == (ft.question_length,
-                                          ft.reader_length,
-                                          ft.num_reader_blocks)
-        gin.clear_config()
-        gin_cli.parse([path], REQUIRED)
+      # Imported weights' QA sizes (a fine-tuning checkpoint carries its
+      # own): they build.
+      gin.get_configurable(qa_inputs.QAConfig)()
     elif name.startswith("ict") or "/runs/ict" in path:
       config = gin.get_configurable(ict.IctTrainConfig)()
       assert config.workdir == "/tmp/w"

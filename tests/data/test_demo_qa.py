@@ -16,6 +16,7 @@ from realm_jax.data import corpus_job
 from realm_jax.data import demo_qa
 from realm_jax.data import qa
 from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.model import realm
 
 # The demo's corpus: the first 16 articles of the gensim slice, 128 wordpieces.
 _NUM_DOCUMENTS = 16
@@ -25,8 +26,8 @@ _ARTICLES = frozenset((
     "Abraham Lincoln", "Aristotle", "An American in Paris",
     "Academy Award for Best Production Design", "Academy Awards", "Actrius",
     "Animalia (book)", "International Atomic Time", "Altruism", "Ayn Rand"))
-# Reader spans are at most qa_inputs.QAConfig.max_span_width (10) wordpieces.
-_MAX_ANSWER_WORDPIECES = 10
+# Reader spans are at most the reader's max_span_width (10) wordpieces.
+_MAX_ANSWER_WORDPIECES = realm.ReaderConfig.max_span_width
 
 
 @pytest.fixture(scope="module")

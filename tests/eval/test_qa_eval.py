@@ -27,8 +27,7 @@ from realm_jax.testing import corpus, tiny
 from realm_jax.training import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
-                               num_reader_blocks=3, reader_length=48,
-                               max_span_width=4)
+                               num_reader_blocks=3, reader_length=48)
 QUESTIONS = [
     ("Where was Mozart born?", ["Salzburg"]),
     ("When did the Berlin Wall fall?", ["9 November 1989", "1989"]),
@@ -185,7 +184,7 @@ def test_evaluate_against_an_independent_computation(setup, tmp_path):
     room = QA_CONFIG.reader_length - int(q["question_mask"][i].sum()) - 1
     oracle.append(any(
         any(list(body[s:s + len(p)]) == p for p in pieces
-            if len(p) <= QA_CONFIG.max_span_width
+            if len(p) <= setup["config"].reader.max_span_width
             for s in range(len(body)))
         for body in (store.body_ids(b)[:room] for b in row["retrieved_ids"][
             :3])))

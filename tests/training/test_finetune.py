@@ -4,6 +4,7 @@ Runs the real trainer on the tiny real-text corpus with an exact-search
 index published by the index builder's code from the initial retriever.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -22,7 +23,7 @@ from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
 from realm_jax.training import finetune, qa_inputs
-from realm_jax.core import checkpoints, parallel
+from realm_jax.core import checkpoints, dataclass_json, parallel
 
 STEPS = 12
 QA = [
@@ -81,13 +82,15 @@ def _write_store(directory, max_block_len):
 def _configs(workdir, store, qa, index, **overrides):
   # Checkpoints only at the end of a call (orbax saves take seconds here).
   values = {"num_train_steps": STEPS, "checkpoint_every": 100, **overrides}
+  qa_fields = {f.name for f in dataclasses.fields(qa_inputs.QAConfig)}
+  scope = {k: "qa_inputs.QAConfig" if k in qa_fields
+           else "finetune.FinetuneConfig" for k in values}
   gin.clear_config()
   try:
     gin_cli.parse(["experiments/finetune_tiny_cpu.gin"], [
         f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
         f"TRAIN_JSONL = '{qa}'", f"INDEX_DIR = '{index}'"] + [
-            f"finetune.FinetuneConfig.{k} = {v!r}" for k, v in
-            values.items()])
+            f"{scope[k]}.{k} = {v!r}" for k, v in values.items()])
     return (gin.get_configurable(finetune.FinetuneConfig)(),
             gin.get_configurable(finetune.RealmConfig)())
   finally:
@@ -169,11 +172,11 @@ def _qa_batch(setup, model, n):
   rng = np.random.default_rng(0)
   retrieved = np.stack([rng.permutation(len(store))[:8] for _ in range(n)])
   config = qa_inputs.QAConfig(question_length=16, num_retrieved=8,
-                              num_reader_blocks=3, reader_length=48,
-                              max_span_width=model.reader.max_span_width)
+                              num_reader_blocks=3, reader_length=48)
   batch = qa_inputs.qa_batch(
       questions, retrieved, index.embeddings, store, config,
-      answer_ids=[qa_lib.tokenize_answers(tok, a) for _, a in QA[:n]])
+      answer_ids=[qa_lib.tokenize_answers(tok, a) for _, a in QA[:n]],
+      max_span_width=model.reader.max_span_width)
   return {k: batch[k] for k in finetune.DEVICE_FEATURES}
 
 
@@ -278,10 +281,30 @@ def test_config_checks():
     finetune.train(config=finetune.FinetuneConfig(
         **kwargs, num_epochs=1.0, batch_size=12), model=tiny.tiny_realm())
   with pytest.raises(ValueError, match="num_reader_blocks=6 exceeds"):
-    finetune.FinetuneConfig(**kwargs, num_epochs=1.0, num_retrieved=5,
-                            num_reader_blocks=6)
+    qa_inputs.QAConfig(num_retrieved=5, num_reader_blocks=6)
   config = finetune.FinetuneConfig(**kwargs, num_epochs=2.5, batch_size=16)
   assert config.total_steps(100) == 16  # ceil(2.5 * 100 / 16).
+  assert config.qa == qa_inputs.QAConfig()  # ORQA's sizes.
+
+
+def test_configs_of_old_checkpoints_read_their_flat_qa_fields():
+  """A FinetuneConfig saved before `qa` held question_length,
+  num_retrieved, num_reader_blocks, reader_length and max_span_width as
+  its own fields: they load as `qa` (the width is the reader's)."""
+  config = finetune.FinetuneConfig(
+      workdir="w", train_jsonl="q", index_dir="i", block_store="b",
+      num_epochs=1.0, qa=qa_inputs.QAConfig(
+          question_length=16, num_retrieved=8, num_reader_blocks=3,
+          reader_length=48))
+  saved = dataclass_json.to_dict(config)
+  assert finetune.config_from_dict(saved, "new") == config
+  old = {k: v for k, v in saved.items() if k != "qa"}
+  for max_span_width in (None, 10):
+    old.update(saved["qa"], max_span_width=max_span_width)
+    assert finetune.config_from_dict(old, "old") == config
+  with pytest.raises(ValueError, match="old: unknown FinetuneConfig fields "
+                     r"\['num_blocks'\]"):
+    finetune.config_from_dict(dict(old, num_blocks=3), "old")
 
 
 def test_regex_answers_become_literal_strings():
@@ -310,10 +333,9 @@ def test_regex_answers_mark_positives_and_gold_spans(setup):
   for ids in answer_ids:
     assert len(ids) == 1 and list(ids[0]) == list(want)
   config = qa_inputs.QAConfig(question_length=16, num_retrieved=2,
-                              num_reader_blocks=1, reader_length=48,
-                              max_span_width=10)
+                              num_reader_blocks=1, reader_length=48)
   batch = qa_inputs.qa_batch(q, retrieved, np.zeros((len(store), 4)), store,
-                             config, answer_ids=answer_ids)
+                             config, answer_ids=answer_ids, max_span_width=10)
   np.testing.assert_array_equal(batch["has_answer"],
                                 [[False, True], [True, False]])
   assert not batch["gold_spans"][0].any() and batch["gold_spans"][1].sum() == 1
@@ -333,10 +355,10 @@ def test_experiment_gin_files_build_their_configs(name):
   finally:
     gin.clear_config()
   assert config.index_dir == "/i" and model.reader.span_head
-  assert config.reader_length - config.question_length <= 288
+  assert config.qa.reader_length - config.qa.question_length <= 288
   if name != "finetune_tiny_cpu.gin":
-    assert (config.learning_rate, config.num_retrieved,
-            config.num_reader_blocks, config.reader_length) == (
+    assert (config.learning_rate, config.qa.num_retrieved,
+            config.qa.num_reader_blocks, config.qa.reader_length) == (
                 1e-5, 5000, 5, 320)
     assert config.regex_answers == (name == "finetune_curatedtrec.gin")
     assert model.retriever.bert.hidden_size == 768
@@ -355,15 +377,10 @@ def test_checkpoints_carry_their_configs_and_load_from_them(setup,
   config = _config(setup, workdir)
   loaded = realm_jax.load(workdir, batch_size=8)
   assert loaded.model_config == qa_model.qa_model_config(setup["model"])
-  assert loaded.qa_config.question_length == config.question_length
-  assert loaded.qa_config.reader_length == config.reader_length
+  assert loaded.qa_config == config.qa  # K = 8 fits the corpus.
   by_hand = qa_model.load_qa_model(
       model_config=setup["model"], store=setup["store"], workdir=workdir,
-      index_dir=setup["index"], batch_size=8, qa_config=qa_inputs.QAConfig(
-          question_length=config.question_length,
-          num_retrieved=config.num_retrieved,
-          num_reader_blocks=config.num_reader_blocks,
-          reader_length=config.reader_length))
+      index_dir=setup["index"], batch_size=8, qa_config=config.qa)
   question = QA[0][0]
   a, b = loaded.ask(question), by_hand.predict([question])[0]
   assert (a.prediction, a.block_id) == (b.prediction, b.block_id)

@@ -13,8 +13,8 @@ from realm_jax.testing import corpus, tiny
 from realm_jax.training import qa_inputs
 
 CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
-                            num_reader_blocks=3, reader_length=48,
-                            max_span_width=4)
+                            num_reader_blocks=3, reader_length=48)
+MAX_SPAN_WIDTH = 4  # The reader's ReaderConfig.max_span_width.
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,11 @@ def test_batch_layout_has_answer_and_gold_spans(store):
   emb = rng.normal(size=(len(store), 8)).astype(np.float32)
   answer_ids = [qa_lib.tokenize_answers(tok, a) for a in answers]
   batch = qa_inputs.qa_batch(q, retrieved, emb, store, CONFIG,
-                             answer_ids=answer_ids)
+                             answer_ids=answer_ids,
+                             max_span_width=MAX_SPAN_WIDTH)
+  with pytest.raises(TypeError, match="needs max_span_width"):
+    qa_inputs.qa_batch(q, retrieved, emb, store, CONFIG,
+                       answer_ids=answer_ids)
   assert batch["reader_ids"].shape == (2, 3, 48)
   assert not batch["retrieved_mask"][1, 5]
   np.testing.assert_array_equal(batch["retrieved_embeddings"][0],
@@ -57,7 +61,7 @@ def test_batch_layout_has_answer_and_gold_spans(store):
       assert ids[e + 1] == tok.sep_id
       # Gold spans: exactly the occurrences of an answer inside the body.
       for start in range(48):
-        for w in range(4):
+        for w in range(MAX_SPAN_WIDTH):
           piece = list(ids[start:start + w + 1])
           want = (s <= start and start + w <= e and any(
               piece == list(a) for a in answer_ids[i]))
@@ -78,7 +82,8 @@ def test_qa_logits_and_losses_run_on_the_batch(store):
       np.float32)
   batch = qa_inputs.qa_batch(q, retrieved, emb, store, CONFIG,
                              answer_ids=[qa_lib.tokenize_answers(
-                                 tok, ["Salzburg"])])
+                                 tok, ["Salzburg"])],
+                             max_span_width=cfg.reader.max_span_width)
   retrieval, reader = model.qa_logits(
       {k: jnp.asarray(v) for k, v in batch.items()})
   query = model.retriever.embed_queries(q["question_ids"],
