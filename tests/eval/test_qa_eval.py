@@ -7,6 +7,7 @@ import re
 import string
 import subprocess
 import sys
+import threading
 
 import gin
 import jax
@@ -308,6 +309,20 @@ def test_checkpoint_params_are_fitted_or_refused(setup):
   assert len(model.predict(["Where was Mozart born?"])) == 1
   with pytest.raises(core.CheckpointMismatchError, match="query_embedder"):
     setup["model"].with_params({"reader": params["reader"]})
+
+
+def test_a_job_started_before_a_checkpoint_waits_for_its_configs(tmp_path):
+  """The eval job reads the model config and QA sizes from the trainer's
+  checkpoint; one started before the first checkpoint waits for it (until
+  its timeout) instead of evaluating with the gin files' sizes."""
+  ckpt_dir = tmp_path / "checkpoints"
+  config = qa_eval.EvalConfig(poll_seconds=0.05, timeout_seconds=0.2)
+  assert not qa_eval._has_checkpoint(str(ckpt_dir), config)  # pylint: disable=protected-access
+  writer = threading.Timer(0.3, lambda: (ckpt_dir / "4").mkdir(parents=True))
+  writer.start()
+  assert qa_eval._has_checkpoint(str(ckpt_dir), dataclasses.replace(  # pylint: disable=protected-access
+      config, timeout_seconds=60.0))
+  writer.join()
 
 
 def _save(directory, step, params):
