@@ -128,7 +128,7 @@ def _bindings(name: str, args) -> list[str]:
                          f"{30 * args.refresh_every}",
                          "pretrain.PretrainConfig.rerank_candidates = "
                          f"{args.rerank}"],
-      "random_masks": ["pretrain.PretrainConfig.masking = 'random_tokens'"],
+      "random_masks": ["examples.RealmQueryConfig.masking = 'random_tokens'"],
       "realm_slow": ["pretrain.PretrainConfig."
                      "retriever_learning_rate_multiplier = 0.01"],
   }[name]
@@ -257,7 +257,7 @@ def main(argv=None) -> None:
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
   from realm_jax.training import ict, pretrain  # pylint: disable=g-import-not-at-top
-  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints, gin_config  # pylint: disable=g-import-not-at-top
   from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
 
   conditions = [c for c in args.conditions.split(",") if c]
@@ -296,6 +296,7 @@ def main(argv=None) -> None:
   gin, model = _configs(gin_files, [b for b in base
                                     if ".num_train_steps" not in b])
   recipe = gin.get_configurable(pretrain.PretrainConfig)()
+  recipe_queries = gin_config.configured(examples.RealmQueryConfig)
   if recipe.retriever_gate == "utility" and (
       recipe.freeze_retriever_steps >= recipe.num_train_steps):
     # The recipe's bound is its whole run: keep it the whole run.
@@ -307,11 +308,11 @@ def main(argv=None) -> None:
     dev_cache = os.path.join(args.workdir, "queries_dev")
     if not os.path.exists(dev_cache):
       query_cache.build_query_cache(
-          dev_x, dev_cache, query_config=pretrain.realm_query_config(
-              recipe), seed=args.seed, num_shards=1)
+          dev_x, dev_cache, query_config=recipe_queries, seed=args.seed,
+          num_shards=1)
   heldout = examples.read_realm_queries(
       heldout_x, Tokenizer(),
-      config=pretrain.realm_query_config(recipe, masking="salient"),
+      config=dataclasses.replace(recipe_queries, masking="salient"),
       seed=args.seed)
   if args.max_heldout:
     keep = np.sort(np.random.default_rng(args.seed).permutation(
@@ -333,7 +334,7 @@ def main(argv=None) -> None:
         params, model, store, heldout, gold,
         num_candidates=recipe.num_candidates,
         reader_length=recipe.reader_length, questions=questions,
-        question_length=recipe.query_length,
+        question_length=recipe_queries.query_length,
         trivial_candidates=args.trivial, block_emb=block_emb), **extra}
     if seconds is not None:
       row["train_seconds"] = round(seconds, 1)
@@ -399,7 +400,7 @@ def main(argv=None) -> None:
     path = os.path.join(args.workdir, f"queries_{config.masking}")
     if not os.path.exists(path):
       query_cache.build_query_cache(
-          train_x, path, query_config=pretrain.realm_query_config(config),
+          train_x, path, query_config=config,
           seed=args.seed, num_shards=1)
     return path
 
@@ -410,7 +411,8 @@ def main(argv=None) -> None:
         "pretrain.PretrainConfig.keep_checkpoints = 1000"]
         + start_from + _bindings(condition, args))
     config = gin.get_configurable(pretrain.PretrainConfig)()
-    config = dataclasses.replace(config, queries=queries_for(config))
+    config = dataclasses.replace(config, queries=queries_for(
+        gin_config.configured(examples.RealmQueryConfig)))
     ckpt_dir = checkpoints.checkpoint_dir(workdir)
     shared = condition not in ("realm", "realm_original") and warmup
     if shared and not os.path.exists(ckpt_dir):

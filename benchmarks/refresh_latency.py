@@ -47,8 +47,7 @@ def main():
   if not os.path.exists(queries):
     query_cache.build_query_cache(
         f"{annotated}/*.tfr.gz", queries, num_shards=1,
-        query_config=examples.RealmQueryConfig(query_length=48,
-                                               mask_limit=46))
+        query_config=examples.RealmQueryConfig(query_length=48))
   workdir = os.path.join(root, "run")
   bindings = [
       f"WORKDIR='{workdir}'", f"BLOCK_STORE='{store}'",
@@ -57,7 +56,6 @@ def main():
       f"pretrain.PretrainConfig.checkpoint_every={args.checkpoint_every}",
       "pretrain.PretrainConfig.index_mode='builder'",
       "pretrain.PretrainConfig.keep_checkpoints=1000",
-      "pretrain.PretrainConfig.query_length=48",
       "pretrain.PretrainConfig.reader_length=176",
   ]
   trainer = subprocess.Popen(

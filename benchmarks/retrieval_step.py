@@ -55,8 +55,7 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
   # The demo's shapes: MiniLM-L6 towers, queries of 48, blocks of 128,
   # reader 176; its builder job replaced by the inline exact index (the
   # same input work per step).
-  shapes = ["pretrain.PretrainConfig.query_length = 32",
-            "pretrain.PretrainConfig.reader_length = 64"] if not demo else [
+  shapes = ["pretrain.PretrainConfig.reader_length = 64"] if not demo else [
                 "pretrain.PretrainConfig.index_mode = 'inline'",
                 "pretrain.PretrainConfig.freeze_retriever_steps = 0",
                 "pretrain.PretrainConfig.mlm_head_warmup_steps = 0",

@@ -52,6 +52,7 @@ from realm_jax import ask as ask_lib
 from realm_jax.core import checkpoints, checks, gin_config
 from realm_jax.data import block_store
 from realm_jax.data import annotate_job, corpus_job, demo_qa, query_cache
+from realm_jax.data import examples
 from realm_jax.data import wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import pretrain_eval, qa_eval
@@ -186,8 +187,8 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
   n, scope = jax.device_count(), ("pretrain.PretrainConfig"
                                   if stage == "pretrain"
                                   else "finetune.FinetuneConfig")
-  prefix = (task.query_length if stage == "pretrain"
-            else task.qa.question_length)
+  prefix = (gin_config.configured(examples.RealmQueryConfig).query_length
+            if stage == "pretrain" else task.qa.question_length)
   lengths = scope if stage == "pretrain" else "qa_inputs.QAConfig"
   extra += [f"{scope}.batch_size = {-(-task.batch_size // n) * n}",
             f"{lengths}.reader_length = {prefix + config.max_block_len}"]
@@ -311,10 +312,12 @@ def _build_inputs(config: DemoConfig, paths: dict[str, str]):
 
   t = time.time()
   run, _, _ = stage_configs(config, "pretrain")
+  # The masking the demo's gin files bind; the trainer reads it back from
+  # the cache's manifest.
   manifest = query_cache.build_query_cache(
       os.path.join(paths["annotated"], "*.tfr.gz"), paths["queries"],
       overwrite=True, num_shards=1, seed=run.seed,
-      query_config=pretrain.realm_query_config(run))
+      query_config=gin_config.configured(examples.RealmQueryConfig))
   _log("query_cache", queries=manifest["num_queries"],
        seconds=round(time.time() - t, 1))
   return store
@@ -433,9 +436,10 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
       _log("mlm_head_warmup", **json.load(f))
   _log("pretrain_done", seconds=round(pretrain_seconds, 1),
        indices_published=published)
-  pretrain_run, pretrain_model, _ = stage_configs(config, "pretrain")
-  change = retrieval_change(store, paths, pretrain_model,
-                            pretrain_run.query_length)
+  _, pretrain_model, _ = stage_configs(config, "pretrain")
+  query_length = query_cache.read_manifest(
+      paths["queries"])["query_config"]["query_length"]
+  change = retrieval_change(store, paths, pretrain_model, query_length)
   _log("retrieval_change", **{f"{when}_{k}": v for when, r in change.items()
                               for k, v in _round(r).items()})
 

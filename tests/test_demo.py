@@ -111,7 +111,7 @@ def test_stage_configs_come_from_the_experiment_files(tmp_path):
   run, model, operative = demo.stage_configs(config, "pretrain")
   assert (run.num_train_steps, run.freeze_retriever_steps) == (8, 4)
   assert run.init_from == "minilm" and run.index_mode == "builder"
-  assert run.reader_length == run.query_length + 100
+  assert run.reader_length == 48 + 100  # The queries' length + blocks'.
   assert model.retriever.pooling == "mean" and model.retriever.normalize
   assert "num_train_steps = 8" in operative
   # The operative config is what runs: batch and reader length included.

@@ -24,7 +24,6 @@ def _bindings(workdir, store, queries):
           f"QUERIES='{queries}'",
           f"pretrain.PretrainConfig.num_train_steps={STEPS}",
           "pretrain.PretrainConfig.checkpoint_every=2",
-          "pretrain.PretrainConfig.query_length=32",
           "pretrain.PretrainConfig.reader_length=64"]
 
 

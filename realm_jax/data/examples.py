@@ -64,20 +64,24 @@ class RealmQueryConfig:
   Attributes:
     query_length: wordpieces of `[CLS] sentence [SEP]` (REALM: 96).
     max_masks: at most this many masked targets (REALM: 10).
-    mask_limit: every masked position is < mask_limit (REALM: 94).
+    mask_limit: every masked position is < mask_limit; None (the default)
+      is query_length - 2 (REALM: 94 of 96), two positions of room
+      before the final [SEP].
     masking: "salient" (REALM), "random_tokens" or "random_spans".
     random_token_rate: share of the window masked by "random_tokens".
     span_length_p: parameter of the geometric span length ("random_spans").
   """
   query_length: int = 96
   max_masks: int = 10
-  mask_limit: int = 94
+  mask_limit: int | None = None
   masking: str = "salient"
   random_token_rate: float = 0.15
   span_length_p: float = 0.2
 
   def __post_init__(self):
     checks.field_types(self)
+    if self.mask_limit is None:
+      object.__setattr__(self, "mask_limit", self.query_length - 2)
     if self.masking not in MASKING_MODES:
       raise ValueError(f"masking={self.masking!r}; use one of {MASKING_MODES}.")
     if self.max_masks < 1:

@@ -16,8 +16,9 @@ part of each step's batch from the result:
   index), so the cache's content does not depend on the runner or on how
   it split the work. The output appears atomically, manifest last
   (`beam_utils.ShardedOutput`). The command line (runs/query_cache.gin)
-  masks as the pre-training run's gin files say (`QueryCacheConfig`);
-  other flags are Beam options (`--runner=DataflowRunner ...`; BUILD.md).
+  masks as `examples.RealmQueryConfig` is bound (`QueryCacheConfig`), and
+  the trainer reads that config from the manifest; other flags are Beam
+  options (`--runner=DataflowRunner ...`; BUILD.md).
 
 * `QueryStream` is the trainer's reader. Row r of a global batch of B
   (N <= B shards) comes from shard k = floor(r * N / B): each shard fills
@@ -49,7 +50,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from absl import logging
 import numpy as np
@@ -58,6 +59,10 @@ from realm_jax.core import checks, io_utils
 from realm_jax.data import examples as examples_lib
 
 FORMAT_VERSION = 1
+# Shards a cache gets by default: a global batch of at least 8 streams it on
+# 1, 2, 4 or 8 hosts. Pods set `QueryCacheConfig.num_shards` (a multiple of
+# the trainer's host count, at most its global batch size).
+DEFAULT_SHARDS = 8
 MANIFEST = "manifest.json"
 # Random access: one record per chunk, no read-ahead. The chunk index stays
 # in memory (~14 bytes a row of this host's shards): the "offloaded" index
@@ -500,7 +505,7 @@ def build_query_cache(
     query_config: examples_lib.RealmQueryConfig = (
         examples_lib.RealmQueryConfig()),
     seed: int = 0,
-    num_shards: int = 8,
+    num_shards: int = DEFAULT_SHARDS,
     vocab_path: str | None = None,
     lower_case: bool = True,
     pipeline_args: Sequence[str] = (),
@@ -631,75 +636,40 @@ class _Register:
 # -----------------------------------------------------------------------------
 
 
-def trainer_query_config(run) -> examples_lib.RealmQueryConfig:
-  """The queries of a pre-training run's config: as REALM's (masks end
-  before position 94 of 96), shorter queries keep the same two positions of
-  room."""
-  return examples_lib.RealmQueryConfig(
-      query_length=run.query_length, masking=run.masking,
-      max_masks=min(run.max_masks, run.query_length - 4),
-      mask_limit=run.query_length - 2)
-
-
-# The most shards a cache gets by default (the shards are sorted in a
-# worker's memory; more shards for a larger corpus: set num_shards).
-MAX_DEFAULT_SHARDS = 64
-
-
-def trainer_num_shards(run) -> int:
-  """The shard count a pre-training run's config accepts: the largest
-  divisor of its global `batch_size` that is at most `MAX_DEFAULT_SHARDS`
-  (and at most `gate_num_queries`, the batch of the held-out gate cache).
-
-  `QueryStream` wants num_shards <= the batch size and a multiple of the
-  host count, which divides the batch size; so a batch size of at most 64
-  gives that many shards (any host count the run can have reads them),
-  and a power-of-two batch gives a multiple of every power-of-two host
-  count up to 64. Other pods: set `QueryCacheConfig.num_shards`.
-  """
-  limit = min(MAX_DEFAULT_SHARDS, run.batch_size,
-              max(run.gate_num_queries, 1))
-  return max(d for d in range(1, limit + 1) if run.batch_size % d == 0)
-
-
 @dataclasses.dataclass(frozen=True)
 class QueryCacheConfig:
   """The command line's `build_query_cache` (runs/query_cache.gin binds the
-  paths). The masking is the trainer's: `trainer_config` is
-  `pretrain.PretrainConfig` as the gin files bind it (add the pre-training
-  run's file), read into `query_config` by `trainer_query_config`, so the
-  cache passes the trainer's `QueryStream.check`. `num_shards`: None (the
-  default) takes `trainer_num_shards` of that config (without one,
-  `MAX_DEFAULT_SHARDS`); a number the trainer would refuse (more than its
-  global batch size) is an error. `seed`: the masking seed."""
+  paths).
+
+  Attributes:
+    annotated: glob pattern(s) of the annotated files, comma-separated.
+    output_dir: the cache directory to create.
+    query_config: how the queries are masked (query_length, max_masks,
+      masking; REALM's 96/10/salient by default). It is written into the
+      manifest, and the trainer takes it from there: bind
+      `examples.RealmQueryConfig` once, in the experiment's gin file.
+    num_shards: ArrayRecord shards. The trainer reads every shard in each
+      step's batch, so it needs at most its global batch size, and a
+      multiple of its host count (`QueryStream`); `DEFAULT_SHARDS` (8)
+      suits any batch of at least 8 on up to 8 hosts.
+    seed: the masking seed.
+    vocab_path: the wordpiece vocabulary (default: the bundled one).
+    overwrite: replace an existing cache.
+  """
   annotated: str
   output_dir: str
-  num_shards: int | None = None
+  query_config: examples_lib.RealmQueryConfig = (
+      examples_lib.RealmQueryConfig())
+  num_shards: int = DEFAULT_SHARDS
   seed: int = 0
   vocab_path: str | None = None
   overwrite: bool = False
-  trainer_config: Callable[..., Any] | None = dataclasses.field(
-      default=None, repr=False)
-  query_config: examples_lib.RealmQueryConfig = dataclasses.field(
-      init=False, default=examples_lib.RealmQueryConfig())
 
   def __post_init__(self):
     checks.field_types(self)
-    run = (self.trainer_config(workdir="", block_store="", queries="")
-           if self.trainer_config else None)  # (its paths do not matter)
-    if run is not None:
-      object.__setattr__(self, "query_config", trainer_query_config(run))
-    if self.num_shards is None:
-      object.__setattr__(self, "num_shards", trainer_num_shards(run)
-                         if run is not None else MAX_DEFAULT_SHARDS)
-    elif self.num_shards < 1:
-      raise ValueError(f"num_shards={self.num_shards} must be >= 1.")
-    elif run is not None and self.num_shards > run.batch_size:
-      raise ValueError(
-          f"num_shards={self.num_shards} is more than the trainer's global "
-          f"batch_size={run.batch_size}, so it would refuse the cache; leave "
-          f"num_shards unset (it would be {trainer_num_shards(run)}) or set "
-          "at most the batch size.")
+    if self.num_shards < 1:
+      raise ValueError(f"QueryCacheConfig.num_shards={self.num_shards} must "
+                       "be >= 1.")
 
 
 def run(config: QueryCacheConfig, pipeline_args: Sequence[str]) -> None:
@@ -717,5 +687,7 @@ if __name__ == "__main__":
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   gin_cli.run_data_job("realm_jax.data.query_cache", "QueryCacheConfig",
                        "runs/query_cache.gin", defaults=[
+                           # An experiment file included for its query
+                           # settings also names the trainer's paths.
                            f"{m} = ''" for m in ("WORKDIR", "BLOCK_STORE",
                                                  "QUERIES")])

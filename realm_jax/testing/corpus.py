@@ -57,27 +57,24 @@ def make_tiny_corpus(directory: str, *, max_block_len: int = 32,
 
 
 def make_query_cache(annotated: str, output_dir: str, *, num_shards: int = 1,
-                     **pretrain_overrides) -> str:
-  """The query cache a pre-training run with these config fields reads.
-
-  Built by the real Beam job (DirectRunner) once; an existing cache is kept.
+                     seed: int = 0, **query_config) -> str:
+  """A query cache, built by the real Beam job (DirectRunner) once; an
+  existing cache is kept.
 
   Args:
     annotated: annotated record files (glob or comma-separated).
     output_dir: the cache directory.
     num_shards: cache shards (a multiple of the host count of the run).
-    **pretrain_overrides: `PretrainConfig` fields that shape the queries
-      (query_length, max_masks, masking, seed).
+    seed: the masking seed.
+    **query_config: `examples.RealmQueryConfig` fields (query_length,
+      max_masks, masking, ...); the trainer reads them from the manifest.
 
   Returns:
     `output_dir`.
   """
-  from realm_jax.data import query_cache  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import examples, query_cache  # pylint: disable=g-import-not-at-top
   if not os.path.exists(output_dir):
-    config = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                     **pretrain_overrides)
     query_cache.build_query_cache(
-        annotated, output_dir, seed=config.seed, num_shards=num_shards,
-        query_config=pretrain.realm_query_config(config))
+        annotated, output_dir, seed=seed, num_shards=num_shards,
+        query_config=examples.RealmQueryConfig(**query_config))
   return output_dir

@@ -45,7 +45,6 @@ from realm_jax.training import optimizer as optimizer_lib
 # The run's settings; gin binds them as pretrain.PretrainConfig.
 from realm_jax.training.pretrain_config import DOCUMENT_TOWER
 from realm_jax.training.pretrain_config import PretrainConfig
-from realm_jax.training.pretrain_config import realm_query_config
 from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 
 # ----------------------------------------------------------------------------
@@ -154,6 +153,18 @@ def make_optimizer(config: PretrainConfig):
       bias_correction=config.adam_bias_correction)
 
 
+def _check_reader_length(config: PretrainConfig,
+                         queries: query_cache.QueryStream) -> None:
+  """The reader reads [CLS] x [SEP] body [SEP]: longer than the queries."""
+  query_length = queries.query_config.query_length
+  if config.reader_length <= query_length:
+    raise ValueError(
+        f"PretrainConfig.reader_length={config.reader_length} must exceed "
+        f"the query_length={query_length} of the query cache "
+        f"{config.queries} (the reader reads [CLS] x [SEP] body [SEP]): "
+        f"set reader_length to {query_length} + the block length.")
+
+
 def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
                     fresh, queries, store, is_chief: bool):
   """`init_from`, then the MLM-head warm start and the reader adaptation
@@ -247,8 +258,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
         seed=int(distributed.broadcast_from_chief(np.int64(config.seed))),
         process_index=jax.process_index(),
         process_count=jax.process_count())
-    queries.check(realm_query_config(config),
-                  vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
+    queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
+    _check_reader_length(config, queries)
     graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                       config.seed)
     tx = make_optimizer(config)
@@ -262,7 +273,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     loss_fn = make_loss_fn(graphdef, config.null_document)
     gate = None
     if config.retriever_gate == "utility":
-      gate = gate_lib.RetrieverGate(config, realm_query_config(config),
+      gate = gate_lib.RetrieverGate(config, queries.query_config,
                                     inputs, loss_fn, config.workdir,
                                     run.is_chief)
       gate.restore(restored, start_step, state)

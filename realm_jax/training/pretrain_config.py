@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from realm_jax.core import checks
-from realm_jax.data import examples as examples_lib
-from realm_jax.data import query_cache
 from realm_jax.training import loop, mlm_warmup, realm_inputs
 
 INDEX_MODES = ("inline", "builder")
@@ -29,9 +27,11 @@ class PretrainConfig(loop.TrainConfig):
 
   Attributes:
     queries: the pre-training corpus X as a query cache directory (masked
-      REALM queries written by `python -m realm_jax.data.query_cache` with
-      this run's query_length, max_masks and masking; its shard count a
-      multiple of the host count).
+      REALM queries written by `python -m realm_jax.data.query_cache`; its
+      shard count a multiple of the host count, at most `batch_size`). The
+      cache's manifest says how its queries were made (query_length,
+      max_masks, masking: `examples.RealmQueryConfig`); the run reads them
+      from there.
     learning_rate: the reader's when the retriever has its own schedule.
     retriever_learning_rate_multiplier: the retriever's peak rate relative
       to `learning_rate` (REALM: 1; 0 freezes the retriever).
@@ -85,11 +85,8 @@ class PretrainConfig(loop.TrainConfig):
       block of the sentence's own article) or "block" (only the block that
       holds the sentence, as REALM's reference code). See
       `realm_inputs.TrivialCandidates`.
-    masking: "salient" (REALM), "random_tokens" or "random_spans".
-    max_masks: masked targets per query at most (REALM: 10); the reader's
-      vocabulary logits are computed for this many slots per candidate, so
-      corpora of short spans train faster with fewer.
-    query_length, reader_length: 96 and 384 (= 96 + 288) in REALM.
+    reader_length: the reader's input, query + block (REALM: 384 = 96 +
+      288); it must exceed the query cache's query_length.
     checkpoint_every: also the inline index refresh period.
     index_mode: "builder" (REALM: a separate job refreshes the index) or
       "inline" (rebuilt in-process after each checkpoint: small CPU runs,
@@ -162,9 +159,6 @@ class PretrainConfig(loop.TrainConfig):
   num_candidates: int = 7
   null_document: bool = True
   trivial_candidates: str = "article"
-  masking: str = "salient"
-  max_masks: int = 10
-  query_length: int = 96
   reader_length: int = 384
   checkpoint_every: int = 500
   index_mode: str = "builder"
@@ -237,13 +231,3 @@ class PretrainConfig(loop.TrainConfig):
             "retriever_gate='utility' with freeze_retriever_steps=0 releases "
             "the retriever at step 0; set freeze_retriever_steps to the "
             "latest release (num_train_steps: only on the gate's evidence).")
-    if self.reader_length <= self.query_length:
-      raise ValueError("reader_length must exceed query_length (the reader "
-                       "reads [CLS] x [SEP] body [SEP]).")
-
-
-def realm_query_config(config: PretrainConfig, masking: str | None = None
-                       ) -> examples_lib.RealmQueryConfig:
-  """How the run's queries are masked (`masking` overrides the run's)."""
-  return dataclasses.replace(query_cache.trainer_query_config(config),
-                             masking=masking or config.masking)

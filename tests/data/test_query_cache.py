@@ -289,90 +289,66 @@ def test_beam_job_is_deterministic(beam_cache, annotated, tmp_path):
       assert a.read() == b.read()
 
 
-def test_command_line_masks_and_shards_as_the_trainer(annotated, tmp_path):
-  """The masking comes from pretrain.PretrainConfig's gin bindings, as
-  the trainer reads them: the cache passes the trainer's check. The job
-  finds runs/query_cache.gin itself, and the shard count is one the
-  trainer's batch size (4) accepts on any host count."""
+def test_command_line_masks_as_bound_and_the_trainer_reads_it(annotated,
+                                                              tmp_path):
+  """The masking is examples.RealmQueryConfig's gin binding, written into
+  the manifest; the trainer's stream reads it from there. The job finds
+  runs/query_cache.gin itself, which imports nothing from training/."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  gin_file = os.path.join(os.path.dirname(__file__), "..", "..",
+                          "gin_configs", "runs", "query_cache.gin")
+  with open(gin_file, encoding="utf-8") as f:
+    assert "realm_jax.training" not in f.read()
   out = tmp_path / "cache"
   result = subprocess.run(
       [sys.executable, "-m", "realm_jax.data.query_cache",
        f"--gin.ANNOTATED='{annotated}/part-*.tfr.gz'",
        f"--gin.OUTPUT_DIR='{out}'",
-       "--gin.pretrain.PretrainConfig.query_length=32",
-       "--gin.pretrain.PretrainConfig.max_masks=2",
-       "--gin.pretrain.PretrainConfig.batch_size=4",
+       "--gin.RealmQueryConfig.query_length=32",
+       "--gin.RealmQueryConfig.max_masks=2",
+       "--gin.QueryCacheConfig.num_shards=4",
        "--direct_num_workers=1"],  # a Beam option
       capture_output=True, text=True, cwd=tmp_path, check=False,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
-  run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                query_length=32, max_masks=2, batch_size=4)
+  assert "realm_jax.training" not in result.stderr
   for hosts in (1, 2, 4):
     stream = qc.QueryStream(str(out), seed=0, batch_size=4,
                             process_count=hosts)
-    stream.check(pretrain.realm_query_config(run))
+    assert stream.query_config == ex.RealmQueryConfig(
+        query_length=32, max_masks=2, mask_limit=30)
+    assert stream.batch(0)["query_ids"].shape == (4 // hosts, 32)
     stream.close()
   assert stream.manifest["num_shards"] == 4
   assert stream.manifest["num_queries"] == 48
-  for fields in ({}, dict(query_length=8, masking="random_spans")):
-    run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                  **fields)
-    assert qc.trainer_query_config(run) == pretrain.realm_query_config(run)
 
 
-@pytest.mark.parametrize("batch_size, gate_num_queries, num_shards", [
-    (1, 128, 1), (8, 128, 8), (32, 128, 32), (64, 128, 64), (48, 128, 48),
-    (96, 128, 48), (512, 128, 64), (4096, 128, 64), (32, 16, 16)])
-def test_default_shard_count_is_one_the_trainer_accepts(
-    batch_size, gate_num_queries, num_shards):
-  """Issue 28: 64 shards by default, which a batch of 32 refuses."""
-  import functools  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
-  trainer = functools.partial(pretrain.PretrainConfig,
-                              batch_size=batch_size,
-                              gate_num_queries=gate_num_queries)
-  config = qc.QueryCacheConfig(annotated="a", output_dir="o",
-                               trainer_config=trainer)
-  assert config.num_shards == num_shards
-  # The trainer's rules (QueryStream): at most the batch (and the gate's
-  # batch), a multiple of every host count that divides the batch up to 64
-  # when the batch is at most 64 or a power of two.
-  assert num_shards <= min(batch_size, gate_num_queries)
-  assert batch_size % num_shards == 0
-  if batch_size <= 64 and gate_num_queries >= batch_size:
-    assert num_shards == batch_size
-  if batch_size & (batch_size - 1) == 0:
-    assert num_shards == min(batch_size, 64, gate_num_queries)
-  # Told otherwise: kept, unless the trainer would refuse it.
-  assert qc.QueryCacheConfig(annotated="a", output_dir="o", num_shards=1,
-                             trainer_config=trainer).num_shards == 1
-  with pytest.raises(ValueError, match=f"more than the trainer's global "
-                     f"batch_size={batch_size}"):
-    qc.QueryCacheConfig(annotated="a", output_dir="o",
-                        num_shards=batch_size + 1, trainer_config=trainer)
-  # No trainer config: MAX_DEFAULT_SHARDS.
-  assert qc.QueryCacheConfig(annotated="a", output_dir="o").num_shards == (
-      qc.MAX_DEFAULT_SHARDS)
+def test_query_config_defaults_and_shard_count():
+  # mask_limit follows query_length: two positions of room before [SEP].
+  assert ex.RealmQueryConfig().mask_limit == 94
+  assert ex.RealmQueryConfig(query_length=48).mask_limit == 46
+  config = qc.QueryCacheConfig(annotated="a", output_dir="o")
+  assert config.num_shards == qc.DEFAULT_SHARDS == 8
+  assert config.query_config == ex.RealmQueryConfig()
+  with pytest.raises(ValueError, match="num_shards=0 must be >= 1"):
+    qc.QueryCacheConfig(annotated="a", output_dir="o", num_shards=0)
 
 
-def test_the_default_shards_open_on_every_host_count(tmp_path):
-  """A cache with `trainer_num_shards` shards opens in QueryStream with the
-  trainer's batch for each host count that divides it."""
-  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
-  run = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                batch_size=24)
-  num_shards = qc.trainer_num_shards(run)
-  assert num_shards == 24  # The batch itself: <= 64 and <= gate_num_queries.
-  write_fake_cache(tmp_path / "c", [2] * num_shards)
-  for hosts in (1, 2, 3, 4, 6, 8, 12, 24):
-    stream = qc.QueryStream(str(tmp_path / "c"), seed=0, batch_size=24,
-                            process_count=hosts, process_index=hosts - 1)
-    try:  # Each host reads its share of every step's global batch.
-      assert len(stream.batch(0)["query_ids"]) == 24 // hosts
+@pytest.mark.parametrize("batch_size", [8, 12, 24, 512])
+def test_the_default_shards_open_on_every_host_count(tmp_path, batch_size):
+  """A cache of the default 8 shards opens in QueryStream with a batch of
+  at least 8 on 1, 2, 4 or 8 hosts (those that divide the batch), and each
+  host reads its share of every step's global batch."""
+  write_fake_cache(tmp_path / "c", [2] * qc.DEFAULT_SHARDS)
+  hosts_tried = [h for h in (1, 2, 4, 8) if batch_size % h == 0]
+  assert len(hosts_tried) >= 3
+  for hosts in hosts_tried:
+    stream = qc.QueryStream(str(tmp_path / "c"), seed=0,
+                            batch_size=batch_size, process_count=hosts,
+                            process_index=hosts - 1)
+    try:
+      assert len(stream.batch(0)["query_ids"]) == batch_size // hosts
     finally:
       stream.close()
 

@@ -12,7 +12,7 @@ from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import Realm, RealmConfig, ReaderConfig
 from realm_jax.model.realm import RetrieverConfig
 from realm_jax.testing import knowledge_world
-from realm_jax.training import pretrain, qa_inputs
+from realm_jax.training import qa_inputs
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +65,9 @@ def test_metrics_match_an_independent_computation(world):
   files, store, people = world
   model = _tiny_model()
   _, params = functional.init(lambda r: Realm(model, rngs=r), 3)
-  config = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                   query_length=32, reader_length=96,
-                                   max_masks=2, num_candidates=3)
   queries = examples.read_realm_queries(
-      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config))
+      files.heldout, Tokenizer(),
+      config=examples.RealmQueryConfig(query_length=32, max_masks=2))
   gold_of = knowledge_world.gold_blocks(store, people)
   gold = np.asarray([gold_of[int(h)] for h in queries["source_doc_hash"]])
   got = pretrain_eval.evaluate(params, model, store, queries, gold,
@@ -115,11 +113,9 @@ def test_real_text_mode_and_qa_recall(world):
   files, store, people = world
   model = _tiny_model()
   graphdef, params = functional.init(lambda r: Realm(model, rngs=r), 3)
-  config = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                   query_length=32, reader_length=96,
-                                   max_masks=2, num_candidates=3)
   queries = examples.read_realm_queries(
-      files.heldout, Tokenizer(), config=pretrain.realm_query_config(config))
+      files.heldout, Tokenizer(),
+      config=examples.RealmQueryConfig(query_length=32, max_masks=2))
   questions = [qa.QAExample(f"where was {p.name} born?", (p.city,))
                for p in people]
   got = pretrain_eval.evaluate(params, model, store, queries, None,

@@ -48,7 +48,7 @@ def _launch(tmp_path, steps=1000):
   workdir = str(tmp_path / "run")
   bindings = [f"pretrain.PretrainConfig.{k}={v}" for k, v in (
       ("num_train_steps", steps), ("batch_size", 8), ("num_candidates", 2),
-      ("query_length", 32), ("reader_length", 64), ("checkpoint_every", 2),
+      ("reader_length", 64), ("checkpoint_every", 2),
       ("log_every", 1), ("freeze_retriever_steps", 0),
       ("index_wait_seconds", 300.0))]
   proc = subprocess.Popen(

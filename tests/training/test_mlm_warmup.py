@@ -27,12 +27,9 @@ def world(tmp_path_factory):
 
 
 def _queries(files, query_length=32):
-  config = pretrain.PretrainConfig(workdir="", block_store="", queries="",
-                                   query_length=query_length,
-                                   reader_length=query_length + 64,
-                                   max_masks=2)
   return examples.read_realm_queries(
-      files.train, Tokenizer(), config=pretrain.realm_query_config(config))
+      files.train, Tokenizer(), config=examples.RealmQueryConfig(
+          query_length=query_length, max_masks=2))
 
 
 def test_only_the_head_moves_and_heldout_accuracy_rises(world):
@@ -80,8 +77,8 @@ def test_the_pretraining_job_warms_the_head_on_a_fresh_start(world, tmp_path):
       workdir=workdir, block_store=world.block_store,
       queries=corpus.make_query_cache(world.train, str(tmp_path / "queries"),
                                       query_length=32, max_masks=2),
-      num_train_steps=1, batch_size=8, num_candidates=2, query_length=32,
-      reader_length=96, max_masks=2, checkpoint_every=1,
+      num_train_steps=1, batch_size=8, num_candidates=2,
+      reader_length=96, checkpoint_every=1,
       index_mode="inline", searcher="exact", mlm_head_warmup_steps=40,
       reader_adaptation_steps=3, reader_adaptation_eval_every=2,
       reader_adaptation_learning_rate=1e-3)

@@ -5,6 +5,7 @@ The subprocess tests run the real entry points
 on a tiny real-text corpus, with the 8 emulated devices of the test env.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -37,7 +38,7 @@ def tiny_corpus(tmp_path_factory):
 def _bindings(workdir, tiny_corpus, **overrides):
   store, queries = tiny_corpus
   values = {"num_train_steps": STEPS, "checkpoint_every": 2,
-            "query_length": 32, "reader_length": 64, **overrides}
+            "reader_length": 64, **overrides}
   return [f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
           f"QUERIES = '{queries}'"] + [
               f"pretrain.PretrainConfig.{k} = {v!r}" for k, v in
@@ -343,6 +344,20 @@ def test_reranking_a_stale_index_trains_like_a_fresh_index(
     np.testing.assert_allclose(h["loss"], fresh[step]["loss"], rtol=1e-5,
                                atol=1e-5)
     assert h["hubness"] == fresh[step]["hubness"]
+
+
+def test_the_query_settings_come_from_the_cache(tmp_path, tiny_corpus):
+  """The trainer declares no masking: it streams the cache's (query_length
+  32 here, from its manifest) and refuses a reader too short for it, naming
+  the cache."""
+  config, model = _configs(_bindings(str(tmp_path / "run"), tiny_corpus,
+                                     reader_length=32))
+  gin.clear_config()
+  assert not {"query_length", "max_masks", "masking"} & {
+      f.name for f in dataclasses.fields(config)}
+  with pytest.raises(ValueError, match=r"reader_length=32 must exceed the "
+                     r"query_length=32 of the query cache .*queries"):
+    pretrain.train(config=config, model=model)
 
 
 def test_rerank_configuration_is_checked(tiny_corpus):
