@@ -125,7 +125,7 @@ def publish_random_index(store, root: str, dim: int) -> None:
   builder.publish_embeddings(
       embeddings=emb / np.linalg.norm(emb, axis=1, keepdims=True),
       store=store, root=root, step=0,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
 
 
 def run_trainer(*, model, store_dir, index_dir, qa_path, batch_size, k,

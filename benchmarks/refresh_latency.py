@@ -67,9 +67,9 @@ def main():
       [sys.executable, "-m", "realm_jax.index.builder",
        "--gin_file=models/tiny.gin", "--gin_file=runs/index_builder.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
-       f"--gin.builder.BuilderConfig.searcher_kind='{args.searcher}'",
+       f"--gin.builder.IndexBuildConfig.searcher='{args.searcher}'",
        "--gin.builder.BuilderConfig.poll_seconds=0.5",
-       "--gin.builder.BuilderConfig.keep=1000"],
+       "--gin.builder.IndexBuildConfig.keep=1000"],
       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   trainer.wait()
   builder.wait(timeout=600)

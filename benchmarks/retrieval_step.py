@@ -67,7 +67,7 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
       f"pretrain.PretrainConfig.num_train_steps = {steps}",
       f"pretrain.PretrainConfig.batch_size = {batch_size}",
       f"pretrain.PretrainConfig.checkpoint_every = {steps}",
-      "pretrain.PretrainConfig.searcher = 'exact'",
+      "builder.IndexBuildConfig.searcher = 'exact'",
       f"pretrain.PretrainConfig.retrieval = '{retrieval}'",
       f"pretrain.PretrainConfig.overlap_input = {overlap}",
       "pretrain.PretrainConfig.rerank_candidates = "

@@ -98,8 +98,9 @@ class DemoConfig:
       reader warm-up stays the first half of pre-training).
     model: "minilm" (MiniLM-L6 weights in both towers) or "tiny" (a
       2-layer BERT from random weights: models/tiny.gin, for smoke tests).
-    searcher: the builder's MIPS searcher ("scann" or "exact").
-    pretrain_bindings, finetune_bindings: extra gin bindings per stage.
+    pretrain_bindings, finetune_bindings: extra gin bindings per stage
+      (the builder's searcher: "builder.IndexBuildConfig.searcher =
+      'exact'").
   """
   workdir: str = "/tmp/realm_demo"
   num_documents: int = 16
@@ -107,7 +108,6 @@ class DemoConfig:
   train_steps: int | None = None
   finetune_steps: int | None = None
   model: str = "minilm"
-  searcher: str = "scann"
   pretrain_bindings: tuple[str, ...] = ()
   finetune_bindings: tuple[str, ...] = ()
 
@@ -172,7 +172,6 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
       extra += [f"pretrain.PretrainConfig.num_train_steps = {steps}",
                 f"pretrain.PretrainConfig.freeze_retriever_steps = "
                 f"{steps // 2}"]
-    extra += [f"pretrain.PretrainConfig.searcher = {config.searcher!r}"]
     extra += list(config.pretrain_bindings)
   else:
     cls, steps = finetune.FinetuneConfig, config.finetune_steps
@@ -274,9 +273,11 @@ def _pretrain(config: DemoConfig, store, paths: dict[str, str]
     _log("index_builder", published_index=step,
          seconds_since_start=round(time.time() - t_build, 1))
 
+  # The stage's gin binds PretrainConfig.index_build to
+  # builder.IndexBuildConfig, which the builder job builds with.
   builder = _BuilderThread(
       workdir=run.workdir, store=store, retriever_config=model.retriever,
-      config=builder_lib.BuilderConfig(searcher_kind=run.searcher,
+      config=builder_lib.BuilderConfig(index_build=run.index_build,
                                        poll_seconds=0.5),
       timeout=1800.0, on_publish=on_publish)
   builder.start()

@@ -202,6 +202,17 @@ def _config_class(config_class: str):
   return getattr(importlib.import_module(module), name) if module else None
 
 
+def _config_parts(config_class: str) -> list[tuple[str, str]]:
+  """(field, class name) of the config fields of `config_class` that are
+  configs themselves (bound as `@module.Class()` in gin: e.g.
+  BuilderConfig.index_build, an IndexBuildConfig)."""
+  cls = _config_class(config_class)
+  if cls is None or not dataclasses.is_dataclass(cls):
+    return []
+  return [(f.name, type(f.default).__name__) for f in dataclasses.fields(cls)
+          if dataclasses.is_dataclass(f.default)]
+
+
 # ------------------------------------------------------------------ --help
 
 _HELP_EPILOG = [""]
@@ -231,6 +242,8 @@ def _help_epilog(runs_file: str, config_class: str,
   if config_class:
     name = config_class.rpartition(".")[2]
     lines.append(f"Its config: {name} (--gin.{name}.<field>=V).")
+    lines += [f"Its {field}: {part} (--gin.{part}.<field>=V)."
+              for field, part in _config_parts(config_class)]
   if pipeline_args:
     lines += ["", "Other flags are Apache Beam pipeline options "
               "(--runner=DirectRunner,", "--direct_num_workers=N, ...); a "

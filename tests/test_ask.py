@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
   builder.build_and_publish(
       retriever_params=params["retriever"], retriever_config=config.retriever,
       store=store, root=str(workdir / "index"), step=0,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
   ckpt = checkpoints.TrainCheckpointer(str(workdir / "checkpoints"),
                                        async_save=False)
   ckpt.save(1, params, {"count": np.zeros((), np.int32)}, {"index_step": 0},

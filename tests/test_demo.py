@@ -37,8 +37,9 @@ def _what_ask_answers_with(ask_gin: str):
 def test_demo_runs_every_stage(tmp_path, capsys):
   config = demo.DemoConfig(
       workdir=str(tmp_path), num_documents=3, max_block_len=48,
-      train_steps=2, finetune_steps=2, model="tiny", searcher="exact",
+      train_steps=2, finetune_steps=2, model="tiny",
       pretrain_bindings=(
+          "builder.IndexBuildConfig.searcher = 'exact'",
           "pretrain.PretrainConfig.batch_size = 8",
           "pretrain.PretrainConfig.num_candidates = 2",
           "pretrain.PretrainConfig.checkpoint_every = 1"),

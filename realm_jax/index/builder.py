@@ -25,6 +25,10 @@ as it is. The workdir may be local or `gs://` (paths go through
     python -m realm_jax.index.builder --gin_file=models/minilm_l6.gin \\
         --gin_file=runs/index_builder.gin --gin.WORKDIR="'W'" \\
         --gin.BLOCK_STORE="'B'" --gin.builder.BuilderConfig.init_from="'minilm'"
+
+How each index is built (searcher, batch, dtype, retention) is
+`IndexBuildConfig`, which an inline-mode trainer shares:
+`--gin.builder.IndexBuildConfig.searcher="'exact'"`.
 """
 
 from __future__ import annotations
@@ -47,14 +51,62 @@ from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
 from realm_jax.data import block_store
 from realm_jax.index import embed as embed_lib
-from realm_jax.index import publish, searchers
+from realm_jax.index import publish, search_base, searchers
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, RetrieverConfig
 
 
+SEARCHERS = ("scann", "exact")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexBuildConfig:
+  """How an index is built and published, by the builder job
+  (`BuilderConfig.index_build`) and by an inline-mode trainer
+  (`PretrainConfig.index_build`). Gin binds both fields to
+  `@builder.IndexBuildConfig()` (runs/index_builder.gin, runs/pretrain.gin),
+  so one binding `builder.IndexBuildConfig.<field> = V` sets both.
+
+  Attributes:
+    searcher: the MIPS searcher, "scann" or "exact".
+    searcher_config: kind-specific overrides as (name, value) pairs: fields
+      of `searchers.ScannConfig` / `ExactConfig`, and `num_shards` (> 1: one
+      searcher per row range; see `searchers.build_searcher`).
+    keep: published indices kept.
+    batch_size_per_device: embedding batch per device.
+    bfloat16: embed in bfloat16 (parameters stay float32).
+    publish_attempts: tries to write an index before giving up (a
+      filesystem error: full or unwritable disk, a flaky bucket); the job
+      then fails (non-zero exit) rather than leave the trainer on a stale
+      index without a word.
+    retry_seconds: first pause between tries; doubled each time (<= 60 s).
+  """
+  searcher: str = "scann"
+  searcher_config: tuple[tuple[str, Any], ...] = ()
+  keep: int = 3
+  batch_size_per_device: int = 16
+  bfloat16: bool = False
+  publish_attempts: int = 5
+  retry_seconds: float = 2.0
+
+  def __post_init__(self):
+    checks.field_types(self)
+    if self.searcher not in SEARCHERS:
+      raise ValueError(f"IndexBuildConfig.searcher={self.searcher!r}; use "
+                       "'scann' or 'exact'.")
+    overrides = dict(self.searcher_config)
+    overrides.pop("num_shards", None)
+    # Unknown names fail here, before any embedding.
+    search_base.SHARD_CONFIGS[self.searcher].from_dict(overrides)
+    checks.at_least(self, "keep", "batch_size_per_device",
+                    "publish_attempts", integer=True)
+    if self.retry_seconds < 0:
+      raise ValueError("IndexBuildConfig.retry_seconds must be >= 0.")
+
+
 @dataclasses.dataclass(frozen=True)
 class BuilderConfig:
-  """What the builder builds and how (the job: runs/index_builder.gin).
+  """The index builder job (runs/index_builder.gin).
 
   Attributes:
     workdir, block_store: the job's paths: the trainer's workdir
@@ -70,22 +122,14 @@ class BuilderConfig:
       "hf_bert:<dir>", "export:<dir>", ...) loaded into the gin model's
       retriever.
     timeout_seconds: the job exits after this long without DONE (None: never).
-    searcher_kind: "scann" or "exact".
-    searcher_config: kind-specific overrides (see `searchers`).
-    keep: published indices kept.
     poll_seconds: pause between looks at the checkpoint directory.
-    batch_size_per_device: embedding batch per device.
-    bfloat16: embed in bfloat16.
-    publish_attempts: tries to write an index before giving up (a
-      filesystem error: full or unwritable disk, a flaky bucket); the job
-      then fails (non-zero exit) rather than leave the trainer on a stale
-      index without a word.
-    retry_seconds: first pause between tries; doubled each time (<= 60 s).
     done_grace_seconds: a builder that finds the run finished (DONE, and
       nothing left to index) at its first look waits this long for a
       trainer to take the workdir and continue the run before it exits:
       launchers start the builder first, and a trainer that extends a
       finished run clears the old DONE only once it runs.
+    index_build: how each index is built (searcher, batch, dtype, retention,
+      retries), bound as `builder.IndexBuildConfig.<field>` in gin.
   """
   workdir: str | None = None
   block_store: str | None = None
@@ -93,27 +137,14 @@ class BuilderConfig:
   step: int | None = None
   init_from: str | None = None
   timeout_seconds: float | None = None
-  searcher_kind: str = "scann"
-  searcher_config: tuple[tuple[str, Any], ...] = ()
-  keep: int = 3
   poll_seconds: float = 5.0
-  batch_size_per_device: int = 16
-  bfloat16: bool = False
-  publish_attempts: int = 5
-  retry_seconds: float = 2.0
   done_grace_seconds: float = 60.0
+  index_build: IndexBuildConfig = IndexBuildConfig()
 
   def __post_init__(self):
     checks.field_types(self)
-    if self.searcher_kind not in ("scann", "exact"):
-      raise ValueError(f"searcher_kind={self.searcher_kind!r}; use 'scann' "
-                       "or 'exact'.")
-    if self.keep < 1 or self.poll_seconds <= 0:
-      raise ValueError("BuilderConfig.keep must be >= 1 and poll_seconds "
-                       "> 0.")
-    if self.publish_attempts < 1 or self.retry_seconds < 0:
-      raise ValueError("BuilderConfig.publish_attempts must be >= 1 and "
-                       "retry_seconds >= 0.")
+    if self.poll_seconds <= 0:
+      raise ValueError("BuilderConfig.poll_seconds must be > 0.")
     if self.init_from == "scratch":
       raise ValueError("BuilderConfig.init_from='scratch' would index random "
                        "weights; name weights to import (e.g. 'minilm').")
@@ -123,7 +154,7 @@ class PublishFailedError(RuntimeError):
   """An index could not be written after every retry."""
 
 
-def _retrying(fn: Callable[[], Any], what: str, config: BuilderConfig):
+def _retrying(fn: Callable[[], Any], what: str, config: IndexBuildConfig):
   """fn(), retried on filesystem errors with exponential backoff."""
   for attempt in range(1, config.publish_attempts + 1):
     try:
@@ -142,7 +173,8 @@ def _retrying(fn: Callable[[], Any], what: str, config: BuilderConfig):
 
 def build_and_publish(*, retriever_params: Any,
                       retriever_config: RetrieverConfig, store, root: str,
-                      step: int, config: BuilderConfig = BuilderConfig(),
+                      step: int,
+                      config: IndexBuildConfig = IndexBuildConfig(),
                       devices=None) -> str:
   """Embeds the store with `retriever_params` and publishes index `step`.
 
@@ -190,7 +222,8 @@ def build_and_publish(*, retriever_params: Any,
 
 
 def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
-                       step: int, config: BuilderConfig = BuilderConfig(),
+                       step: int,
+                       config: IndexBuildConfig = IndexBuildConfig(),
                        params_sha256: str = "", start_time: float | None
                        = None, extra: dict[str, Any] | None = None) -> str:
   """Builds a searcher over given embeddings and publishes it.
@@ -206,7 +239,7 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
         "same corpus).")
   start_time = start_time or time.time()
   t = time.time()
-  searcher = searchers.build_searcher(embeddings, config.searcher_kind,
+  searcher = searchers.build_searcher(embeddings, config.searcher,
                                       **dict(config.searcher_config))
   build = time.time() - t
   path = _retrying(lambda: publish.publish_index(
@@ -334,7 +367,7 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
       continue
     path = build_and_publish(retriever_params=params,
                              retriever_config=trained_with, store=store,
-                             root=root, step=step, config=config,
+                             root=root, step=step, config=config.index_build,
                              devices=devices)
     out.append(step)
     if on_publish:
@@ -382,7 +415,8 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
   step = config.step or 0
   if kind == "block_emb":
     publish_embeddings(embeddings=importers.load_block_emb(source),
-                       store=store, root=root, step=step, config=config,
+                       store=store, root=root, step=step,
+                       config=config.index_build,
                        params_sha256="imported:" + source)
     return
   if kind == "realm":
@@ -409,7 +443,7 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
         ckpt_dir, step, gin_config.configured(RealmConfig).retriever)
   build_and_publish(retriever_params=params,
                     retriever_config=retriever_config, store=store,
-                    root=root, step=step, config=config)
+                    root=root, step=step, config=config.index_build)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ class IndexService:
 
   def __init__(self, *, root: str, store, retriever_config, mode: str,
                expect: publish.Expectation,
-               builder_config: builder_lib.BuilderConfig,
+               build_config: builder_lib.IndexBuildConfig,
                wait_seconds: float, last_step: int, frozen: bool = False,
                staleness: dict[str, Any] | None = None,
                on_serve: Callable[[publish.PublishedIndex], None] | None
@@ -78,8 +78,10 @@ class IndexService:
     if mode not in MODES:
       raise ValueError(f"index_mode={mode!r}; use one of {MODES}.")
     self.root, self.store, self.mode, self.expect = root, store, mode, expect
-    self.retriever_config, self.builder_config = (retriever_config,
-                                                  builder_config)
+    # Inline mode builds each index with `build_config` (the run's
+    # PretrainConfig.index_build), as the builder job would.
+    self.retriever_config, self.build_config = (retriever_config,
+                                                build_config)
     self.wait_seconds, self.last_step, self.frozen = (wait_seconds,
                                                       last_step, frozen)
     self._staleness_args = staleness or {}
@@ -121,7 +123,7 @@ class IndexService:
     builder_lib.build_and_publish(
         retriever_params=parallel.host_copy(state.params["retriever"]),
         retriever_config=self.retriever_config, store=self.store,
-        root=self.root, step=step, config=self.builder_config)
+        root=self.root, step=step, config=self.build_config)
     self._serve(publish.load_index(self.root, step, self.expect))
 
   def before_step(self, step: int) -> None:

@@ -32,7 +32,6 @@ from realm_jax.core import checkpoints, distributed, io_utils
 from realm_jax.data import block_store
 from realm_jax.data import query_cache
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
 from realm_jax.index import service as service_lib
 from realm_jax.model import functional, losses
@@ -89,8 +88,7 @@ class RetrievalInput:
         retriever_config=model.retriever, mode=config.index_mode,
         expect=publish.Expectation(store.fingerprint, len(store),
                                    model.retriever.embedding_size),
-        builder_config=builder_lib.BuilderConfig(
-            searcher_kind=config.searcher),
+        build_config=config.index_build,
         wait_seconds=config.index_wait_seconds,
         last_step=config.num_train_steps,
         frozen=config.retriever_training == "query_side",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from realm_jax.core import checks
+from realm_jax.index import builder
 from realm_jax.training import loop, mlm_warmup, realm_inputs
 
 INDEX_MODES = ("inline", "builder")
@@ -91,7 +92,12 @@ class PretrainConfig(loop.TrainConfig):
     index_mode: "builder" (REALM: a separate job refreshes the index) or
       "inline" (rebuilt in-process after each checkpoint: small CPU runs,
       exactly reproducible restarts).
-    searcher: "scann" or "exact" (inline index).
+    index_build: how an inline-mode run builds each index (searcher,
+      searcher_config, embedding batch, bfloat16, retention, retries): the
+      builder job's `builder.IndexBuildConfig`, bound as
+      `builder.IndexBuildConfig.<field>` in gin (runs/pretrain.gin), so one
+      binding sets both. A builder-mode run does not read it (the builder
+      job builds with its own).
     retrieval: "host" (the served index's searcher on the host, then the
       batch built in numpy from the memory-mapped block store) or "device":
       the served index's embeddings and the block tokens live on the
@@ -162,7 +168,7 @@ class PretrainConfig(loop.TrainConfig):
   reader_length: int = 384
   checkpoint_every: int = 500
   index_mode: str = "builder"
-  searcher: str = "scann"
+  index_build: builder.IndexBuildConfig = builder.IndexBuildConfig()
   retrieval: str = "host"
   device_index_dtype: str = "float32"
   overlap_input: bool = False

@@ -510,7 +510,7 @@ def test_hf_block_emb_feeds_the_index_builder(tmp_path):
     gin_cli.parse(["runs/index_builder.gin"], [
         f"WORKDIR = '{tmp_path / 'work'}'", f"BLOCK_STORE = '{store.path}'",
         f"builder.BuilderConfig.init_from = 'block_emb:{path}'",
-        "builder.BuilderConfig.searcher_kind = 'exact'"])
+        "builder.IndexBuildConfig.searcher = 'exact'"])
     builder._job(False)
   finally:
     gin.clear_config()

@@ -1,5 +1,6 @@
 """Every gin file parses and builds what it says."""
 
+import dataclasses
 import glob
 import os
 
@@ -61,7 +62,7 @@ def test_gin_file_parses(path):
     if "/experiments/" in path:
       gin.get_configurable(realm.RealmConfig)()
     if "/runs/index_builder" in path:
-      assert gin.get_configurable(builder.BuilderConfig)().keep >= 1
+      assert gin.get_configurable(builder.BuilderConfig)().index_build.keep >= 1
     if name in EXPECTED_MODELS:
       config = gin.get_configurable(realm.RealmConfig)()
       b = config.retriever.bert
@@ -70,6 +71,29 @@ def test_gin_file_parses(path):
       assert config.reader.bert == b
   finally:
     gin.clear_config()
+
+
+def test_one_binding_sets_how_the_trainer_and_the_builder_build_an_index():
+  """How an index is built is declared once, builder.IndexBuildConfig: the
+  inline trainer's (PretrainConfig.index_build) and the builder job's
+  (BuilderConfig.index_build) are bound to it, so one binding sets both,
+  and neither job config declares a copy of its fields."""
+  gin.clear_config()
+  try:
+    gin_cli.parse(["runs/index_builder.gin",
+                   "experiments/pretrain_tiny_cpu.gin"], REQUIRED + [
+                       "builder.IndexBuildConfig.batch_size_per_device = 2",
+                       "builder.IndexBuildConfig.bfloat16 = True"])
+    trainer = gin.get_configurable(pretrain.PretrainConfig)().index_build
+    job = gin.get_configurable(builder.BuilderConfig)().index_build
+  finally:
+    gin.clear_config()
+  assert trainer == job == builder.IndexBuildConfig(
+      searcher="exact", batch_size_per_device=2, bfloat16=True)
+  build_fields = {f.name for f in dataclasses.fields(builder.IndexBuildConfig)}
+  for cls in (pretrain.PretrainConfig, builder.BuilderConfig):
+    names = {f.name for f in dataclasses.fields(cls)}
+    assert not (build_fields | {"searcher_kind"}) & names, cls
 
 
 def test_add_cpu_xla_flag_adds_the_flag_once_and_respects_the_user(

@@ -165,7 +165,7 @@ def test_the_issues_values_fail_before_a_run_starts(field, value, tmp_path):
   trainer gets no config, so it writes nothing."""
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
   kwargs = dict(workdir=str(tmp_path / "w"), block_store="b", queries="q",
-                index_mode="inline", searcher="exact")
+                index_mode="inline")
   with pytest.raises(checks.ConfigTypeError,
                      match=rf"PretrainConfig\.{field} must be int"):
     pretrain.PretrainConfig(**kwargs, **{field: value})

@@ -329,7 +329,7 @@ def test_builder_publishes_to_any_root(store_dir, tmp_path, root_kind):
       np.float32)
   path = builder.publish_embeddings(
       embeddings=emb, store=store, root=root, step=5,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
   assert path == io_utils.join(root, "5")
   index = publish.load_index(root, expect=publish.Expectation(
       store.fingerprint, len(store), 4), cache_dir=tmp_path / "cache")

@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
   builder.build_and_publish(
       retriever_params=params["retriever"], retriever_config=config.retriever,
       store=store, root=str(workdir / "index"), step=0,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
   index = publish.load_frozen_index(str(workdir / "index"), store, config)
   model = qa_model.QAModel(config, params, index, store, QA_CONFIG,
                            batch_size=4)

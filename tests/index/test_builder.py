@@ -34,6 +34,7 @@ TEXTS = [
     ("Delta", "A delta is where a river meets the sea. The Nile has one."),
 ]
 CONFIG = tiny.tiny_realm(vocab_size=30522)
+EXACT = builder.IndexBuildConfig(searcher="exact")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
   for step, seed in ((1, 1), (2, 2)):
     _save(ckpt, step, seed)
   params3 = _save(ckpt, 3, 3)
-  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05)
+  config = builder.BuilderConfig(index_build=EXACT, poll_seconds=0.05)
   published = builder.run_builder(workdir=workdir, store=store,
                                   retriever_config=CONFIG.retriever,
                                   config=config, max_indices=1)
@@ -167,7 +168,7 @@ def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
       np.float32)
   builder.publish_embeddings(
       embeddings=emb, store=store, root=str(tmp_path), step=0,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
   np.testing.assert_array_equal(publish.load_index(str(tmp_path)).embeddings,
                                 emb)
 
@@ -181,7 +182,7 @@ def test_builder_publishes_a_sharded_scann_index(store, tmp_path):
       np.float32)
   builder.publish_embeddings(
       embeddings=emb, store=store, root=str(tmp_path), step=0,
-      config=builder.BuilderConfig(searcher_config=(
+      config=builder.IndexBuildConfig(searcher_config=(
           ("num_shards", 2), ("reordering_dtype", "bfloat16"))))
   index = publish.load_index(str(tmp_path))
   assert index.searcher.kind == "sharded"
@@ -209,8 +210,8 @@ def test_publication_retries_then_fails_loudly(store, tmp_path,
     return real(*args, **kwargs)
 
   monkeypatch.setattr(publish, "publish_index", flaky)
-  config = builder.BuilderConfig(searcher_kind="exact", publish_attempts=3,
-                                 retry_seconds=0.01)
+  config = builder.IndexBuildConfig(searcher="exact", publish_attempts=3,
+                                    retry_seconds=0.01)
   root = str(tmp_path / "index")
   builder.publish_embeddings(embeddings=emb, store=store, root=root, step=0,
                              config=config)
@@ -242,7 +243,7 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
     gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], [
         f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
         "builder.BuilderConfig.one_shot = True",
-        "builder.BuilderConfig.searcher_kind = 'exact'"])
+        "builder.IndexBuildConfig.searcher = 'exact'"])
     builder._job(True)
     assert f"workdir='{workdir}'" in capsys.readouterr().out
     model = gin.get_configurable(RealmConfig)()
@@ -269,7 +270,7 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
     gin_cli.parse(["runs/index_builder.gin"], [
         f"WORKDIR = '{tmp_path / 'imported'}'", f"BLOCK_STORE = '{store.path}'",
         f"builder.BuilderConfig.init_from = 'block_emb:{prefix}'",
-        "builder.BuilderConfig.searcher_kind = 'exact'"])
+        "builder.IndexBuildConfig.searcher = 'exact'"])
     builder._job(False)
   finally:
     gin.clear_config()
@@ -279,6 +280,21 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
   np.testing.assert_array_equal(index.embeddings, emb)
   with pytest.raises(ValueError, match="random weights"):
     builder.BuilderConfig(init_from="scratch")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"searcher": "faiss"}, r"searcher='faiss'; use 'scann' or 'exact'"),
+    ({"searcher": "exact", "searcher_config": (("num_leaves", 8),)},
+     r"unknown ExactConfig fields \['num_leaves'\]"),
+    ({"keep": 0}, r"IndexBuildConfig.keep must be an int >= 1"),
+    ({"publish_attempts": 0}, r"publish_attempts must be an int >= 1"),
+])
+def test_an_index_build_config_is_checked_when_built(bad, message):
+  """Before any embedding: a searcher name, or a searcher_config field its
+  searcher lacks, fails when the config is built (the builder job's and an
+  inline trainer's alike)."""
+  with pytest.raises(ValueError, match=message):
+    builder.IndexBuildConfig(**bad)
 
 
 def test_the_builder_embeds_with_the_checkpoints_own_retriever_config(
@@ -302,7 +318,7 @@ def test_the_builder_embeds_with_the_checkpoints_own_retriever_config(
   assert builder.run_builder(
       workdir=str(tmp_path / "follow"), store=store,
       retriever_config=CONFIG.retriever, max_indices=1,
-      config=builder.BuilderConfig(searcher_kind="exact",
+      config=builder.BuilderConfig(index_build=EXACT,
                                    poll_seconds=0.05)) == [3]
   gin.clear_config()
   try:
@@ -310,7 +326,7 @@ def test_the_builder_embeds_with_the_checkpoints_own_retriever_config(
         f"WORKDIR = '{tmp_path / 'one_shot'}'",
         f"BLOCK_STORE = '{store.path}'",
         "builder.BuilderConfig.one_shot = True",
-        "builder.BuilderConfig.searcher_kind = 'exact'"])
+        "builder.IndexBuildConfig.searcher = 'exact'"])
     assert not gin.get_configurable(RealmConfig)().retriever.normalize
     builder._job(False)
   finally:
@@ -330,7 +346,7 @@ def test_job_one_shot_from_minilm_with_no_checkpoint(store, tmp_path):
     gin_cli.parse(["models/minilm_l6.gin", "runs/index_builder.gin"], [
         f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
         "builder.BuilderConfig.init_from = 'minilm'",
-        "builder.BuilderConfig.searcher_kind = 'exact'"])
+        "builder.IndexBuildConfig.searcher = 'exact'"])
     model = gin.get_configurable(RealmConfig)()
     builder._job(False)
   finally:
@@ -355,7 +371,7 @@ def _finished_run(store, tmp_path):
   ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
   _save(ckpt, 12, 12)
   checkpoints.write_done_marker(ckpt_dir, 12)
-  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05,
+  config = builder.BuilderConfig(index_build=EXACT, poll_seconds=0.05,
                                  done_grace_seconds=0.0)
   assert builder.run_builder(workdir=workdir, store=store,
                              retriever_config=CONFIG.retriever,
@@ -382,7 +398,7 @@ def test_a_leftover_done_does_not_end_an_extended_run(store, tmp_path, first):
   """The old DONE (step 12) must not make the builder exit while a trainer
   extends the run: it indexes step 13, then exits on the new DONE."""
   workdir, ckpt = _finished_run(store, tmp_path)
-  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05,
+  config = builder.BuilderConfig(index_build=EXACT, poll_seconds=0.05,
                                  done_grace_seconds=30.0)
   published, leased = [], threading.Event()
   trainer = threading.Thread(target=_extend, args=(workdir, ckpt, leased))
@@ -428,7 +444,7 @@ def test_the_final_index_is_built_when_done_lands_after_the_listing(
     return steps
 
   monkeypatch.setattr(checkpoints, "finalized_steps", racy_listing)
-  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05,
+  config = builder.BuilderConfig(index_build=EXACT, poll_seconds=0.05,
                                  done_grace_seconds=0.0)
   published = builder.run_builder(workdir=workdir, store=store,
                                   retriever_config=CONFIG.retriever,
@@ -448,7 +464,7 @@ def test_a_damaged_checkpoint_is_skipped_not_fatal(store, tmp_path, caplog):
   for name in os.listdir(data):
     with open(os.path.join(data, name), "r+b") as f:
       f.truncate(10)
-  config = builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.05)
+  config = builder.BuilderConfig(index_build=EXACT, poll_seconds=0.05)
   with caplog.at_level(logging.WARNING):
     assert builder.run_builder(workdir=workdir, store=store,
                                retriever_config=CONFIG.retriever,

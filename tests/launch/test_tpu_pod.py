@@ -234,7 +234,7 @@ def test_builder_on_a_separate_cpu_vm(capsys):
   (cmd,) = dry_run(capsys, [
       "builder", *BUILDER, "--gin_file=runs/pretrain.gin",
       "--builder_type=gce", "--builder_zone=us-central1-a",
-      "--builder_gin=builder.BuilderConfig.bfloat16=True"])
+      "--builder_gin=builder.IndexBuildConfig.bfloat16=True"])
   assert cmd[:4] == ["gcloud", "compute", "ssh", "realm-builder"]
   assert "--zone=us-central1-a" in cmd
   assert not any(a.startswith("--worker") for a in cmd)
@@ -246,7 +246,7 @@ def test_builder_on_a_separate_cpu_vm(capsys):
                   "--gin_file=runs/index_builder.gin",
                   f'--gin.WORKDIR="{WORKDIR}"',
                   '--gin.BLOCK_STORE="/mnt/data/blocks"',
-                  "--gin.builder.BuilderConfig.bfloat16=True"]
+                  "--gin.builder.IndexBuildConfig.bfloat16=True"]
 
 
 def test_builder_on_another_tpu_slice(capsys):

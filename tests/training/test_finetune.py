@@ -62,7 +62,7 @@ def setup(tmp_path_factory):
   builder.build_and_publish(
       retriever_params=params["retriever"], retriever_config=model.retriever,
       store=store, root=index_root, step=0,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
   return {"root": root, "store_dir": store_dir, "store": store,
           "qa": qa_path, "index": index_root, "model": model}
 
@@ -245,7 +245,7 @@ def test_index_of_another_corpus_or_size_is_refused(setup, tmp_path):
       embeddings=np.random.default_rng(0).normal(
           size=(len(other), 128)).astype(np.float32),
       store=other, root=other_root, step=0,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
   config = _config(setup, tmp_path / "w1", index_dir=other_root)
   with pytest.raises(publish.IndexRejectedError,
                      match="corpus_fingerprint.*block_store"):
@@ -255,7 +255,7 @@ def test_index_of_another_corpus_or_size_is_refused(setup, tmp_path):
       embeddings=np.random.default_rng(0).normal(
           size=(len(store), 16)).astype(np.float32),
       store=store, root=narrow_root, step=0,
-      config=builder.BuilderConfig(searcher_kind="exact"))
+      config=builder.IndexBuildConfig(searcher="exact"))
   config = _config(setup, tmp_path / "w2", index_dir=narrow_root)
   with pytest.raises(publish.IndexRejectedError,
                      match=r"dim is 16 .*expects 128.*embedding size 128"):

@@ -12,6 +12,7 @@ import pytest
 
 from realm_jax.data import block_store, blocks, examples
 from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.index import builder
 from realm_jax.model import functional
 from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
                                    RetrieverConfig)
@@ -79,7 +80,8 @@ def test_the_pretraining_job_warms_the_head_on_a_fresh_start(world, tmp_path):
                                       query_length=32, max_masks=2),
       num_train_steps=1, batch_size=8, num_candidates=2,
       reader_length=96, checkpoint_every=1,
-      index_mode="inline", searcher="exact", mlm_head_warmup_steps=40,
+      index_mode="inline", mlm_head_warmup_steps=40,
+      index_build=builder.IndexBuildConfig(searcher="exact"),
       reader_adaptation_steps=3, reader_adaptation_eval_every=2,
       reader_adaptation_learning_rate=1e-3)
   pretrain.train(config=config, model=model)

@@ -145,6 +145,45 @@ def test_kill_9_then_restart_reproduces_the_loss_trajectory(
                                rtol=1e-4, err_msg=f"step {step}")
 
 
+def test_an_inline_run_builds_its_index_as_index_build_says(
+    tmp_path, tiny_corpus, monkeypatch):
+  """An inline-mode trainer builds every index with its whole
+  PretrainConfig.index_build (bound as builder.IndexBuildConfig, the
+  builder job's class): searcher and searcher_config, the embedding batch
+  and dtype, and retention, not just the searcher's name."""
+  from realm_jax.index import builder, publish  # pylint: disable=g-import-not-at-top
+  embedded_with = []
+  real = builder.embed_lib.embed_block_store
+
+  def embed(*args, **kwargs):
+    embedded_with.append((kwargs["batch_size_per_device"],
+                          kwargs["bfloat16"]))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(builder.embed_lib, "embed_block_store", embed)
+  workdir = str(tmp_path / "run")
+  config, model = _configs(_bindings(
+      workdir, tiny_corpus, num_train_steps=2, checkpoint_every=1) + [
+          "builder.IndexBuildConfig.searcher = 'scann'",
+          "builder.IndexBuildConfig.searcher_config = (('num_shards', 2),)",
+          "builder.IndexBuildConfig.batch_size_per_device = 1",
+          "builder.IndexBuildConfig.bfloat16 = True",
+          "builder.IndexBuildConfig.keep = 1"])
+  gin.clear_config()
+  assert config.index_build == builder.IndexBuildConfig(
+      searcher="scann", searcher_config=(("num_shards", 2),),
+      batch_size_per_device=1, bfloat16=True, keep=1)
+  history = pretrain.train(config=config, model=model)
+  assert [h["index_step"] for h in history] == [0, 1]
+  # Indices 0 and 1, each embedded as bound; only the newest kept.
+  assert embedded_with == [(1, True)] * 2
+  root = checkpoints.index_root(workdir)
+  assert publish.published_steps(root) == [1]
+  index = publish.load_index(root)
+  assert index.searcher.kind == "sharded"
+  assert [s.kind for s in index.searcher.shards] == ["scann", "scann"]
+
+
 def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
   workdir = str(tmp_path / "run")
   store, _ = tiny_corpus
@@ -158,7 +197,7 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
       [sys.executable, "-m", "realm_jax.index.builder",
        "--gin_file=models/tiny.gin", "--gin_file=runs/index_builder.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
-       "--gin.builder.BuilderConfig.searcher_kind='exact'",
+       "--gin.builder.IndexBuildConfig.searcher='exact'",
        "--gin.builder.BuilderConfig.poll_seconds=0.2",
        "--gin.builder.BuilderConfig.timeout_seconds=600"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -201,7 +240,9 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
     published.extend(builder.run_builder(
         workdir=workdir, store=block_store.BlockStore.open(config.block_store),
         retriever_config=model.retriever,
-        config=builder.BuilderConfig(searcher_kind="exact", poll_seconds=0.1),
+        config=builder.BuilderConfig(
+            index_build=builder.IndexBuildConfig(searcher="exact"),
+            poll_seconds=0.1),
         max_indices=1, timeout=300))
 
   import threading  # pylint: disable=g-import-not-at-top
@@ -230,7 +271,7 @@ def test_retrieval_on_device_trains_like_retrieval_on_host(
                       lambda *a, **kw: calls.append(1) or real(*a, **kw))
   workdir = str(tmp_path / "device")
   config, model = _configs(_bindings(workdir, tiny_corpus,
-                                     searcher="exact", retrieval="device"))
+                                     retrieval="device"))
   history = pretrain.train(config=config, model=model)
   gin.clear_config()
   want = _losses(reference)
@@ -266,7 +307,7 @@ def test_overlapped_input_searches_ahead_and_restarts_exactly(
 
   def run(workdir, stop_after=None):
     config, model = _configs(_bindings(workdir, tiny_corpus,
-                                       searcher="exact", overlap_input=True))
+                                       overlap_input=True))
     history = pretrain.train(config=config, model=model,
                              stop_after=stop_after)
     gin.clear_config()
@@ -314,7 +355,7 @@ def test_reranking_a_stale_index_trains_like_a_fresh_index(
   _, queries = tiny_corpus
   moving = {"num_candidates": 3, "freeze_retriever_steps": 0,
             "retriever_learning_rate_multiplier": 1.0,
-            "learning_rate": 3e-2, "searcher": "exact"}
+            "learning_rate": 3e-2}
   reordered = []
   real_rerank = candidates_lib.HostCandidates.rerank
 
@@ -378,7 +419,7 @@ def test_query_side_mode_never_changes_the_document_tower_or_the_index(
   config, model = _configs(_bindings(
       workdir, tiny_corpus, retriever_training="query_side",
       freeze_retriever_steps=0, retriever_learning_rate_multiplier=1.0,
-      learning_rate=3e-2, searcher="exact") + [
+      learning_rate=3e-2) + [
           "realm.RetrieverConfig.share_towers = False"])
   history = pretrain.train(config=config, model=model)
   gin.clear_config()
