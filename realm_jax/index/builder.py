@@ -56,9 +56,6 @@ from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, RetrieverConfig
 
 
-SEARCHERS = ("scann", "exact")
-
-
 @dataclasses.dataclass(frozen=True)
 class IndexBuildConfig:
   """How an index is built and published, by the builder job
@@ -91,7 +88,7 @@ class IndexBuildConfig:
 
   def __post_init__(self):
     checks.field_types(self)
-    if self.searcher not in SEARCHERS:
+    if self.searcher not in search_base.SHARD_CONFIGS:
       raise ValueError(f"IndexBuildConfig.searcher={self.searcher!r}; use "
                        "'scann' or 'exact'.")
     overrides = dict(self.searcher_config)
