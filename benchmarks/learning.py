@@ -39,7 +39,9 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
 
 The world: --people, --heldout, --dev (people whose X articles are
 neither trained on nor evaluated: the gate's queries), --templates (a or
-b, `knowledge_world.TEMPLATES`), --seed.
+b, `knowledge_world.TEMPLATES`), --seed, --shuffle_facts (every
+biography states another person's facts: the control world where reading
+cannot help).
 
 One JSON line per (condition, step) goes to --output; --plot draws the
 curves. On 2 CPU cores the default run takes about 45 minutes.
@@ -212,6 +214,10 @@ def main(argv=None) -> None:
   parser.add_argument("--dev", type=int, default=20,
                       help="People whose sentences are the gate's queries.")
   parser.add_argument("--templates", default="a", choices=("a", "b"))
+  parser.add_argument("--shuffle_facts", action="store_true",
+                      help="Every biography states another person's facts: "
+                      "reading never helps (a control for what moves the "
+                      "retriever when the reader does not read).")
   parser.add_argument("--gin_file", action="append",
                       default=None, help="Recipe (default: "
                       "experiments/pretrain_world_cpu.gin).")
@@ -280,7 +286,7 @@ def main(argv=None) -> None:
     world = knowledge_world.write_world(
         os.path.join(args.workdir, "world"), seed=args.seed,
         num_people=args.people, num_heldout=args.heldout, num_dev=args.dev,
-        templates=args.templates)
+        templates=args.templates, shuffle_facts=args.shuffle_facts)
     store_dir, train_x, heldout_x, dev_x = (world.block_store, world.train,
                                             world.heldout, world.dev)
   store = block_store.BlockStore.open(store_dir)

@@ -11,6 +11,9 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   the null document alone / from the evidence block alone;
 - `retrieval_utility`: log p(y|x) - log p(y|null, x), mean per mask;
 - `null_probability`: mean p(null|x);
+- `evidence`, `evidence_z`: the mass the reader's posterior moves onto
+  answer-bearing candidates, and its z-score (`training.gate`'s
+  statistics, as the retriever gate measures them);
 - `hubness`: share of queries whose top-1 block is the single most common
   top-1 block (1 / num_queries when every query retrieves another block).
 
@@ -36,6 +39,7 @@ from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import embed as embed_lib
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
+from realm_jax.training import gate as gate_lib
 from realm_jax.training import qa_inputs, realm_inputs
 
 
@@ -71,6 +75,8 @@ def _reader_fn(model: RealmConfig):
         "correct_each": jnp.argmax(log_p_y, -1) == targets[:, None],
         "utility": marginal_ll - token_ll[:, 0],
         "null_probability": jnp.exp(log_p_z[:, 0]),
+        "retrieval_logits": retrieval_logits,
+        "token_ll": token_ll,
     }
   return read
 
@@ -181,7 +187,12 @@ def _reading_metrics(params, model, store, queries, ranking, num_candidates,
     metrics = {"recall@1": float(np.mean(rank_of_gold < 1)),
                "recall@5": float(np.mean(rank_of_gold < 5)),
                "mlm_accuracy_gold": per_mask(with_gold["correct_each"][:, 1])}
+  gate_stats = gate_lib.gate_statistics(
+      retrieved["retrieval_logits"], retrieved["token_ll"], weights,
+      gate_lib.answer_bearing(queries, candidates, store))
   return metrics | {
+      "evidence": gate_stats["evidence"],
+      "evidence_z": gate_stats["evidence_z"],
       "mlm_accuracy_marginal": per_mask(retrieved["correct_marginal"]),
       "mlm_accuracy_null": per_mask(retrieved["correct_each"][:, 0]),
       "retrieval_utility": per_mask(retrieved["utility"]),

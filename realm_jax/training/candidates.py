@@ -169,15 +169,22 @@ class HostCandidates(CandidateSource):
       batch["candidate_embeddings"] = embeddings
     return batch
 
-  def batch_for(self, local, state) -> tuple[dict[str, jax.Array],
-                                             np.ndarray]:
+  def batch_with_candidates(self, local, state
+                            ) -> tuple[dict[str, jax.Array], np.ndarray]:
     """The sharded batch of the queries `local` with `state`'s retriever
-    and the served index (also the retriever gate's held-out batch)."""
+    and the served index (also the retriever gate's held-out batch), and
+    the candidates' block ids [b, k]."""
     candidates = self.search(local, self.query_embeddings(local, state),
                              self.service.current, state.params)
     return (parallel.shard_batch(self.mesh, self.host_batch(local,
                                                             candidates)),
-            candidates[:, 0])
+            candidates)
+
+  def batch_for(self, local, state) -> tuple[dict[str, jax.Array],
+                                             np.ndarray]:
+    """`batch_with_candidates`, with only each query's top candidate."""
+    batch, candidates = self.batch_with_candidates(local, state)
+    return batch, candidates[:, 0]
 
   def batch(self, step, state):
     return self.batch_for(self.queries.batch(step), state)

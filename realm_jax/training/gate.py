@@ -1,20 +1,99 @@
 """The retriever gate: REALM's retriever released when the reader reads.
 
-Used by `pretrain.train` with `PretrainConfig.retriever_gate="utility"`.
+Used by `pretrain.train` with `PretrainConfig.retriever_gate="utility"`;
+`gate_statistics` is also reported by `eval.pretrain_eval`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+from typing import Any, Mapping
 
 from absl import logging
 import jax
 import numpy as np
 
-from realm_jax.core import distributed, io_utils
+from realm_jax.core import distributed, io_utils, parallel
 from realm_jax.data import query_cache
+from realm_jax.model import functional, losses
+from realm_jax.training import mlm_warmup
 from realm_jax.training import optimizer as optimizer_lib
+
+
+def answer_bearing(queries: Mapping[str, np.ndarray], candidates: np.ndarray,
+                   store, *, null_document: bool = True) -> np.ndarray:
+  """bool [B, C]: candidate c of query b holds the query's masked span.
+
+  `candidates` [B, k] are block ids; the null document (column 0 when
+  `null_document`) holds nothing. A block holds the span when its body
+  has the span's wordpieces contiguously (`mlm_warmup.masked_spans`).
+  """
+  batch, k = candidates.shape
+  bodies, lengths = store.bodies(np.asarray(candidates).reshape(-1),
+                                 store.max_block_len)
+  bodies, lengths = bodies.reshape(batch, k, -1), lengths.reshape(batch, k)
+  found = np.zeros((batch, k), bool)
+  for b, span in enumerate(mlm_warmup.masked_spans(queries)):
+    for c in range(k):
+      body = bodies[b, c, :lengths[b, c]]
+      if 0 < len(span) <= len(body):
+        windows = np.lib.stride_tricks.sliding_window_view(body, len(span))
+        found[b, c] = bool((windows == span).all(axis=1).any())
+  return np.concatenate([np.zeros((batch, 1), bool), found], 1) if (
+      null_document) else found
+
+
+def gate_statistics(retrieval_logits: np.ndarray, token_ll: np.ndarray,
+                    weights: np.ndarray, bearing: np.ndarray
+                    ) -> dict[str, float]:
+  """The gate's two statistics on a held-out batch (numpy, float64).
+
+  Args:
+    retrieval_logits: [B, C] f(x, z), the null document first.
+    token_ll: [B, C, M] log p(y_j|z, x).
+    weights: [B, M] 1 for real masks.
+    bearing: bool [B, C] answer-bearing candidates (`answer_bearing`).
+
+  Returns:
+    utility: mean over real masks of log p(y_j|x) - log p(y_j|z_0, x),
+      z_0 the null document (the top block in a run without one).
+    evidence: per query b with an answer-bearing candidate,
+      e_b = mean_j sum_{z answer-bearing} [p(z|x, y_j) - p(z|x)], the
+      mass the reader's posterior moves onto answer-bearing blocks. REALM's
+      retriever gradient is d log p(y_j|x) / d f(z) = p(z|x, y_j) - p(z|x),
+      so e_b is the ascent on the answer-bearing blocks' scores per mask:
+      > 0 when the reader's evidence pulls the retriever toward them,
+      exactly 0 while the reader ignores the blocks. `evidence` is its
+      mean, `evidence_z` mean / standard error (0 with < 2 such queries),
+      `answer_bearing_queries` their number.
+  """
+  logits = np.asarray(retrieval_logits, np.float64)
+  ll = np.asarray(token_ll, np.float64)
+  w = np.asarray(weights, np.float64)
+  log_prior = logits - _logsumexp(logits, 1)[:, None]            # [B, C]
+  joint = log_prior[:, :, None] + ll                              # [B, C, M]
+  marginal = _logsumexp(joint, 1)                                 # [B, M]
+  posterior = np.exp(joint - marginal[:, None, :])                # [B, C, M]
+  moved = np.einsum("bcm,bc->bm", posterior - np.exp(log_prior)[:, :, None],
+                    np.asarray(bearing, np.float64))
+  masks = w.sum(1)
+  rows = bearing.any(1) & (masks > 0)
+  per_query = (moved * w).sum(1)[rows] / masks[rows]
+  n = len(per_query)
+  mean = float(per_query.mean()) if n else 0.0
+  sd = float(per_query.std(ddof=1)) if n > 1 else 0.0
+  return {
+      "utility": float(((marginal - ll[:, 0]) * w).sum() / max(w.sum(), 1)),
+      "evidence": mean,
+      "evidence_z": mean / (sd / math.sqrt(n)) if sd > 0 else 0.0,
+      "answer_bearing_queries": n,
+  }
+
+
+def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
+  top = np.max(x, axis=axis, keepdims=True)
+  return np.squeeze(top, axis) + np.log(np.sum(np.exp(x - top), axis=axis))
 
 
 class RetrieverGate:
@@ -25,19 +104,23 @@ class RetrieverGate:
   following it destroys the warm start (a fixed warm-up tuned on one world
   released it too early on a larger one: docs/results/learning.md). So the
   retriever stays frozen until the retrieval utility on held-out queries
-  (`PretrainConfig.gate_queries`, never trained on) clears
-  `gate_min_utility` nats for `gate_patience` evaluations in a row. The
-  release step is written into the optimiser state (so a checkpoint keeps
-  it), the streak into the checkpoints' meta (so a restart decides the
-  same), every decision into the log and gate.jsonl.
+  (`PretrainConfig.gate_queries`, never trained on, candidates from the
+  served index) clears `gate_min_utility` nats for `gate_patience`
+  evaluations in a row. The evidence statistic (`gate_statistics`) is
+  logged beside it: measured, it is too weak on 128 held-out queries to
+  gate on (docs/results/learning.md). The release
+  step is written into the optimiser state (so a checkpoint keeps it), the
+  streak into the checkpoints' meta (so a restart decides the same), every
+  evaluation into the log and gate.jsonl.
   """
 
-  def __init__(self, config, query_config, inputs, loss_fn, workdir: str,
-               is_chief: bool):
+  def __init__(self, config, query_config, inputs, graphdef, store,
+               workdir: str, is_chief: bool):
     """`config`: the `pretrain.PretrainConfig`; `query_config`: the
     masked queries it trains on (the gate's cache must match them);
-    `inputs`: the run's `pretrain.RetrievalInput`."""
+    `inputs`: the run's `pretrain.RetrievalInput`; `store`: its blocks."""
     self.config, self.inputs, self.is_chief = config, inputs, is_chief
+    self.store = store
     self.path = io_utils.join(workdir, "gate.jsonl")
     stream = query_cache.QueryStream(
         config.gate_queries, seed=config.seed,
@@ -58,9 +141,17 @@ class RetrieverGate:
           "the cache's size).")
     self.queries = {k: v[me * n // hosts:(me + 1) * n // hosts]
                     for k, v in queries.items()}
-    self.evaluate = jax.jit(lambda params, batch: loss_fn(params, batch,
-                                                          None))
-    self.streak, self.last_utility = 0, float("nan")
+    null_document = config.null_document
+
+    def evaluate(params, batch):
+      retrieval_logits, mlm_logits = functional.bind(
+          graphdef, params).pretraining_logits(
+              batch, null_document=null_document)
+      return retrieval_logits, losses.token_log_likelihoods(
+          mlm_logits, batch["mlm_targets"])
+
+    self.evaluate = jax.jit(evaluate)
+    self.streak, self.last = 0, {}
     self.release = config.freeze_retriever_steps
 
   def restore(self, meta: dict[str, Any], start_step: int, state) -> None:
@@ -73,32 +164,40 @@ class RetrieverGate:
       io_utils.atomic_write_text(self.path,
                                  "".join(l + "\n" for l in kept))
 
-  def utility(self, state) -> float:
-    """Held-out retrieval utility, nats per mask, with the served index."""
-    batch = self.inputs.held_out_batch(self.queries, state)
-    _, weights, sums = self.evaluate(state.params, batch)
-    return float(jax.device_get(sums["retrieval_utility"])) / max(
-        float(jax.device_get(weights)), 1.0)
+  def statistics(self, state) -> dict[str, float]:
+    """`gate_statistics` of the held-out queries (every host's rows)."""
+    batch, candidates = self.inputs.held_out_batch(self.queries, state)
+    logits, token_ll = self.evaluate(state.params, batch)
+    bearing = answer_bearing(self.queries, candidates, self.store,
+                             null_document=self.config.null_document)
+    gather = lambda x: distributed.allgather_rows(np.asarray(x))
+    return gate_statistics(
+        gather(parallel.local_rows(logits)),
+        gather(parallel.local_rows(token_ll)),
+        gather(self.queries["mlm_weights"]), gather(bearing))
 
   def update_state(self, step: int, state):
     release = self.release  # (Host copy: no device sync every step.)
     if release is None or step >= release or step % self.config.gate_every:
       return state
     c = self.config
-    utility = self.last_utility = self.utility(state)
-    self.streak = self.streak + 1 if utility >= c.gate_min_utility else 0
+    stats = self.last = self.statistics(state)
+    passes = stats["utility"] >= c.gate_min_utility
+    self.streak = self.streak + 1 if passes else 0
     opens = bool(distributed.broadcast_from_chief(
         np.int32(self.streak >= c.gate_patience)))
     logging.info(
         "retriever gate at step %d: held-out utility %.4f nats (threshold "
-        "%.3f), %d/%d in a row -> %s", step, utility, c.gate_min_utility,
-        self.streak, c.gate_patience,
+        "%g), %d/%d in a row -> %s; evidence %.5f (z %.2f over %d queries "
+        "with an answer-bearing block)", step, stats["utility"],
+        c.gate_min_utility, self.streak, c.gate_patience,
         "RELEASE the retriever" if opens else
-        f"hold (release at step {release} at the latest)")
+        f"hold (release at step {release} at the latest)",
+        stats["evidence"], stats["evidence_z"],
+        stats["answer_bearing_queries"])
     if self.is_chief:
       io_utils.append_jsonl(self.path, {
-          "step": step, "utility": utility, "streak": self.streak,
-          "released": opens})
+          "step": step, **stats, "streak": self.streak, "released": opens})
     if not opens:
       return state
     self.release = step

@@ -114,10 +114,12 @@ class RetrievalInput:
     self.service.start(start_step, state, ckpt)
     self.source.start(state)
 
-  def held_out_batch(self, local, state) -> dict[str, jax.Array]:
+  def held_out_batch(self, local, state
+                     ) -> tuple[dict[str, jax.Array], np.ndarray]:
     """The sharded batch of the fixed queries `local` (this host's rows),
-    searched with `state`'s retriever in the served index."""
-    return self.host.batch_for(local, state)[0]
+    searched with `state`'s retriever in the served index, and their
+    candidates' block ids [b, k]."""
+    return self.host.batch_with_candidates(local, state)
 
   def batch(self, step: int, state) -> dict[str, jax.Array]:
     batch, top1 = self.source.batch(step, state)
@@ -218,7 +220,9 @@ def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
     metrics = inputs.log_metrics(step, metrics)
     if gate is not None:
       metrics.update(retriever_release_step=gate.release,
-                     gate_utility=gate.last_utility)
+                     gate_utility=gate.last.get("utility", float("nan")),
+                     gate_evidence_z=gate.last.get("evidence_z",
+                                                   float("nan")))
     return metrics
 
   def after_checkpoint(step, state):
@@ -272,7 +276,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     gate = None
     if config.retriever_gate == "utility":
       gate = gate_lib.RetrieverGate(config, queries.query_config,
-                                    inputs, loss_fn, config.workdir,
+                                    inputs, graphdef, store, config.workdir,
                                     run.is_chief)
       gate.restore(restored, start_step, state)
 

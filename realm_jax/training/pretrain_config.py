@@ -48,14 +48,16 @@ class PretrainConfig(loop.TrainConfig):
       candidates' embeddings come from the index instead of being
       recomputed). Needs RetrieverConfig.share_towers=False; a source with
       one tower initialises both.
-    retriever_gate: "steps" (release the retriever at
-      freeze_retriever_steps) or "utility": every `gate_every` steps, the
-      retrieval utility (log p(y|x) - log p(y|null, x), nats per mask) of
-      the reader on `gate_num_queries` held-out queries (`gate_queries`,
-      candidates from the served index) is measured; the retriever is
-      released once it is >= `gate_min_utility` for `gate_patience`
-      evaluations in a row, i.e. when the reader has started to use the
-      retrieved blocks. Decisions go to the log and to gate.jsonl.
+    retriever_gate: when the retriever is released. "steps": at
+      freeze_retriever_steps. "utility": every `gate_every` steps the
+      reader is evaluated on `gate_num_queries` held-out queries
+      (`gate_queries`, candidates from the served index), and the
+      retriever is released once the retrieval utility, log p(y|x) -
+      log p(y|null, x) nats per mask, is >= `gate_min_utility` for
+      `gate_patience` evaluations in a row, i.e. when the reader has
+      started to use the retrieved blocks. Every evaluation goes to the
+      log and gate.jsonl, with the evidence the reader gives the retriever
+      (`gate.gate_statistics`).
     gate_queries: a query cache of sentences never trained on (built like
       `queries`, from held-out articles of X).
     gate_every, gate_num_queries, gate_min_utility, gate_patience: see

@@ -87,6 +87,9 @@ def _moved(a, b):
 def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
   decisions, first, last = _gated_run(tmp_path, shuffle_facts)
   released = [d for d in decisions if d["released"]]
+  # Every evaluation also logs the evidence the reader gives the retriever.
+  assert all({"evidence", "evidence_z", "answer_bearing_queries"} <= set(d)
+             for d in decisions), decisions
   if shuffle_facts:
     # Reading never helps: every evaluation holds, the retriever is
     # exactly ICT's (its learned null offset aside: a reader-side scalar
@@ -97,5 +100,8 @@ def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
     assert len(released) == 1, decisions
     opened = released[0]
     assert opened["streak"] == 2 and opened["utility"] >= 0.1
+    # Measured: the reader's posterior moves 0.02 of the mass onto the
+    # answer-bearing blocks by then (0 while it ignores them).
+    assert opened["evidence"] > 0.005, opened
     assert all(d["step"] <= opened["step"] for d in decisions)
     assert _moved(first, last)
