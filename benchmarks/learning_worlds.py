@@ -10,7 +10,8 @@ Merges the runs' JSON lines into one file (each line tagged with its
 `world`), prints one Markdown table of every (world, condition) at its last
 step next to ICT's, with the retriever's release step and pass/fail of the
 targets, and draws held-out recall@1, retrieval utility and hubness per
-step, one row of panels per world.
+step (and the evidence the reader gives the retriever, where the rows
+have it), one row of panels per world.
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ def plot(rows: list[dict], path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   worlds = list(dict.fromkeys(r["world"] for r in rows))
   panels = (("recall@1", "held-out recall@1"),
-            ("retrieval_utility", "held-out utility (nats)"),
-            ("hubness", "hubness"))
+            ("retrieval_utility", "held-out utility (nats)")) + (
+                (("evidence", "held-out evidence (posterior mass moved "
+                  "onto answer-bearing blocks)"),)
+                if any("evidence" in r for r in rows) else ()) + (
+                    ("hubness", "hubness"),)
   fig, axes = plt.subplots(len(worlds), len(panels),
                            figsize=(5 * len(panels), 3.2 * len(worlds)),
                            squeeze=False)
@@ -72,13 +76,18 @@ def plot(rows: list[dict], path: str) -> None:
                 for r in rows if r["world"] == world and "summary" in r}
     for j, (key, title) in enumerate(panels):
       ax = axes[i][j]
-      for c in dict.fromkeys(r["condition"] for r in mine):
-        pts = [(r["step"], r[key]) for r in mine if r["condition"] == c]
+      for k, c in enumerate(dict.fromkeys(r["condition"] for r in mine)):
+        pts = [(r["step"], r[key]) for r in mine
+               if r["condition"] == c and key in r]
+        if not pts:
+          continue
         if c == "ict":
           ax.axhline(pts[-1][1], linestyle="--", color="black",
                      linewidth=1, label="ict")
           continue
-        line, = ax.plot(*zip(*pts), marker="o", markersize=3, label=c)
+        # One colour per condition in every panel (some lack a metric).
+        line, = ax.plot(*zip(*pts), marker="o", markersize=3, label=c,
+                        color=f"C{k}")
         release = 600 if c == "realm_fixed600" else releases.get(c)
         if release is not None:
           ax.axvline(release, color=line.get_color(), linestyle=":",

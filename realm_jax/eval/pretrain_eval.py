@@ -13,7 +13,10 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
 - `null_probability`: mean p(null|x);
 - `evidence`, `evidence_z`: the mass the reader's posterior moves onto
   answer-bearing candidates, and its z-score (`training.gate`'s
-  statistics, as the retriever gate measures them);
+  statistics, as the retriever gate measures them); `evidence_blocks`,
+  `evidence_blocks_z`: the same among the retrieved blocks alone (the
+  posterior and prior renormalised without the null document), which
+  is what moves the blocks' ranking;
 - `hubness`: share of queries whose top-1 block is the single most common
   top-1 block (1 / num_queries when every query retrieves another block).
 
@@ -187,12 +190,18 @@ def _reading_metrics(params, model, store, queries, ranking, num_candidates,
     metrics = {"recall@1": float(np.mean(rank_of_gold < 1)),
                "recall@5": float(np.mean(rank_of_gold < 5)),
                "mlm_accuracy_gold": per_mask(with_gold["correct_each"][:, 1])}
-  gate_stats = gate_lib.gate_statistics(
-      retrieved["retrieval_logits"], retrieved["token_ll"], weights,
-      gate_lib.answer_bearing(queries, candidates, store))
+  bearing = gate_lib.answer_bearing(queries, candidates, store)
+  logits, token_ll = retrieved["retrieval_logits"], retrieved["token_ll"]
+  gate_stats = gate_lib.gate_statistics(logits, token_ll, weights, bearing)
+  # Among the retrieved blocks only (the null document's share left out):
+  # what moves the ranking.
+  among_blocks = gate_lib.gate_statistics(logits[:, 1:], token_ll[:, 1:],
+                                          weights, bearing[:, 1:])
   return metrics | {
       "evidence": gate_stats["evidence"],
       "evidence_z": gate_stats["evidence_z"],
+      "evidence_blocks": among_blocks["evidence"],
+      "evidence_blocks_z": among_blocks["evidence_z"],
       "mlm_accuracy_marginal": per_mask(retrieved["correct_marginal"]),
       "mlm_accuracy_null": per_mask(retrieved["correct_each"][:, 0]),
       "retrieval_utility": per_mask(retrieved["utility"]),
