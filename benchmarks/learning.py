@@ -262,7 +262,7 @@ def main(argv=None) -> None:
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import ict, pretrain  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import ict, pretrain, pretrain_config  # pylint: disable=g-import-not-at-top
   from realm_jax.core import checkpoints, gin_config  # pylint: disable=g-import-not-at-top
   from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
 
@@ -303,12 +303,13 @@ def main(argv=None) -> None:
                                     if ".num_train_steps" not in b])
   recipe = gin.get_configurable(pretrain.PretrainConfig)()
   recipe_queries = gin_config.configured(examples.RealmQueryConfig)
-  if recipe.retriever_gate == "utility" and (
+  if recipe.retriever_gate in pretrain_config.MEASURED_GATES and (
       recipe.freeze_retriever_steps >= recipe.num_train_steps):
     # The recipe's bound is its whole run: keep it the whole run.
     base.append(f"pretrain.PretrainConfig.freeze_retriever_steps = "
                 f"{args.steps}")
-  if recipe.retriever_gate == "utility":
+  if (recipe.retriever_gate in pretrain_config.MEASURED_GATES
+      and recipe.gate_queries != recipe.queries):  # (A dev split's.)
     if not dev_x:
       parser.error("the recipe's gate needs --dev people.")
     dev_cache = os.path.join(args.workdir, "queries_dev")
@@ -417,8 +418,11 @@ def main(argv=None) -> None:
         "pretrain.PretrainConfig.keep_checkpoints = 1000"]
         + start_from + _bindings(condition, args))
     config = gin.get_configurable(pretrain.PretrainConfig)()
-    config = dataclasses.replace(config, queries=queries_for(
-        gin_config.configured(examples.RealmQueryConfig)))
+    queries = queries_for(gin_config.configured(examples.RealmQueryConfig))
+    # A gate on the training queries follows the condition's masking.
+    config = dataclasses.replace(config, queries=queries, gate_queries=(
+        queries if config.gate_queries == config.queries
+        else config.gate_queries))
     ckpt_dir = checkpoints.checkpoint_dir(workdir)
     shared = condition not in ("realm", "realm_original") and warmup
     if shared and not os.path.exists(ckpt_dir):

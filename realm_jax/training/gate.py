@@ -1,7 +1,8 @@
 """The retriever gate: REALM's retriever released when the reader reads.
 
-Used by `pretrain.train` with `PretrainConfig.retriever_gate="utility"`;
-`gate_statistics` is also reported by `eval.pretrain_eval`.
+Used by `pretrain.train` with a measured `PretrainConfig.retriever_gate`
+("utility" or "evidence", both defined by `gate_statistics`, which
+`eval.pretrain_eval` also reports).
 """
 
 from __future__ import annotations
@@ -103,12 +104,10 @@ class RetrieverGate:
   retriever's gradient r(z) = [p(y|z,x)/p(y|x) - 1] p(z|x) is noise, and
   following it destroys the warm start (a fixed warm-up tuned on one world
   released it too early on a larger one: docs/results/learning.md). So the
-  retriever stays frozen until the retrieval utility on held-out queries
-  (`PretrainConfig.gate_queries`, never trained on, candidates from the
-  served index) clears `gate_min_utility` nats for `gate_patience`
-  evaluations in a row. The evidence statistic (`gate_statistics`) is
-  logged beside it: measured, it is too weak on 128 held-out queries to
-  gate on (docs/results/learning.md). The release
+  retriever stays frozen until the reader, evaluated on a fixed slice of
+  `PretrainConfig.gate_queries` with the served index, passes the gate's
+  test (`retriever_gate`: "utility" or "evidence", see `gate_statistics`)
+  `gate_patience` evaluations in a row. The release
   step is written into the optimiser state (so a checkpoint keeps it), the
   streak into the checkpoints' meta (so a restart decides the same), every
   evaluation into the log and gate.jsonl.
@@ -130,15 +129,21 @@ class RetrieverGate:
       queries = stream.head(config.gate_num_queries)
     finally:
       stream.close()
-    # This host's rows of the fixed held-out batch.
-    n, hosts, me = (len(queries["query_ids"]), jax.process_count(),
-                    jax.process_index())
-    if n % (hosts * len(inputs.mesh.local_devices)):
+    # This host's rows of the fixed batch: as many as the cache has, to a
+    # multiple of the devices.
+    devices, hosts, me = (jax.process_count() * len(inputs.mesh.local_devices),
+                          jax.process_count(), jax.process_index())
+    n = len(queries["query_ids"]) // devices * devices
+    if not n:
       raise ValueError(
-          f"gate_queries {config.gate_queries} gives {n} queries, not a "
-          f"multiple of the {hosts * len(inputs.mesh.local_devices)} "
-          "devices; set gate_num_queries to a multiple of it (and at most "
-          "the cache's size).")
+          f"gate_queries {config.gate_queries} gives "
+          f"{len(queries['query_ids'])} queries, fewer than the {devices} "
+          "devices; use a larger cache.")
+    if n < config.gate_num_queries:
+      logging.info("retriever gate: %d queries of %s (gate_num_queries=%d; "
+                   "the cache has %d, cut to a multiple of %d devices).", n,
+                   config.gate_queries, config.gate_num_queries,
+                   len(queries["query_ids"]), devices)
     self.queries = {k: v[me * n // hosts:(me + 1) * n // hosts]
                     for k, v in queries.items()}
     null_document = config.null_document
@@ -176,25 +181,32 @@ class RetrieverGate:
         gather(parallel.local_rows(token_ll)),
         gather(self.queries["mlm_weights"]), gather(bearing))
 
+  def passes(self, stats: dict[str, float]) -> bool:
+    c = self.config
+    if c.retriever_gate == "evidence":
+      return stats["evidence_z"] >= c.gate_min_evidence_z
+    return stats["utility"] >= c.gate_min_utility
+
   def update_state(self, step: int, state):
     release = self.release  # (Host copy: no device sync every step.)
     if release is None or step >= release or step % self.config.gate_every:
       return state
     c = self.config
     stats = self.last = self.statistics(state)
-    passes = stats["utility"] >= c.gate_min_utility
-    self.streak = self.streak + 1 if passes else 0
+    self.streak = self.streak + 1 if self.passes(stats) else 0
     opens = bool(distributed.broadcast_from_chief(
         np.int32(self.streak >= c.gate_patience)))
+    test = (f"evidence z >= {c.gate_min_evidence_z:g}"
+            if c.retriever_gate == "evidence"
+            else f"utility >= {c.gate_min_utility:g} nats")
     logging.info(
-        "retriever gate at step %d: held-out utility %.4f nats (threshold "
-        "%g), %d/%d in a row -> %s; evidence %.5f (z %.2f over %d queries "
-        "with an answer-bearing block)", step, stats["utility"],
-        c.gate_min_utility, self.streak, c.gate_patience,
+        "retriever gate at step %d: utility %.4f nats, evidence %.5f (z %.2f "
+        "over %d queries with an answer-bearing block); %s: %d/%d in a row "
+        "-> %s", step, stats["utility"], stats["evidence"],
+        stats["evidence_z"], stats["answer_bearing_queries"], test,
+        self.streak, c.gate_patience,
         "RELEASE the retriever" if opens else
-        f"hold (release at step {release} at the latest)",
-        stats["evidence"], stats["evidence_z"],
-        stats["answer_bearing_queries"])
+        f"hold (release at step {release} at the latest)")
     if self.is_chief:
       io_utils.append_jsonl(self.path, {
           "step": step, **stats, "streak": self.streak, "released": opens})

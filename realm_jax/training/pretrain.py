@@ -43,6 +43,7 @@ from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
 # The run's settings; gin binds them as pretrain.PretrainConfig.
 from realm_jax.training.pretrain_config import DOCUMENT_TOWER
+from realm_jax.training.pretrain_config import MEASURED_GATES
 from realm_jax.training.pretrain_config import PretrainConfig
 from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 
@@ -146,7 +147,7 @@ def make_optimizer(config: PretrainConfig):
       retriever_learning_rate_multiplier=(
           config.retriever_learning_rate_multiplier),
       freeze_retriever_steps=config.freeze_retriever_steps,
-      gated=config.retriever_gate == "utility",
+      gated=config.retriever_gate in MEASURED_GATES,
       frozen=((DOCUMENT_TOWER,) if config.retriever_training == "query_side"
               else ()),
       unused=UNUSED_BY_PRETRAINING,
@@ -274,7 +275,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs.source.restore(restored, start_step)
     loss_fn = make_loss_fn(graphdef, config.null_document)
     gate = None
-    if config.retriever_gate == "utility":
+    if config.retriever_gate in MEASURED_GATES:
       gate = gate_lib.RetrieverGate(config, queries.query_config,
                                     inputs, graphdef, store, config.workdir,
                                     run.is_chief)

@@ -14,7 +14,9 @@ from realm_jax.training import loop, mlm_warmup, realm_inputs
 
 INDEX_MODES = ("inline", "builder")
 RETRIEVER_TRAINING = ("full", "query_side")
-RETRIEVER_GATES = ("steps", "utility")
+RETRIEVER_GATES = ("steps", "utility", "evidence")
+# The gates measured in the run (the others release at a step count).
+MEASURED_GATES = ("utility", "evidence")
 # The query-side mode's frozen subtree: the document tower.
 DOCUMENT_TOWER = ("retriever", "document_embedder")
 # Parameters the masked-LM loss never reads (a reader built with the span
@@ -38,7 +40,7 @@ class PretrainConfig(loop.TrainConfig):
       to `learning_rate` (REALM: 1; 0 freezes the retriever).
     freeze_retriever_steps: reader warm-up: the retriever does not move for
       this many steps (REALM: 0). See `optimizer.realm_optimizer`. With
-      `retriever_gate="utility"` it is the upper bound: the gate may
+      a measured `retriever_gate` it is the upper bound: the gate may
       release the retriever earlier (set it to num_train_steps to release
       the retriever only on the gate's evidence).
     retriever_training: "full" (REALM: both towers learn, the index is
@@ -49,18 +51,27 @@ class PretrainConfig(loop.TrainConfig):
       recomputed). Needs RetrieverConfig.share_towers=False; a source with
       one tower initialises both.
     retriever_gate: when the retriever is released. "steps": at
-      freeze_retriever_steps. "utility": every `gate_every` steps the
-      reader is evaluated on `gate_num_queries` held-out queries
-      (`gate_queries`, candidates from the served index), and the
-      retriever is released once the retrieval utility, log p(y|x) -
-      log p(y|null, x) nats per mask, is >= `gate_min_utility` for
-      `gate_patience` evaluations in a row, i.e. when the reader has
-      started to use the retrieved blocks. Every evaluation goes to the
-      log and gate.jsonl, with the evidence the reader gives the retriever
-      (`gate.gate_statistics`).
-    gate_queries: a query cache of sentences never trained on (built like
-      `queries`, from held-out articles of X).
-    gate_every, gate_num_queries, gate_min_utility, gate_patience: see
+      freeze_retriever_steps. A measured gate: every `gate_every` steps the
+      reader is evaluated on the first `gate_num_queries` queries of
+      `gate_queries` (candidates from the served index), and the retriever
+      is released after `gate_patience` passing evaluations in a row:
+      - "utility": the retrieval utility, log p(y|x) - log p(y|null, x)
+        nats per mask, is >= `gate_min_utility`: the reader gains from the
+        blocks, on average (held-out queries);
+      - "evidence": the retriever's own gradient favours answer-bearing
+        blocks (those whose text holds the masked span): the posterior
+        mass p(z|x, y) - p(z|x) the reader moves onto them is positive at
+        a z-score >= `gate_min_evidence_z` over the queries that retrieved
+        one (`gate.gate_statistics`; exactly 0 while the reader ignores
+        the blocks). Measure it on the training queries
+        (`gate_queries = queries`, a slice of ~2,000): that is the signal
+        the retriever follows, and it is there before any held-out gain.
+      Every evaluation (both statistics) goes to the log and gate.jsonl.
+    gate_queries: the gate's query cache, masked like `queries`: for
+      "utility", sentences never trained on (held-out articles of X); for
+      "evidence", `queries` itself.
+    gate_every, gate_num_queries, gate_min_utility, gate_min_evidence_z,
+      gate_patience: see
       `retriever_gate`.
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
       raw ones (REALM: False); see `optimizer.bert_optimizer`.
@@ -157,6 +168,7 @@ class PretrainConfig(loop.TrainConfig):
   gate_every: int = 50
   gate_num_queries: int = 128
   gate_min_utility: float = 0.1
+  gate_min_evidence_z: float = 3.0
   gate_patience: int = 2
   adam_bias_correction: bool = False
   mlm_head_warmup_steps: int = 0
@@ -225,17 +237,19 @@ class PretrainConfig(loop.TrainConfig):
     if self.retriever_gate not in RETRIEVER_GATES:
       raise ValueError(f"retriever_gate={self.retriever_gate!r}; use one of "
                        f"{RETRIEVER_GATES}.")
-    if self.retriever_gate == "utility":
+    if self.retriever_gate in MEASURED_GATES:
       checks.at_least(self, "gate_every", "gate_num_queries", "gate_patience",
                       integer=True)
       if not self.gate_queries:
         raise ValueError(
-            "retriever_gate='utility' measures the reader on held-out "
-            "queries: set gate_queries to a query cache built from articles "
-            "that are not in `queries` (python -m realm_jax.data.query_cache "
-            "on them), or use retriever_gate='steps'.")
+            f"retriever_gate={self.retriever_gate!r} measures the reader "
+            "on gate_queries: set it to a query cache (for 'utility', built "
+            "from articles that are not in `queries` with python -m "
+            "realm_jax.data.query_cache; for 'evidence', `queries`), or "
+            "use retriever_gate='steps'.")
       if not self.freeze_retriever_steps:
         raise ValueError(
-            "retriever_gate='utility' with freeze_retriever_steps=0 releases "
+            f"retriever_gate={self.retriever_gate!r} with "
+            "freeze_retriever_steps=0 releases "
             "the retriever at step 0; set freeze_retriever_steps to the "
             "latest release (num_train_steps: only on the gate's evidence).")

@@ -31,7 +31,7 @@ def world_and_ict(tmp_path_factory):
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      "QUERIES = 'unused'", "GATE_QUERIES = 'unused'",
+      "QUERIES = 'unused'",
       "ict.IctTrainConfig.num_train_steps = 30",
       "ict.IctTrainConfig.batch_size = 16",
       "realm.RetrieverConfig.null_score = 'embedding'"])
@@ -48,7 +48,7 @@ def _pretrain(workdir, files, queries, ict_ckpts, bindings):
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      f"QUERIES = '{queries}'", "GATE_QUERIES = ''",
+      f"QUERIES = '{queries}'",
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       # A fixed warm-up (the recipe's gate is tested in
       # test_retriever_gate.py): 4 frozen steps, then the retriever moves.

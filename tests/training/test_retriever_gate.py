@@ -2,8 +2,8 @@
 
 Two small knowledge worlds (`realm_jax.testing.knowledge_world`) that differ
 only in their biographies: in one they state the person's own facts, so a
-reader that copies the fact from the retrieved biography fills held-out
-masks; in the other (`shuffle_facts`) every biography states another
+reader that copies the fact from the retrieved biography fills the masks,
+and its posterior moves mass onto the blocks that hold them; in the other (`shuffle_facts`) every biography states another
 person's facts, so reading never helps. The same gated recipe
 (`experiments/pretrain_world_cpu.gin`) must release the retriever in the
 first, and in the second keep it exactly where ICT left it.
@@ -23,8 +23,10 @@ from realm_jax.model.realm import RealmConfig
 from realm_jax.testing import corpus, knowledge_world
 from realm_jax.training import ict, pretrain
 
-# Measured: the reader of the readable world clears the gate's threshold
-# from step 100 (utility 0.22, 0.35 at 120), so the gate opens at 120.
+# Measured: on the readable world's 280 training queries the reader's
+# evidence reaches z 3.09 at step 80 and 3.94 at 100 (0.006 of the mass
+# moved onto answer-bearing blocks), so the gate opens at 100; on the
+# shuffled world |z| <= 1.6 throughout.
 STEPS = 160
 
 
@@ -35,26 +37,25 @@ def _world(root, shuffle_facts):
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{root / 'ict'}'", f"BLOCK_STORE = '{files.block_store}'",
-      "QUERIES = 'unused'", "GATE_QUERIES = 'unused'",
+      "QUERIES = 'unused'",
       "ict.IctTrainConfig.num_train_steps = 40",
       "realm.RetrieverConfig.null_score = 'embedding'"])
   ict.train(config=gin.get_configurable(ict.IctTrainConfig)(),
             model=gin.get_configurable(RealmConfig)())
   gin.clear_config()
-  queries, dev = (corpus.make_query_cache(
-      x, str(root / name), query_length=32, max_masks=2)
-                  for x, name in ((files.train, "queries"),
-                                  (files.dev, "dev")))
-  return files, queries, dev, checkpoints.checkpoint_dir(str(root / "ict"))
+  # (The dev people's sentences are neither trained on nor gated on.)
+  queries = corpus.make_query_cache(files.train, str(root / "queries"),
+                                    query_length=32, max_masks=2)
+  return files, queries, checkpoints.checkpoint_dir(str(root / "ict"))
 
 
 def _gated_run(root, shuffle_facts):
-  files, queries, dev, ict_ckpts = _world(root, shuffle_facts)
+  files, queries, ict_ckpts = _world(root, shuffle_facts)
   workdir = str(root / "realm")
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      f"QUERIES = '{queries}'", f"GATE_QUERIES = '{dev}'",
+      f"QUERIES = '{queries}'",
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
       f"pretrain.PretrainConfig.freeze_retriever_steps = {STEPS}",
@@ -62,7 +63,6 @@ def _gated_run(root, shuffle_facts):
       "pretrain.PretrainConfig.checkpoint_every = 20",
       "pretrain.PretrainConfig.keep_checkpoints = 100",
       "pretrain.PretrainConfig.gate_every = 20",
-      "pretrain.PretrainConfig.gate_num_queries = 104",
       "pretrain.PretrainConfig.log_every = 20"])
   try:
     pretrain.train(config=gin.get_configurable(pretrain.PretrainConfig)(),
@@ -99,9 +99,7 @@ def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
   else:
     assert len(released) == 1, decisions
     opened = released[0]
-    assert opened["streak"] == 2 and opened["utility"] >= 0.1
-    # Measured: the reader's posterior moves 0.02 of the mass onto the
-    # answer-bearing blocks by then (0 while it ignores them).
-    assert opened["evidence"] > 0.005, opened
+    assert opened["streak"] == 2 and opened["evidence_z"] >= 3.0
+    assert opened["evidence"] > 0 and opened["utility"] > 0, opened
     assert all(d["step"] <= opened["step"] for d in decisions)
     assert _moved(first, last)
