@@ -48,7 +48,7 @@ def answer_bearing(queries: Mapping[str, np.ndarray], candidates: np.ndarray,
 def gate_statistics(retrieval_logits: np.ndarray, token_ll: np.ndarray,
                     weights: np.ndarray, bearing: np.ndarray
                     ) -> dict[str, float]:
-  """The gate's two statistics on a held-out batch (numpy, float64).
+  """The gate's two statistics on a batch of queries (numpy, float64).
 
   Args:
     retrieval_logits: [B, C] f(x, z), the null document first.
