@@ -19,7 +19,9 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
   ict             ICT warm start only (the baseline REALM must beat)
   realm           ICT + REALM, this repository's recipe
                   (experiments/pretrain_world_cpu.gin): the retriever is
-                  released by the gate (held-out utility on a dev split)
+                  released by the gate (the reader's evidence for
+                  answer-bearing blocks on the training queries; the wiki
+                  recipes: held-out utility on dev articles)
   realm_fixed600  the recipe with the earlier fixed warm-up: the retriever
                   released at step 600 whatever the reader does
   query_side      the recipe, query-side training: unshared towers from
@@ -38,7 +40,7 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
   realm_slow      (only when named) the recipe with the retriever at 0.01x
 
 The world: --people, --heldout, --dev (people whose X articles are
-neither trained on nor evaluated: the gate's queries), --templates (a or
+neither trained on nor evaluated: a held-out gate's queries), --templates (a or
 b, `knowledge_world.TEMPLATES`), --seed, --shuffle_facts (every
 biography states another person's facts: the control world where reading
 cannot help).
