@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -143,8 +144,13 @@ def _wiki_world(directory: str, num_documents: int | None):
   held-out (every 4th article: the masked-token metrics) and dev (every
   8th of the rest: the gate's queries); returns (block_store, train,
   heldout, dev)."""
-  from realm_jax.data import annotate_job, corpus_job, salient_spans, wikipedia  # pylint: disable=g-import-not-at-top
   store_dir = os.path.join(directory, "blocks")
+  splits = {n: os.path.join(directory, f"{n}.tfr.gz")
+            for n in ("train", "heldout", "dev")}
+  if os.path.exists(os.path.join(store_dir, "manifest.json")) and all(
+      map(os.path.exists, splits.values())):  # (built: no Beam, no spaCy)
+    return store_dir, splits["train"], splits["heldout"], splits["dev"]
+  from realm_jax.data import annotate_job, corpus_job, salient_spans, wikipedia  # pylint: disable=g-import-not-at-top
   if not os.path.exists(os.path.join(store_dir, "manifest.json")):
     corpus_job.build_corpus(output_dir=store_dir, max_block_len=128,
                             max_documents=num_documents)
@@ -153,8 +159,6 @@ def _wiki_world(directory: str, num_documents: int | None):
     annotate_job.annotate_corpus(
         input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
         num_shards=1, max_documents=num_documents)
-  splits = {n: os.path.join(directory, f"{n}.tfr.gz")
-            for n in ("train", "heldout", "dev")}
 
   def split(i):
     return "heldout" if i % 4 == 3 else "dev" if i % 8 == 1 else "train"
@@ -226,6 +230,11 @@ def main(argv=None) -> None:
   parser.add_argument("--table_from", default=None,
                       help="Only print the table (and --plot) of a "
                       "previous --output file.")
+  parser.add_argument("--prepare_only", action="store_true",
+                      help="Build the world, the query caches, the held-out "
+                      "queries and the questions' wordpieces in --workdir, "
+                      "then stop: a run on that workdir needs neither "
+                      "tensorflow nor spaCy (e.g. on an accelerator host).")
   parser.add_argument("--gin", action="append", default=[],
                       help="Extra binding for every pre-training run.")
   args = parser.parse_args(argv)
@@ -319,14 +328,47 @@ def main(argv=None) -> None:
       query_cache.build_query_cache(
           dev_x, dev_cache, query_config=recipe_queries, seed=args.seed,
           num_shards=1)
-  heldout = examples.read_realm_queries(
-      heldout_x, Tokenizer(),
-      config=dataclasses.replace(recipe_queries, masking="salient"),
-      seed=args.seed)
-  if args.max_heldout:
-    keep = np.sort(np.random.default_rng(args.seed).permutation(
-        len(heldout["query_ids"]))[:args.max_heldout])
-    heldout = {k: v[keep] for k, v in heldout.items()}
+
+  def kept(name, make):
+    """`make()`'s arrays, kept in the workdir as .npz (no pickles): a run
+    there needs no tensorflow_text, e.g. on an accelerator host."""
+    path = os.path.join(args.workdir, name + ".npz")
+    if os.path.exists(path):
+      with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+    arrays = make()
+    np.savez(path + ".tmp.npz", **arrays)
+    os.replace(path + ".tmp.npz", path)
+    return arrays
+
+  def read_heldout():
+    queries = examples.read_realm_queries(
+        heldout_x, Tokenizer(),
+        config=dataclasses.replace(recipe_queries, masking="salient"),
+        seed=args.seed)
+    if args.max_heldout:
+      keep = np.sort(np.random.default_rng(args.seed).permutation(
+          len(queries["query_ids"]))[:args.max_heldout])
+      queries = {k: v[keep] for k, v in queries.items()}
+    return queries
+
+  def tokenize_questions():
+    from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+    return qa_inputs.tokenize_questions(
+        Tokenizer(), [e.question for e in questions],
+        recipe_queries.query_length)
+
+  with open(heldout_x, "rb") as f:  # (the world's held-out articles)
+    settings = hashlib.sha256(f.read() + repr((
+        dataclasses.replace(recipe_queries, masking="salient"), args.seed,
+        args.max_heldout)).encode()).hexdigest()[:12]
+  heldout = kept(f"heldout_queries_{settings}", read_heldout)
+  question_inputs = None
+  if questions:
+    with open(WIKI_QUESTIONS, "rb") as f:
+      asked = hashlib.sha256(f.read() + repr(
+          recipe_queries.query_length).encode()).hexdigest()[:12]
+    question_inputs = kept(f"question_inputs_{asked}", tokenize_questions)
   if wiki:
     gold = None
   else:
@@ -334,6 +376,23 @@ def main(argv=None) -> None:
         store, knowledge_world.load_people(world.people))
     gold = np.asarray([gold_of[int(h)]
                        for h in heldout["source_doc_hash"]])
+  def queries_for(config):
+    """The training sentences masked the condition's way (built once)."""
+    path = os.path.join(args.workdir, f"queries_{config.masking}")
+    if not os.path.exists(path):
+      query_cache.build_query_cache(
+          train_x, path, query_config=config,
+          seed=args.seed, num_shards=1)
+    return path
+
+  if args.prepare_only:
+    for condition in conditions:
+      if condition not in ("init", "ict"):
+        _configs(gin_files, base + _bindings(condition, args))
+        queries_for(gin_config.configured(examples.RealmQueryConfig))
+    print(f"{args.workdir}: inputs prepared; run again without "
+          "--prepare_only to train (tensorflow is no longer needed).")
+    return
   out = open(args.output, "w", encoding="utf-8") if args.output else None
   rows = []
 
@@ -344,7 +403,8 @@ def main(argv=None) -> None:
         num_candidates=recipe.num_candidates,
         reader_length=recipe.reader_length, questions=questions,
         question_length=recipe_queries.query_length,
-        trivial_candidates=args.trivial, block_emb=block_emb), **extra}
+        trivial_candidates=args.trivial, block_emb=block_emb,
+        question_inputs=question_inputs), **extra}
     if seconds is not None:
       row["train_seconds"] = round(seconds, 1)
     rows.append(row)
@@ -403,15 +463,6 @@ def main(argv=None) -> None:
   # warm-up is shared then.)
   warmup = (recipe.freeze_retriever_steps
             if recipe.retriever_gate == "steps" else 0)
-
-  def queries_for(config):
-    """The training sentences masked the condition's way (built once)."""
-    path = os.path.join(args.workdir, f"queries_{config.masking}")
-    if not os.path.exists(path):
-      query_cache.build_query_cache(
-          train_x, path, query_config=config,
-          seed=args.seed, num_shards=1)
-    return path
 
   def run(condition):
     workdir = os.path.join(args.workdir, condition)

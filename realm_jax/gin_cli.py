@@ -50,11 +50,15 @@ CPU_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
 def add_cpu_xla_flag() -> None:
   """Adds `CPU_XLA_FLAG` to $XLA_FLAGS unless the user set that flag.
 
-  XLA reads $XLA_FLAGS when JAX starts its backends; afterwards this has no
-  effect (and says so in the log).
+  Not added where $JAX_PLATFORMS names no CPU (e.g. `cuda`): another jaxlib
+  on an accelerator host may not know this experimental flag, and XLA
+  stops at unknown flags. XLA reads $XLA_FLAGS when JAX starts its
+  backends; afterwards this has no effect (and says so in the log).
   """
   current = os.environ.get("XLA_FLAGS", "")
-  if CPU_XLA_FLAG.rstrip("=") in current:
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if CPU_XLA_FLAG.rstrip("=") in current or (
+      platforms and "cpu" not in platforms.split(",")):
     return
   os.environ["XLA_FLAGS"] = f"{current} {CPU_XLA_FLAG}".strip()
   if "jax" in sys.modules:

@@ -108,22 +108,82 @@ def encode_query(query: dict[str, Any]) -> bytes:
       feature=feature)).SerializeToString()
 
 
-def _parse_spec(features: dict[str, dict[str, Any]]):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return {name: tf.io.FixedLenFeature(
-      f["shape"], tf.float32 if f["dtype"].startswith("float") else tf.int64)
-          for name, f in features.items()}
+@functools.cache
+def _example_class():
+  """tf.train.Example's message class, built from its schema with protobuf
+  alone: reading a cache needs no TensorFlow (e.g. on an accelerator host
+  without it). Same wire format: field numbers and types as TensorFlow's
+  example.proto and feature.proto."""
+  from google.protobuf import descriptor_pb2  # pylint: disable=g-import-not-at-top
+  from google.protobuf import descriptor_pool  # pylint: disable=g-import-not-at-top
+  from google.protobuf import message_factory  # pylint: disable=g-import-not-at-top
+  fdp = descriptor_pb2.FieldDescriptorProto
+  proto = descriptor_pb2.FileDescriptorProto(
+      name="realm_jax/query_cache_example.proto",
+      package="realm_jax.query_cache", syntax="proto3")
+
+  def message(name, *fields, into=proto.message_type):
+    m = into.add(name=name)
+    for number, field, kind, type_name, label in fields:
+      m.field.add(name=field, number=number, type=kind, label=label,
+                  type_name=type_name)
+    return m
+
+  repeated, optional = fdp.LABEL_REPEATED, fdp.LABEL_OPTIONAL
+  pkg = ".realm_jax.query_cache."
+  message("BytesList", (1, "value", fdp.TYPE_BYTES, None, repeated))
+  message("FloatList", (1, "value", fdp.TYPE_FLOAT, None, repeated))
+  message("Int64List", (1, "value", fdp.TYPE_INT64, None, repeated))
+  message("Feature",
+          (1, "bytes_list", fdp.TYPE_MESSAGE, pkg + "BytesList", optional),
+          (2, "float_list", fdp.TYPE_MESSAGE, pkg + "FloatList", optional),
+          (3, "int64_list", fdp.TYPE_MESSAGE, pkg + "Int64List", optional))
+  features = message("Features", (1, "feature", fdp.TYPE_MESSAGE,
+                                  pkg + "Features.FeatureEntry", repeated))
+  entry = message("FeatureEntry",
+                  (1, "key", fdp.TYPE_STRING, None, optional),
+                  (2, "value", fdp.TYPE_MESSAGE, pkg + "Feature", optional),
+                  into=features.nested_type)
+  entry.options.map_entry = True
+  message("Example", (1, "features", fdp.TYPE_MESSAGE, pkg + "Features",
+                      optional))
+  pool = descriptor_pool.DescriptorPool()
+  pool.Add(proto)
+  return message_factory.GetMessageClass(
+      pool.FindMessageTypeByName("realm_jax.query_cache.Example"))
 
 
-def decode_queries(records: Sequence[bytes], features: dict[str, Any],
-                   spec=None) -> dict[str, np.ndarray]:
-  """Serialized queries -> stacked arrays with the manifest's dtypes."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  parsed = tf.io.parse_example(tf.constant(list(records), tf.string),
-                               spec or _parse_spec(features))
-  return {name: parsed[name].numpy().astype(features[name]["dtype"],
-                                            copy=False)
-          for name in features}
+def decode_queries(records: Sequence[bytes], features: dict[str, Any]
+                   ) -> dict[str, np.ndarray]:
+  """Serialized queries -> stacked arrays with the manifest's dtypes.
+
+  Raises:
+    ValueError: a record that is no Example, lacks a feature, or holds a
+      feature of another size than the manifest's.
+  """
+  from google.protobuf import message as message_lib  # pylint: disable=g-import-not-at-top
+  example = _example_class()
+  out = {name: np.empty((len(records), *f["shape"]), f["dtype"])
+         for name, f in features.items()}
+  for i, record in enumerate(records):
+    try:
+      feature = example.FromString(record).features.feature
+    except message_lib.DecodeError as e:
+      raise ValueError(f"query record {i} is not a tf.train.Example ({e}); "
+                       "rebuild the cache.") from e
+    for name, f in features.items():
+      if name not in feature:
+        raise ValueError(f"query record {i} lacks the feature {name!r} its "
+                         "manifest lists; rebuild the cache.")
+      kind = "float_list" if f["dtype"].startswith("float") else "int64_list"
+      values = getattr(feature[name], kind).value
+      if len(values) != out[name][i].size:
+        raise ValueError(
+            f"query record {i}: feature {name!r} holds {len(values)} "
+            f"values, its manifest says shape {f['shape']}; rebuild the "
+            "cache.")
+      out[name][i] = np.asarray(values).reshape(f["shape"])
+  return out
 
 
 # -----------------------------------------------------------------------------
@@ -315,7 +375,6 @@ class QueryStream:
     self.shards = list(range(process_index * per_host,
                              (process_index + 1) * per_host))
     self._readers = {k: self._open(k) for k in self.shards}
-    self._spec = None
     self._keys: dict[tuple[int, int], np.ndarray] = {}
 
   def _open(self, k: int):
@@ -350,9 +409,7 @@ class QueryStream:
     return key
 
   def _decode(self, records: Sequence[bytes]) -> dict[str, np.ndarray]:
-    if self._spec is None:
-      self._spec = _parse_spec(self.features)
-    return decode_queries(records, self.features, self._spec)
+    return decode_queries(records, self.features)
 
   def positions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
     """(shard, row) of this host's queries of global batch `step`, in order

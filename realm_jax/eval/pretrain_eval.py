@@ -98,7 +98,9 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
              question_length: int = 32,
              qa_ks: Sequence[int] = (1, 5, 20),
              trivial_candidates: str = "article",
-             block_emb: np.ndarray | None = None) -> dict[str, float]:
+             block_emb: np.ndarray | None = None,
+             question_inputs: dict[str, np.ndarray] | None = None
+             ) -> dict[str, float]:
   """Held-out retrieval and reading metrics of one set of parameters.
 
   Args:
@@ -120,6 +122,9 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     block_emb: the blocks' embeddings by these parameters' document tower
       (e.g. a query-side run's index, which never changes); default: the
       corpus is embedded here.
+    question_inputs: `questions` already tokenized
+      (`qa_inputs.tokenize_questions`), e.g. on a host without
+      tensorflow_text; default: tokenized here.
 
   Returns:
     The metrics listed in the module docstring, as floats.
@@ -155,7 +160,8 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
                              num_candidates, gold, reader_length, batch_size)
   if questions:
     metrics.update(qa_recall(params, model, store, block_emb, questions,
-                              question_length, qa_ks, batch_size))
+                              question_length, qa_ks, batch_size,
+                              question_inputs))
   return metrics
 
 
@@ -226,17 +232,24 @@ def _ranking(params, model, store, queries, block_emb, trivial_candidates,
 
 def qa_recall(params, model, store, block_emb, questions,
               question_length: int = 32, ks: Sequence[int] = (1, 5, 20),
-              batch_size: int = 64) -> dict[str, float]:
+              batch_size: int = 64,
+              question_inputs: dict[str, np.ndarray] | None = None
+              ) -> dict[str, float]:
   """Share of questions with an answer in the top k blocks, per k.
 
-  `params`' query tower embeds the questions; `block_emb` [len(store), D]
-  are the blocks' embeddings (an index's, or `embed_block_store`'s).
-  Returns {"qa_recall@k": share} for k in `ks`.
+  `params`' query tower embeds the questions (tokenized here, or given as
+  `question_inputs`, `qa_inputs.tokenize_questions`' output);
+  `block_emb` [len(store), D] are the blocks' embeddings (an index's, or
+  `embed_block_store`'s). Returns {"qa_recall@k": share} for k in `ks`.
   """
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
-  q = qa_inputs.tokenize_questions(tokenizer, [e.question for e in questions],
-                                   question_length)
+  q = question_inputs or qa_inputs.tokenize_questions(
+      tokenizer, [e.question for e in questions], question_length)
+  if q["question_ids"].shape != (len(questions), question_length):
+    raise ValueError(
+        f"question_inputs has shape {q['question_ids'].shape}; expected "
+        f"({len(questions)}, {question_length}): one row per question.")
   embed_queries = _query_fn(model)
   emb = _in_chunks(lambda s: {"e": np.asarray(embed_queries(
       params, q["question_ids"][s], q["question_mask"][s]))},

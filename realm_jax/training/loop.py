@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -110,10 +111,32 @@ def start_run(workdir: io_utils.PathLike, operative_config: str, *,
   if is_chief and operative_config:
     io_utils.atomic_write_text(io_utils.join(workdir, "operative_config.gin"),
                                operative_config)
+  if importlib.util.find_spec("tensorflow") is None:
+    if is_chief:
+      logging.warning(
+          "TensorFlow is not installed here: no TensorBoard summaries in "
+          "%s; the metrics go to the log and metrics.jsonl.",
+          io_utils.join(workdir, "summaries"))
+    return LoggingWriter()
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   # TensorBoard's writer opens gs:// itself (tf.io.gfile).
   return metric_writers.create_default_writer(
       io_utils.join(workdir, "summaries"), just_logging=not is_chief)
+
+
+class LoggingWriter:
+  """The metric writer where TensorBoard's (clu's, through TensorFlow) cannot
+  run, e.g. an accelerator host without TensorFlow: scalars to the log."""
+
+  def write_scalars(self, step: int, scalars) -> None:
+    logging.info("[%d] %s", step, ", ".join(
+        f"{k}={float(v):.6g}" for k, v in sorted(scalars.items())))
+
+  def flush(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
 
 
 def make_train_step(loss_fn: parallel.LossFn, optimizer, mesh,

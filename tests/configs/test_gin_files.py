@@ -113,6 +113,19 @@ def test_add_cpu_xla_flag_adds_the_flag_once_and_respects_the_user(
   assert os.environ["XLA_FLAGS"] == gin_cli.CPU_XLA_FLAG
 
 
+@pytest.mark.parametrize("platforms, added", [
+    ("cuda", False), ("tpu", False), ("cuda,cpu", True), ("cpu", True),
+    ("", True)])
+def test_the_cpu_flag_stays_off_where_jax_platforms_names_no_cpu(
+    monkeypatch, platforms, added):
+  """An accelerator host's jaxlib may not know the experimental CPU flag,
+  and XLA stops at unknown flags."""
+  monkeypatch.setenv("JAX_PLATFORMS", platforms)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  gin_cli.add_cpu_xla_flag()
+  assert (gin_cli.CPU_XLA_FLAG in os.environ["XLA_FLAGS"]) == added
+
+
 # Experiments that run on CPU; the others (and runs/*) size accelerator runs.
 CPU_EXPERIMENTS = {"eval_tiny_cpu.gin", "finetune_tiny_cpu.gin",
                    "ict_tiny_cpu.gin", "pretrain_tiny_cpu.gin",

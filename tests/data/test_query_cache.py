@@ -6,6 +6,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -369,3 +371,71 @@ def test_beam_job_errors(beam_cache, annotated, tmp_path):
                          str(tmp_path / "c"), num_shards=64)
   # Nothing half-written is left behind.
   assert not [p for p in os.listdir(tmp_path) if p.startswith("c")]
+
+
+def test_decoding_matches_tensorflow_parse_example():
+  """The protobuf-only decoder reads what TensorFlow's parser reads, value
+  for value (negative and 64-bit ints, float32 weights)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  queries = _fake_queries(0, 5)
+  queries[1]["source_doc_hash"] = np.int64(-(2**62) - 7)
+  queries[2]["mlm_weights"] = np.asarray(
+      [0.1, 1 / 3, -2.5, 1e-30, 3e38, 0, 0, 0, 0, 0], np.float32)
+  records = [qc.encode_query(q) for q in queries]
+  features = qc.query_features(CONFIG)
+  got = qc.decode_queries(records, features)
+  want = tf.io.parse_example(tf.constant(records), {
+      name: tf.io.FixedLenFeature(
+          f["shape"],
+          tf.float32 if f["dtype"].startswith("float") else tf.int64)
+      for name, f in features.items()})
+  for name, f in features.items():
+    assert got[name].dtype == np.dtype(f["dtype"]), name
+    np.testing.assert_array_equal(
+        got[name], want[name].numpy().astype(f["dtype"]), err_msg=name)
+  assert got["source_doc_hash"][1] == -(2**62) - 7
+
+
+def test_decoding_errors_name_the_record_and_feature():
+  features = qc.query_features(CONFIG)
+  good = qc.encode_query(_fake_queries(0, 1)[0])
+  with pytest.raises(ValueError, match="query record 1 is not a "
+                     "tf.train.Example"):
+    qc.decode_queries([good, b"\xff\xff not a proto"], features)
+  short = dict(features, mlm_targets={"dtype": "int32", "shape": [11]})
+  with pytest.raises(ValueError, match=r"record 0: feature 'mlm_targets' "
+                     r"holds 10 values, its manifest says shape \[11\]"):
+    qc.decode_queries([good], short)
+  extra = dict(features, answer={"dtype": "int32", "shape": [1]})
+  with pytest.raises(ValueError, match="record 0 lacks the feature "
+                     "'answer'"):
+    qc.decode_queries([good], extra)
+
+
+def test_the_trainer_reads_a_cache_without_tensorflow(fake_cache):
+  """An accelerator host without TensorFlow (or spaCy, Beam) still reads
+  the query cache: the same batch as here, in a process where importing
+  them fails."""
+  code = f"""
+import importlib.abc, importlib.util, sys
+ABSENT = ("tensorflow", "spacy", "apache_beam", "seqio")
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: (
+    None if name.split(".")[0] in ABSENT else find_spec(name, *a))
+class Block(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.split(".")[0] in ABSENT:
+      raise ModuleNotFoundError(name, name=name)
+sys.meta_path.insert(0, Block())
+from realm_jax.data import query_cache as qc
+batch = qc.QueryStream({fake_cache!r}, seed=0, batch_size=8).batch(3)
+assert "tensorflow" not in sys.modules
+print(batch["source_doc_hash"].tolist())
+"""
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=False,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                           os.path.abspath(__file__)))))
+  assert out.returncode == 0, out.stderr[-2000:]
+  want = qc.QueryStream(fake_cache, seed=0, batch_size=8).batch(3)
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == _ids(want)

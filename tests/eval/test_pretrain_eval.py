@@ -142,6 +142,16 @@ def test_real_text_mode_and_qa_recall(world):
   for k in (1, 5):
     want = np.mean(found[:, :k].any(1))
     assert abs(got[f"qa_recall@{k}"] - want) <= near_tie.mean() + 1e-9
+  # Questions tokenized beforehand (a host without tensorflow_text) give
+  # the same recall; a tokenization of another length is refused.
+  given = pretrain_eval.qa_recall(params, model, store, docs, questions, 16,
+                                  (1, 5), 16, question_inputs=q)
+  assert given == pretrain_eval.qa_recall(params, model, store, docs,
+                                          questions, 16, (1, 5), 16)
+  with pytest.raises(ValueError, match=r"question_inputs has shape .*"
+                     r"expected \(40, 24\)"):
+    pretrain_eval.qa_recall(params, model, store, docs, questions, 24,
+                            question_inputs=q)
   # Several people share a birthplace, so a question's answer is often in
   # other biographies too: recall@5 is well above the 5/40 of one block.
   assert got["qa_recall@5"] > got["qa_recall@1"]

@@ -233,3 +233,22 @@ def test_a_failed_checkpoint_save_ends_the_trainer(tmp_path):
           f"{workdir / 'checkpoints'} failed" in done.stderr), (
               done.stderr[-3000:])
   assert "Not a directory" in done.stderr
+
+
+def test_without_tensorflow_the_metrics_go_to_the_log(tmp_path, monkeypatch,
+                                                      caplog):
+  """clu's TensorBoard writer needs TensorFlow; a host without it (an
+  accelerator host, say) gets a logging writer and says so once."""
+  find_spec = loop.importlib.util.find_spec
+  monkeypatch.setattr(
+      loop.importlib.util, "find_spec",
+      lambda name, *a: None if name == "tensorflow" else find_spec(name, *a))
+  with caplog.at_level(logging.INFO):
+    writer = loop.start_run(str(tmp_path / "run"), "", is_chief=True)
+    writer.write_scalars(7, {"loss": np.float32(2.5), "hubness": 0.125})
+    writer.flush()
+    writer.close()
+  assert isinstance(writer, loop.LoggingWriter)
+  assert "no TensorBoard summaries" in caplog.text
+  assert "[7] hubness=0.125, loss=2.5" in caplog.text
+  assert not (tmp_path / "run" / "summaries").exists()
