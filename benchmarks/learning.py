@@ -376,6 +376,7 @@ def main(argv=None) -> None:
         store, knowledge_world.load_people(world.people))
     gold = np.asarray([gold_of[int(h)]
                        for h in heldout["source_doc_hash"]])
+
   def queries_for(config):
     """The training sentences masked the condition's way (built once)."""
     path = os.path.join(args.workdir, f"queries_{config.masking}")

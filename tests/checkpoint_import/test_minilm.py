@@ -8,9 +8,11 @@ script's docstring has the commands).
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from realm_jax.checkpoint_import import importers
 from realm_jax.data.tokenizer import default_model_dir
@@ -75,3 +77,29 @@ def test_our_tokenizer_gives_the_package_ids(reference):
     want = ids[mask.astype(bool)]
     got = [tok.cls_id, *tok.tokenize([str(sentence)])[0], tok.sep_id]
     np.testing.assert_array_equal(got, want, err_msg=str(sentence))
+
+
+def test_half_precision_weights_are_read_as_float32(minilm, tmp_path):
+  """A float16 copy of the package (how the GPU run carried it, under a
+  64 MiB transfer limit) imports as float32: the float16 values, exactly."""
+  source = default_model_dir()
+  for name in ("config.json", "vocab.txt"):
+    with open(os.path.join(source, name), "rb") as f:
+      (tmp_path / name).write_bytes(f.read())
+  tensors = load_file(os.path.join(source, "model.safetensors"))
+  save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v
+             for k, v in tensors.items()},
+            str(tmp_path / "model.safetensors"))
+  config, params = importers.load_hf_bert(str(tmp_path))
+  assert config == minilm[0]
+  full = dict(_leaves(minilm[1]))
+  for path, leaf in _leaves(params):
+    assert leaf.dtype == np.float32, path
+    np.testing.assert_array_equal(
+        leaf, np.asarray(full[path]).astype(np.float16).astype(np.float32),
+        err_msg=path)
+
+
+def _leaves(tree):
+  return [(jax.tree_util.keystr(p), np.asarray(x))
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)]
