@@ -156,6 +156,12 @@ class RetrieverGate:
           mlm_logits, batch["mlm_targets"])
 
     self.evaluate = jax.jit(evaluate)
+    # Evaluated a training batch at a time: the reader never holds more
+    # rows than in training (2,048 gate queries x k + 1 MiniLM blocks in
+    # one call is 8x a batch of 32), and one shape compiles (two when the
+    # slice is not a multiple of the batch).
+    self.chunk = max(config.batch_size // hosts,
+                     len(inputs.mesh.local_devices))
     self.streak, self.last = 0, {}
     self.release = config.freeze_retriever_steps
 
@@ -170,16 +176,21 @@ class RetrieverGate:
                                  "".join(l + "\n" for l in kept))
 
   def statistics(self, state) -> dict[str, float]:
-    """`gate_statistics` of the held-out queries (every host's rows)."""
-    batch, candidates = self.inputs.held_out_batch(self.queries, state)
-    logits, token_ll = self.evaluate(state.params, batch)
-    bearing = answer_bearing(self.queries, candidates, self.store,
-                             null_document=self.config.null_document)
-    gather = lambda x: distributed.allgather_rows(np.asarray(x))
-    return gate_statistics(
-        gather(parallel.local_rows(logits)),
-        gather(parallel.local_rows(token_ll)),
-        gather(self.queries["mlm_weights"]), gather(bearing))
+    """`gate_statistics` of the gate's queries (every host's rows)."""
+    parts = []
+    for lo in range(0, len(self.queries["query_ids"]), self.chunk):
+      chunk = {k: v[lo:lo + self.chunk] for k, v in self.queries.items()}
+      batch, candidates = self.inputs.held_out_batch(chunk, state)
+      logits, token_ll = self.evaluate(state.params, batch)
+      parts.append((np.asarray(parallel.local_rows(logits)),
+                    np.asarray(parallel.local_rows(token_ll)),
+                    answer_bearing(chunk, candidates, self.store,
+                                   null_document=self.config.null_document)))
+    logits, token_ll, bearing = (np.concatenate(p) for p in zip(*parts))
+    gather = distributed.allgather_rows
+    return gate_statistics(gather(logits), gather(token_ll),
+                           gather(self.queries["mlm_weights"]),
+                           gather(bearing))
 
   def passes(self, stats: dict[str, float]) -> bool:
     c = self.config
