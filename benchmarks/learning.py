@@ -561,15 +561,17 @@ def plot(rows, path: str) -> None:
           ("hubness", "hubness"))
   gates = {r["condition"]: r["gate"] for r in rows if r.get("gate")}
   rows = [r for r in rows if "summary" not in r]
-  panels += (("gate", "gate: dev utility (nats)"),) if gates else ()
+  panels += ((("gate", "gate: utility on its queries (nats)"),
+              ("gate_z", "gate: evidence z on its queries"))
+             if gates else ())
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
   conditions = list(dict.fromkeys(r["condition"] for r in rows))
   for ax, (key, title) in zip(axes, panels):
-    if key == "gate":
+    if key in ("gate", "gate_z"):
       for c, decisions in gates.items():
         ax.plot([d["step"] for d in decisions],
-                [d["utility"] for d in decisions], marker="o",
-                markersize=3, label=c)
+                [d["utility" if key == "gate" else "evidence_z"]
+                 for d in decisions], marker="o", markersize=3, label=c)
       ax.set_title(title)
       ax.set_xlabel("REALM step")
       continue
