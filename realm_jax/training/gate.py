@@ -158,7 +158,7 @@ class RetrieverGate:
     self.evaluate = jax.jit(evaluate)
     # Evaluated a training batch at a time: the reader never holds more
     # rows than in training (2,048 gate queries x k + 1 MiniLM blocks in
-    # one call is 8x a batch of 32), and one shape compiles (two when the
+    # one call is 64 batches of 32), and one shape compiles (two when the
     # slice is not a multiple of the batch).
     self.chunk = max(config.batch_size // hosts,
                      len(inputs.mesh.local_devices))
