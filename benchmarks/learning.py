@@ -319,10 +319,12 @@ def main(argv=None) -> None:
     # The recipe's bound is its whole run: keep it the whole run.
     base.append(f"pretrain.PretrainConfig.freeze_retriever_steps = "
                 f"{args.steps}")
-  if (recipe.retriever_gate in pretrain_config.MEASURED_GATES
-      and recipe.gate_queries != recipe.queries):  # (A dev split's.)
+  if ((recipe.retriever_gate in pretrain_config.MEASURED_GATES
+       and recipe.gate_queries != recipe.queries)
+      or recipe.recall_guard_queries not in ("", recipe.queries)):
+    # (A dev split's: the gate's or the recall guard's.)
     if not dev_x:
-      parser.error("the recipe's gate needs --dev people.")
+      parser.error("the recipe's gate or recall guard needs --dev people.")
     dev_cache = os.path.join(args.workdir, "queries_dev")
     if not os.path.exists(dev_cache):
       query_cache.build_query_cache(
@@ -507,10 +509,12 @@ def main(argv=None) -> None:
       release = int(logged[-1]["retriever_release_step"])
       worst["retriever_release_step"] = (release if release < args.steps
                                          else None)  # None: never released
-    gate_log = os.path.join(workdir, "gate.jsonl")
-    if os.path.exists(gate_log):
-      with open(gate_log, encoding="utf-8") as f:
-        worst["gate"] = [json.loads(line) for line in f]
+    for key, name in (("gate", "gate.jsonl"),
+                      ("recall_guard", "recall_guard.jsonl")):
+      decisions = os.path.join(workdir, name)
+      if os.path.exists(decisions):
+        with open(decisions, encoding="utf-8") as f:
+          worst[key] = [json.loads(line) for line in f]
     print(json.dumps(worst), flush=True)
     rows.append(worst)
     if out:

@@ -20,6 +20,7 @@ from realm_jax.data import query_cache
 from realm_jax.model import functional, losses
 from realm_jax.training import mlm_warmup
 from realm_jax.training import optimizer as optimizer_lib
+from realm_jax.training import realm_inputs
 
 
 def answer_bearing(queries: Mapping[str, np.ndarray], candidates: np.ndarray,
@@ -229,3 +230,152 @@ class RetrieverGate:
 
   def checkpoint_meta(self) -> dict[str, Any]:
     return {"retriever_gate": {"streak": self.streak}}
+
+
+class RecallGuard:
+  """Rolls the retriever back when REALM makes it worse at retrieval.
+
+  A release can be wrong: on real text the evidence gate released a
+  retriever on a statistically strong but tiny reader signal, and REALM's
+  updates then cost it most of its recall (docs/results/learning.md). No
+  statistic of the reader measured before the release told that run from
+  one that gained, so this guard watches the retriever itself, after the
+  release, on a task it must not get worse at: finding held-out
+  sentences' own blocks (ICT's task; `PretrainConfig.recall_guard_queries`,
+  sentences of articles that are in the corpus, never trained on). Every
+  `gate_every` steps it searches the served index with the current query
+  tower and measures recall@`recall_guard_k` of the own block. The first
+  evaluation, with the retriever still as the run started, is the
+  baseline. After the release, `recall_guard_patience` evaluations in a
+  row more than `recall_guard_max_drop` below it roll the retriever back
+  to the run's initial one and freeze it for the rest of the run.
+
+  Until the release the retriever does not move (`optimizer.delayed`), so
+  the initial retriever (`init_from`'s, kept on the host) is the
+  retriever at the release. In full REALM the
+  served index was built by the drifted document tower; the next refresh
+  re-embeds the corpus with the restored one. Baseline, streak and the
+  trip step go into the checkpoints' meta, every evaluation into the log
+  and recall_guard.jsonl.
+  """
+
+  def __init__(self, config, query_config, inputs, store, initial_retriever,
+               workdir: str, is_chief: bool):
+    """`config`: the `pretrain.PretrainConfig`; `query_config`: the masked
+    queries it trains on (the guard's cache must match them); `inputs`: the
+    run's `pretrain.RetrievalInput`; `initial_retriever`: the run's
+    initial retriever parameters (host arrays)."""
+    self.config, self.inputs, self.is_chief = config, inputs, is_chief
+    self.initial_retriever = initial_retriever
+    self.path = io_utils.join(workdir, "recall_guard.jsonl")
+    source = config.recall_guard_queries
+    stream = query_cache.QueryStream(
+        source, seed=config.seed, batch_size=config.recall_guard_num_queries)
+    try:
+      stream.check(query_config)
+      queries = stream.head(config.recall_guard_num_queries)
+    finally:
+      stream.close()
+    own = realm_inputs.TrivialCandidates(store, "block").source_blocks(
+        queries)
+    keep = own >= 0
+    devices, hosts, me = (jax.process_count() * len(inputs.mesh.local_devices),
+                          jax.process_count(), jax.process_index())
+    n = int(keep.sum()) // devices * devices
+    if not n:
+      raise ValueError(
+          f"recall_guard_queries {source}: {int(keep.sum())} of its "
+          f"{len(own)} sentences have their own block in the block store "
+          f"(at least {devices}, one per device, are needed). The guard "
+          "measures held-out sentences of articles that are in the corpus "
+          "(REALM's Wikipedia: X within Z); use such a cache, or "
+          "recall_guard_queries='' where the queries' articles are not in "
+          "the corpus.")
+    rows = np.flatnonzero(keep)[:n]
+    rows = rows[me * n // hosts:(me + 1) * n // hosts]
+    self.queries = {k: v[rows] for k, v in queries.items()}
+    self.own_blocks = own[rows]
+    self.chunk = max(config.batch_size // hosts,
+                     len(inputs.mesh.local_devices))
+    self.baseline, self.streak, self.tripped = None, 0, None
+    self.last = float("nan")
+
+  def restore(self, meta: dict[str, Any], start_step: int) -> None:
+    saved = meta.get("recall_guard", {})
+    self.baseline = saved.get("baseline")
+    self.streak = int(saved.get("streak", 0))
+    self.tripped = saved.get("tripped")
+    if self.is_chief and io_utils.as_path(self.path).exists():
+      kept = [line for line in io_utils.read_text(self.path).splitlines()
+              if line.strip() and json.loads(line)["step"] < start_step]
+      io_utils.atomic_write_text(self.path,
+                                 "".join(l + "\n" for l in kept))
+
+  def recall(self, state) -> float:
+    """The share of the guard's sentences whose own block is among the
+    served index's top `recall_guard_k` for `state`'s query tower."""
+    host, index = self.inputs.host, self.inputs.index
+    found = []
+    for lo in range(0, len(self.own_blocks), self.chunk):
+      chunk = {k: v[lo:lo + self.chunk] for k, v in self.queries.items()}
+      q_emb = parallel.local_rows(host.query_embeddings(chunk, state))
+      hits, _ = index.search(np.asarray(q_emb, np.float32),
+                             self.config.recall_guard_k)
+      found.append((hits == self.own_blocks[lo:lo + self.chunk, None]
+                    ).any(1))
+    return float(np.mean(distributed.allgather_rows(np.concatenate(found))))
+
+  def update_state(self, step: int, state):
+    c = self.config
+    if self.tripped is not None or step % c.gate_every:
+      return state
+    recall = self.last = self.recall(state)
+    release = optimizer_lib.release_step(state.opt_state)
+    training = release is not None and step > release
+    if self.baseline is None:
+      if training:
+        raise ValueError(
+            "the recall guard's first evaluation (step "
+            f"{step}) found the retriever already training since step "
+            f"{release}: its baseline must be the initial retriever. Turn "
+            "the guard on from the start of a run.")
+      self.baseline = recall
+    floor = self.baseline - c.recall_guard_max_drop
+    self.streak = self.streak + 1 if training and recall < floor else 0
+    trips = bool(distributed.broadcast_from_chief(
+        np.int32(self.streak >= c.recall_guard_patience)))
+    logging.info(
+        "recall guard at step %d: own-block recall@%d %.4f (baseline %.4f, "
+        "floor %.4f); %s", step, c.recall_guard_k, recall, self.baseline,
+        floor, ("retriever frozen" if not training else
+                f"below the floor {self.streak}/{c.recall_guard_patience} in "
+                "a row" + (": ROLL BACK the retriever to the run's initial "
+                           "one and freeze it" if trips else "")))
+    if self.is_chief:
+      io_utils.append_jsonl(self.path, {
+          "step": step, f"recall@{c.recall_guard_k}": recall,
+          "baseline": self.baseline, "training": training,
+          "streak": self.streak, "rolled_back": trips})
+    if not trips:
+      return state
+    self.tripped = step
+    return state.replace(
+        params=dict(state.params, retriever=_placed_like(
+            self.initial_retriever, state.params["retriever"])),
+        opt_state=optimizer_lib.freeze_again(state.opt_state))
+
+  def checkpoint_meta(self) -> dict[str, Any]:
+    return {"recall_guard": {"baseline": self.baseline, "streak": self.streak,
+                             "tripped": self.tripped}}
+
+
+def _placed_like(values, like):
+  """Host arrays `values` as global arrays with `like`'s shardings/dtypes."""
+  def place(value, old):
+    value = np.asarray(value, old.dtype)
+    if value.shape != old.shape:
+      raise ValueError(f"initial retriever parameter of shape {value.shape} "
+                       f"where the run has {old.shape}.")
+    return jax.make_array_from_callback(old.shape, old.sharding,
+                                        lambda index: value[index])
+  return jax.tree.map(place, values, like)

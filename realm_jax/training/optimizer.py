@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 # REALM's warmup rule: 10% of training, at least 100 and at most 10,000 steps.
@@ -344,6 +345,23 @@ def release_frozen(opt_state, step: int):
         x.release, jnp.asarray(step, x.release.dtype)))
   return jax.tree_util.tree_map(
       release, opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
+
+
+# `freeze_again`'s release: never (a continued run's extra steps included).
+NEVER = np.iinfo(np.int32).max
+
+
+def freeze_again(opt_state):
+  """`opt_state` with every delayed part frozen again, for good: its
+  release moves to `NEVER` (the recall guard's rollback). Its inner state
+  (Adam's moments) is kept but unused. Same structure and shardings."""
+  def freeze(x):
+    if not isinstance(x, DelayedState):
+      return x
+    return x._replace(release=jnp.maximum(
+        x.release, jnp.asarray(NEVER, x.release.dtype)))
+  return jax.tree_util.tree_map(
+      freeze, opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
 
 
 def realm_optimizer(*, learning_rate: float, num_train_steps: int,

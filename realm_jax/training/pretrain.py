@@ -209,13 +209,15 @@ def _warm_start_head(config: PretrainConfig, graphdef, params, queries, store,
 
 
 def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
-           run: loop.Run) -> loop.Hooks:
+           guard: gate_lib.RecallGuard | None, run: loop.Run) -> loop.Hooks:
   """The trainer's work around `Run.loop`: index swaps and refreshes,
-  collapse and gate metrics, prefetched candidates, the gate's release."""
+  collapse and gate metrics, prefetched candidates, the gate's release and
+  the recall guard's rollback."""
 
   def checkpoint_meta(step):
     return {**inputs.source.checkpoint_meta(step),
-            **(gate.checkpoint_meta() if gate else {})}
+            **(gate.checkpoint_meta() if gate else {}),
+            **(guard.checkpoint_meta() if guard else {})}
 
   def log_metrics(step, metrics):
     metrics = inputs.log_metrics(step, metrics)
@@ -224,7 +226,17 @@ def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
                      gate_utility=gate.last.get("utility", float("nan")),
                      gate_evidence_z=gate.last.get("evidence_z",
                                                    float("nan")))
+    if guard is not None:
+      metrics.update(recall_guard_recall=guard.last,
+                     retriever_rolled_back=float(guard.tripped is not None))
     return metrics
+
+  def update_state(step, state):
+    if guard is not None:
+      state = guard.update_state(step, state)
+      if guard.tripped is not None:  # Frozen for good: no gate any more.
+        return state
+    return gate.update_state(step, state) if gate else state
 
   def after_checkpoint(step, state):
     if inputs.service.refresh_due(step):
@@ -233,7 +245,7 @@ def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
   return loop.Hooks(before_step=inputs.service.before_step,
                     after_checkpoint=after_checkpoint,
                     log_metrics=log_metrics, checkpoint_meta=checkpoint_meta,
-                    update_state=gate.update_state if gate else None)
+                    update_state=update_state if gate or guard else None)
 
 
 def train(*, config: PretrainConfig, model: RealmConfig,
@@ -280,6 +292,16 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                                     inputs, graphdef, store, config.workdir,
                                     run.is_chief)
       gate.restore(restored, start_step, state)
+    guard = None
+    if config.recall_guard_queries:
+      # A host copy of the initial retriever, taken now: the train step
+      # donates (deletes) the buffers `fresh` shares with the state.
+      initial = jax.device_get(init_lib.initial_params(
+          model, fresh, config.init_from)["retriever"])
+      guard = gate_lib.RecallGuard(
+          config, queries.query_config, inputs, store, initial,
+          config.workdir, run.is_chief)
+      guard.restore(restored, start_step)
 
     meta = {"seed": config.seed}
     if run.ckpt.latest_step() is None:
@@ -296,7 +318,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                     "hubness %.3f staleness %d",
                     ("loss", "retrieval_utility", "mlm_correct",
                      "null_probability", "hubness", "index_staleness")),
-          hooks=_hooks(inputs, gate, run),
+          hooks=_hooks(inputs, gate, guard, run),
           stop_after=stop_after)
     finally:
       inputs.close(config.workdir, run.is_chief)

@@ -73,6 +73,23 @@ class PretrainConfig(loop.TrainConfig):
     gate_every, gate_num_queries, gate_min_utility, gate_min_evidence_z,
       gate_patience: see
       `retriever_gate`.
+    recall_guard_queries: a query cache of held-out sentences (masked like
+      `queries`) of articles that are in the block store, e.g. the utility
+      gate's: turns the recall guard on ("": off). Every `gate_every` steps
+      it searches the served index with the current query tower and
+      measures the share of these sentences whose own block (the block
+      that holds the sentence) is among the top `recall_guard_k`: ICT's
+      task on held-out sentences, which tracks question recall on real
+      text (docs/results/learning.md). The first evaluation, while the
+      retriever is still where the run started, is the baseline. Once the
+      retriever trains, `recall_guard_patience` evaluations in a row more
+      than `recall_guard_max_drop` below the baseline roll the retriever
+      back to the run's initial one (`init_from`'s) and freeze it for the
+      rest of the run; the gate is not consulted again. Needs X and Z to
+      overlap (REALM's Wikipedia); a world whose queries are not in the
+      block store has no own blocks, and the guard refuses it.
+    recall_guard_num_queries, recall_guard_k, recall_guard_max_drop,
+      recall_guard_patience: see `recall_guard_queries`.
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
       raw ones (REALM: False); see `optimizer.bert_optimizer`.
     mlm_head_warmup_steps: a fresh run (no checkpoint yet) first fits the
@@ -170,6 +187,11 @@ class PretrainConfig(loop.TrainConfig):
   gate_min_utility: float = 0.1
   gate_min_evidence_z: float = 3.0
   gate_patience: int = 2
+  recall_guard_queries: str = ""
+  recall_guard_num_queries: int = 1024
+  recall_guard_k: int = 5
+  recall_guard_max_drop: float = 0.02
+  recall_guard_patience: int = 2
   adam_bias_correction: bool = False
   mlm_head_warmup_steps: int = 0
   reader_adaptation_steps: int = 0
@@ -199,6 +221,13 @@ class PretrainConfig(loop.TrainConfig):
     checks.at_least(self, "num_candidates", "guard_min_queries")
     checks.at_least(self, "reader_adaptation_steps", minimum=0, integer=True)
     checks.at_least(self, "reader_adaptation_eval_every", integer=True)
+    if self.recall_guard_queries:
+      checks.at_least(self, "gate_every", "recall_guard_num_queries",
+                      "recall_guard_k", "recall_guard_patience",
+                      integer=True)
+      if not 0 <= self.recall_guard_max_drop < 1:
+        raise ValueError("recall_guard_max_drop must be in [0, 1), got "
+                         f"{self.recall_guard_max_drop!r}.")
     if not self.reader_adaptation_learning_rate > 0:
       raise ValueError("reader_adaptation_learning_rate must be > 0, got "
                        f"{self.reader_adaptation_learning_rate!r}.")
