@@ -564,11 +564,22 @@ def plot(rows, path: str) -> None:
           ("null_probability", "p(null | x)"),
           ("hubness", "hubness"))
   gates = {r["condition"]: r["gate"] for r in rows if r.get("gate")}
+  guards = {r["condition"]: r["recall_guard"] for r in rows
+            if r.get("recall_guard")}
   rows = [r for r in rows if "summary" not in r]
   panels += ((("gate", "gate: utility on its queries (nats)"),
               ("gate_z", "gate: evidence z on its queries"))
-             if gates else ())
-  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+             if gates else ()) + (
+                 (("guard", "recall guard: own-block recall on its "
+                   "queries"),) if guards else ())
+  cols = min(len(panels), 5)
+  rows_of_panels = -(-len(panels) // cols)
+  fig, axes = plt.subplots(rows_of_panels, cols,
+                           figsize=(5 * cols, 4 * rows_of_panels),
+                           squeeze=False)
+  for ax in axes.flat[len(panels):]:
+    ax.set_visible(False)
+  axes = axes.flat
   conditions = list(dict.fromkeys(r["condition"] for r in rows))
   for ax, (key, title) in zip(axes, panels):
     if key in ("gate", "gate_z"):
@@ -578,6 +589,23 @@ def plot(rows, path: str) -> None:
                  for d in decisions], marker="o", markersize=3, label=c)
       ax.set_title(title)
       ax.set_xlabel("REALM step")
+      continue
+    if key == "guard":
+      for c, decisions in guards.items():
+        recall = next(k for k in decisions[0] if k.startswith("recall@"))
+        curves = [x for x in conditions if x not in ("init", "ict")]
+        ax.plot([d["step"] for d in decisions],
+                [d[recall] for d in decisions], marker="o", markersize=3,
+                label=f"{c} ({recall})",
+                color=f"C{curves.index(c)}" if c in curves else None)
+        for d in decisions:
+          if d["rolled_back"]:
+            ax.axvline(d["step"], color="red", linewidth=1)
+        ax.axhline(decisions[0]["baseline"], color="grey", linestyle="--",
+                   linewidth=1)
+      ax.set_title(title)
+      ax.set_xlabel("REALM step")
+      ax.legend(fontsize=8)
       continue
     for c in conditions:
       pts = [(r["step"], r[key]) for r in rows if r["condition"] == c]
