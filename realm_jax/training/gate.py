@@ -251,10 +251,10 @@ class RecallGuard:
   to the run's initial one and freeze it for the rest of the run.
 
   Until the release the retriever does not move (`optimizer.delayed`), so
-  the initial retriever (`init_from`'s, kept on the host) is the
-  retriever at the release. In full REALM the
-  served index was built by the drifted document tower; the next refresh
-  re-embeds the corpus with the restored one. Baseline, streak and the
+  the initial retriever (`init_from`'s, kept on the host) is the retriever
+  at the release. In full REALM the served index was built by the drifted
+  document tower; the next refresh re-embeds the corpus with the restored
+  one. Baseline, streak and the
   trip step go into the checkpoints' meta, every evaluation into the log
   and recall_guard.jsonl.
   """
