@@ -335,16 +335,21 @@ def release_step(opt_state) -> int | None:
   return int(jax.device_get(states[0].release)) if states else None
 
 
+def _move_release(opt_state, move):
+  """`opt_state` with every delayed part's release replaced by
+  `move(release)`. Same structure and shardings."""
+  def moved(x):
+    return x._replace(release=move(x.release)) if isinstance(
+        x, DelayedState) else x
+  return jax.tree_util.tree_map(
+      moved, opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
+
+
 def release_frozen(opt_state, step: int):
   """`opt_state` with every delayed part released at update `step` (never
   later than it was already due). Same structure and shardings."""
-  def release(x):
-    if not isinstance(x, DelayedState):
-      return x
-    return x._replace(release=jnp.minimum(
-        x.release, jnp.asarray(step, x.release.dtype)))
-  return jax.tree_util.tree_map(
-      release, opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
+  return _move_release(opt_state, lambda r: jnp.minimum(
+      r, jnp.asarray(step, r.dtype)))
 
 
 # `freeze_again`'s release: never (a continued run's extra steps included).
@@ -355,13 +360,8 @@ def freeze_again(opt_state):
   """`opt_state` with every delayed part frozen again, for good: its
   release moves to `NEVER` (the recall guard's rollback). Its inner state
   (Adam's moments) is kept but unused. Same structure and shardings."""
-  def freeze(x):
-    if not isinstance(x, DelayedState):
-      return x
-    return x._replace(release=jnp.maximum(
-        x.release, jnp.asarray(NEVER, x.release.dtype)))
-  return jax.tree_util.tree_map(
-      freeze, opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
+  return _move_release(opt_state, lambda r: jnp.maximum(
+      r, jnp.asarray(NEVER, r.dtype)))
 
 
 def realm_optimizer(*, learning_rate: float, num_train_steps: int,

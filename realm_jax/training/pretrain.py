@@ -294,10 +294,15 @@ def train(*, config: PretrainConfig, model: RealmConfig,
       gate.restore(restored, start_step, state)
     guard = None
     if config.recall_guard_queries:
-      # A host copy of the initial retriever, taken now: the train step
-      # donates (deletes) the buffers `fresh` shares with the state.
-      initial = jax.device_get(init_lib.initial_params(
-          model, fresh, config.init_from)["retriever"])
+      # A host copy of the initial retriever, taken now (the train step
+      # donates the state's buffers): the state's own until the release,
+      # else `init_from`'s again (a restart after the release).
+      release = optimizer_lib.release_step(state.opt_state)
+      untrained = start_step == 0 or (release is not None
+                                      and start_step <= release)
+      initial = jax.device_get(
+          state.params["retriever"] if untrained else
+          init_lib.initial_params(model, fresh, config.init_from)["retriever"])
       guard = gate_lib.RecallGuard(
           config, queries.query_config, inputs, store, initial,
           config.workdir, run.is_chief)
