@@ -266,6 +266,11 @@ ADAPTATION_MAX_QUERIES = 2048
 # Documents each query is read with: the null document, a random block of
 # another article, an answer block (when one exists).
 NULL, RANDOM, ANSWER = 0, 1, 2
+# What a training step reads (held-out evaluations always read all three):
+# "all" the three documents, "answer" the answer block alone (only queries
+# that have one train). With "all", two reads in three reward a reader for
+# ignoring its document.
+READS = ("all", "answer")
 # The answer block must help by more than this (nats per held-out mask) to
 # stop adaptation. Not 0: before the reader reads, a block's mere presence
 # shifts the log-likelihood of every mask by ~1e-4 nats, of either sign, and
@@ -334,17 +339,18 @@ def _query_words(query_ids: np.ndarray, query_mask: np.ndarray,
 
 
 def find_answer_blocks(queries: Mapping[str, np.ndarray], store, *,
-                       reader_length: int, max_postings: int = 4096,
-                       max_matches: int = 64,
+                       reader_length: int, trivial_candidates: str = "article",
+                       max_postings: int = 4096, max_matches: int = 64,
                        chunk_blocks: int = 4096) -> np.ndarray:
-  """An answer block per query: another article's block that holds its span.
+  """An answer block per query: a non-trivial block that holds its span.
 
   A block qualifies when its body holds the query's masked wordpieces
   (`masked_spans`) as a contiguous run, where the reader sees it (within
   the `reader_length - len(query) - 1` body tokens the reader input keeps),
-  and its article is not the query's own (`store.doc_hash` vs.
-  `source_doc_hash`: REALM's no-trivial-retrieval rule, so the reader never
-  learns to copy the sentence's own context). Of the qualifying blocks, the
+  and REALM's no-trivial-retrieval rule allows it (`trivial_candidates`,
+  as in training: "article" excludes every block of the query's article,
+  "block" only the block that holds the sentence), so the reader never
+  learns to copy the sentence's own context. Of the qualifying blocks, the
   one that shares the most distinct wordpieces with the unmasked query is
   chosen (the block a retriever would most likely return: on the knowledge
   world, the person's biography rather than another one that names the
@@ -359,6 +365,8 @@ def find_answer_blocks(queries: Mapping[str, np.ndarray], store, *,
     queries: stacked REALM queries (`examples.REALM_QUERY_FEATURES`).
     store: the knowledge corpus (`block_store.BlockStore`).
     reader_length: the reader's input length.
+    trivial_candidates: the rule ("article" or "block";
+      `realm_inputs.TrivialCandidates`).
     max_postings, max_matches, chunk_blocks: cost caps (see above) and the
       blocks read at a time.
 
@@ -373,7 +381,8 @@ def find_answer_blocks(queries: Mapping[str, np.ndarray], store, *,
     return out
   index = _postings(store, np.unique([s[0] for s in spans if len(s)]),
                     max(lengths), max_postings, chunk_blocks)
-  doc_hash = np.asarray(store.doc_hash)
+  trivial = realm_inputs.TrivialCandidates(store, trivial_candidates)
+  block_keys, query_keys = trivial.block_keys, trivial.query_keys(queries)
   for i, span in enumerate(spans):
     if not len(span):
       continue
@@ -381,7 +390,7 @@ def find_answer_blocks(queries: Mapping[str, np.ndarray], store, *,
     room = (reader_length - int(np.sum(queries["query_mask"][i])) - 1)
     ok = ((windows[:, :len(span)] == span).all(1)
           & (cols + len(span) <= room)
-          & (doc_hash[blocks] != np.int64(queries["source_doc_hash"][i])))
+          & (block_keys[blocks] != query_keys[i]))
     candidates = np.unique(blocks[ok])[:max_matches]
     if not len(candidates):
       continue
@@ -583,8 +592,10 @@ def _train_until_useful(params, graphdef, tx, heldout, make_batch, *,
 
 
 def _check_adaptation_args(params: dict[str, Any], steps: int,
-                           eval_every: int, patience: int) -> None:
+                           eval_every: int, patience: int, reads: str) -> None:
   """Raises `adapt_reader`'s ValueErrors about its arguments."""
+  if reads not in READS:
+    raise ValueError(f"adapt_reader: reads={reads!r}; use one of {READS}.")
   if "mlm_head" not in params.get("reader", {}):
     raise ValueError("adapt_reader: the reader has no MLM head "
                      "(ReaderConfig.mlm_head=False).")
@@ -604,7 +615,8 @@ def _adaptation_optimizer(learning_rate: float, steps: int):
 
 
 def _adaptation_queries(queries: dict[str, np.ndarray], store, *,
-                        max_queries: int, seed: int, reader_length: int
+                        max_queries: int, seed: int, reader_length: int,
+                        trivial_candidates: str
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(training rows, held-out rows, answer block of every query): the
   `_split_queries` rows, and `find_answer_blocks` for them (-1 elsewhere).
@@ -619,16 +631,17 @@ def _adaptation_queries(queries: dict[str, np.ndarray], store, *,
   answers = np.full(len(queries["query_ids"]), -1, np.int64)
   used = np.concatenate([train, held])
   answers[used] = find_answer_blocks({k: v[used] for k, v in queries.items()},
-                                     store, reader_length=reader_length)
+                                     store, reader_length=reader_length,
+                                     trivial_candidates=trivial_candidates)
   return train, held, answers
 
 
 def _adaptation_report(curve, reason, done, steps, train, held, answers,
-                       t0) -> dict[str, Any]:
+                       t0, **settings) -> dict[str, Any]:
   """`adapt_reader`'s report (see there); "seconds" since `t0`."""
   return {
       "curve": [{k: _json_safe(v) for k, v in p.items()} for p in curve],
-      "stop_reason": reason, "steps": done, "max_steps": steps,
+      "stop_reason": reason, "steps": done, "max_steps": steps, **settings,
       "queries": len(train), "heldout_queries": len(held),
       "train_answer_share": float(np.mean(answers[train] >= 0)),
       "heldout_answer_share": float(np.mean(answers[held] >= 0)),
@@ -640,6 +653,7 @@ def adapt_reader(params: dict[str, Any], graphdef,
                  reader_length: int, steps: int, batch_size: int = 16,
                  learning_rate: float = 1e-4, eval_every: int = 50,
                  min_utility: float = MIN_UTILITY, patience: int = 2,
+                 trivial_candidates: str = "article", reads: str = "all",
                  max_queries: int = ADAPTATION_MAX_QUERIES,
                  seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains the reader (BERT body and MLM head) until an answer block helps.
@@ -649,8 +663,9 @@ def adapt_reader(params: dict[str, Any], graphdef,
   joint training the reader alone (the retriever untouched) learns the
   run's salient-span masks, each query read with the null document, a
   random block of another article and, where one exists, an answer block
-  (`find_answer_blocks`). The loss is the plain masked-LM cross-entropy of
-  every (query, document) pair over real masks. A fixed tenth of the
+  (`find_answer_blocks`; `reads="answer"` trains on the answer block
+  alone). The loss is the plain masked-LM cross-entropy of every
+  (query, document) pair read, over real masks. A fixed tenth of the
   queries used is held out; every `eval_every` steps (and at step 0, a
   baseline that does not count) their masked-token accuracies with each
   document and the answer-block utility, log p(y|answer block, x) -
@@ -670,6 +685,9 @@ def adapt_reader(params: dict[str, Any], graphdef,
       steps // 10, decaying linearly to 0 at `steps`).
     eval_every, min_utility, patience: the evaluations and the stop rule
       (`MIN_UTILITY` says why the threshold is not 0).
+    trivial_candidates: the run's no-trivial-retrieval rule, which answer
+      blocks obey ("article" or "block").
+    reads: what a training step reads (`READS`).
     max_queries: queries used (a seeded subset when there are more).
     seed: subset, split, blocks, batches and dropout: the result is a
       function of the inputs and the seed.
@@ -677,19 +695,25 @@ def adapt_reader(params: dict[str, Any], graphdef,
   Returns:
     The parameters with the new reader body and head (the retriever is the
     same object), and a report: {"curve": the evaluations, "stop_reason",
-    "steps" trained, "max_steps", the query counts and answer-block shares,
-    "seconds"}.
+    "steps" trained, "max_steps", "trivial_candidates", "reads", the query
+    counts and answer-block shares, "seconds"}.
 
   Raises:
     ValueError: if the reader has no MLM head, `steps`, `eval_every` or
-      `patience` is < 1, or there are too few queries.
+      `patience` is < 1, `reads` is unknown, or there are too few queries
+      (or, reading answer blocks alone, no training query has one).
   """
-  _check_adaptation_args(params, steps, eval_every, patience)
+  _check_adaptation_args(params, steps, eval_every, patience, reads)
   t0 = time.time()
   queries = {k: np.asarray(v) for k, v in queries.items()}
   train, held, answers = _adaptation_queries(
       queries, store, max_queries=max_queries, seed=seed,
-      reader_length=reader_length)
+      reader_length=reader_length, trivial_candidates=trivial_candidates)
+  if reads == "answer":
+    train = train[answers[train] >= 0]
+    if not len(train):
+      raise ValueError("adapt_reader: reads='answer', but no training query "
+                       "has an answer block.")
   heldout = _evaluation_batches(queries, held, answers, store, sep_id=sep_id,
                                 reader_length=reader_length,
                                 batch_size=batch_size, seed=seed)
@@ -698,17 +722,23 @@ def adapt_reader(params: dict[str, Any], graphdef,
   def make_batch(done):
     rng = np.random.default_rng([seed, 5, done])
     rows = rng.choice(train, min(batch_size, len(train)), replace=False)
-    return _adaptation_batch(
+    batch = _adaptation_batch(
         queries, rows, _random_blocks(rng, store, queries["source_doc_hash"][
             rows]), answers[rows], store, sep_id=sep_id,
         reader_length=reader_length)
+    if reads == "answer":
+      for k in ("token_ids", "input_mask", "segment_ids", "weights"):
+        batch[k] = batch[k][:, ANSWER:ANSWER + 1]
+    return batch
 
   trained, curve, reason, done = _train_until_useful(
       params, graphdef, tx, heldout, make_batch, steps=steps,
       eval_every=eval_every, min_utility=min_utility, patience=patience,
       seed=seed, t0=t0)
   report = _adaptation_report(curve, reason, done, steps, train, held,
-                              answers, t0)
+                              answers, t0,
+                              trivial_candidates=trivial_candidates,
+                              reads=reads)
   logging.info("reader adaptation stopped at step %d/%d (%s) after %.0f s",
                done, steps, reason, report["seconds"])
   return dict(params, reader=dict(params["reader"], **trained)), report

@@ -185,7 +185,9 @@ def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
         steps=config.reader_adaptation_steps,
         learning_rate=config.reader_adaptation_learning_rate,
         eval_every=config.reader_adaptation_eval_every,
-        min_utility=config.reader_adaptation_min_utility, seed=config.seed)
+        min_utility=config.reader_adaptation_min_utility,
+        trivial_candidates=config.trivial_candidates,
+        reads=config.reader_adaptation_reads, seed=config.seed)
     if is_chief:
       io_utils.write_json(
           io_utils.join(config.workdir, "reader_adaptation.json"), report)

@@ -99,10 +99,12 @@ class PretrainConfig(loop.TrainConfig):
     reader_adaptation_steps: a fresh run then trains the reader (its BERT
       body and MLM head; the retriever does not move) on the queries' masks,
       each read with the null document, a random block and an answer block
-      (another article's block holding the masked span), for at most this
-      many steps (0: off); it stops sooner once an answer block helps on
-      held-out queries (`mlm_warmup.adapt_reader`). Its curve and stop
-      reason go to reader_adaptation.json.
+      (a block holding the masked span that `trivial_candidates` allows),
+      for at most this many steps (0: off); it stops sooner once an answer
+      block helps on held-out queries (`mlm_warmup.adapt_reader`). Its
+      curve and stop reason go to reader_adaptation.json.
+    reader_adaptation_reads: what its training steps read: "all" (the three
+      documents) or "answer" (the answer block alone).
     reader_adaptation_learning_rate: its peak learning rate (BERT's
       optimiser with Adam's bias correction, warmup, linear decay).
     reader_adaptation_eval_every: its held-out evaluations' period (steps).
@@ -198,6 +200,7 @@ class PretrainConfig(loop.TrainConfig):
   reader_adaptation_learning_rate: float = 1e-4
   reader_adaptation_eval_every: int = 50
   reader_adaptation_min_utility: float = mlm_warmup.MIN_UTILITY
+  reader_adaptation_reads: str = "all"
   num_candidates: int = 7
   null_document: bool = True
   trivial_candidates: str = "article"
@@ -228,6 +231,10 @@ class PretrainConfig(loop.TrainConfig):
       if not 0 <= self.recall_guard_max_drop < 1:
         raise ValueError("recall_guard_max_drop must be in [0, 1), got "
                          f"{self.recall_guard_max_drop!r}.")
+    if self.reader_adaptation_reads not in mlm_warmup.READS:
+      raise ValueError("reader_adaptation_reads="
+                       f"{self.reader_adaptation_reads!r}; use one of "
+                       f"{mlm_warmup.READS}.")
     if not self.reader_adaptation_learning_rate > 0:
       raise ValueError("reader_adaptation_learning_rate must be > 0, got "
                        f"{self.reader_adaptation_learning_rate!r}.")

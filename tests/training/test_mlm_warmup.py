@@ -10,14 +10,15 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.data import block_store, blocks, examples
+from realm_jax.data import (block_store, blocks, examples, salient_spans,
+                            wikipedia)
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder
 from realm_jax.model import functional
 from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
                                    RetrieverConfig)
 from realm_jax.testing import corpus, knowledge_world, tiny
-from realm_jax.training import mlm_warmup, pretrain
+from realm_jax.training import mlm_warmup, pretrain, realm_inputs
 from realm_jax.core import checkpoints
 
 
@@ -104,8 +105,12 @@ def test_the_pretraining_job_warms_the_head_on_a_fresh_start(world, tmp_path):
 # ----------------------------------------------------------------------------
 
 
-def _brute_force_answer_blocks(queries, store, reader_length):
-  """`find_answer_blocks` by exhaustive search: every block, every offset."""
+def _brute_force_answer_blocks(queries, store, reader_length, excluded=None):
+  """`find_answer_blocks` by exhaustive search: every block, every offset.
+  `excluded(i, b)`: block b is trivial for query i (default: its article)."""
+  if excluded is None:
+    excluded = lambda i, b: (store.doc_hash[b]
+                             == queries["source_doc_hash"][i])
   out = []
   for i in range(len(queries["query_ids"])):
     real = queries["mlm_weights"][i] > 0
@@ -118,7 +123,7 @@ def _brute_force_answer_blocks(queries, store, reader_length):
     words = set(ids[1:length - 1].tolist()) - {int(mask_id)}
     best, best_shared = -1, -1
     for b in range(len(store)):
-      if store.doc_hash[b] == queries["source_doc_hash"][i]:
+      if excluded(i, b):
         continue
       body = list(store.body_ids(b)[:room])
       if not any(body[s:s + len(span)] == span
@@ -157,10 +162,66 @@ def test_answer_blocks_match_a_brute_force_search(world):
   assert np.any(found[:8] == -1) and np.any(found[:8] >= 0), found
 
 
+def _sentence(before, span, after):
+  return before + span + after, len(before.encode()), len(
+      (before + span).encode())
+
+
+def test_answer_blocks_follow_the_trivial_candidates_rule(tmp_path):
+  # Z: Lovelace's article, split into blocks, names London in its first
+  # and its last sentence; Babbage's names it once. X: the first sentence,
+  # London masked, from Lovelace's article (which Z holds).
+  tokenizer = Tokenizer()
+  lovelace = ("Ada Lovelace was born in London in 1815. She worked with "
+              "Charles Babbage on his analytical engine for many years. She "
+              "wrote the first published program for that engine. Ada "
+              "Lovelace died in London in 1852.")
+  docs = [wikipedia.Document("Ada Lovelace", lovelace),
+          wikipedia.Document("Charles Babbage",
+                             "Charles Babbage lived in London for decades.")]
+  store_dir = str(tmp_path / "blocks")
+  block_store.write_block_store(
+      blocks.pack_blocks(docs, tokenizer, max_block_len=20), store_dir,
+      tokenizer_vocab_path=tokenizer.vocab_path, source="test",
+      max_block_len=20)
+  store = block_store.BlockStore.open(store_dir)
+  own = store.document_blocks(0)
+  assert len(own) >= 3 and store.doc_hash[own[0]] == store.doc_hash[own[-1]]
+  text, start, limit = _sentence("Ada Lovelace was born in ", "London",
+                                 " in 1815.")
+  path = str(tmp_path / "x.tfr.gz")
+  salient_spans.write_annotated(path, [salient_spans.AnnotatedDocument(
+      title="Ada Lovelace", text=text, sentence_byte_starts=(0,),
+      sentence_byte_limits=(len(text.encode()),), span_byte_starts=(start,),
+      span_byte_limits=(limit,), span_types=("GPE",))])
+  queries = examples.read_realm_queries(
+      path, tokenizer, config=examples.RealmQueryConfig(query_length=24,
+                                                        max_masks=2))
+  babbage = store.document_blocks(1)[0]
+  source = realm_inputs.TrivialCandidates(store, "block").source_blocks(
+      queries)
+  assert source[0] == own[0]
+
+  by_article = mlm_warmup.find_answer_blocks(queries, store, reader_length=64)
+  by_block = mlm_warmup.find_answer_blocks(
+      queries, store, reader_length=64, trivial_candidates="block")
+  # "article": only another article's block; "block": the sentence's own
+  # block is out, but its article's last block (more shared words than
+  # Babbage's) is in.
+  assert by_article[0] == babbage
+  assert by_block[0] == own[-1]
+  np.testing.assert_array_equal(by_block, _brute_force_answer_blocks(
+      queries, store, 64, excluded=lambda i, b: b == source[i]))
+  with pytest.raises(ValueError, match="trivial_candidates"):
+    mlm_warmup.find_answer_blocks(queries, store, reader_length=64,
+                                  trivial_candidates="sentence")
+
+
 def test_reader_adaptation_is_configured_and_checked(world, tmp_path):
   for bad in ({"reader_adaptation_steps": -1},
               {"reader_adaptation_eval_every": 0},
-              {"reader_adaptation_learning_rate": 0.0}):
+              {"reader_adaptation_learning_rate": 0.0},
+              {"reader_adaptation_reads": "random"}):
     with pytest.raises(ValueError, match="reader_adaptation"):
       pretrain.PretrainConfig(workdir="", block_store="", queries="", **bad)
   model = tiny.tiny_realm(vocab_size=30522)
@@ -218,6 +279,38 @@ def test_adaptation_trains_the_reader_only_and_stops_on_utility(
   for point in report["curve"]:
     for name in ("null", "random", "answer"):
       assert 0.0 <= point[f"accuracy_{name}"] <= 1.0
+
+
+def test_answer_only_reads_train_on_the_answer_block_alone(world,
+                                                         monkeypatch):
+  batches = {}
+  loop = mlm_warmup._train_until_useful  # pylint: disable=protected-access
+
+  def spy(params, graphdef, tx, heldout, make_batch, **kwargs):
+    batches.update(train=make_batch(0), heldout=heldout[0])
+    return loop(params, graphdef, tx, heldout, make_batch, **kwargs)
+
+  monkeypatch.setattr(mlm_warmup, "_train_until_useful", spy)
+  old, new, report = _adapt(world, 2, eval_every=1, reads="answer")
+  train, heldout = batches["train"], batches["heldout"]
+  assert train["token_ids"].shape[:2] == (8, 1)
+  assert train["weights"].shape[:2] == (8, 1)
+  # Every training row has an answer block (those without one are left
+  # out) and reads it: the input is longer than the null document's.
+  assert np.all(train["weights"].sum(-1) > 0)
+  def document_tokens(slot):
+    return (slot["segment_ids"] * slot["input_mask"]).sum(-1)
+
+  null = document_tokens({k: heldout[k][:, mlm_warmup.NULL]
+                          for k in ("segment_ids", "input_mask")})
+  assert np.all(document_tokens({k: train[k][:, 0] for k in (
+      "segment_ids", "input_mask")}) > null.max() + 4)
+  assert report["reads"] == "answer" and report["train_answer_share"] == 1.0
+  # Held-out evaluations still read all three documents.
+  assert heldout["token_ids"].shape[1] == 3
+  assert _changed(old["reader"]["bert"], new["reader"]["bert"])
+  with pytest.raises(ValueError, match="reads"):
+    _adapt(world, 1, reads="random")
 
 
 def test_shuffled_facts_answer_blocks_are_found_but_not_read(tmp_path):

@@ -45,7 +45,7 @@ def tiny_corpus(tmp_path_factory):
   return store, queries, checkpoints.checkpoint_dir(workdir)
 
 
-def _run(workdir, tiny_corpus, **overrides):
+def _run(workdir, tiny_corpus, extra=(), **overrides):
   store, queries, ict_checkpoints = tiny_corpus
   values = {"num_train_steps": STEPS, "checkpoint_every": 2,
             "keep_checkpoints": 100, "reader_length": 64, "gate_every": 2,
@@ -58,7 +58,8 @@ def _run(workdir, tiny_corpus, **overrides):
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
       f"QUERIES = '{queries}'", f"INIT_FROM = 'checkpoint:{ict_checkpoints}'"
   ] + [
-          f"pretrain.PretrainConfig.{k} = {v!r}" for k, v in values.items()])
+          f"pretrain.PretrainConfig.{k} = {v!r}" for k, v in values.items()]
+                + list(extra))
   try:
     pretrain.train(config=gin.get_configurable(pretrain.PretrainConfig)(),
                    model=gin.get_configurable(pretrain.RealmConfig)())
@@ -79,9 +80,15 @@ def _equal(a, b):
       jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
-def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus):
+QUERY_SIDE = ("pretrain.PretrainConfig.retriever_training = 'query_side'",
+              "realm.RetrieverConfig.share_towers = False")
+
+
+@pytest.mark.parametrize("extra", [(), QUERY_SIDE], ids=["full", "query_side"])
+def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus,
+                                                       extra):
   workdir = str(tmp_path / "run")
-  log = _run(workdir, tiny_corpus)
+  log = _run(workdir, tiny_corpus, extra)
   assert [e["step"] for e in log][0] == 0
   baseline = log[0]["recall@1"]
   assert all(e["baseline"] == baseline for e in log)
@@ -98,7 +105,7 @@ def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus):
     assert _equal(_retriever(workdir, step), initial), step
   # A restart keeps it so: the checkpoint's meta says the guard tripped
   # and the optimiser state keeps the retriever frozen.
-  assert _run(workdir, tiny_corpus, num_train_steps=STEPS + 4) == log
+  assert _run(workdir, tiny_corpus, extra, num_train_steps=STEPS + 4) == log
   assert _equal(_retriever(workdir, STEPS + 4), initial)
 
 
