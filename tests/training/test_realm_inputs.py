@@ -107,6 +107,38 @@ def test_block_rule_excludes_only_the_sentences_own_block(store):
     realm_inputs.TrivialCandidates(store, "sentence")
 
 
+def test_source_blocks_match_a_set_count_per_block(store):
+  # Whole sentences, halves, shuffled words and one-word queries: each
+  # query's source block is the article block sharing the most distinct
+  # bigrams with it (masks restored), the first such block on ties.
+  tok = Tokenizer()
+  rng = np.random.default_rng(0)
+  sentences = []
+  for title, text in ARTICLES.items():
+    for x in (y for y in text.split(". ") if y):
+      words = x.split()
+      sentences += [(title, x), (title, " ".join(words[len(words) // 2:])),
+                    (title, " ".join(rng.permutation(words))),
+                    (title, words[-1])]
+  queries = _sentence_queries(tok, sentences)
+  trivial = realm_inputs.TrivialCandidates(store, "block")
+  found = trivial.source_blocks(queries)
+
+  def pairs(ids):
+    ids = [int(t) for t in ids]
+    return set(zip(ids, ids[1:])) if len(ids) > 1 else {(i,) for i in ids}
+
+  for (title, sentence), block in zip(sentences, found):
+    ids = pairs(tok.tokenize([sentence])[0])
+    article = store.document_blocks(store.doc_index(block))
+    shared = [len(ids & pairs(store.body_ids(b))) for b in article]
+    assert store.title(block) == title
+    assert block == article[int(np.argmax(shared))], (sentence, shared)
+  # Each article's bigrams are read once and kept.
+  np.testing.assert_array_equal(trivial.source_blocks(queries), found)
+  assert trivial._article_bigrams.cache_info().misses == len(ARTICLES)  # pylint: disable=protected-access
+
+
 def test_pretraining_batch_layout(store):
   tok = Tokenizer()
   rng = np.random.default_rng(0)
