@@ -515,6 +515,10 @@ def main(argv=None) -> None:
       if os.path.exists(decisions):
         with open(decisions, encoding="utf-8") as f:
           worst[key] = [json.loads(line) for line in f]
+    adaptation = os.path.join(workdir, "reader_adaptation.json")
+    if os.path.exists(adaptation):
+      with open(adaptation, encoding="utf-8") as f:
+        worst["reader_adaptation"] = json.load(f)
     print(json.dumps(worst), flush=True)
     rows.append(worst)
     if out:
@@ -566,12 +570,18 @@ def plot(rows, path: str) -> None:
   gates = {r["condition"]: r["gate"] for r in rows if r.get("gate")}
   guards = {r["condition"]: r["recall_guard"] for r in rows
             if r.get("recall_guard")}
+  adapted = {r["condition"]: r["reader_adaptation"]["curve"] for r in rows
+             if r.get("reader_adaptation")}
   rows = [r for r in rows if "summary" not in r]
   panels += ((("gate", "gate: utility on its queries (nats)"),
               ("gate_z", "gate: evidence z on its queries"))
              if gates else ()) + (
                  (("guard", "recall guard: own-block recall on its "
-                   "queries"),) if guards else ())
+                   "queries"),) if guards else ()) + (
+                       (("adaptation", "reader adaptation: held-out "
+                         "accuracy"),
+                        ("adaptation_utility", "reader adaptation: held-out "
+                         "utility (nats)")) if adapted else ())
   cols = min(len(panels), 5)
   rows_of_panels = -(-len(panels) // cols)
   fig, axes = plt.subplots(rows_of_panels, cols,
@@ -589,6 +599,22 @@ def plot(rows, path: str) -> None:
                  for d in decisions], marker="o", markersize=3, label=c)
       ax.set_title(title)
       ax.set_xlabel("REALM step")
+      continue
+    if key in ("adaptation", "adaptation_utility"):
+      for c, curve in adapted.items():
+        steps = [p["step"] for p in curve]
+        for doc, style in (("null", ":"), ("random", "--"), ("answer", "-")):
+          name = (f"accuracy_{doc}" if key == "adaptation" else
+                  "utility" if doc == "answer" else "random_utility")
+          if doc == "null" and key != "adaptation":
+            continue
+          ax.plot(steps, [p[name] for p in curve], linestyle=style,
+                  marker="o", markersize=3, label=f"{c}: {doc}")
+      if key == "adaptation_utility":
+        ax.axhline(0.0, color="grey", linestyle="--", linewidth=1)
+      ax.set_title(title)
+      ax.set_xlabel("adaptation step (before REALM)")
+      ax.legend(fontsize=8)
       continue
     if key == "guard":
       for c, decisions in guards.items():
