@@ -648,6 +648,26 @@ def _adaptation_report(curve, reason, done, steps, train, held, answers,
       "seconds": round(time.time() - t0, 1)}
 
 
+def _training_batches(queries, train, answers, store, *, sep_id,
+                      reader_length, batch_size, reads, seed):
+  """step -> that step's `_adaptation_batch` of random training rows (the
+  answer slot alone when `reads` is "answer"): a function of the seed."""
+
+  def make_batch(done):
+    rng = np.random.default_rng([seed, 5, done])
+    rows = rng.choice(train, min(batch_size, len(train)), replace=False)
+    batch = _adaptation_batch(
+        queries, rows, _random_blocks(rng, store, queries["source_doc_hash"][
+            rows]), answers[rows], store, sep_id=sep_id,
+        reader_length=reader_length)
+    if reads == "answer":
+      for k in ("token_ids", "input_mask", "segment_ids", "weights"):
+        batch[k] = batch[k][:, ANSWER:ANSWER + 1]
+    return batch
+
+  return make_batch
+
+
 def adapt_reader(params: dict[str, Any], graphdef,
                  queries: Mapping[str, np.ndarray], *, store, sep_id: int,
                  reader_length: int, steps: int, batch_size: int = 16,
@@ -718,19 +738,10 @@ def adapt_reader(params: dict[str, Any], graphdef,
                                 reader_length=reader_length,
                                 batch_size=batch_size, seed=seed)
   tx = _adaptation_optimizer(learning_rate, steps)
-
-  def make_batch(done):
-    rng = np.random.default_rng([seed, 5, done])
-    rows = rng.choice(train, min(batch_size, len(train)), replace=False)
-    batch = _adaptation_batch(
-        queries, rows, _random_blocks(rng, store, queries["source_doc_hash"][
-            rows]), answers[rows], store, sep_id=sep_id,
-        reader_length=reader_length)
-    if reads == "answer":
-      for k in ("token_ids", "input_mask", "segment_ids", "weights"):
-        batch[k] = batch[k][:, ANSWER:ANSWER + 1]
-    return batch
-
+  make_batch = _training_batches(queries, train, answers, store,
+                                 sep_id=sep_id, reader_length=reader_length,
+                                 batch_size=batch_size, reads=reads,
+                                 seed=seed)
   trained, curve, reason, done = _train_until_useful(
       params, graphdef, tx, heldout, make_batch, steps=steps,
       eval_every=eval_every, min_utility=min_utility, patience=patience,
