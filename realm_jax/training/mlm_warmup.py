@@ -277,6 +277,12 @@ READS = ("all", "answer")
 # a threshold of 0 then stops a reader that reads nothing (measured on the
 # knowledge world: 5e-5 nats at step 50, every accuracy 0).
 MIN_UTILITY = 0.05
+# Held-out evaluations without a better held-out loss before adaptation
+# stops as overfitting. A 2-layer reader from random weights on the
+# Wikipedia slice's 1,657 answer-bearing sentences bottomed out at step 200
+# of 3,000 and then memorised them: held-out loss 7.4 -> 10.7 nats
+# (docs/results/learning.md).
+LOSS_PATIENCE = 3
 
 
 def masked_spans(queries: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -509,6 +515,7 @@ def _heldout_metrics(evaluate, trained, params, batches) -> dict[str, float]:
          for d in names}
   out.update({f"loss_{names[d]}": ratio(-sums[d, 1], sums[d, 2])
               for d in names})
+  out["loss_all"] = ratio(-sums[:, 1].sum(), sums[:, 2].sum())
   out["utility"] = ratio(answer_gain, sums[ANSWER, 2])
   out["random_utility"] = ratio(random_gain, sums[RANDOM, 2])
   return out
@@ -563,45 +570,65 @@ def _json_safe(value):
   return None if isinstance(value, float) and np.isnan(value) else value
 
 
+def _heldout_loss(point: dict[str, Any], reads: str) -> float:
+  """The held-out loss of what training reads: the answer block's alone, or
+  all three documents' pooled."""
+  return point["loss_answer"] if reads == "answer" else point["loss_all"]
+
+
 def _train_until_useful(params, graphdef, tx, heldout, make_batch, *,
-                        steps, eval_every, min_utility, patience, seed, t0):
+                        steps, eval_every, min_utility, patience, reads,
+                        loss_patience, seed, t0):
   """`adapt_reader`'s loop: (reader body and head, curve, stop reason,
-  steps trained)."""
+  steps trained, step of the best held-out loss)."""
   step_fn, evaluate = _adaptation_fns(graphdef, tx)
   trained = {k: jax.tree_util.tree_map(jnp.asarray, params["reader"][k])
              for k in ("bert", "mlm_head")}
   opt_state, curve, streak, reason, done = tx.init(trained), [], 0, "steps", 0
+  best, worse = (np.inf, trained, 0), 0  # (held-out loss, reader, step)
   for done in range(steps + 1):
     if done % eval_every == 0 or done == steps:
       point = {"step": done, **_heldout_metrics(evaluate, trained, params,
                                                 heldout)}
       # Step 0 is the baseline: only what training did counts.
       streak = streak + 1 if done and point["utility"] > min_utility else 0
-      curve.append(dict(point, streak=streak,
+      loss = _heldout_loss(point, reads)
+      if loss < best[0]:
+        best, worse = (loss, trained, done), 0
+      elif np.isfinite(loss):
+        worse += 1
+      curve.append(dict(point, streak=streak, best_step=best[2],
                         seconds=round(time.time() - t0, 1)))
       _log_evaluation(curve[-1], steps, t0, min_utility, patience)
       if streak >= patience:
         reason = "utility"
+        break
+      if worse >= loss_patience and done < steps:
+        # Memorising the training sentences, not learning to read: keep
+        # the reader of the best held-out loss.
+        reason, trained = "overfit", best[1]
         break
     if done == steps:
       break
     trained, opt_state, _ = step_fn(
         trained, opt_state, params, make_batch(done),
         jax.random.fold_in(jax.random.key(seed), done))
-  return trained, curve, reason, done
+  return trained, curve, reason, done, best[2]
 
 
 def _check_adaptation_args(params: dict[str, Any], steps: int,
-                           eval_every: int, patience: int, reads: str) -> None:
+                           eval_every: int, patience: int, loss_patience: int,
+                           reads: str) -> None:
   """Raises `adapt_reader`'s ValueErrors about its arguments."""
   if reads not in READS:
     raise ValueError(f"adapt_reader: reads={reads!r}; use one of {READS}.")
   if "mlm_head" not in params.get("reader", {}):
     raise ValueError("adapt_reader: the reader has no MLM head "
                      "(ReaderConfig.mlm_head=False).")
-  if steps < 1 or eval_every < 1 or patience < 1:
-    raise ValueError("adapt_reader: steps, eval_every and patience must be "
-                     f">= 1, got {steps}, {eval_every}, {patience}.")
+  if min(steps, eval_every, patience, loss_patience) < 1:
+    raise ValueError("adapt_reader: steps, eval_every, patience and "
+                     "loss_patience must be >= 1, got "
+                     f"{steps}, {eval_every}, {patience}, {loss_patience}.")
 
 
 def _adaptation_optimizer(learning_rate: float, steps: int):
@@ -675,6 +702,7 @@ def adapt_reader(params: dict[str, Any], graphdef,
                  min_utility: float = MIN_UTILITY, patience: int = 2,
                  trivial_candidates: str = "article", reads: str = "all",
                  max_queries: int = ADAPTATION_MAX_QUERIES,
+                 loss_patience: int = LOSS_PATIENCE,
                  seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains the reader (BERT body and MLM head) until an answer block helps.
 
@@ -691,7 +719,11 @@ def adapt_reader(params: dict[str, Any], graphdef,
   document and the answer-block utility, log p(y|answer block, x) -
   log p(y|null, x) in nats per mask, are measured. Training stops once the
   utility exceeds `min_utility` at `patience` evaluations in a row
-  (reason "utility"), or after `steps` (reason "steps").
+  (reason "utility"); once the held-out loss of what training reads (the
+  answer block's, or all three documents' pooled) has not improved on its
+  best for `loss_patience` evaluations, returning the reader of that best
+  (reason "overfit": it memorises its training sentences instead of
+  learning to read); or after `steps` (reason "steps").
 
   Args:
     params: {"retriever", "reader"} parameters; the reader has an MLM head.
@@ -709,21 +741,25 @@ def adapt_reader(params: dict[str, Any], graphdef,
       blocks obey ("article" or "block").
     reads: what a training step reads (`READS`).
     max_queries: queries used (a seeded subset when there are more).
+    loss_patience: evaluations without a better held-out loss before the
+      "overfit" stop.
     seed: subset, split, blocks, batches and dropout: the result is a
       function of the inputs and the seed.
 
   Returns:
     The parameters with the new reader body and head (the retriever is the
     same object), and a report: {"curve": the evaluations, "stop_reason",
-    "steps" trained, "max_steps", "trivial_candidates", "reads", the query
-    counts and answer-block shares, "seconds"}.
+    "steps" trained, "best_step" (of the best held-out loss), "max_steps",
+    "trivial_candidates", "reads", the query counts and answer-block
+    shares, "seconds"}.
 
   Raises:
-    ValueError: if the reader has no MLM head, `steps`, `eval_every` or
-      `patience` is < 1, `reads` is unknown, or there are too few queries
+    ValueError: if the reader has no MLM head, `steps`, `eval_every`,
+      `patience` or `loss_patience` is < 1, `reads` is unknown, or there are too few queries
       (or, reading answer blocks alone, no training query has one).
   """
-  _check_adaptation_args(params, steps, eval_every, patience, reads)
+  _check_adaptation_args(params, steps, eval_every, patience, loss_patience,
+                         reads)
   t0 = time.time()
   queries = {k: np.asarray(v) for k, v in queries.items()}
   train, held, answers = _adaptation_queries(
@@ -742,12 +778,12 @@ def adapt_reader(params: dict[str, Any], graphdef,
                                  sep_id=sep_id, reader_length=reader_length,
                                  batch_size=batch_size, reads=reads,
                                  seed=seed)
-  trained, curve, reason, done = _train_until_useful(
+  trained, curve, reason, done, best_step = _train_until_useful(
       params, graphdef, tx, heldout, make_batch, steps=steps,
       eval_every=eval_every, min_utility=min_utility, patience=patience,
-      seed=seed, t0=t0)
+      reads=reads, loss_patience=loss_patience, seed=seed, t0=t0)
   report = _adaptation_report(curve, reason, done, steps, train, held,
-                              answers, t0,
+                              answers, t0, best_step=best_step,
                               trivial_candidates=trivial_candidates,
                               reads=reads)
   logging.info("reader adaptation stopped at step %d/%d (%s) after %.0f s",

@@ -179,7 +179,7 @@ def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
     # the reader identically, so the replicated parameters agree.
     params, report = mlm_warmup.adapt_reader(
         params, graphdef,
-        queries.head(mlm_warmup.ADAPTATION_MAX_QUERIES), store=store,
+        queries.head(config.reader_adaptation_max_queries), store=store,
         sep_id=int(store.manifest["sep_id"]),
         reader_length=config.reader_length,
         steps=config.reader_adaptation_steps,
@@ -187,7 +187,8 @@ def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
         eval_every=config.reader_adaptation_eval_every,
         min_utility=config.reader_adaptation_min_utility,
         trivial_candidates=config.trivial_candidates,
-        reads=config.reader_adaptation_reads, seed=config.seed)
+        reads=config.reader_adaptation_reads,
+        max_queries=config.reader_adaptation_max_queries, seed=config.seed)
     if is_chief:
       io_utils.write_json(
           io_utils.join(config.workdir, "reader_adaptation.json"), report)

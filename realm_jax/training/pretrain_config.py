@@ -108,6 +108,10 @@ class PretrainConfig(loop.TrainConfig):
     reader_adaptation_learning_rate: its peak learning rate (BERT's
       optimiser with Adam's bias correction, warmup, linear decay).
     reader_adaptation_eval_every: its held-out evaluations' period (steps).
+    reader_adaptation_max_queries: the first queries of the stream it
+      reads (a tenth held out). It stops early, keeping its best reader,
+      once its held-out loss has not improved for
+      `mlm_warmup.LOSS_PATIENCE` evaluations; more queries memorise later.
     reader_adaptation_min_utility: its stop threshold: the answer block's
       held-out utility (nats per mask) must exceed it at 2 evaluations in a
       row.
@@ -199,6 +203,7 @@ class PretrainConfig(loop.TrainConfig):
   reader_adaptation_steps: int = 0
   reader_adaptation_learning_rate: float = 1e-4
   reader_adaptation_eval_every: int = 50
+  reader_adaptation_max_queries: int = mlm_warmup.ADAPTATION_MAX_QUERIES
   reader_adaptation_min_utility: float = mlm_warmup.MIN_UTILITY
   reader_adaptation_reads: str = "all"
   num_candidates: int = 7
@@ -223,7 +228,8 @@ class PretrainConfig(loop.TrainConfig):
     super().__post_init__()
     checks.at_least(self, "num_candidates", "guard_min_queries")
     checks.at_least(self, "reader_adaptation_steps", minimum=0, integer=True)
-    checks.at_least(self, "reader_adaptation_eval_every", integer=True)
+    checks.at_least(self, "reader_adaptation_eval_every",
+                    "reader_adaptation_max_queries", integer=True)
     if self.recall_guard_queries:
       checks.at_least(self, "gate_every", "recall_guard_num_queries",
                       "recall_guard_k", "recall_guard_patience",

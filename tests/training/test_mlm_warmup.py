@@ -221,6 +221,7 @@ def test_reader_adaptation_is_configured_and_checked(world, tmp_path):
   for bad in ({"reader_adaptation_steps": -1},
               {"reader_adaptation_eval_every": 0},
               {"reader_adaptation_learning_rate": 0.0},
+              {"reader_adaptation_max_queries": 0},
               {"reader_adaptation_reads": "random"}):
     with pytest.raises(ValueError, match="reader_adaptation"):
       pretrain.PretrainConfig(workdir="", block_store="", queries="", **bad)
@@ -279,6 +280,40 @@ def test_adaptation_trains_the_reader_only_and_stops_on_utility(
   for point in report["curve"]:
     for name in ("null", "random", "answer"):
       assert 0.0 <= point[f"accuracy_{name}"] <= 1.0
+    # The early stop's loss when training reads all three: pooled.
+    each = [point[f"loss_{name}"] for name in ("null", "random", "answer")]
+    assert min(each) <= point["loss_all"] <= max(each)
+
+
+def test_adaptation_stops_on_overfitting_and_keeps_the_best_reader(
+    world, monkeypatch):
+  # Scripted held-out losses of what training reads (the answer block's):
+  # best at step 10, then 3 evaluations no better -> "overfit" at step 25,
+  # returning the reader evaluated at step 10, not the last one.
+  losses = iter([9.0, 8.0, 7.0, 7.5, 7.0, 8.0, 1.0])
+  seen = []
+  measure = mlm_warmup._heldout_metrics  # pylint: disable=protected-access
+
+  def scripted(evaluate, trained, params, batches):
+    seen.append(trained)
+    return dict(measure(evaluate, trained, params, batches),
+                loss_answer=next(losses), utility=0.0)
+
+  monkeypatch.setattr(mlm_warmup, "_heldout_metrics", scripted)
+  old, new, report = _adapt(world, 100, eval_every=5, reads="answer")
+  assert report["stop_reason"] == "overfit", report
+  assert (report["steps"], report["best_step"]) == (25, 10)
+  assert [p["best_step"] for p in report["curve"]] == [0, 5, 10, 10, 10, 10]
+  best = seen[2]
+  for part in ("bert", "mlm_head"):
+    for got, want, last in zip(jax.tree.leaves(new["reader"][part]),
+                               jax.tree.leaves(best[part]),
+                               jax.tree.leaves(seen[-1][part])):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert _changed(best[part], seen[-1][part])
+  assert _changed(old["reader"]["bert"], new["reader"]["bert"])
+  with pytest.raises(ValueError, match="loss_patience"):
+    _adapt(world, 10, loss_patience=0)
 
 
 def test_answer_only_reads_train_on_the_answer_block_alone(world,
