@@ -643,13 +643,16 @@ def _adaptation_optimizer(learning_rate: float, steps: int):
 
 def _adaptation_queries(queries: dict[str, np.ndarray], store, *,
                         max_queries: int, seed: int, reader_length: int,
-                        trivial_candidates: str
+                        trivial_candidates: str, reads: str
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(training rows, held-out rows, answer block of every query): the
-  `_split_queries` rows, and `find_answer_blocks` for them (-1 elsewhere).
+  `_split_queries` rows (training rows without an answer block left out
+  when `reads` is "answer"), and `find_answer_blocks` for them (-1
+  elsewhere).
 
   Raises:
-    ValueError: if there are too few queries to hold a tenth out.
+    ValueError: if there are too few queries to hold a tenth out, or no
+      training query has an answer block to read.
   """
   train, held = _split_queries(len(queries["query_ids"]), max_queries, seed)
   if not len(train):
@@ -660,6 +663,11 @@ def _adaptation_queries(queries: dict[str, np.ndarray], store, *,
   answers[used] = find_answer_blocks({k: v[used] for k, v in queries.items()},
                                      store, reader_length=reader_length,
                                      trivial_candidates=trivial_candidates)
+  if reads == "answer":
+    train = train[answers[train] >= 0]
+    if not len(train):
+      raise ValueError("adapt_reader: reads='answer', but no training query "
+                       "has an answer block.")
   return train, held, answers
 
 
@@ -707,23 +715,18 @@ def adapt_reader(params: dict[str, Any], graphdef,
   """Trains the reader (BERT body and MLM head) until an answer block helps.
 
   REALM's cold start: a reader that gains nothing from the retrieved blocks
-  learns to ignore them, and the retriever never gets a signal. So before
-  joint training the reader alone (the retriever untouched) learns the
-  run's salient-span masks, each query read with the null document, a
-  random block of another article and, where one exists, an answer block
-  (`find_answer_blocks`; `reads="answer"` trains on the answer block
-  alone). The loss is the plain masked-LM cross-entropy of every
-  (query, document) pair read, over real masks. A fixed tenth of the
-  queries used is held out; every `eval_every` steps (and at step 0, a
-  baseline that does not count) their masked-token accuracies with each
-  document and the answer-block utility, log p(y|answer block, x) -
-  log p(y|null, x) in nats per mask, are measured. Training stops once the
-  utility exceeds `min_utility` at `patience` evaluations in a row
-  (reason "utility"); once the held-out loss of what training reads (the
-  answer block's, or all three documents' pooled) has not improved on its
-  best for `loss_patience` evaluations, returning the reader of that best
-  (reason "overfit": it memorises its training sentences instead of
-  learning to read); or after `steps` (reason "steps").
+  learns to ignore them, and the retriever gets no signal. So first the
+  reader alone learns the run's salient-span masks (plain masked-LM loss),
+  each query read with the null document, a random block of another
+  article and its answer block if any (`find_answer_blocks`; only the
+  latter with `reads="answer"`). Every `eval_every` steps (step 0 is a
+  baseline) a fixed held-out tenth is measured: accuracies per document
+  and the answer-block utility, log p(y|answer, x) - log p(y|null, x) in
+  nats per mask. It stops once that utility exceeds `min_utility` at
+  `patience` evaluations in a row ("utility"); once the held-out loss of
+  what training reads (answer block, or the three pooled) has not beaten
+  its best for `loss_patience` evaluations, returning that best reader
+  ("overfit": memorising, not reading); or after `steps` ("steps").
 
   Args:
     params: {"retriever", "reader"} parameters; the reader has an MLM head.
@@ -735,41 +738,31 @@ def adapt_reader(params: dict[str, Any], graphdef,
     batch_size: queries per step (each read with 3 documents).
     learning_rate: the peak rate of BERT's optimiser (after a warmup of
       steps // 10, decaying linearly to 0 at `steps`).
-    eval_every, min_utility, patience: the evaluations and the stop rule
-      (`MIN_UTILITY` says why the threshold is not 0).
+    eval_every, min_utility, patience, loss_patience: the evaluations and
+      the stop rules (`MIN_UTILITY` says why the threshold is not 0).
     trivial_candidates: the run's no-trivial-retrieval rule, which answer
       blocks obey ("article" or "block").
     reads: what a training step reads (`READS`).
     max_queries: queries used (a seeded subset when there are more).
-    loss_patience: evaluations without a better held-out loss before the
-      "overfit" stop.
-    seed: subset, split, blocks, batches and dropout: the result is a
-      function of the inputs and the seed.
+    seed: subset, split, blocks, batches, dropout (a pure function).
 
   Returns:
-    The parameters with the new reader body and head (the retriever is the
-    same object), and a report: {"curve": the evaluations, "stop_reason",
-    "steps" trained, "best_step" (of the best held-out loss), "max_steps",
-    "trivial_candidates", "reads", the query counts and answer-block
-    shares, "seconds"}.
+    The parameters with the new reader (the retriever is the same object)
+    and a report: {"curve" (the evaluations), "stop_reason", "steps",
+    "best_step", "max_steps", "trivial_candidates", "reads", the query
+    counts and answer-block shares, "seconds"}.
 
   Raises:
-    ValueError: if the reader has no MLM head, `steps`, `eval_every`,
-      `patience` or `loss_patience` is < 1, `reads` is unknown, or there are too few queries
-      (or, reading answer blocks alone, no training query has one).
+    ValueError: on a reader without an MLM head, a count < 1, unknown
+      `reads`, or too few (answer-bearing, for "answer") queries.
   """
   _check_adaptation_args(params, steps, eval_every, patience, loss_patience,
                          reads)
   t0 = time.time()
   queries = {k: np.asarray(v) for k, v in queries.items()}
   train, held, answers = _adaptation_queries(
-      queries, store, max_queries=max_queries, seed=seed,
+      queries, store, max_queries=max_queries, seed=seed, reads=reads,
       reader_length=reader_length, trivial_candidates=trivial_candidates)
-  if reads == "answer":
-    train = train[answers[train] >= 0]
-    if not len(train):
-      raise ValueError("adapt_reader: reads='answer', but no training query "
-                       "has an answer block.")
   heldout = _evaluation_batches(queries, held, answers, store, sep_id=sep_id,
                                 reader_length=reader_length,
                                 batch_size=batch_size, seed=seed)
