@@ -109,8 +109,8 @@ class PretrainConfig(loop.TrainConfig):
       optimiser with Adam's bias correction, warmup, linear decay).
     reader_adaptation_eval_every: its held-out evaluations' period (steps).
     reader_adaptation_max_queries: the first queries of the stream it
-      reads (a tenth held out). It stops early, keeping its best reader,
-      once its held-out loss has not improved for
+      reads (a tenth of their articles held out). It stops early, keeping
+      its best reader, once its held-out loss has not improved for
       `mlm_warmup.LOSS_PATIENCE` evaluations; more queries memorise later.
     reader_adaptation_min_utility: its stop threshold: the answer block's
       held-out utility (nats per mask) must exceed it at 2 evaluations in a

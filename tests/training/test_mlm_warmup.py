@@ -270,8 +270,17 @@ def test_adaptation_trains_the_reader_only_and_stops_on_utility(
   assert report["stop_reason"] == "utility" and report["steps"] == 25
   assert [(p["step"], p["streak"]) for p in report["curve"]] == [
       (0, 0), (5, 0), (10, 1), (15, 0), (20, 1), (25, 2)]
-  assert report["heldout_queries"] == (
-      report["queries"] + report["heldout_queries"]) // 10
+  # Held out by article: a tenth of the articles, none trained on.
+  queries = _queries(world)
+  train, held = mlm_warmup._split_queries(  # pylint: disable=protected-access
+      queries["source_doc_hash"], mlm_warmup.ADAPTATION_MAX_QUERIES, 0)
+  hashes = np.asarray(queries["source_doc_hash"])
+  articles = len(np.unique(hashes))
+  assert report["heldout_articles"] == len(np.unique(hashes[held])) == max(
+      1, articles // 10)
+  assert not set(hashes[train]) & set(hashes[held])
+  assert (report["queries"], report["heldout_queries"]) == (len(train),
+                                                            len(held))
   assert report["train_answer_share"] > 0.9, report
   assert new["retriever"] is old["retriever"]
   assert _changed(old["reader"]["bert"], new["reader"]["bert"])
