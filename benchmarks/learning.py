@@ -515,10 +515,11 @@ def main(argv=None) -> None:
       if os.path.exists(decisions):
         with open(decisions, encoding="utf-8") as f:
           worst[key] = [json.loads(line) for line in f]
-    adaptation = os.path.join(workdir, "reader_adaptation.json")
-    if os.path.exists(adaptation):
-      with open(adaptation, encoding="utf-8") as f:
-        worst["reader_adaptation"] = json.load(f)
+    for key in ("reader_mlm", "reader_adaptation"):  # before REALM
+      report = os.path.join(workdir, key + ".json")
+      if os.path.exists(report):
+        with open(report, encoding="utf-8") as f:
+          worst[key] = json.load(f)
     print(json.dumps(worst), flush=True)
     rows.append(worst)
     if out:
@@ -572,9 +573,14 @@ def plot(rows, path: str) -> None:
             if r.get("recall_guard")}
   adapted = {r["condition"]: r["reader_adaptation"]["curve"] for r in rows
              if r.get("reader_adaptation")}
+  pretrained = {r["condition"]: r["reader_mlm"]["curve"] for r in rows
+                if r.get("reader_mlm")}
   rows = [r for r in rows if "summary" not in r]
-  panels += ((("gate", "gate: utility on its queries (nats)"),
-              ("gate_z", "gate: evidence z on its queries"))
+  panels += ((("reader_mlm", "reader masked-LM: held-out accuracy"),
+              ("reader_mlm_utility", "reader masked-LM: neighbour utility "
+               "(nats)")) if pretrained else ()) + (
+                   (("gate", "gate: utility on its queries (nats)"),
+                    ("gate_z", "gate: evidence z on its queries"))
              if gates else ()) + (
                  (("guard", "recall guard: own-block recall on its "
                    "queries"),) if guards else ()) + (
@@ -599,6 +605,18 @@ def plot(rows, path: str) -> None:
                  for d in decisions], marker="o", markersize=3, label=c)
       ax.set_title(title)
       ax.set_xlabel("REALM step")
+      continue
+    if key in ("reader_mlm", "reader_mlm_utility"):
+      for c, curve in pretrained.items():
+        steps = [p["step"] for p in curve]
+        for name in (("accuracy_neighbour", "accuracy_other")
+                     if key == "reader_mlm" else ("neighbour_utility",)):
+          ax.plot(steps, [p[name] for p in curve], marker="o", markersize=3,
+                  linestyle=":" if name == "accuracy_other" else "-",
+                  label=f"{c}: {name.replace('accuracy_', 'with ')}")
+      ax.set_title(title)
+      ax.set_xlabel("masked-LM step (before REALM)")
+      ax.legend(fontsize=8)
       continue
     if key in ("adaptation", "adaptation_utility"):
       for c, curve in adapted.items():

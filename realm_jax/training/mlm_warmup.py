@@ -454,8 +454,12 @@ def _adaptation_batch(queries: Mapping[str, np.ndarray], rows: np.ndarray,
                        * read[:, :, None]))
 
 
-def _adaptation_fns(graphdef, tx):
-  """Jitted (train step, evaluation) of the reader's body and head."""
+def reader_fns(graphdef, tx):
+  """Jitted (train step, evaluation) of the reader's body and head, on
+  batches of reader inputs [B, D, L] (D documents per row), "mlm_positions"
+  and "mlm_targets" [B, M] and "weights" [B, D, M]: the step minimises the
+  weighted mean masked-token loss; the evaluation returns log-likelihoods
+  and correctness [B, D, M]."""
 
   def token_ll(params, trained, batch, dropout_rng):
     reader = dict(params["reader"], **trained)
@@ -587,7 +591,7 @@ def _train_until_useful(params, graphdef, tx, heldout, make_batch, *,
                         loss_patience, seed, t0):
   """`adapt_reader`'s loop: (reader body and head, curve, stop reason,
   steps trained, step of the best held-out loss)."""
-  step_fn, evaluate = _adaptation_fns(graphdef, tx)
+  step_fn, evaluate = reader_fns(graphdef, tx)
   trained = {k: jax.tree_util.tree_map(jnp.asarray, params["reader"][k])
              for k in ("bert", "mlm_head")}
   opt_state, curve, streak, reason, done = tx.init(trained), [], 0, "steps", 0

@@ -38,7 +38,8 @@ from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import candidates as candidates_lib
-from realm_jax.training import collapse, loop, mlm_warmup, realm_inputs
+from realm_jax.training import collapse, loop, mlm_warmup, reader_mlm
+from realm_jax.training import realm_inputs
 from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
 # The run's settings; gin binds them as pretrain.PretrainConfig.
@@ -168,9 +169,21 @@ def _check_reader_length(config: PretrainConfig,
 
 def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
                     fresh, queries, store, is_chief: bool):
-  """`init_from`, then the MLM-head warm start and the reader adaptation
-  when the config asks."""
+  """`init_from`, then the reader's masked-LM pre-training, the MLM-head
+  warm start and the reader adaptation when the config asks."""
   params = init_lib.initial_params(model, fresh, config.init_from)
+  if config.reader_mlm_steps:
+    # Deterministic from the seed: every host trains the same reader.
+    params, report = reader_mlm.pretrain_reader(
+        params, graphdef, store, steps=config.reader_mlm_steps,
+        query_length=queries.query_config.query_length,
+        reader_length=config.reader_length,
+        batch_size=config.reader_mlm_batch_size,
+        learning_rate=config.reader_mlm_learning_rate,
+        eval_every=config.reader_mlm_eval_every, seed=config.seed)
+    if is_chief:
+      io_utils.write_json(io_utils.join(config.workdir, "reader_mlm.json"),
+                          report)
   if config.mlm_head_warmup_steps:
     params = _warm_start_head(config, graphdef, params, queries, store,
                               is_chief)

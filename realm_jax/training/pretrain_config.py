@@ -96,6 +96,15 @@ class PretrainConfig(loop.TrainConfig):
       reader's MLM head alone to the queries' masks for this many steps
       (0: off). For checkpoints without an MLM head (MiniLM); see
       `training.mlm_warmup`.
+    reader_mlm_steps: a fresh run first pre-trains the reader (BERT body and
+      MLM head) with BERT's masked-LM on pairs of the block store's blocks
+      for at most this many steps (0: off), for a reader from random
+      weights; it stops sooner, keeping its best reader, once the loss on
+      a tenth of the articles, held out, stops improving
+      (`reader_mlm.pretrain_reader`). Its curve goes to reader_mlm.json.
+    reader_mlm_learning_rate, reader_mlm_batch_size,
+      reader_mlm_eval_every: its peak learning rate (BERT's optimiser with
+      Adam's bias correction), pairs per step and evaluation period.
     reader_adaptation_steps: a fresh run then trains the reader (its BERT
       body and MLM head; the retriever does not move) on the queries' masks,
       each read with the null document, a random block and an answer block
@@ -200,6 +209,10 @@ class PretrainConfig(loop.TrainConfig):
   recall_guard_patience: int = 2
   adam_bias_correction: bool = False
   mlm_head_warmup_steps: int = 0
+  reader_mlm_steps: int = 0
+  reader_mlm_learning_rate: float = 1e-3
+  reader_mlm_batch_size: int = 32
+  reader_mlm_eval_every: int = 250
   reader_adaptation_steps: int = 0
   reader_adaptation_learning_rate: float = 1e-4
   reader_adaptation_eval_every: int = 50
@@ -227,7 +240,13 @@ class PretrainConfig(loop.TrainConfig):
   def __post_init__(self):
     super().__post_init__()
     checks.at_least(self, "num_candidates", "guard_min_queries")
-    checks.at_least(self, "reader_adaptation_steps", minimum=0, integer=True)
+    checks.at_least(self, "reader_adaptation_steps", "reader_mlm_steps",
+                    minimum=0, integer=True)
+    checks.at_least(self, "reader_mlm_batch_size", "reader_mlm_eval_every",
+                    integer=True)
+    if not self.reader_mlm_learning_rate > 0:
+      raise ValueError("reader_mlm_learning_rate must be > 0, got "
+                       f"{self.reader_mlm_learning_rate!r}.")
     checks.at_least(self, "reader_adaptation_eval_every",
                     "reader_adaptation_max_queries", integer=True)
     if self.recall_guard_queries:
