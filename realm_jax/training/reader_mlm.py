@@ -5,8 +5,9 @@ paper's ablation on real text, docs/results/learning.md) knows no language
 yet, and on the Wikipedia slice, training it on the run's few thousand
 masked sentences memorises them before it learns to read a retrieved block
 (`mlm_warmup.adapt_reader`). This step gives it what BERT's pre-training
-would, from the text the run already has: the blocks, ~100x more masked
-wordpieces than the sentences' salient spans.
+would, from the text the run already has: the blocks, whose wordpieces
+are many times the sentences' salient spans, masked afresh at every
+draw.
 
 Every example has the reader's own shape, `[CLS] a [SEP] b [SEP]` in
 `reader_length` wordpieces. `a` is a window of up to `query_length - 2`
