@@ -97,6 +97,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 WIKI_QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                               "data", "wiki_heldout_qa.jsonl")
+# Dev questions (never evaluated on): for the recall guard.
+WIKI_DEV_QUESTIONS = os.path.join(os.path.dirname(WIKI_QUESTIONS),
+                                  "wiki_dev_qa.jsonl")
 CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
@@ -314,6 +317,11 @@ def main(argv=None) -> None:
                                     if ".num_train_steps" not in b])
   recipe = gin.get_configurable(pretrain.PretrainConfig)()
   recipe_queries = gin_config.configured(examples.RealmQueryConfig)
+  if wiki and recipe.recall_guard_questions and os.path.samefile(
+      recipe.recall_guard_questions, WIKI_QUESTIONS):
+    parser.error("recall_guard_questions is the evaluation's question set "
+                 f"({WIKI_QUESTIONS}): guard on dev questions, e.g. "
+                 f"{WIKI_DEV_QUESTIONS}.")
   if recipe.retriever_gate in pretrain_config.MEASURED_GATES and (
       recipe.freeze_retriever_steps >= recipe.num_train_steps):
     # The recipe's bound is its whole run: keep it the whole run.

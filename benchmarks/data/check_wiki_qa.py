@@ -1,4 +1,4 @@
-r"""Checks wiki_heldout_qa.jsonl against the blocks of the Wikipedia slice.
+r"""Checks wiki_heldout_qa.jsonl (or --qa) against the Wikipedia slice's blocks.
 
 The questions were written by hand from the block texts of the enwiki slice
 inside the gensim wheel (`wikipedia.default_wikipedia_dump()`), every
@@ -14,6 +14,9 @@ it is missing and checks, for every question:
   * it is not a copy of a demo question (`realm_jax/data/demo_qa/*.jsonl`):
     same normalised question, same (normalised answer, article) pair, or a
     near-paraphrase (content-word Jaccard >= --max_similarity);
+  * the same for the questions of each --apart_from file, whose "article"
+    field gives their article (by default the held-out file, when another
+    file such as wiki_dev_qa.jsonl is checked);
   * it does not duplicate another question of the file (same normalised
     question or same (answer, article) pair).
 
@@ -22,6 +25,7 @@ and within its article), then the totals and the distribution, and exits
 with status 1 if any check fails.
 
   python benchmarks/data/check_wiki_qa.py [--blocks /tmp/wiki_all/blocks]
+  python benchmarks/data/check_wiki_qa.py --qa benchmarks/data/wiki_dev_qa.jsonl
 """
 
 from __future__ import annotations
@@ -77,6 +81,51 @@ def content_words(question: str) -> frozenset[str]:
                    if w not in _STOP)
 
 
+def question_key(question: str, answers, article: str | None) -> tuple:
+  """(normalised question, normalised answers, article, content words)."""
+  return (qa.normalize_answer(question),
+          frozenset(qa.normalize_answer(a) for a in answers), article,
+          content_words(question))
+
+
+def demo_keys(texts, doc_of_block: np.ndarray, titles: list[str]) -> list:
+  """`question_key`s of the demo questions.
+
+  Each is attributed to the article, among the first 16 (the demo's), that
+  has most of its answer-bearing blocks.
+  """
+  demo_first_docs = 16
+  keys = []
+  for path in sorted(glob.glob(DEMO_GLOB)):
+    for ex in qa.read_qa_jsonl(path, strict=True):
+      hits = qa.has_answer_batch(texts, ex.answers)
+      counts = np.bincount(doc_of_block[hits], minlength=len(titles))
+      article = titles[int(np.argmax(counts[:demo_first_docs]))]
+      keys.append(question_key(ex.question, ex.answers, article))
+  return keys
+
+
+def file_keys(path: str) -> list:
+  """`question_key`s of another question file; each needs an "article"."""
+  qa.read_qa_jsonl(path, strict=True)
+  with open(path, encoding="utf-8") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  if any("article" not in r for r in records):
+    sys.exit(f"{path}: a question without an \"article\" field.")
+  return [question_key(r["question"], r["answer"], r["article"])
+          for r in records]
+
+
+def apart_from_paths(qa_path: str, given: list[str] | None) -> list[str]:
+  """--apart_from; by default the held-out file, unless it is `qa_path`."""
+  checked = os.path.abspath(qa_path)
+  if given is None:
+    return [] if checked == os.path.abspath(DEFAULT_QA) else [DEFAULT_QA]
+  if checked in map(os.path.abspath, given):
+    sys.exit(f"--apart_from {qa_path}: that is the file checked.")
+  return given
+
+
 def jaccard(a: frozenset[str], b: frozenset[str]) -> float:
   return len(a & b) / max(len(a | b), 1)
 
@@ -94,8 +143,14 @@ def main() -> int:
                       help="block store of every article, 128 wordpieces "
                       "(built here if missing)")
   parser.add_argument("--max_similarity", type=float, default=0.6,
-                      help="content-word Jaccard with a demo question above "
-                      "which a question is a near-paraphrase")
+                      help="content-word Jaccard with a demo (or "
+                      "--apart_from) question above which a question is a "
+                      "near-paraphrase")
+  parser.add_argument("--apart_from", action="append", metavar="PATH",
+                      help="another question file (with \"article\") to "
+                      "keep the checked one apart from, like the demo "
+                      "questions; repeatable (default: the held-out file, "
+                      "unless it is the checked one)")
   parser.add_argument("--quiet", action="store_true",
                       help="only the failures and the totals")
   args = parser.parse_args()
@@ -119,22 +174,13 @@ def main() -> int:
   def fail(i, why):
     failures.append(f"#{i + 1} {records[i]['question']!r}: {why}")
 
-  # Demo questions, each attributed to the article among the first 16 (the
-  # demo's) with most of its answer-bearing blocks.
-  demo = []
-  for path in sorted(glob.glob(DEMO_GLOB)):
-    demo.extend(qa.read_qa_jsonl(path, strict=True))
-  demo_first_docs = 16
-  demo_keys = []
-  for ex in demo:
-    hits = qa.has_answer_batch(texts, ex.answers)
-    counts = np.bincount(doc_of_block[hits], minlength=store.num_documents)
-    article = titles[int(np.argmax(counts[:demo_first_docs]))]
-    demo_keys.append((qa.normalize_answer(ex.question),
-                      {qa.normalize_answer(a) for a in ex.answers}, article,
-                      content_words(ex.question)))
+  # Question sets to keep apart from, by name: the demo's, then --apart_from.
+  others = {"demo": demo_keys(texts, doc_of_block, titles)}
+  for path in apart_from_paths(args.qa, args.apart_from):
+    others[os.path.basename(path)] = file_keys(path)
 
-  totals, in_article, closest = [], [], []
+  totals, in_article = [], []
+  closest = {name: [] for name in others}
   seen_questions, seen_pairs = {}, {}
   for i, (ex, rec) in enumerate(zip(examples, records)):
     article = rec.get("article")
@@ -153,18 +199,18 @@ def main() -> int:
       fail(i, "no block contains any of its answers")
     elif n_article == 0:
       fail(i, f"no block of {article!r} contains any of its answers")
-    norm_q = qa.normalize_answer(ex.question)
-    norm_answers = {qa.normalize_answer(a) for a in ex.answers}
-    words = content_words(ex.question)
-    closest.append(max((jaccard(words, k[3]), k[0]) for k in demo_keys) +
-                   (i,))
-    for demo_q, demo_answers, demo_article, demo_words in demo_keys:
-      if norm_q == demo_q:
-        fail(i, "same question as a demo question")
-      if article == demo_article and norm_answers & demo_answers:
-        fail(i, f"same (answer, article) as demo question {demo_q!r}")
-      if jaccard(words, demo_words) >= args.max_similarity:
-        fail(i, f"near-paraphrase of demo question {demo_q!r}")
+    norm_q, norm_answers, _, words = question_key(ex.question, ex.answers,
+                                                  article)
+    for name, keys in others.items():
+      closest[name].append(max(((jaccard(words, k[3]), k[0]) for k in keys),
+                               default=(0.0, "")) + (i,))
+      for other_q, other_answers, other_article, other_words in keys:
+        if norm_q == other_q:
+          fail(i, f"same question as a {name} question")
+        if article == other_article and norm_answers & other_answers:
+          fail(i, f"same (answer, article) as {name} question {other_q!r}")
+        if jaccard(words, other_words) >= args.max_similarity:
+          fail(i, f"near-paraphrase of {name} question {other_q!r}")
     if norm_q in seen_questions:
       fail(i, f"same question as #{seen_questions[norm_q] + 1}")
     seen_questions.setdefault(norm_q, i)
@@ -183,10 +229,11 @@ def main() -> int:
   uncovered = [t for t in titles if t not in per_article]
   if uncovered:
     print(f"articles without a question: {uncovered}")
-  print(f"demo questions compared: {len(demo)}; the closest (content-word "
-        "Jaccard):")
-  for sim, demo_q, i in sorted(closest, reverse=True)[:5]:
-    print(f"  {sim:.2f}  #{i + 1} {records[i]['question']!r} ~ {demo_q!r}")
+  for name, keys in others.items():
+    print(f"{name} questions compared: {len(keys)}; the closest "
+          "(content-word Jaccard):")
+    for sim, other_q, i in sorted(closest[name], reverse=True)[:5]:
+      print(f"  {sim:.2f}  #{i + 1} {records[i]['question']!r} ~ {other_q!r}")
   print("answer-bearing blocks per question (whole corpus):")
   for lo, hi in BUCKETS:
     n = int(((totals >= lo) & ((totals <= hi) if hi else True)).sum())
@@ -199,8 +246,9 @@ def main() -> int:
     for line in failures:
       print("  " + line)
     return 1
+  kept_apart = " or ".join(f"a {name} question" for name in others)
   print("\nOK: every question has an answer-bearing block in its article, "
-        "and none repeats a demo question.")
+        f"and none repeats {kept_apart}.")
   return 0
 
 

@@ -7,6 +7,7 @@ Used by `pretrain.train` with a measured `PretrainConfig.retriever_gate`
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from typing import Any, Mapping
@@ -16,10 +17,12 @@ import jax
 import numpy as np
 
 from realm_jax.core import distributed, io_utils, parallel
-from realm_jax.data import query_cache
+from realm_jax.data import qa, query_cache
+from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional, losses
 from realm_jax.training import mlm_warmup
 from realm_jax.training import optimizer as optimizer_lib
+from realm_jax.training import qa_inputs
 from realm_jax.training import realm_inputs
 
 
@@ -268,33 +271,17 @@ class RecallGuard:
     self.config, self.inputs, self.is_chief = config, inputs, is_chief
     self.initial_retriever = initial_retriever
     self.path = io_utils.join(workdir, "recall_guard.jsonl")
-    source = config.recall_guard_queries
-    stream = query_cache.QueryStream(
-        source, seed=config.seed, batch_size=config.recall_guard_num_queries)
-    try:
-      stream.check(query_config)
-      queries = stream.head(config.recall_guard_num_queries)
-    finally:
-      stream.close()
-    own = realm_inputs.TrivialCandidates(store, "block").source_blocks(
-        queries)
-    keep = own >= 0
+    probe = (_Questions(config, query_config, store)
+             if config.recall_guard_questions else
+             _OwnBlocks(config, query_config, store))
     devices, hosts, me = (jax.process_count() * len(inputs.mesh.local_devices),
                           jax.process_count(), jax.process_index())
-    n = int(keep.sum()) // devices * devices
+    n = probe.size // devices * devices
     if not n:
-      raise ValueError(
-          f"recall_guard_queries {source}: {int(keep.sum())} of its "
-          f"{len(own)} sentences have their own block in the block store "
-          f"(at least {devices}, one per device, are needed). The guard "
-          "measures held-out sentences of articles that are in the corpus "
-          "(REALM's Wikipedia: X within Z); use such a cache, or "
-          "recall_guard_queries='' where the queries' articles are not in "
-          "the corpus.")
-    rows = np.flatnonzero(keep)[:n]
-    rows = rows[me * n // hosts:(me + 1) * n // hosts]
-    self.queries = {k: v[rows] for k, v in queries.items()}
-    self.own_blocks = own[rows]
+      raise ValueError(f"{probe.source}: {probe.size} {probe.name} probes "
+                       f"for the recall guard, fewer than the {devices} "
+                       f"devices (one each at least). {probe.advice}")
+    self.probe = probe.take(me * n // hosts, (me + 1) * n // hosts)
     self.chunk = max(config.batch_size // hosts,
                      len(inputs.mesh.local_devices))
     self.baseline, self.streak, self.tripped = None, 0, None
@@ -312,17 +299,18 @@ class RecallGuard:
                                  "".join(l + "\n" for l in kept))
 
   def recall(self, state) -> float:
-    """The share of the guard's sentences whose own block is among the
-    served index's top `recall_guard_k` for `state`'s query tower."""
-    host, index = self.inputs.host, self.inputs.index
+    """The share of the guard's probes (this host's rows, gathered) whose
+    target is among the served index's top `recall_guard_k` for `state`'s
+    query tower."""
+    host, index, probe = self.inputs.host, self.inputs.index, self.probe
     found = []
-    for lo in range(0, len(self.own_blocks), self.chunk):
-      chunk = {k: v[lo:lo + self.chunk] for k, v in self.queries.items()}
+    for lo in range(0, probe.size, self.chunk):
+      rows = slice(lo, lo + self.chunk)
+      chunk = {k: v[rows] for k, v in probe.queries.items()}
       q_emb = parallel.local_rows(host.query_embeddings(chunk, state))
       hits, _ = index.search(np.asarray(q_emb, np.float32),
                              self.config.recall_guard_k)
-      found.append((hits == self.own_blocks[lo:lo + self.chunk, None]
-                    ).any(1))
+      found.append(probe.found(hits, rows))
     return float(np.mean(distributed.allgather_rows(np.concatenate(found))))
 
   def update_state(self, step: int, state):
@@ -345,15 +333,17 @@ class RecallGuard:
     trips = bool(distributed.broadcast_from_chief(
         np.int32(self.streak >= c.recall_guard_patience)))
     logging.info(
-        "recall guard at step %d: own-block recall@%d %.4f (baseline %.4f, "
-        "floor %.4f); %s", step, c.recall_guard_k, recall, self.baseline,
+        "recall guard at step %d: %s recall@%d %.4f (baseline %.4f, "
+        "floor %.4f); %s", step, self.probe.name, c.recall_guard_k, recall,
+        self.baseline,
         floor, ("retriever frozen" if not training else
                 f"below the floor {self.streak}/{c.recall_guard_patience} in "
                 "a row" + (": ROLL BACK the retriever to the run's initial "
                            "one and freeze it" if trips else "")))
     if self.is_chief:
       io_utils.append_jsonl(self.path, {
-          "step": step, f"recall@{c.recall_guard_k}": recall,
+          "step": step, "probe": self.probe.name,
+          f"recall@{c.recall_guard_k}": recall,
           "baseline": self.baseline, "training": training,
           "streak": self.streak, "rolled_back": trips})
     if not trips:
@@ -367,6 +357,78 @@ class RecallGuard:
   def checkpoint_meta(self) -> dict[str, Any]:
     return {"recall_guard": {"baseline": self.baseline, "streak": self.streak,
                              "tripped": self.tripped}}
+
+
+class _OwnBlocks:
+  """The guard's probes from `recall_guard_queries`: held-out sentences,
+  each found when the block that holds it is retrieved (ICT's task)."""
+
+  name = "own-block"
+  advice = ("The guard measures held-out sentences of articles that are in "
+            "the corpus (REALM's Wikipedia: X within Z); use such a cache, "
+            "dev questions (recall_guard_questions), or no guard where the "
+            "queries' articles are not in the corpus.")
+
+  def __init__(self, config, query_config, store):
+    self.source = f"recall_guard_queries {config.recall_guard_queries}"
+    stream = query_cache.QueryStream(
+        config.recall_guard_queries, seed=config.seed,
+        batch_size=config.recall_guard_num_queries)
+    try:
+      stream.check(query_config)
+      queries = stream.head(config.recall_guard_num_queries)
+    finally:
+      stream.close()
+    own = realm_inputs.TrivialCandidates(store, "block").source_blocks(
+        queries)
+    keep = own >= 0  # (sentences whose block is in the store)
+    self.queries = {k: queries[k][keep] for k in ("query_ids", "query_mask")}
+    self.targets = own[keep]
+
+  @property
+  def size(self) -> int:
+    return len(self.targets)
+
+  def take(self, lo: int, hi: int):
+    """These probes' rows [lo, hi)."""
+    part = copy.copy(self)
+    part.queries = {k: v[lo:hi] for k, v in self.queries.items()}
+    part.targets = self.targets[lo:hi]
+    return part
+
+  def found(self, hits: np.ndarray, rows: slice) -> np.ndarray:
+    """bool [len(hits)]: each row's own block is among its hits."""
+    return (hits == self.targets[rows, None]).any(1)
+
+
+class _Questions(_OwnBlocks):
+  """The guard's probes from `recall_guard_questions`: dev questions about
+  the corpus, each found when a retrieved block holds one of its answers
+  (`qa.has_answer`, as `eval.pretrain_eval.qa_recall` counts)."""
+
+  name = "question"
+  advice = ("Give a file of at least that many questions about the corpus "
+            "(ORQA JSONL), kept apart from the evaluation questions.")
+
+  def __init__(self, config, query_config, store):  # pylint: disable=super-init-not-called
+    path = config.recall_guard_questions
+    self.source, self.store = f"recall_guard_questions {path}", store
+    questions = qa.read_qa_jsonl(path, strict=True)
+    questions = questions[:config.recall_guard_num_queries]
+    tokens = qa_inputs.tokenize_questions(
+        Tokenizer(), [q.question for q in questions],
+        query_config.query_length)
+    self.queries = {"query_ids": tokens["question_ids"],
+                    "query_mask": tokens["question_mask"]}
+    self.targets = np.empty(len(questions), object)
+    self.targets[:] = questions
+
+  def found(self, hits: np.ndarray, rows: slice) -> np.ndarray:
+    """bool [len(hits)]: a hit of each row holds one of its answers."""
+    return np.asarray([
+        qa.has_answer_batch([self.store.text(int(j)) for j in row if j >= 0],
+                            q.answers, q.is_regex).any()
+        for row, q in zip(hits, self.targets[rows])], bool)
 
 
 def _placed_like(values, like):

@@ -309,7 +309,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                                     run.is_chief)
       gate.restore(restored, start_step, state)
     guard = None
-    if config.recall_guard_queries:
+    if config.recall_guard_queries or config.recall_guard_questions:
       # A host copy of the initial retriever, taken now (the train step
       # donates the state's buffers): the state's own until the release,
       # else `init_from`'s again (a restart after the release).

@@ -88,6 +88,14 @@ class PretrainConfig(loop.TrainConfig):
       rest of the run; the gate is not consulted again. Needs X and Z to
       overlap (REALM's Wikipedia); a world whose queries are not in the
       block store has no own blocks, and the guard refuses it.
+    recall_guard_questions: instead of sentences, dev questions about the
+      block store (ORQA JSONL: question and answers), kept apart from the
+      questions a run is evaluated on: turns the recall guard on with
+      recall@`recall_guard_k` of a block holding an answer as its measure
+      (the first `recall_guard_num_queries` questions). Own-block recall
+      is the pre-training task, and REALM can raise it while question
+      recall falls (docs/results/learning.md); this measures what the
+      retriever is for. At most one of the two may be set.
     recall_guard_num_queries, recall_guard_k, recall_guard_max_drop,
       recall_guard_patience: see `recall_guard_queries`.
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
@@ -203,6 +211,7 @@ class PretrainConfig(loop.TrainConfig):
   gate_min_evidence_z: float = 3.0
   gate_patience: int = 2
   recall_guard_queries: str = ""
+  recall_guard_questions: str = ""
   recall_guard_num_queries: int = 1024
   recall_guard_k: int = 5
   recall_guard_max_drop: float = 0.02
@@ -249,7 +258,13 @@ class PretrainConfig(loop.TrainConfig):
                        f"{self.reader_mlm_learning_rate!r}.")
     checks.at_least(self, "reader_adaptation_eval_every",
                     "reader_adaptation_max_queries", integer=True)
-    if self.recall_guard_queries:
+    if self.recall_guard_queries and self.recall_guard_questions:
+      raise ValueError(
+          "recall_guard_queries and recall_guard_questions are both set "
+          f"({self.recall_guard_queries!r}, "
+          f"{self.recall_guard_questions!r}): the recall guard measures one "
+          "of them; unset the other.")
+    if self.recall_guard_queries or self.recall_guard_questions:
       checks.at_least(self, "gate_every", "recall_guard_num_queries",
                       "recall_guard_k", "recall_guard_patience",
                       integer=True)

@@ -1,10 +1,12 @@
 """The recall guard: the retriever rolled back when REALM makes it worse.
 
 A tiny real-text corpus whose sentences are also its blocks (REALM's X
-within Z, so every held-out sentence has an own block). The retriever is
-released early and trained at a rate that wrecks it; the guard must see
-its own-block recall fall, put the initial retriever back exactly and keep
-it frozen. With the retriever never released, the guard must never act.
+within Z, so every held-out sentence has an own block), and questions
+about it. The retriever is released early and trained at a rate that
+wrecks it; the guard must see its recall fall (own-block recall of the
+sentences, or question recall: an answer-bearing block retrieved), put
+the initial retriever back exactly and keep it frozen. With the retriever
+never released, the guard must never act.
 """
 
 import json
@@ -18,6 +20,9 @@ import pytest
 from realm_jax import gin_cli
 from realm_jax.core import checkpoints
 from realm_jax.testing import corpus
+from realm_jax.data import block_store, qa
+from realm_jax.eval import pretrain_eval
+from realm_jax.index import embed
 from realm_jax.training import ict, pretrain
 
 STEPS = 12
@@ -42,11 +47,12 @@ def tiny_corpus(tmp_path_factory):
               model=gin.get_configurable(ict.RealmConfig)())
   finally:
     gin.clear_config()
-  return store, queries, checkpoints.checkpoint_dir(workdir)
+  questions = corpus.write_questions(os.path.join(directory, "qa.jsonl"))
+  return store, queries, checkpoints.checkpoint_dir(workdir), questions
 
 
 def _run(workdir, tiny_corpus, extra=(), **overrides):
-  store, queries, ict_checkpoints = tiny_corpus
+  store, queries, ict_checkpoints, _ = tiny_corpus
   values = {"num_train_steps": STEPS, "checkpoint_every": 2,
             "keep_checkpoints": 100, "reader_length": 64, "gate_every": 2,
             "recall_guard_queries": queries, "recall_guard_k": 1,
@@ -84,12 +90,22 @@ QUERY_SIDE = ("pretrain.PretrainConfig.retriever_training = 'query_side'",
               "realm.RetrieverConfig.share_towers = False")
 
 
-@pytest.mark.parametrize("extra", [(), QUERY_SIDE], ids=["full", "query_side"])
+def _questions(tiny_corpus):
+  """The guard on the corpus's questions instead of its sentences."""
+  return {"recall_guard_queries": "",
+          "recall_guard_questions": tiny_corpus[3]}
+
+
+@pytest.mark.parametrize("extra, probe", [
+    ((), "own-block"), (QUERY_SIDE, "own-block"), ((), "question")],
+                         ids=["full", "query_side", "questions"])
 def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus,
-                                                       extra):
+                                                       extra, probe):
   workdir = str(tmp_path / "run")
-  log = _run(workdir, tiny_corpus, extra)
+  guard = _questions(tiny_corpus) if probe == "question" else {}
+  log = _run(workdir, tiny_corpus, extra, **guard)
   assert [e["step"] for e in log][0] == 0
+  assert {e["probe"] for e in log} == {probe}
   baseline = log[0]["recall@1"]
   assert all(e["baseline"] == baseline for e in log)
   trip = [e for e in log if e["rolled_back"]]
@@ -105,7 +121,8 @@ def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus,
     assert _equal(_retriever(workdir, step), initial), step
   # A restart keeps it so: the checkpoint's meta says the guard tripped
   # and the optimiser state keeps the retriever frozen.
-  assert _run(workdir, tiny_corpus, extra, num_train_steps=STEPS + 4) == log
+  assert _run(workdir, tiny_corpus, extra, num_train_steps=STEPS + 4,
+              **guard) == log
   assert _equal(_retriever(workdir, STEPS + 4), initial)
 
 
@@ -126,3 +143,47 @@ def test_a_frozen_retriever_is_never_rolled_back(tmp_path, tiny_corpus):
   assert not any(e["training"] or e["rolled_back"] or e["streak"]
                  for e in log)
   assert len({e["recall@1"] for e in log}) == 1
+
+
+def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
+  """The guard's question recall@1 of the initial retriever is what the
+  evaluation's `qa_recall@1` counts, by exact search over a fresh
+  embedding of every block."""
+  workdir = str(tmp_path / "run")
+  log = _run(workdir, tiny_corpus, freeze_retriever_steps=STEPS,
+             num_train_steps=2, **_questions(tiny_corpus))
+  params = checkpoints.restore_items(checkpoints.checkpoint_dir(workdir), 0,
+                                     checkpoints.PARAM_ITEMS)
+  gin.clear_config()
+  gin_cli.parse(["experiments/pretrain_tiny_cpu.gin"], [
+      "WORKDIR = 'unused'", "BLOCK_STORE = 'unused'", "QUERIES = 'unused'"])
+  try:
+    model = gin.get_configurable(pretrain.RealmConfig)()
+  finally:
+    gin.clear_config()
+  store = block_store.BlockStore.open(tiny_corpus[0])
+  block_emb, _ = embed.embed_block_store(
+      params["retriever"], model.retriever, store, log_every_seconds=1e9)
+  questions = qa.read_qa_jsonl(tiny_corpus[3], strict=True)
+  expected = pretrain_eval.qa_recall(
+      params, model, store, block_emb, questions, question_length=32,
+      ks=(1,))["qa_recall@1"]
+  assert 0 < expected < 1  # (a measure that can move either way)
+  assert log[0]["recall@1"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_sentences_and_questions_together_are_refused():
+  with pytest.raises(ValueError, match="recall_guard_questions"):
+    pretrain.PretrainConfig(workdir="unused", queries="unused",
+                            block_store="unused",
+                            recall_guard_queries="unused",
+                            recall_guard_questions="unused")
+
+
+def test_too_few_questions_are_refused(tmp_path, tiny_corpus):
+  few = tmp_path / "few.jsonl"
+  with open(tiny_corpus[3], encoding="utf-8") as f:
+    few.write_text("".join(f.readlines()[:5]), encoding="utf-8")
+  with pytest.raises(ValueError, match=r"few\.jsonl: 5 question probes"):
+    _run(str(tmp_path / "run"), tiny_corpus, recall_guard_queries="",
+         recall_guard_questions=str(few))
