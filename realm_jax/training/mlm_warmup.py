@@ -536,9 +536,10 @@ def _split_queries(doc_hash: np.ndarray, max_queries: int, seed: int
   docs/results/learning.md)."""
   rng = np.random.default_rng([seed, 3])
   chosen = np.sort(rng.permutation(len(doc_hash))[:max_queries])
-  articles = np.unique(np.asarray(doc_hash)[chosen])
+  chosen_hash = np.asarray(doc_hash)[chosen]
+  articles = np.unique(chosen_hash)
   out = rng.permutation(articles)[:max(1, len(articles) // 10)]
-  held = np.isin(np.asarray(doc_hash)[chosen], out)
+  held = np.isin(chosen_hash, out)
   return chosen[~held], chosen[held]
 
 
@@ -641,7 +642,7 @@ def _check_adaptation_args(params: dict[str, Any], steps: int,
                      f"{steps}, {eval_every}, {patience}, {loss_patience}.")
 
 
-def _adaptation_optimizer(learning_rate: float, steps: int):
+def reader_optimizer(learning_rate: float, steps: int):
   """BERT's optimiser (clipping, weight decay, warmup then linear decay over
   `steps`) with Adam's bias correction: raw moments' larger early steps
   make a reader memorise facts rather than read (docs/results/learning.md).
@@ -779,7 +780,7 @@ def adapt_reader(params: dict[str, Any], graphdef,
   heldout = _evaluation_batches(queries, held, answers, store, sep_id=sep_id,
                                 reader_length=reader_length,
                                 batch_size=batch_size, seed=seed)
-  tx = _adaptation_optimizer(learning_rate, steps)
+  tx = reader_optimizer(learning_rate, steps)
   make_batch = _training_batches(queries, train, answers, store,
                                  sep_id=sep_id, reader_length=reader_length,
                                  batch_size=batch_size, reads=reads,

@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.training import mlm_warmup
-from realm_jax.training import optimizer as optimizer_lib
 from realm_jax.training import realm_inputs
 
 # Evaluations without a better held-out loss before training stops.
@@ -371,9 +370,7 @@ def pretrain_reader(params: dict[str, Any], graphdef, store, *, steps: int,
                     reader_length=reader_length, mask_rate=mask_rate)
   heldout = _evaluation_batches(maker, held, doc_hash,
                                 batch_size=batch_size, seed=seed)
-  tx = optimizer_lib.bert_optimizer(
-      learning_rate=learning_rate, num_train_steps=steps,
-      warmup_steps=steps // 10, bias_correction=True)
+  tx = mlm_warmup.reader_optimizer(learning_rate, steps)
   trained, curve, reason, done, best_step = _train(
       params, graphdef, tx, heldout, _training_batches(
           maker, train, doc_hash, batch_size=batch_size, seed=seed),
