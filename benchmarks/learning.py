@@ -590,8 +590,7 @@ def plot(rows, path: str) -> None:
                    (("gate", "gate: utility on its queries (nats)"),
                     ("gate_z", "gate: evidence z on its queries"))
              if gates else ()) + (
-                 (("guard", "recall guard: own-block recall on its "
-                   "queries"),) if guards else ()) + (
+                 (("guard", "recall guard"),) if guards else ()) + (
                        (("adaptation", "reader adaptation: held-out "
                          "accuracy"),
                         ("adaptation_utility", "reader adaptation: held-out "
@@ -645,17 +644,18 @@ def plot(rows, path: str) -> None:
     if key == "guard":
       for c, decisions in guards.items():
         recall = next(k for k in decisions[0] if k.startswith("recall@"))
+        probe = decisions[0].get("probe", "own-block")  # (older logs)
         curves = [x for x in conditions if x not in ("init", "ict")]
         ax.plot([d["step"] for d in decisions],
                 [d[recall] for d in decisions], marker="o", markersize=3,
-                label=f"{c} ({recall})",
+                label=f"{c} ({probe} {recall})",
                 color=f"C{curves.index(c)}" if c in curves else None)
         for d in decisions:
           if d["rolled_back"]:
             ax.axvline(d["step"], color="red", linewidth=1)
         ax.axhline(decisions[0]["baseline"], color="grey", linestyle="--",
                    linewidth=1)
-      ax.set_title(title)
+      ax.set_title(f"{title}: recall on its probes")
       ax.set_xlabel("REALM step")
       ax.legend(fontsize=8)
       continue
