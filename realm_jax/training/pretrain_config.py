@@ -246,18 +246,8 @@ class PretrainConfig(loop.TrainConfig):
   stale_index_warning: float = 4.0
   stale_index_error: float = 0.0
 
-  def __post_init__(self):
-    super().__post_init__()
-    checks.at_least(self, "num_candidates", "guard_min_queries")
-    checks.at_least(self, "reader_adaptation_steps", "reader_mlm_steps",
-                    minimum=0, integer=True)
-    checks.at_least(self, "reader_mlm_batch_size", "reader_mlm_eval_every",
-                    integer=True)
-    if not self.reader_mlm_learning_rate > 0:
-      raise ValueError("reader_mlm_learning_rate must be > 0, got "
-                       f"{self.reader_mlm_learning_rate!r}.")
-    checks.at_least(self, "reader_adaptation_eval_every",
-                    "reader_adaptation_max_queries", integer=True)
+  def _check_recall_guard(self):
+    """Raises ValueError for bad recall guard settings."""
     if self.recall_guard_queries and self.recall_guard_questions:
       raise ValueError(
           "recall_guard_queries and recall_guard_questions are both set "
@@ -271,6 +261,20 @@ class PretrainConfig(loop.TrainConfig):
       if not 0 <= self.recall_guard_max_drop < 1:
         raise ValueError("recall_guard_max_drop must be in [0, 1), got "
                          f"{self.recall_guard_max_drop!r}.")
+
+  def __post_init__(self):
+    super().__post_init__()
+    checks.at_least(self, "num_candidates", "guard_min_queries")
+    checks.at_least(self, "reader_adaptation_steps", "reader_mlm_steps",
+                    minimum=0, integer=True)
+    checks.at_least(self, "reader_mlm_batch_size", "reader_mlm_eval_every",
+                    integer=True)
+    if not self.reader_mlm_learning_rate > 0:
+      raise ValueError("reader_mlm_learning_rate must be > 0, got "
+                       f"{self.reader_mlm_learning_rate!r}.")
+    checks.at_least(self, "reader_adaptation_eval_every",
+                    "reader_adaptation_max_queries", integer=True)
+    self._check_recall_guard()
     if self.reader_adaptation_reads not in mlm_warmup.READS:
       raise ValueError("reader_adaptation_reads="
                        f"{self.reader_adaptation_reads!r}; use one of "
