@@ -38,6 +38,12 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
                   spans (evaluated, like all, on held-out salient spans)
   realm_repeat    `realm` again: the same seed must give the same numbers
   realm_slow      (only when named) the recipe with the retriever at 0.01x
+  ideal_reader    (only when named) a diagnostic, not REALM: the retriever,
+                  released at step 0, learns what an ideal reader would
+                  teach it, -log p(a block holding the masked span | x)
+                  (PretrainConfig.retriever_signal='answer_spans'): how far
+                  these queries and steps could move it with a reader that
+                  reads
 
 The world: --people, --heldout, --dev (people whose X articles are
 neither trained on nor evaluated: a held-out gate's queries), --templates (a or
@@ -104,11 +110,7 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow",)
-# Conditions that keep the recipe's retriever gate (the others fix their
-# own release step, or freeze the retriever).
-GATED = ("realm", "query_side", "stale30", "stale30_rerank", "random_masks",
-         "realm_repeat", "realm_slow")
+EXTRA_CONDITIONS = ("realm_slow", "ideal_reader")
 
 
 def _bindings(name: str, args) -> list[str]:
@@ -139,6 +141,9 @@ def _bindings(name: str, args) -> list[str]:
       "random_masks": ["examples.RealmQueryConfig.masking = 'random_tokens'"],
       "realm_slow": ["pretrain.PretrainConfig."
                      "retriever_learning_rate_multiplier = 0.01"],
+      "ideal_reader": fixed + [
+          "pretrain.PretrainConfig.freeze_retriever_steps = 0",
+          "pretrain.PretrainConfig.retriever_signal = 'answer_spans'"],
   }[name]
 
 
@@ -288,7 +293,7 @@ def main(argv=None) -> None:
   if not scratch and {"init", "ict", "realm_original"} & set(conditions):
     parser.error("--start=minilm starts from MiniLM (no ICT): use realm, "
                  "frozen, query_side, stale30, stale30_rerank, "
-                 "random_masks, realm_repeat, realm_slow.")
+                 "random_masks, realm_repeat, realm_slow, ideal_reader.")
   os.makedirs(args.workdir, exist_ok=True)
   questions = ()
   if wiki:

@@ -155,7 +155,8 @@ class HostCandidates(CandidateSource):
     c = self.config
     batch = realm_inputs.pretraining_batch(
         local, candidates, self.store, doc_len=self.store.max_block_len,
-        reader_len=c.reader_length, null_document=c.null_document)
+        reader_len=c.reader_length, null_document=c.null_document,
+        answer_bearing=c.retriever_signal == "answer_spans")
     if self.query_side:
       embeddings = self.service.current.embeddings[candidates.reshape(-1)]
       embeddings = np.asarray(embeddings, np.float32).reshape(

@@ -20,7 +20,6 @@ from realm_jax.core import distributed, io_utils, parallel
 from realm_jax.data import qa, query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional, losses
-from realm_jax.training import mlm_warmup
 from realm_jax.training import optimizer as optimizer_lib
 from realm_jax.training import qa_inputs
 from realm_jax.training import realm_inputs
@@ -32,19 +31,14 @@ def answer_bearing(queries: Mapping[str, np.ndarray], candidates: np.ndarray,
 
   `candidates` [B, k] are block ids; the null document (column 0 when
   `null_document`) holds nothing. A block holds the span when its body
-  has the span's wordpieces contiguously (`mlm_warmup.masked_spans`).
+  has the span's wordpieces contiguously (`realm_inputs.holds_spans`).
   """
   batch, k = candidates.shape
   bodies, lengths = store.bodies(np.asarray(candidates).reshape(-1),
                                  store.max_block_len)
-  bodies, lengths = bodies.reshape(batch, k, -1), lengths.reshape(batch, k)
-  found = np.zeros((batch, k), bool)
-  for b, span in enumerate(mlm_warmup.masked_spans(queries)):
-    for c in range(k):
-      body = bodies[b, c, :lengths[b, c]]
-      if 0 < len(span) <= len(body):
-        windows = np.lib.stride_tricks.sliding_window_view(body, len(span))
-        found[b, c] = bool((windows == span).all(axis=1).any())
+  found = realm_inputs.holds_spans(realm_inputs.masked_spans(queries),
+                                   bodies.reshape(batch, k, -1),
+                                   lengths.reshape(batch, k))
   return np.concatenate([np.zeros((batch, 1), bool), found], 1) if (
       null_document) else found
 
@@ -359,7 +353,27 @@ class RecallGuard:
                              "tripped": self.tripped}}
 
 
-class _OwnBlocks:
+class _Probes:
+  """What the guard retrieves for: `queries` (token arrays, one row per
+  probe) and `targets` (what each row must find); subclasses say how a
+  row's hits are judged (`found`)."""
+
+  queries: dict
+  targets: np.ndarray
+
+  @property
+  def size(self) -> int:
+    return len(self.targets)
+
+  def take(self, lo: int, hi: int):
+    """These probes' rows [lo, hi)."""
+    part = copy.copy(self)
+    part.queries = {k: v[lo:hi] for k, v in self.queries.items()}
+    part.targets = self.targets[lo:hi]
+    return part
+
+
+class _OwnBlocks(_Probes):
   """The guard's probes from `recall_guard_queries`: held-out sentences,
   each found when the block that holds it is retrieved (ICT's task)."""
 
@@ -385,23 +399,12 @@ class _OwnBlocks:
     self.queries = {k: queries[k][keep] for k in ("query_ids", "query_mask")}
     self.targets = own[keep]
 
-  @property
-  def size(self) -> int:
-    return len(self.targets)
-
-  def take(self, lo: int, hi: int):
-    """These probes' rows [lo, hi)."""
-    part = copy.copy(self)
-    part.queries = {k: v[lo:hi] for k, v in self.queries.items()}
-    part.targets = self.targets[lo:hi]
-    return part
-
   def found(self, hits: np.ndarray, rows: slice) -> np.ndarray:
     """bool [len(hits)]: each row's own block is among its hits."""
     return (hits == self.targets[rows, None]).any(1)
 
 
-class _Questions(_OwnBlocks):
+class _Questions(_Probes):
   """The guard's probes from `recall_guard_questions`: dev questions about
   the corpus, each found when a retrieved block holds one of its answers
   (`qa.has_answer`, as `eval.pretrain_eval.qa_recall` counts)."""
@@ -410,7 +413,7 @@ class _Questions(_OwnBlocks):
   advice = ("Give a file of at least that many questions about the corpus "
             "(ORQA JSONL), kept apart from the evaluation questions.")
 
-  def __init__(self, config, query_config, store):  # pylint: disable=super-init-not-called
+  def __init__(self, config, query_config, store):
     path = config.recall_guard_questions
     self.source, self.store = f"recall_guard_questions {path}", store
     questions = qa.read_qa_jsonl(path, strict=True)

@@ -285,22 +285,6 @@ MIN_UTILITY = 0.05
 LOSS_PATIENCE = 3
 
 
-def masked_spans(queries: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-  """The masked wordpieces of each query, in position order (int32).
-
-  Salient-span masking masks one span, so this is the span itself; with
-  the random masking ablations it is the run of all masked wordpieces.
-  """
-  spans = []
-  for pos, tgt, w in zip(np.asarray(queries["mlm_positions"]),
-                         np.asarray(queries["mlm_targets"]),
-                         np.asarray(queries["mlm_weights"])):
-    real = w > 0
-    spans.append(tgt[real][np.argsort(pos[real], kind="stable")].astype(
-        np.int32))
-  return spans
-
-
 def _postings(store, firsts: np.ndarray, width: int, max_postings: int,
               chunk_blocks: int) -> dict[int, tuple[np.ndarray, ...]]:
   """Where the wordpieces `firsts` occur in the block bodies.
@@ -351,8 +335,9 @@ def find_answer_blocks(queries: Mapping[str, np.ndarray], store, *,
   """An answer block per query: a non-trivial block that holds its span.
 
   A block qualifies when its body holds the query's masked wordpieces
-  (`masked_spans`) as a contiguous run, where the reader sees it (within
-  the `reader_length - len(query) - 1` body tokens the reader input keeps),
+  (`realm_inputs.masked_spans`) as a contiguous run, where the reader sees
+  it (within the `reader_length - len(query) - 1` body tokens the reader
+  input keeps),
   and REALM's no-trivial-retrieval rule allows it (`trivial_candidates`,
   as in training: "article" excludes every block of the query's article,
   "block" only the block that holds the sentence), so the reader never
@@ -379,7 +364,7 @@ def find_answer_blocks(queries: Mapping[str, np.ndarray], store, *,
   Returns:
     int64 [num_queries] block ids, -1 where no block qualifies.
   """
-  spans = masked_spans(queries)
+  spans = realm_inputs.masked_spans(queries)
   n = len(spans)
   out = np.full([n], -1, np.int64)
   lengths = [len(s) for s in spans if len(s)]

@@ -26,6 +26,7 @@ shards of it (`data.query_cache.QueryStream`).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.core import checkpoints, distributed, io_utils
@@ -53,13 +54,27 @@ from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 # ----------------------------------------------------------------------------
 
 
-def make_loss_fn(graphdef, null_document: bool = True):
+def make_loss_fn(graphdef, null_document: bool = True,
+                 retriever_signal: str = "reader"):
+  """REALM's loss; with `retriever_signal="answer_spans"` the retriever's
+  part is replaced by the ideal reader's (`PretrainConfig`)."""
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(
         batch, null_document=null_document, dropout_rng=dropout_rng)
-    return losses.pretraining_loss(retrieval_logits, mlm_logits,
-                                   batch["mlm_targets"], batch["mlm_weights"])
+    if retriever_signal == "reader":
+      return losses.pretraining_loss(retrieval_logits, mlm_logits,
+                                     batch["mlm_targets"],
+                                     batch["mlm_weights"])
+    loss, count, metrics = losses.pretraining_loss(
+        jax.lax.stop_gradient(retrieval_logits), mlm_logits,
+        batch["mlm_targets"], batch["mlm_weights"])
+    # Every masked wordpiece of a query has the same ideal-reader loss.
+    spans = losses.retriever_marginal_loss(
+        retrieval_logits, batch["answer_bearing"]) * jnp.sum(
+            batch["mlm_weights"], -1)
+    metrics["answer_span_loss"] = jnp.sum(spans)
+    return loss + jnp.sum(spans), count, metrics
   return loss_fn
 
 
@@ -301,7 +316,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
     inputs.source.restore(restored, start_step)
-    loss_fn = make_loss_fn(graphdef, config.null_document)
+    loss_fn = make_loss_fn(graphdef, config.null_document,
+                           config.retriever_signal)
     gate = None
     if config.retriever_gate in MEASURED_GATES:
       gate = gate_lib.RetrieverGate(config, queries.query_config,

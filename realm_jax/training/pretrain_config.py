@@ -15,6 +15,7 @@ from realm_jax.training import loop, mlm_warmup, realm_inputs
 INDEX_MODES = ("inline", "builder")
 RETRIEVER_TRAINING = ("full", "query_side")
 RETRIEVER_GATES = ("steps", "utility", "evidence")
+RETRIEVER_SIGNALS = ("reader", "answer_spans")
 # The gates measured in the run (the others release at a step count).
 MEASURED_GATES = ("utility", "evidence")
 # The query-side mode's frozen subtree: the document tower.
@@ -50,6 +51,16 @@ class PretrainConfig(loop.TrainConfig):
       candidates' embeddings come from the index instead of being
       recomputed). Needs RetrieverConfig.share_towers=False; a source with
       one tower initialises both.
+    retriever_signal: what the retriever learns from. "reader": REALM,
+      the marginal likelihood's gradient through the reader's
+      p(y|x, z). "answer_spans": a diagnostic ablation, not REALM: an
+      ideal reader that fills the masks from exactly the candidates whose
+      text holds the masked span (`realm_inputs.holds_spans`), so the
+      retriever's loss is -log sum p(z|x) over those (0 where none was
+      retrieved), per masked wordpiece; the reader still learns REALM's
+      loss, without a gradient to the retriever. It bounds what a reader
+      that reads could teach the retriever from these queries in these
+      steps. Needs retrieval='host'.
     retriever_gate: when the retriever is released. "steps": at
       freeze_retriever_steps. A measured gate: every `gate_every` steps the
       reader is evaluated on the first `gate_num_queries` queries of
@@ -203,6 +214,7 @@ class PretrainConfig(loop.TrainConfig):
   retriever_learning_rate_multiplier: float = 1.0
   freeze_retriever_steps: int = 0
   retriever_training: str = "full"
+  retriever_signal: str = "reader"
   retriever_gate: str = "steps"
   gate_queries: str = ""
   gate_every: int = 50
@@ -314,6 +326,13 @@ class PretrainConfig(loop.TrainConfig):
       raise ValueError(
           "retriever_training='query_side' keeps the index exact for the "
           "whole run: it needs retrieval='host' and rerank_candidates=0.")
+    if self.retriever_signal not in RETRIEVER_SIGNALS:
+      raise ValueError(f"retriever_signal={self.retriever_signal!r}; use "
+                       f"one of {RETRIEVER_SIGNALS}.")
+    if self.retriever_signal == "answer_spans" and self.retrieval != "host":
+      raise ValueError("retriever_signal='answer_spans' finds the answer-"
+                       "bearing candidates on the host: it needs "
+                       "retrieval='host'.")
     if self.retriever_gate not in RETRIEVER_GATES:
       raise ValueError(f"retriever_gate={self.retriever_gate!r}; use one of "
                        f"{RETRIEVER_GATES}.")

@@ -206,10 +206,43 @@ def reader_inputs(query_ids: np.ndarray, query_mask: np.ndarray,
   return {"token_ids": ids, "input_mask": mask, "segment_ids": segments}
 
 
+def masked_spans(queries: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+  """The masked wordpieces of each query, in position order (int32).
+
+  Salient-span masking masks one span, so this is the span itself; with
+  the random masking ablations it is the run of all masked wordpieces.
+  """
+  spans = []
+  for pos, tgt, w in zip(np.asarray(queries["mlm_positions"]),
+                         np.asarray(queries["mlm_targets"]),
+                         np.asarray(queries["mlm_weights"])):
+    real = w > 0
+    spans.append(tgt[real][np.argsort(pos[real], kind="stable")].astype(
+        np.int32))
+  return spans
+
+
+def holds_spans(spans: list[np.ndarray], bodies: np.ndarray,
+                lengths: np.ndarray) -> np.ndarray:
+  """bool [B, k]: body [b, c] (its first lengths[b, c] wordpieces) holds
+  spans[b] as a contiguous run; an empty span is held nowhere."""
+  batch, k = lengths.shape
+  found = np.zeros((batch, k), bool)
+  for b, span in enumerate(spans):
+    for c in range(k):
+      body = bodies[b, c, :lengths[b, c]]
+      if 0 < len(span) <= len(body):
+        windows = np.lib.stride_tricks.sliding_window_view(body, len(span))
+        found[b, c] = bool((windows == span).all(axis=1).any())
+  return found
+
+
 def pretraining_batch(queries: Mapping[str, np.ndarray],
                       candidate_block_ids: np.ndarray, block_store, *,
                       doc_len: int = 288, reader_len: int = 384,
-                      null_document: bool = True) -> dict[str, np.ndarray]:
+                      null_document: bool = True,
+                      answer_bearing: bool = False
+                      ) -> dict[str, np.ndarray]:
   """The full model input of one REALM pre-training step.
 
   Args:
@@ -221,6 +254,10 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
     null_document: put the empty document first (REALM); without it the
       candidates are the k retrieved blocks only (an ablation; the
       "retrieval utility" metric then compares against the top block).
+    answer_bearing: also give `answer_bearing`, bool [B, C]: the candidate's
+      body (first `doc_len` wordpieces) holds the query's masked span
+      (`holds_spans`; never the null document), for
+      `retriever_signal="answer_spans"`.
 
   Returns:
     The batch `Realm.pretraining_logits` and `losses.pretraining_loss`
@@ -249,7 +286,7 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
   reader = reader_inputs(queries["query_ids"], queries["query_mask"], bodies,
                          lengths, seq_len=reader_len, sep_id=sep_id,
                          pad_id=pad_id)
-  return {
+  batch = {
       "query_ids": np.asarray(queries["query_ids"], np.int32),
       "query_mask": np.asarray(queries["query_mask"], np.int32),
       "candidate_ids": with_null("token_ids"),
@@ -262,3 +299,7 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
       "mlm_targets": np.asarray(queries["mlm_targets"], np.int32),
       "mlm_weights": np.asarray(queries["mlm_weights"], np.float32),
   }
+  if answer_bearing:
+    batch["answer_bearing"] = holds_spans(masked_spans(queries), bodies,
+                                          lengths)
+  return batch

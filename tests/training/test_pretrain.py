@@ -456,3 +456,11 @@ def test_query_side_mode_never_changes_the_document_tower_or_the_index(
   gin.clear_config()
   with pytest.raises(ValueError, match="share_towers"):
     pretrain.train(config=shared, model=model)
+
+
+
+def test_the_answer_span_signal_needs_host_retrieval(tmp_path, tiny_corpus):
+  with pytest.raises(ValueError, match="retrieval='host'"):
+    _configs(_bindings(str(tmp_path), tiny_corpus,
+                       retriever_signal="answer_spans", retrieval="device"))
+  gin.clear_config()

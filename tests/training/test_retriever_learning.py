@@ -89,6 +89,59 @@ def test_retriever_gradient_is_the_papers_identity(null_score, retriever):
   assert np.abs(got["query_embedder"]["projection"]["kernel"]).max() > 0
 
 
+def test_the_answer_span_signal_is_an_ideal_readers_gradient():
+  """retriever_signal='answer_spans': the retriever gets REALM's gradient
+  for a reader whose p(y|z, x) is 1 on the answer-bearing candidates and
+  ~0 elsewhere (the paper's identity with that reader, float64 numpy);
+  the reader gets exactly REALM's gradient; queries with no
+  answer-bearing candidate give the retriever nothing."""
+  graphdef, params, batch = _setup("learned")
+  rng = np.random.default_rng(1)
+  bearing = rng.random(batch["candidate_mask"].shape[:2]) < 0.4
+  bearing[:, 0] = False  # (the null document holds nothing)
+  bearing[0] = False     # a query that retrieved no answer-bearing block
+  batch = dict(batch, answer_bearing=jnp.asarray(bearing))
+  assert bearing[1:].any(1).sum() >= 3, "the check needs answer blocks"
+
+  def grads(signal):
+    loss_fn = pretrain.make_loss_fn(graphdef, retriever_signal=signal)
+    def mean_loss(p):
+      loss_sum, weight_sum, _ = loss_fn(p, batch, None)
+      return loss_sum / weight_sum
+    return jax.jit(jax.grad(mean_loss))(params)
+
+  got, realm = grads("answer_spans"), grads("reader")
+  for a, b in zip(jax.tree_util.tree_leaves(got["reader"]),
+                  jax.tree_util.tree_leaves(realm["reader"])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+  def scores(retriever_params):
+    model = functional.bind(graphdef, dict(params,
+                                           retriever=retriever_params))
+    return model.pretraining_logits(batch)[0]
+
+  f = np.asarray(jax.jit(scores)(params["retriever"]), np.float64)
+  p_z = np.exp(f - f.max(1, keepdims=True))
+  p_z /= p_z.sum(1, keepdims=True)                               # [B, C]
+  p_y_z = np.where(bearing, 1.0, 1e-12)[:, :, None]              # [B, C, 1]
+  p_y = np.einsum("bc,bcm->bm", p_z, p_y_z)
+  r = (p_y_z / p_y[:, None, :] - 1.0) * p_z[:, :, None]          # [B, C, 1]
+  r[~bearing.any(1)] = 0.0
+  w = np.asarray(batch["mlm_weights"], np.float64)
+  d_loss_d_f = -r[:, :, 0] * w.sum(1, keepdims=True) / w.sum()
+  (want,) = jax.jit(lambda p, ct: jax.vjp(scores, p)[1](ct))(
+      params["retriever"], jnp.asarray(d_loss_d_f, jnp.float32))
+  total = np.sqrt(sum(np.sum(np.square(x, dtype=np.float64))
+                      for x in jax.tree_util.tree_leaves(want)))
+  assert total > 1e-3, "the check needs a retriever gradient to compare"
+  for (path, g), x in zip(
+      jax.tree_util.tree_leaves_with_path(got["retriever"]),
+      jax.tree_util.tree_leaves(want)):
+    err = np.linalg.norm(np.asarray(g, np.float64) - x)
+    assert err <= 1e-3 * np.linalg.norm(x) + 1e-6 * total, (
+        jax.tree_util.keystr(path), err, np.linalg.norm(x))
+
+
 def test_learned_null_score_follows_the_retrieved_scores():
   graphdef, params, batch = _setup("learned")
   params["retriever"]["null_score_bias"] = jnp.float32(0.7)
