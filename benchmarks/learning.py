@@ -555,7 +555,7 @@ def table(rows) -> str:
   """Markdown table of every evaluated checkpoint, condition by condition."""
   rows = [r for r in rows if "summary" not in r]
   keys = [k for k in ("recall@1", "recall@5", "qa_recall@1", "qa_recall@5",
-                      "qa_recall@20", "mlm_accuracy_marginal",
+                      "qa_recall@20", "span_recall", "mlm_accuracy_marginal",
                       "mlm_accuracy_null", "mlm_accuracy_gold",
                       "retrieval_utility", "null_probability", "hubness")
           if rows and k in rows[0]]
@@ -577,6 +577,8 @@ def plot(rows, path: str) -> None:
   panels = ((recall, f"held-out {recall}"),) + (
       (("qa_recall@5", "held-out qa_recall@5"),) if recall == "qa_recall@1"
       else ()) + (
+      (("span_recall", "held-out span recall (a block holding the masked "
+        "span read)"),) if "span_recall" in rows[0] else ()) + (
           ("mlm_accuracy_marginal", "held-out masked-token accuracy"),
           ("retrieval_utility", "held-out retrieval utility (nats)"),
           ("null_probability", "p(null | x)"),

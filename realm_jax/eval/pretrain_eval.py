@@ -17,6 +17,10 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   `evidence_blocks_z`: the same among the retrieved blocks alone (the
   posterior and prior renormalised without the null document), which
   is what moves the blocks' ranking;
+- `span_recall`: share of queries with a block that holds their masked
+  span (`realm_inputs.holds_spans`) among the k candidates read: what an
+  ideal reader would reward (`PretrainConfig.retriever_signal`), with no
+  reader involved;
 - `hubness`: share of queries whose top-1 block is the single most common
   top-1 block (1 / num_queries when every query retrieves another block).
 
@@ -204,6 +208,7 @@ def _reading_metrics(params, model, store, queries, ranking, num_candidates,
   among_blocks = gate_lib.gate_statistics(logits[:, 1:], token_ll[:, 1:],
                                           weights, bearing[:, 1:])
   return metrics | {
+      "span_recall": float(np.mean(bearing[:, 1:].any(1))),
       "evidence": gate_stats["evidence"],
       "evidence_z": gate_stats["evidence_z"],
       "evidence_blocks": among_blocks["evidence"],

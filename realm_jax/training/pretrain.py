@@ -279,15 +279,20 @@ def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
                     update_state=update_state if gate or guard else None)
 
 
-def train(*, config: PretrainConfig, model: RealmConfig,
-          operative_config: str = "", stop_after: int | None = None
-          ) -> list[dict[str, float]]:
-  """Runs (or resumes) REALM pre-training (arguments as `ict.train`)."""
+def _check_towers(config: PretrainConfig, model: RealmConfig) -> None:
+  """Query-side training needs a document tower of its own."""
   if config.retriever_training == "query_side" and model.retriever.share_towers:
     raise ValueError(
         "retriever_training='query_side' freezes the document tower only: "
         "set realm.RetrieverConfig.share_towers = False (both towers start "
         "from the same weights).")
+
+
+def train(*, config: PretrainConfig, model: RealmConfig,
+          operative_config: str = "", stop_after: int | None = None
+          ) -> list[dict[str, float]]:
+  """Runs (or resumes) REALM pre-training (arguments as `ict.train`)."""
+  _check_towers(config, model)
   inline = config.index_mode == "inline"  # Publishes the indices itself.
   index_lease = (checkpoints.index_root(config.workdir),
                  "pretrain trainer (inline index)")

@@ -97,6 +97,17 @@ def test_metrics_match_an_independent_computation(world):
   top1 = order[:, 0]
   assert abs(got["hubness"] - np.bincount(top1).max() / len(top1)) <= (
       allowed)
+  # span_recall: a plain wordpiece-run test on the top 3 blocks.
+  held = []
+  for i, blocks in enumerate(order[:, :3]):
+    real = queries["mlm_weights"][i] > 0
+    span = list(queries["mlm_targets"][i][real][
+        np.argsort(queries["mlm_positions"][i][real])])
+    bodies = [list(store.body_ids(int(b))) for b in blocks]
+    held.append(any(body[s:s + len(span)] == span for body in bodies
+                    for s in range(len(body) - len(span) + 1)))
+  assert 0 < np.mean(held) < 1, "the check needs both kinds of query"
+  assert abs(got["span_recall"] - np.mean(held)) <= allowed
   for key in ("mlm_accuracy_marginal", "mlm_accuracy_null",
               "mlm_accuracy_gold", "null_probability"):
     assert 0.0 <= got[key] <= 1.0

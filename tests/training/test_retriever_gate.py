@@ -3,8 +3,9 @@
 Two small knowledge worlds (`realm_jax.testing.knowledge_world`) that differ
 only in their biographies: in one they state the person's own facts, so a
 reader that copies the fact from the retrieved biography fills the masks,
-and its posterior moves mass onto the blocks that hold them; in the other (`shuffle_facts`) every biography states another
-person's facts, so reading never helps. The same gated recipe
+and its posterior moves mass onto the blocks that hold them; in the other
+(`shuffle_facts`) every biography states another person's facts, so
+reading never helps. The same gated recipe
 (`experiments/pretrain_world_cpu.gin`) must release the retriever in the
 first, and in the second keep it exactly where ICT left it. And the
 limit of a reader that reads: an ideal one (`retriever_signal=
