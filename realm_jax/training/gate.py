@@ -229,6 +229,15 @@ class RetrieverGate:
     return {"retriever_gate": {"streak": self.streak}}
 
 
+def guard_every(config) -> int:
+  """The recall guard's cadence: `gate_every`, or with full training on an
+  inline index, the first multiple of it that is also a refresh step
+  (`checkpoint_every`), so that every evaluation searches a fresh index."""
+  if config.index_mode == "inline" and config.retriever_training == "full":
+    return math.lcm(config.gate_every, config.checkpoint_every)
+  return config.gate_every
+
+
 class RecallGuard:
   """Rolls the retriever back when REALM makes it worse at retrieval.
 
@@ -253,7 +262,15 @@ class RecallGuard:
   document tower; the next refresh re-embeds the corpus with the restored
   one. Baseline, streak and the
   trip step go into the checkpoints' meta, every evaluation into the log
-  and recall_guard.jsonl.
+  and recall_guard.jsonl, with the served index's staleness.
+
+  In full REALM the search mixes the current query tower with the index's
+  older document tower, and that mismatch alone costs recall: on the
+  Wikipedia slice 10 steps of staleness cost 15 points of question
+  recall@5 early in a run (docs/results/learning.md). So with an inline
+  index the guard evaluates only on fresh indices, every
+  `guard_every(config)` steps; with a builder's index, compare its log's
+  `index_staleness` column.
   """
 
   def __init__(self, config, query_config, inputs, store, initial_retriever,
@@ -280,6 +297,7 @@ class RecallGuard:
                      len(inputs.mesh.local_devices))
     self.baseline, self.streak, self.tripped = None, 0, None
     self.last = float("nan")
+    self.every = guard_every(config)
 
   def restore(self, meta: dict[str, Any], start_step: int) -> None:
     saved = meta.get("recall_guard", {})
@@ -309,9 +327,10 @@ class RecallGuard:
 
   def update_state(self, step: int, state):
     c = self.config
-    if self.tripped is not None or step % c.gate_every:
+    if self.tripped is not None or step % self.every:
       return state
     recall = self.last = self.recall(state)
+    staleness = step - self.inputs.index.step
     release = optimizer_lib.release_step(state.opt_state)
     training = release is not None and step > release
     if self.baseline is None:
@@ -327,10 +346,9 @@ class RecallGuard:
     trips = bool(distributed.broadcast_from_chief(
         np.int32(self.streak >= c.recall_guard_patience)))
     logging.info(
-        "recall guard at step %d: %s recall@%d %.4f (baseline %.4f, "
-        "floor %.4f); %s", step, self.probe.name, c.recall_guard_k, recall,
-        self.baseline,
-        floor, ("retriever frozen" if not training else
+        "recall guard at step %d (index %d steps stale): %s recall@%d %.4f "
+        "(baseline %.4f, floor %.4f); %s", step, staleness, self.probe.name,
+        c.recall_guard_k, recall, self.baseline, floor, ("retriever frozen" if not training else
                 f"below the floor {self.streak}/{c.recall_guard_patience} in "
                 "a row" + (": ROLL BACK the retriever to the run's initial "
                            "one and freeze it" if trips else "")))
@@ -339,7 +357,8 @@ class RecallGuard:
           "step": step, "probe": self.probe.name,
           f"recall@{c.recall_guard_k}": recall,
           "baseline": self.baseline, "training": training,
-          "streak": self.streak, "rolled_back": trips})
+          "index_staleness": staleness, "streak": self.streak,
+          "rolled_back": trips})
     if not trips:
       return state
     self.tripped = step

@@ -23,7 +23,7 @@ from realm_jax.testing import corpus
 from realm_jax.data import block_store, qa
 from realm_jax.eval import pretrain_eval
 from realm_jax.index import embed
-from realm_jax.training import ict, pretrain
+from realm_jax.training import gate, ict, pretrain
 
 STEPS = 12
 
@@ -143,6 +143,24 @@ def test_a_frozen_retriever_is_never_rolled_back(tmp_path, tiny_corpus):
   assert not any(e["training"] or e["rolled_back"] or e["streak"]
                  for e in log)
   assert len({e["recall@1"] for e in log}) == 1
+  assert all(e["index_staleness"] == 0 for e in log)
+
+
+def test_full_training_on_an_inline_index_is_guarded_on_fresh_indices():
+  """The search mixes the current query tower with the index's document
+  tower: the guard waits for a refresh step, unless the index is exact
+  (query-side) or a builder's."""
+  def every(**kw):
+    return gate.guard_every(pretrain.PretrainConfig(
+        workdir="unused", queries="unused", block_store="unused",
+        index_mode=kw.pop("index_mode", "inline"), **kw))
+  assert every(gate_every=50, checkpoint_every=20) == 100
+  assert every(gate_every=50, checkpoint_every=25) == 50
+  assert every(gate_every=25, checkpoint_every=250) == 250
+  assert every(gate_every=50, checkpoint_every=20,
+               retriever_training="query_side") == 50
+  assert every(gate_every=50, checkpoint_every=20,
+               index_mode="builder") == 50
 
 
 def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
