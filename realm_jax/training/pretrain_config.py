@@ -87,8 +87,9 @@ class PretrainConfig(loop.TrainConfig):
     recall_guard_queries: a query cache of held-out sentences (masked like
       `queries`) of articles that are in the block store, e.g. the utility
       gate's: turns the recall guard on ("": off). Every `gate_every` steps
-      it searches the served index with the current query tower and
-      measures the share of these sentences whose own block (the block
+      (full training on an inline index: on refresh steps only,
+      `gate.guard_every`) it searches the served index with the current
+      query tower and measures the share of these sentences whose own block (the block
       that holds the sentence) is among the top `recall_guard_k`: ICT's
       task on held-out sentences, which tracks question recall on real
       text (docs/results/learning.md). The first evaluation, while the
