@@ -348,10 +348,11 @@ class RecallGuard:
     logging.info(
         "recall guard at step %d (index %d steps stale): %s recall@%d %.4f "
         "(baseline %.4f, floor %.4f); %s", step, staleness, self.probe.name,
-        c.recall_guard_k, recall, self.baseline, floor, ("retriever frozen" if not training else
-                f"below the floor {self.streak}/{c.recall_guard_patience} in "
-                "a row" + (": ROLL BACK the retriever to the run's initial "
-                           "one and freeze it" if trips else "")))
+        c.recall_guard_k, recall, self.baseline, floor,
+        ("retriever frozen" if not training else
+         f"below the floor {self.streak}/{c.recall_guard_patience} in a row"
+         + (": ROLL BACK the retriever to the run's initial one and freeze "
+            "it" if trips else "")))
     if self.is_chief:
       io_utils.append_jsonl(self.path, {
           "step": step, "probe": self.probe.name,

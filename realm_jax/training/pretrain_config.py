@@ -89,8 +89,9 @@ class PretrainConfig(loop.TrainConfig):
       gate's: turns the recall guard on ("": off). Every `gate_every` steps
       (full training on an inline index: on refresh steps only,
       `gate.guard_every`) it searches the served index with the current
-      query tower and measures the share of these sentences whose own block (the block
-      that holds the sentence) is among the top `recall_guard_k`: ICT's
+      query tower and measures the share of these sentences whose own
+      block (the block that holds the sentence) is among the top
+      `recall_guard_k`: ICT's
       task on held-out sentences, which tracks question recall on real
       text (docs/results/learning.md). The first evaluation, while the
       retriever is still where the run started, is the baseline. Once the
