@@ -182,6 +182,21 @@ def _wiki_world(directory: str, num_documents: int | None):
   return store_dir, splits["train"], splits["heldout"], splits["dev"]
 
 
+def _every_nth_article(train_x: str, n: int) -> str:
+  """`train_x` thinned to every `n`th article (the data-scale probe),
+  written once beside it; `train_x` itself when n is 1."""
+  if n == 1:
+    return train_x
+  path = train_x.replace(".tfr.gz", f"_every{n}.tfr.gz")
+  if not os.path.exists(path):
+    from realm_jax.data import salient_spans  # pylint: disable=g-import-not-at-top
+    docs = list(salient_spans.read_annotated([train_x]))[::n]
+    tmp = path.replace(".tfr.gz", ".tmp.tfr.gz")  # Keeps the .gz codec.
+    salient_spans.write_annotated(tmp, docs)
+    os.replace(tmp, path)
+  return path
+
+
 def _configs(gin_files, bindings):
   import gin  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
@@ -204,6 +219,9 @@ def main(argv=None) -> None:
                       default=None,
                       help="No-trivial-retrieval rule (default: article for "
                       "people, block for wiki).")
+  parser.add_argument("--train_articles_every", type=int, default=1,
+                      help="wiki: train on every n-th training article only "
+                      "(the data-scale probe; held-out, dev and Z unchanged).")
   parser.add_argument("--max_heldout", type=int, default=0,
                       help="Held-out queries evaluated (0: all).")
   parser.add_argument("--workdir", default="/tmp/realm_learning")
@@ -294,12 +312,17 @@ def main(argv=None) -> None:
     parser.error("--start=minilm starts from MiniLM (no ICT): use realm, "
                  "frozen, query_side, stale30, stale30_rerank, "
                  "random_masks, realm_repeat, realm_slow, ideal_reader.")
+  if args.train_articles_every < 1 or (args.train_articles_every > 1
+                                       and not wiki):
+    parser.error("--train_articles_every is a positive step over the wiki "
+                 "slice's training articles (--world=wiki).")
   os.makedirs(args.workdir, exist_ok=True)
   questions = ()
   if wiki:
     from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
     store_dir, train_x, heldout_x, dev_x = _wiki_world(
         os.path.join(args.workdir, "wiki"), args.num_documents or None)
+    train_x = _every_nth_article(train_x, args.train_articles_every)
     questions = qa.read_qa_jsonl(WIKI_QUESTIONS, strict=True)
   else:
     world = knowledge_world.write_world(
@@ -394,7 +417,9 @@ def main(argv=None) -> None:
 
   def queries_for(config):
     """The training sentences masked the condition's way (built once)."""
-    path = os.path.join(args.workdir, f"queries_{config.masking}")
+    thinned = (f"_every{args.train_articles_every}"
+               if args.train_articles_every > 1 else "")
+    path = os.path.join(args.workdir, f"queries_{config.masking}{thinned}")
     if not os.path.exists(path):
       query_cache.build_query_cache(
           train_x, path, query_config=config,

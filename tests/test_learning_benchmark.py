@@ -54,3 +54,28 @@ def test_prepare_only_builds_the_inputs_and_trains_nothing(
   with np.load(workdir / kept[0], allow_pickle=False) as f:
     for k in got:
       np.testing.assert_array_equal(f[k], got[k])
+
+
+def test_the_data_scale_probe_thins_training_articles_only(
+    tmp_path, monkeypatch):
+  from realm_jax.data import salient_spans  # pylint: disable=g-import-not-at-top
+  learning = _learning(monkeypatch)
+  train = str(tmp_path / "train.tfr.gz")
+  docs = [salient_spans.AnnotatedDocument(
+      title=f"Article {i}", text=f"Article {i} was written in 19{i:02d}.",
+      sentence_byte_starts=(0,), sentence_byte_limits=(30,),
+      span_byte_starts=(23,), span_byte_limits=(27,), span_types=("DATE",))
+          for i in range(10)]
+  salient_spans.write_annotated(train, docs)
+  assert learning._every_nth_article(train, 1) == train
+  thinned = learning._every_nth_article(train, 4)
+  assert sorted(os.listdir(tmp_path)) == ["train.tfr.gz",
+                                          "train_every4.tfr.gz"]
+  got = list(salient_spans.read_annotated([thinned]))
+  assert [d.title for d in got] == ["Article 0", "Article 4", "Article 8"]
+  assert got[1] == docs[4]
+  # The full split is untouched; the thinned one is kept, not rebuilt.
+  assert len(list(salient_spans.read_annotated([train]))) == 10
+  mtime = os.path.getmtime(thinned)
+  assert learning._every_nth_article(train, 4) == thinned
+  assert os.path.getmtime(thinned) == mtime
