@@ -317,6 +317,10 @@ def main(argv=None) -> None:
     parser.error("--train_articles_every is a positive step over the wiki "
                  "slice's training articles (--world=wiki).")
   os.makedirs(args.workdir, exist_ok=True)
+  # A thinned run has its own query cache and run directories (the inputs
+  # and ICT of the workdir are shared).
+  thinned = (f"_every{args.train_articles_every}"
+             if args.train_articles_every > 1 else "")
   questions = ()
   if wiki:
     from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
@@ -417,8 +421,6 @@ def main(argv=None) -> None:
 
   def queries_for(config):
     """The training sentences masked the condition's way (built once)."""
-    thinned = (f"_every{args.train_articles_every}"
-               if args.train_articles_every > 1 else "")
     path = os.path.join(args.workdir, f"queries_{config.masking}{thinned}")
     if not os.path.exists(path):
       query_cache.build_query_cache(
@@ -506,7 +508,7 @@ def main(argv=None) -> None:
             if recipe.retriever_gate == "steps" else 0)
 
   def run(condition):
-    workdir = os.path.join(args.workdir, condition)
+    workdir = os.path.join(args.workdir, condition + thinned)
     gin, model = _configs(gin_files, base + [
         f"pretrain.PretrainConfig.workdir = '{workdir}'",
         "pretrain.PretrainConfig.keep_checkpoints = 1000"]
@@ -521,7 +523,7 @@ def main(argv=None) -> None:
     shared = condition not in ("realm", "realm_original") and warmup
     if shared and not os.path.exists(ckpt_dir):
       source = os.path.join(checkpoints.checkpoint_dir(
-          os.path.join(args.workdir, "realm")), str(warmup))
+          os.path.join(args.workdir, "realm" + thinned)), str(warmup))
       shutil.copytree(source, os.path.join(ckpt_dir, str(warmup)))
     t0 = time.time()
     history = pretrain.train(config=config, model=model)
