@@ -44,6 +44,10 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
                   (PretrainConfig.retriever_signal='answer_spans'): how far
                   these queries and steps could move it with a reader that
                   reads
+  ideal_shuffled  (only when named) ideal_reader's control: the same loss
+                  with each batch's answer-bearing flags shuffled across
+                  its queries (retriever_signal='shuffled_spans'): what
+                  moving the retriever costs with no information
 
 The world: --people, --heldout, --dev (people whose X articles are
 neither trained on nor evaluated: a held-out gate's queries), --templates (a or
@@ -110,7 +114,7 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow", "ideal_reader")
+EXTRA_CONDITIONS = ("realm_slow", "ideal_reader", "ideal_shuffled")
 
 
 def _bindings(name: str, args) -> list[str]:
@@ -144,6 +148,9 @@ def _bindings(name: str, args) -> list[str]:
       "ideal_reader": fixed + [
           "pretrain.PretrainConfig.freeze_retriever_steps = 0",
           "pretrain.PretrainConfig.retriever_signal = 'answer_spans'"],
+      "ideal_shuffled": fixed + [
+          "pretrain.PretrainConfig.freeze_retriever_steps = 0",
+          "pretrain.PretrainConfig.retriever_signal = 'shuffled_spans'"],
   }[name]
 
 
@@ -311,7 +318,8 @@ def main(argv=None) -> None:
   if not scratch and {"init", "ict", "realm_original"} & set(conditions):
     parser.error("--start=minilm starts from MiniLM (no ICT): use realm, "
                  "frozen, query_side, stale30, stale30_rerank, "
-                 "random_masks, realm_repeat, realm_slow, ideal_reader.")
+                 "random_masks, realm_repeat, realm_slow, ideal_reader, "
+                 "ideal_shuffled.")
   if args.train_articles_every < 1 or (args.train_articles_every > 1
                                        and not wiki):
     parser.error("--train_articles_every is a positive step over the wiki "

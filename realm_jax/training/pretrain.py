@@ -56,8 +56,9 @@ from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 
 def make_loss_fn(graphdef, null_document: bool = True,
                  retriever_signal: str = "reader"):
-  """REALM's loss; with `retriever_signal="answer_spans"` the retriever's
-  part is replaced by the ideal reader's (`PretrainConfig`)."""
+  """REALM's loss; with `retriever_signal="answer_spans"` (or its
+  control, "shuffled_spans") the retriever's part is replaced by the ideal
+  reader's (`PretrainConfig`)."""
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(

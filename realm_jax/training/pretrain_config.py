@@ -15,7 +15,7 @@ from realm_jax.training import loop, mlm_warmup, realm_inputs
 INDEX_MODES = ("inline", "builder")
 RETRIEVER_TRAINING = ("full", "query_side")
 RETRIEVER_GATES = ("steps", "utility", "evidence")
-RETRIEVER_SIGNALS = ("reader", "answer_spans")
+RETRIEVER_SIGNALS = ("reader", "answer_spans", "shuffled_spans")
 # The gates measured in the run (the others release at a step count).
 MEASURED_GATES = ("utility", "evidence")
 # The query-side mode's frozen subtree: the document tower.
@@ -60,7 +60,11 @@ class PretrainConfig(loop.TrainConfig):
       retrieved), per masked wordpiece; the reader still learns REALM's
       loss, without a gradient to the retriever. It bounds what a reader
       that reads could teach the retriever from these queries in these
-      steps. Needs retrieval='host'.
+      steps. "shuffled_spans": its control, the same loss with each
+      batch's answer-bearing flags permuted across its queries
+      (`realm_inputs.shuffled_rows`): what moving the retriever by such
+      gradients costs with no information in them. Both need
+      retrieval='host'.
     retriever_gate: when the retriever is released. "steps": at
       freeze_retriever_steps. A measured gate: every `gate_every` steps the
       reader is evaluated on the first `gate_num_queries` queries of
@@ -331,9 +335,9 @@ class PretrainConfig(loop.TrainConfig):
     if self.retriever_signal not in RETRIEVER_SIGNALS:
       raise ValueError(f"retriever_signal={self.retriever_signal!r}; use "
                        f"one of {RETRIEVER_SIGNALS}.")
-    if self.retriever_signal == "answer_spans" and self.retrieval != "host":
-      raise ValueError("retriever_signal='answer_spans' finds the answer-"
-                       "bearing candidates on the host: it needs "
+    if self.retriever_signal != "reader" and self.retrieval != "host":
+      raise ValueError(f"retriever_signal={self.retriever_signal!r} finds "
+                       "the answer-bearing candidates on the host: it needs "
                        "retrieval='host'.")
     if self.retriever_gate not in RETRIEVER_GATES:
       raise ValueError(f"retriever_gate={self.retriever_gate!r}; use one of "

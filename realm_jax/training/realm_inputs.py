@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from typing import Mapping
+import zlib
 
 import numpy as np
 
@@ -235,6 +236,17 @@ def holds_spans(spans: list[np.ndarray], bodies: np.ndarray,
         windows = np.lib.stride_tricks.sliding_window_view(body, len(span))
         found[b, c] = bool((windows == span).all(axis=1).any())
   return found
+
+
+def shuffled_rows(flags: np.ndarray, query_ids: np.ndarray,
+                  seed: int) -> np.ndarray:
+  """`flags`' rows permuted across the batch: each query gets another's
+  answer-bearing flags (the shuffled-label control). The permutation
+  follows `seed` and the batch's wordpieces, so a resumed run draws the
+  same one."""
+  key = zlib.crc32(np.ascontiguousarray(query_ids).tobytes())
+  rng = np.random.default_rng([int(seed), key])
+  return flags[rng.permutation(len(flags))]
 
 
 def pretraining_batch(queries: Mapping[str, np.ndarray],

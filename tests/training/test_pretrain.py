@@ -459,8 +459,10 @@ def test_query_side_mode_never_changes_the_document_tower_or_the_index(
 
 
 
-def test_the_answer_span_signal_needs_host_retrieval(tmp_path, tiny_corpus):
+@pytest.mark.parametrize("signal", ["answer_spans", "shuffled_spans"])
+def test_the_answer_span_signal_needs_host_retrieval(tmp_path, tiny_corpus,
+                                                     signal):
   with pytest.raises(ValueError, match="retrieval='host'"):
     _configs(_bindings(str(tmp_path), tiny_corpus,
-                       retriever_signal="answer_spans", retrieval="device"))
+                       retriever_signal=signal, retrieval="device"))
   gin.clear_config()

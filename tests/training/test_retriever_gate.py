@@ -113,11 +113,15 @@ def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
 
 
 
-def test_an_ideal_reader_teaches_the_retriever(tmp_path):
+@pytest.mark.parametrize("signal", ["answer_spans", "shuffled_spans"])
+def test_an_ideal_reader_teaches_the_retriever(tmp_path, signal):
   """retriever_signal='answer_spans' (the benchmark's `ideal_reader`
   diagnostic) on the readable world, released at step 0: the retriever
   learns to retrieve the blocks that hold the masked span, and finds the
-  biographies of the held-out people better than ICT left it."""
+  biographies of the held-out people better than ICT left it. Its
+  control, 'shuffled_spans' (the same flags given to the wrong queries),
+  moves it by the same loss with no information: it loses what ICT
+  knew."""
   files, queries, ict_ckpts = _world(tmp_path, shuffle_facts=False)
   workdir = str(tmp_path / "ideal")
   gin.clear_config()
@@ -125,7 +129,7 @@ def test_an_ideal_reader_teaches_the_retriever(tmp_path):
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
       f"QUERIES = '{queries}'", f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       f"pretrain.PretrainConfig.num_train_steps = {IDEAL_STEPS}",
-      "pretrain.PretrainConfig.retriever_signal = 'answer_spans'",
+      f"pretrain.PretrainConfig.retriever_signal = '{signal}'",
       "pretrain.PretrainConfig.retriever_gate = 'steps'",
       "pretrain.PretrainConfig.freeze_retriever_steps = 0",
       "pretrain.PretrainConfig.retriever_learning_rate_multiplier = 1.0",
@@ -151,5 +155,9 @@ def test_an_ideal_reader_teaches_the_retriever(tmp_path):
       checkpoints.restore_items(directory, step, checkpoints.PARAM_ITEMS),
       model, store, heldout, gold, num_candidates=3,
       reader_length=96)["recall@1"] for step in (0, IDEAL_STEPS)]
-  # Measured: 0.893 -> 1.000 (56 held-out sentences); +0.05 is 3 of them.
-  assert recall[1] >= recall[0] + 0.05, recall
+  # Measured: 0.893 -> 1.000 (56 held-out sentences; +0.05 is 3 of them);
+  # the control 0.893 -> 0.161.
+  if signal == "answer_spans":
+    assert recall[1] >= recall[0] + 0.05, recall
+  else:
+    assert recall[1] <= recall[0] - 0.05, recall
