@@ -190,7 +190,7 @@ def test_pretraining_batch_layout(store):
 
 
 def test_shuffled_rows_give_each_query_another_querys_flags():
-  flags = np.eye(16, 5, dtype=bool)[np.arange(16) % 5]  # rows differ
+  flags = np.eye(16, 5, dtype=bool)[np.arange(16) % 5]  # 5 kinds of row
   flags[:, 0] = False  # (the null document holds nothing)
   ids = np.arange(16 * 8, dtype=np.int32).reshape(16, 8)
   got = realm_inputs.shuffled_rows(flags, ids, seed=0)
