@@ -182,10 +182,7 @@ def _wiki_world(directory: str, num_documents: int | None):
     docs = list(salient_spans.read_annotated(
         [salient_spans.shard_path(annotated, 0, 1)]))
     for name, path in splits.items():
-      tmp = path.replace(".tfr.gz", ".tmp.tfr.gz")  # Keeps the .gz codec.
-      salient_spans.write_annotated(
-          tmp, [d for i, d in enumerate(docs) if split(i) == name])
-      os.replace(tmp, path)
+      _write_whole(path, [d for i, d in enumerate(docs) if split(i) == name])
   return store_dir, splits["train"], splits["heldout"], splits["dev"]
 
 
@@ -197,11 +194,16 @@ def _every_nth_article(train_x: str, n: int) -> str:
   path = train_x.replace(".tfr.gz", f"_every{n}.tfr.gz")
   if not os.path.exists(path):
     from realm_jax.data import salient_spans  # pylint: disable=g-import-not-at-top
-    docs = list(salient_spans.read_annotated([train_x]))[::n]
-    tmp = path.replace(".tfr.gz", ".tmp.tfr.gz")  # Keeps the .gz codec.
-    salient_spans.write_annotated(tmp, docs)
-    os.replace(tmp, path)
+    _write_whole(path, list(salient_spans.read_annotated([train_x]))[::n])
   return path
+
+
+def _write_whole(path: str, docs) -> None:
+  """Annotated documents to `path`, which appears whole or not at all."""
+  from realm_jax.data import salient_spans  # pylint: disable=g-import-not-at-top
+  tmp = path.replace(".tfr.gz", ".tmp.tfr.gz")  # Keeps the .gz codec.
+  salient_spans.write_annotated(tmp, docs)
+  os.replace(tmp, path)
 
 
 def _configs(gin_files, bindings):
