@@ -48,6 +48,9 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
                   with each batch's answer-bearing flags shuffled across
                   its queries (retriever_signal='shuffled_spans'): what
                   moving the retriever costs with no information
+  ideal_query_side, ideal_shuffled_query_side
+                  (only when named) the two above with the document tower
+                  (and so the index) fixed: only the query tower moves
 
 The world: --people, --heldout, --dev (people whose X articles are
 neither trained on nor evaluated: a held-out gate's queries), --templates (a or
@@ -114,7 +117,8 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow", "ideal_reader", "ideal_shuffled")
+EXTRA_CONDITIONS = ("realm_slow", "ideal_reader", "ideal_shuffled",
+                    "ideal_query_side", "ideal_shuffled_query_side")
 
 
 def _bindings(name: str, args) -> list[str]:
@@ -125,14 +129,19 @@ def _bindings(name: str, args) -> list[str]:
       "pretrain.PretrainConfig.adam_bias_correction = False",
       "realm.RetrieverConfig.null_score = 'embedding'"]
   fixed = ["pretrain.PretrainConfig.retriever_gate = 'steps'"]
+  query_side = ["pretrain.PretrainConfig.retriever_training = 'query_side'",
+                "realm.RetrieverConfig.share_towers = False"]
+  ideal = fixed + ["pretrain.PretrainConfig.freeze_retriever_steps = 0",
+                   "pretrain.PretrainConfig.retriever_signal = 'answer_spans'"]
+  shuffled = fixed + [
+      "pretrain.PretrainConfig.freeze_retriever_steps = 0",
+      "pretrain.PretrainConfig.retriever_signal = 'shuffled_spans'"]
   return {
       "realm": [],
       "realm_repeat": [],
       "realm_fixed600": fixed + [
           "pretrain.PretrainConfig.freeze_retriever_steps = 600"],
-      "query_side": ["pretrain.PretrainConfig.retriever_training = "
-                     "'query_side'",
-                     "realm.RetrieverConfig.share_towers = False"],
+      "query_side": query_side,
       "realm_original": original + fixed,
       "frozen": fixed + ["pretrain.PretrainConfig."
                          "retriever_learning_rate_multiplier = 0.0"],
@@ -145,12 +154,10 @@ def _bindings(name: str, args) -> list[str]:
       "random_masks": ["examples.RealmQueryConfig.masking = 'random_tokens'"],
       "realm_slow": ["pretrain.PretrainConfig."
                      "retriever_learning_rate_multiplier = 0.01"],
-      "ideal_reader": fixed + [
-          "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-          "pretrain.PretrainConfig.retriever_signal = 'answer_spans'"],
-      "ideal_shuffled": fixed + [
-          "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-          "pretrain.PretrainConfig.retriever_signal = 'shuffled_spans'"],
+      "ideal_reader": ideal,
+      "ideal_shuffled": shuffled,
+      "ideal_query_side": ideal + query_side,
+      "ideal_shuffled_query_side": shuffled + query_side,
   }[name]
 
 

@@ -79,3 +79,36 @@ def test_the_data_scale_probe_thins_training_articles_only(
   mtime = os.path.getmtime(thinned)
   assert learning._every_nth_article(train, 4) == thinned
   assert os.path.getmtime(thinned) == mtime
+
+
+def test_every_condition_binds_a_config_and_controls_differ_only_in_signal(
+    monkeypatch):
+  import argparse  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  learning = _learning(monkeypatch)
+  args = argparse.Namespace(refresh_every=20, rerank=32)
+  macros = ["WORKDIR = '/w'", "BLOCK_STORE = '/b'", "QUERIES = '/q'",
+            "GATE_QUERIES = '/g'"]
+  names = [c for c in learning.CONDITIONS + learning.EXTRA_CONDITIONS
+           if c not in ("init", "ict")]  # evaluated, never pre-trained
+  for recipe in ("experiments/pretrain_world_cpu.gin",
+                 "experiments/pretrain_wiki_small_cpu.gin"):
+    configs = {}
+    for name in names:
+      gin, model = learning._configs(
+          [recipe], macros + learning._bindings(name, args))
+      config = gin.get_configurable(pretrain.PretrainConfig)()
+      configs[name] = (dataclasses.asdict(config), dataclasses.asdict(model))
+      if config.retriever_training == "query_side":  # pretrain.train's rule
+        assert not model.retriever.share_towers, (recipe, name)
+    for ideal, control in (("ideal_reader", "ideal_shuffled"),
+                           ("ideal_query_side",
+                            "ideal_shuffled_query_side")):
+      (a, model_a), (b, model_b) = configs[ideal], configs[control]
+      assert model_a == model_b, (recipe, ideal)
+      assert {k for k in a if a[k] != b[k]} == {"retriever_signal"}
+      assert (a["retriever_signal"], b["retriever_signal"]) == (
+          "answer_spans", "shuffled_spans")
+    assert configs["ideal_query_side"][0]["retriever_training"] == (
+        "query_side")
