@@ -54,15 +54,31 @@ from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 # ----------------------------------------------------------------------------
 
 
+def standardized_logits(logits: jax.Array, temperature: float,
+                        null_document: bool = True) -> jax.Array:
+  """`temperature * (f - mean) / std` per query, the mean and std over
+  its retrieved candidates (the null document, column 0, left out but
+  mapped alike): a posterior whose spread the loss cannot shrink."""
+  blocks = logits[:, 1:] if null_document else logits
+  mean = jnp.mean(blocks, axis=-1, keepdims=True)
+  std = jnp.std(blocks, axis=-1, keepdims=True)
+  return temperature * (logits - mean) / (std + 1e-6)
+
+
 def make_loss_fn(graphdef, null_document: bool = True,
-                 retriever_signal: str = "reader"):
+                 retriever_signal: str = "reader",
+                 retrieval_temperature: float = 0.0):
   """REALM's loss; with `retriever_signal="answer_spans"` (or its
   control, "shuffled_spans") the retriever's part is replaced by the ideal
-  reader's (`PretrainConfig`)."""
+  reader's; a `retrieval_temperature` standardizes the retrieval logits
+  (`PretrainConfig`)."""
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(
         batch, null_document=null_document, dropout_rng=dropout_rng)
+    if retrieval_temperature:
+      retrieval_logits = standardized_logits(
+          retrieval_logits, retrieval_temperature, null_document)
     if retriever_signal == "reader":
       return losses.pretraining_loss(retrieval_logits, mlm_logits,
                                      batch["mlm_targets"],
@@ -323,7 +339,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                             run.mesh)
     inputs.source.restore(restored, start_step)
     loss_fn = make_loss_fn(graphdef, config.null_document,
-                           config.retriever_signal)
+                           config.retriever_signal,
+                           config.retrieval_temperature)
     gate = None
     if config.retriever_gate in MEASURED_GATES:
       gate = gate_lib.RetrieverGate(config, queries.query_config,

@@ -65,6 +65,15 @@ class PretrainConfig(loop.TrainConfig):
       (`realm_inputs.shuffled_rows`): what moving the retriever by such
       gradients costs with no information in them. Both need
       retrieval='host'.
+    retrieval_temperature: 0 (REALM): p(z|x) = softmax f(x, z) over the
+      candidates. > 0: softmax of `retrieval_temperature * (f - mean) /
+      std`, the mean and std of each query's retrieved candidates'
+      scores (`pretrain.standardized_logits`): the loss can reorder the
+      candidates but cannot flatten p(z|x) by shrinking the spread of the
+      scores. (On the Wikipedia slice the ideal signal, and its shuffled
+      control, shrank that spread 12x within 400 steps by collapsing the
+      document embeddings: docs/results/learning.md.) MIPS ranks by f, so
+      the index is unchanged.
     retriever_gate: when the retriever is released. "steps": at
       freeze_retriever_steps. A measured gate: every `gate_every` steps the
       reader is evaluated on the first `gate_num_queries` queries of
@@ -221,6 +230,7 @@ class PretrainConfig(loop.TrainConfig):
   freeze_retriever_steps: int = 0
   retriever_training: str = "full"
   retriever_signal: str = "reader"
+  retrieval_temperature: float = 0.0
   retriever_gate: str = "steps"
   gate_queries: str = ""
   gate_every: int = 50
@@ -332,6 +342,9 @@ class PretrainConfig(loop.TrainConfig):
       raise ValueError(
           "retriever_training='query_side' keeps the index exact for the "
           "whole run: it needs retrieval='host' and rerank_candidates=0.")
+    if not self.retrieval_temperature >= 0:
+      raise ValueError(f"retrieval_temperature must be >= 0 (0: REALM's "
+                       f"raw scores), got {self.retrieval_temperature}.")
     if self.retriever_signal not in RETRIEVER_SIGNALS:
       raise ValueError(f"retriever_signal={self.retriever_signal!r}; use "
                        f"one of {RETRIEVER_SIGNALS}.")

@@ -466,3 +466,10 @@ def test_the_answer_span_signal_needs_host_retrieval(tmp_path, tiny_corpus,
     _configs(_bindings(str(tmp_path), tiny_corpus,
                        retriever_signal=signal, retrieval="device"))
   gin.clear_config()
+
+
+def test_a_negative_retrieval_temperature_is_refused(tmp_path, tiny_corpus):
+  with pytest.raises(ValueError, match="retrieval_temperature must be >= 0"):
+    _configs(_bindings(str(tmp_path), tiny_corpus,
+                       retrieval_temperature=-0.5))
+  gin.clear_config()

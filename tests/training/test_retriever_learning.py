@@ -177,3 +177,46 @@ def test_learned_null_probability_starts_near_uniform():
   # Jensen: exp(mean f) <= mean exp(f), so p(null) <= 1 / C.
   assert (p_null <= 1.0 / logits.shape[1] + 1e-6).all()
   assert (p_null > 0).all() and np.isfinite(f).all()
+
+
+def test_standardized_logits_fix_the_spread_of_the_retrieval_posterior():
+  """retrieval_temperature: f -> t (f - mean) / std over the retrieved
+  candidates (float64 numpy), the null document mapped alike; the ideal
+  signal's loss then has no gradient along a uniform scaling of every
+  score (it cannot flatten p(z|x) that way), where REALM's raw scores
+  have one."""
+  f = np.random.default_rng(2).normal(size=(6, 5)) * 3.0
+  blocks = f[:, 1:]
+  want = 0.5 * (f - blocks.mean(1, keepdims=True)) / blocks.std(
+      1, keepdims=True)
+  for a, c in ((1.0, 0.0), (0.1, 4.0), (30.0, -2.0)):  # any spread
+    got = pretrain.standardized_logits(jnp.asarray(a * f + c, jnp.float32),
+                                       0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+  graphdef, params, batch = _setup("embedding")
+  bearing = np.random.default_rng(1).random(
+      batch["candidate_mask"].shape[:2]) < 0.4
+  bearing[:, 0] = False
+  batch = dict(batch, answer_bearing=jnp.asarray(bearing))
+  assert bearing.any(1).sum() >= 3, "the check needs answer blocks"
+
+  def scaled(alpha):
+    # The embeddings end in a LayerNorm: scaling its scale and bias scales
+    # every embedding (shared towers: both), so every score by alpha ** 2.
+    norm = params["retriever"]["query_embedder"]["layer_norm"]
+    norm = {k: alpha * v for k, v in norm.items()}
+    embedder = dict(params["retriever"]["query_embedder"], layer_norm=norm)
+    return dict(params, retriever=dict(params["retriever"],
+                                       query_embedder=embedder))
+
+  def slope(temperature):
+    loss_fn = pretrain.make_loss_fn(graphdef, retriever_signal="answer_spans",
+                                    retrieval_temperature=temperature)
+    loss = lambda alpha: loss_fn(scaled(alpha), batch, None)[0]
+    return float(jax.jit(jax.grad(loss))(1.0)), float(loss(1.0))
+
+  raw, raw_loss = slope(0.0)
+  fixed, fixed_loss = slope(1.0)
+  assert abs(raw) > 1e-2 * abs(raw_loss), (raw, raw_loss)
+  assert abs(fixed) <= 1e-4 * abs(fixed_loss), (fixed, fixed_loss)
