@@ -601,7 +601,8 @@ def table(rows) -> str:
   keys = [k for k in ("recall@1", "recall@5", "qa_recall@1", "qa_recall@5",
                       "qa_recall@20", "span_recall", "mlm_accuracy_marginal",
                       "mlm_accuracy_null", "mlm_accuracy_gold",
-                      "retrieval_utility", "null_probability", "hubness")
+                      "retrieval_utility", "null_probability", "hubness",
+                      "score_spread")
           if rows and k in rows[0]]
   lines = ["| condition | step | " + " | ".join(keys) + " |",
            "|---|---|" + "---|" * len(keys)]
@@ -626,7 +627,9 @@ def plot(rows, path: str) -> None:
           ("mlm_accuracy_marginal", "held-out masked-token accuracy"),
           ("retrieval_utility", "held-out retrieval utility (nats)"),
           ("null_probability", "p(null | x)"),
-          ("hubness", "hubness"))
+          ("hubness", "hubness")) + (
+      (("score_spread", "held-out score spread: std of f(x, z) over Z"),)
+      if "score_spread" in rows[0] else ())
   gates = {r["condition"]: r["gate"] for r in rows if r.get("gate")}
   guards = {r["condition"]: r["recall_guard"] for r in rows
             if r.get("recall_guard")}

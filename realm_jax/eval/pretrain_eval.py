@@ -22,7 +22,12 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   ideal reader would reward (`PretrainConfig.retriever_signal`), with no
   reader involved;
 - `hubness`: share of queries whose top-1 block is the single most common
-  top-1 block (1 / num_queries when every query retrieves another block).
+  top-1 block (1 / num_queries when every query retrieves another block);
+- `score_spread`: the std of f(x, z) over the corpus, averaged over the
+  queries: how far apart the retriever holds the blocks. A loss can make
+  p(z|x) flatter by shrinking it, which a positive scale of every score
+  would not change but a collapse of the document embeddings does
+  (`PretrainConfig.retrieval_temperature`).
 
 Without known evidence blocks (real text) the recall and gold-document
 metrics are left out; given open-domain questions, `qa_recall@k` is the
@@ -158,9 +163,9 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   elif np.shape(block_emb)[0] != len(store):
     raise ValueError(f"block_emb has {np.shape(block_emb)[0]} rows; the "
                      f"store {store.path} has {len(store)} blocks.")
-  ranking = _ranking(params, model, store, queries, block_emb,
-                     trivial_candidates, batch_size)
-  metrics = _reading_metrics(params, model, store, queries, ranking,
+  ranking, spread = _ranking(params, model, store, queries, block_emb,
+                             trivial_candidates, batch_size)
+  metrics = {"score_spread": spread} | _reading_metrics(params, model, store, queries, ranking,
                              num_candidates, gold, reader_length, batch_size)
   if questions:
     metrics.update(qa_recall(params, model, store, block_emb, questions,
@@ -221,18 +226,22 @@ def _reading_metrics(params, model, store, queries, ranking, num_candidates,
 
 
 def _ranking(params, model, store, queries, block_emb, trivial_candidates,
-             batch_size) -> np.ndarray:
-  """Every block for every query, best first; trivial candidates (the
-  query's own article or block) last, at -inf."""
+             batch_size) -> tuple[np.ndarray, float]:
+  """Every block for every query, best first, trivial candidates (the
+  query's own article or block) last, at -inf; and the mean over queries
+  of the std of their other blocks' scores (`score_spread`)."""
   embed_queries = _query_fn(model)
   query_emb = _in_chunks(lambda s: {"e": np.asarray(embed_queries(
       params, queries["query_ids"][s], queries["query_mask"][s]))},
                          len(queries["query_ids"]), batch_size)["e"]
   scores = query_emb.astype(np.float64) @ block_emb.astype(np.float64).T
   trivial = realm_inputs.TrivialCandidates(store, trivial_candidates)
-  scores[trivial.block_keys[None, :]
-         == trivial.query_keys(queries)[:, None]] = -np.inf
-  return np.argsort(-scores, axis=1, kind="stable")
+  excluded = (trivial.block_keys[None, :]
+              == trivial.query_keys(queries)[:, None])
+  kept = np.where(excluded, np.nan, scores)
+  spread = float(np.mean(np.nanstd(kept, axis=1)))
+  scores[excluded] = -np.inf
+  return np.argsort(-scores, axis=1, kind="stable"), spread
 
 
 def qa_recall(params, model, store, block_emb, questions,

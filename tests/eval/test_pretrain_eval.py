@@ -97,6 +97,8 @@ def test_metrics_match_an_independent_computation(world):
   top1 = order[:, 0]
   assert abs(got["hubness"] - np.bincount(top1).max() / len(top1)) <= (
       allowed)
+  spread = scores.std(1).mean()  # (no trivial block: X is not in Z here)
+  assert spread > 0 and abs(got["score_spread"] - spread) <= 1e-3 * spread
   # span_recall: a plain wordpiece-run test on the top 3 blocks.
   held = []
   for i, blocks in enumerate(order[:, :3]):
