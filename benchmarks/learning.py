@@ -603,12 +603,12 @@ def table(rows) -> str:
                       "mlm_accuracy_null", "mlm_accuracy_gold",
                       "retrieval_utility", "null_probability", "hubness",
                       "score_spread")
-          if rows and k in rows[0]]
+          if any(k in r for r in rows)]
   lines = ["| condition | step | " + " | ".join(keys) + " |",
            "|---|---|" + "---|" * len(keys)]
   for r in rows:
     lines.append(f"| {r['condition']} | {r['step']} | " + " | ".join(
-        f"{r[k]:.3f}" for k in keys) + " |")
+        f"{r[k]:.3f}" if k in r else "-" for k in keys) + " |")
   return "\n".join(lines)
 
 
@@ -629,7 +629,7 @@ def plot(rows, path: str) -> None:
           ("null_probability", "p(null | x)"),
           ("hubness", "hubness")) + (
       (("score_spread", "held-out score spread: std of f(x, z) over Z"),)
-      if "score_spread" in rows[0] else ())
+      if any("score_spread" in r for r in rows) else ())
   gates = {r["condition"]: r["gate"] for r in rows if r.get("gate")}
   guards = {r["condition"]: r["recall_guard"] for r in rows
             if r.get("recall_guard")}
@@ -714,7 +714,10 @@ def plot(rows, path: str) -> None:
       ax.legend(fontsize=8)
       continue
     for c in conditions:
-      pts = [(r["step"], r[key]) for r in rows if r["condition"] == c]
+      pts = [(r["step"], r[key]) for r in rows
+             if r["condition"] == c and key in r]  # (older rows lack some)
+      if not pts:
+        continue
       if c in ("init", "ict"):
         ax.axhline(pts[-1][1], linestyle="--", linewidth=1, label=c,
                    color="grey" if c == "init" else "black")
