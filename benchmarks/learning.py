@@ -722,7 +722,9 @@ def plot(rows, path: str) -> None:
         ax.axhline(pts[-1][1], linestyle="--", linewidth=1, label=c,
                    color="grey" if c == "init" else "black")
       else:
-        ax.plot(*zip(*pts), marker="o", markersize=3, label=c)
+        # One colour per condition in every panel, even where some lack it.
+        ax.plot(*zip(*pts), marker="o", markersize=3, label=c,
+                color=f"C{conditions.index(c) % 10}")
     ax.set_title(title)
     ax.set_xlabel("REALM step")
   axes[0].legend(fontsize=8)
