@@ -23,11 +23,11 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   reader involved;
 - `hubness`: share of queries whose top-1 block is the single most common
   top-1 block (1 / num_queries when every query retrieves another block);
-- `score_spread`: the std of f(x, z) over the corpus, averaged over the
-  queries: how far apart the retriever holds the blocks. A loss can make
-  p(z|x) flatter by shrinking it, which a positive scale of every score
-  would not change but a collapse of the document embeddings does
-  (`PretrainConfig.retrieval_temperature`).
+- `score_spread`: the std of f(x, z) over the corpus (trivial candidates
+  left out), averaged over the queries: how far apart the retriever holds
+  the blocks. It falls when the blocks' embeddings fold onto one shared
+  direction, as moving a small retriever on real text did (see
+  `benchmarks/learning.py`'s results).
 
 Without known evidence blocks (real text) the recall and gold-document
 metrics are left out; given open-domain questions, `qa_recall@k` is the
@@ -165,8 +165,9 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
                      f"store {store.path} has {len(store)} blocks.")
   ranking, spread = _ranking(params, model, store, queries, block_emb,
                              trivial_candidates, batch_size)
-  metrics = {"score_spread": spread} | _reading_metrics(params, model, store, queries, ranking,
+  metrics = _reading_metrics(params, model, store, queries, ranking,
                              num_candidates, gold, reader_length, batch_size)
+  metrics["score_spread"] = spread
   if questions:
     metrics.update(qa_recall(params, model, store, block_emb, questions,
                               question_length, qa_ks, batch_size,
