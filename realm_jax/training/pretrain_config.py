@@ -291,6 +291,28 @@ class PretrainConfig(loop.TrainConfig):
         raise ValueError("recall_guard_max_drop must be in [0, 1), got "
                          f"{self.recall_guard_max_drop!r}.")
 
+  def _check_retriever_training(self):
+    """The retriever's training: which towers, from which signal, with
+    which p(z|x)."""
+    if self.retriever_training not in RETRIEVER_TRAINING:
+      raise ValueError(f"retriever_training={self.retriever_training!r}; "
+                       f"use one of {RETRIEVER_TRAINING}.")
+    if self.retriever_training == "query_side" and (
+        self.rerank_candidates or self.retrieval != "host"):
+      raise ValueError(
+          "retriever_training='query_side' keeps the index exact for the "
+          "whole run: it needs retrieval='host' and rerank_candidates=0.")
+    if not self.retrieval_temperature >= 0:
+      raise ValueError(f"retrieval_temperature must be >= 0 (0: REALM's "
+                       f"raw scores), got {self.retrieval_temperature}.")
+    if self.retriever_signal not in RETRIEVER_SIGNALS:
+      raise ValueError(f"retriever_signal={self.retriever_signal!r}; use "
+                       f"one of {RETRIEVER_SIGNALS}.")
+    if self.retriever_signal != "reader" and self.retrieval != "host":
+      raise ValueError(f"retriever_signal={self.retriever_signal!r} finds "
+                       "the answer-bearing candidates on the host: it needs "
+                       "retrieval='host'.")
+
   def __post_init__(self):
     super().__post_init__()
     checks.at_least(self, "num_candidates", "guard_min_queries")
@@ -335,24 +357,7 @@ class PretrainConfig(loop.TrainConfig):
       raise ValueError(
           f"trivial_candidates={self.trivial_candidates!r}; use one of "
           f"{realm_inputs.TRIVIAL_RULES}.")
-    if self.retriever_training not in RETRIEVER_TRAINING:
-      raise ValueError(f"retriever_training={self.retriever_training!r}; "
-                       f"use one of {RETRIEVER_TRAINING}.")
-    if self.retriever_training == "query_side" and (
-        self.rerank_candidates or self.retrieval != "host"):
-      raise ValueError(
-          "retriever_training='query_side' keeps the index exact for the "
-          "whole run: it needs retrieval='host' and rerank_candidates=0.")
-    if not self.retrieval_temperature >= 0:
-      raise ValueError(f"retrieval_temperature must be >= 0 (0: REALM's "
-                       f"raw scores), got {self.retrieval_temperature}.")
-    if self.retriever_signal not in RETRIEVER_SIGNALS:
-      raise ValueError(f"retriever_signal={self.retriever_signal!r}; use "
-                       f"one of {RETRIEVER_SIGNALS}.")
-    if self.retriever_signal != "reader" and self.retrieval != "host":
-      raise ValueError(f"retriever_signal={self.retriever_signal!r} finds "
-                       "the answer-bearing candidates on the host: it needs "
-                       "retrieval='host'.")
+    self._check_retriever_training()
     if self.retriever_gate not in RETRIEVER_GATES:
       raise ValueError(f"retriever_gate={self.retriever_gate!r}; use one of "
                        f"{RETRIEVER_GATES}.")
