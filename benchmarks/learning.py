@@ -131,11 +131,10 @@ def _bindings(name: str, args) -> list[str]:
   fixed = ["pretrain.PretrainConfig.retriever_gate = 'steps'"]
   query_side = ["pretrain.PretrainConfig.retriever_training = 'query_side'",
                 "realm.RetrieverConfig.share_towers = False"]
-  ideal = fixed + ["pretrain.PretrainConfig.freeze_retriever_steps = 0",
-                   "pretrain.PretrainConfig.retriever_signal = 'answer_spans'"]
-  shuffled = fixed + [
-      "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-      "pretrain.PretrainConfig.retriever_signal = 'shuffled_spans'"]
+  ideal, shuffled = ([
+      *fixed, "pretrain.PretrainConfig.freeze_retriever_steps = 0",
+      f"pretrain.PretrainConfig.retriever_signal = '{signal}'"]
+                      for signal in ("answer_spans", "shuffled_spans"))
   return {
       "realm": [],
       "realm_repeat": [],

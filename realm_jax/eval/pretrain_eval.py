@@ -239,8 +239,8 @@ def _ranking(params, model, store, queries, block_emb, trivial_candidates,
   trivial = realm_inputs.TrivialCandidates(store, trivial_candidates)
   excluded = (trivial.block_keys[None, :]
               == trivial.query_keys(queries)[:, None])
-  kept = np.where(excluded, np.nan, scores)
-  spread = float(np.mean(np.nanstd(kept, axis=1)))
+  scores[excluded] = np.nan  # (left out of the spread, in place)
+  spread = float(np.mean(np.nanstd(scores, axis=1)))
   scores[excluded] = -np.inf
   return np.argsort(-scores, axis=1, kind="stable"), spread
 
