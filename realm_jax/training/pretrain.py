@@ -183,6 +183,7 @@ def make_optimizer(config: PretrainConfig):
       gated=config.retriever_gate in MEASURED_GATES,
       frozen=((DOCUMENT_TOWER,) if config.retriever_training == "query_side"
               else ()),
+      frozen_leaves=tuple(config.retriever_frozen_leaves),
       unused=UNUSED_BY_PRETRAINING,
       bias_correction=config.adam_bias_correction)
 

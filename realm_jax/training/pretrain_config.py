@@ -75,6 +75,13 @@ class PretrainConfig(loop.TrainConfig):
       in 400 steps with it as without it (the blocks' shared direction
       grew either way), and held-out recall fell further
       (docs/results/learning.md, session 25).
+    retriever_frozen_leaves: names of the retriever's parameter leaves that
+      never change, e.g. ("bias", "scale"): every bias and LayerNorm
+      parameter, so only its kernels, embedding tables and the null score
+      learn (REALM: none). An ablation: a shared offset is a shared
+      direction of every embedding, and Adam moves the offsets most
+      (docs/results/learning.md, session 26). A name that matches no leaf
+      is refused.
     retriever_gate: when the retriever is released. "steps": at
       freeze_retriever_steps. A measured gate: every `gate_every` steps the
       reader is evaluated on the first `gate_num_queries` queries of
@@ -232,6 +239,7 @@ class PretrainConfig(loop.TrainConfig):
   retriever_training: str = "full"
   retriever_signal: str = "reader"
   retrieval_temperature: float = 0.0
+  retriever_frozen_leaves: tuple[str, ...] = ()
   retriever_gate: str = "steps"
   gate_queries: str = ""
   gate_every: int = 50

@@ -473,3 +473,12 @@ def test_a_negative_retrieval_temperature_is_refused(tmp_path, tiny_corpus):
     _configs(_bindings(str(tmp_path), tiny_corpus,
                        retrieval_temperature=-0.5))
   gin.clear_config()
+
+
+def test_retriever_frozen_leaves_must_be_a_tuple_of_names(tmp_path,
+                                                          tiny_corpus):
+  with pytest.raises(ValueError, match=r"retriever_frozen_leaves must be "
+                     r"tuple\[str, \.\.\.\], got 'bias'"):
+    _configs(_bindings(str(tmp_path), tiny_corpus,
+                       retriever_frozen_leaves="bias"))
+  gin.clear_config()
