@@ -104,7 +104,7 @@ def load_exported(directory: str) -> tuple[RealmConfig, dict[str, Any]]:
   if not config.retriever.share_towers:
     retriever["document_embedder"] = _tower(
         os.path.join(directory, "document_retriever"), config.retriever)
-  if config.retriever.null_score == "learned":
+  if config.retriever.learned_null:
     source = core.SafetensorsSource(os.path.join(directory, "retriever",
                                                  NULL_SCORE_FILE))
     retriever["null_score_bias"] = source.get("null_score_bias")

@@ -26,7 +26,7 @@ from realm_jax.core import checks
 from realm_jax.model.bert import Bert, BertConfig, dense, layer_norm
 
 POOLINGS = ("pooler", "cls", "mean")
-NULL_SCORES = ("embedding", "learned")
+NULL_SCORES = ("embedding", "learned", "learned_mean")
 SPAN_HEAD_BATCHINGS = ("whole_batch", "per_row")
 
 
@@ -53,6 +53,17 @@ class RetrieverConfig:
       pooling it scored ~100 against ~10 for real blocks at a random
       initialisation, p(null|x) was 1.000 and the retriever's gradient
       underflowed to 0 (see docs/results/learning.md).
+      "learned_mean": the same score, with the gradient through the mean.
+      With "learned" the loss's gradient has a part along a direction in
+      which the loss is flat: raising every retrieved score by c raises
+      the null's by c too, so p(z|x) does not change, yet the retrieved
+      scores' gradients sum to p(null|x, y) - p(null|x), which is < 0
+      whenever the reader gains from the blocks. Adam follows that push
+      for ever; it raises f(x, z) for every retrieved z by growing a
+      direction shared by all queries and blocks, and the blocks fold
+      onto it (docs/results/learning.md, session 26). Here the gradients
+      of the k retrieved scores and the null's sum to 0, so no such push.
+      The two score every input alike (same export).
     score_scale: f(x, z) = score_scale * Embed(x) . Embed(z) (1 in REALM).
       L2-normalised embeddings give cosine scores in [-1, 1], and a
       softmax over a few candidates of nearly equal cosine is flat:
@@ -87,6 +98,12 @@ class RetrieverConfig:
       raise ValueError("RetrieverConfig.score_scale must be positive (it "
                        "multiplies f(x, z)), got "
                        f"{self.score_scale}.")
+
+  @property
+  def learned_null(self) -> bool:
+    """The null document scored by a learned offset from the retrieved
+    scores (no embedding of its own)."""
+    return self.null_score in ("learned", "learned_mean")
 
   @property
   def embedding_size(self) -> int:
@@ -210,7 +227,7 @@ class Retriever(nnx.Module):
     self.query_embedder = Embedder(config, rngs=rngs)
     if not config.share_towers:
       self.document_embedder = Embedder(config, rngs=rngs)
-    if config.null_score == "learned":
+    if config.learned_null:
       self.null_score_bias = nnx.Param(jnp.zeros((), jnp.float32))
 
   def embed_queries(self, token_ids, input_mask, segment_ids=None, *,
@@ -241,7 +258,7 @@ class Retriever(nnx.Module):
     q_rng, d_rng = (None, None) if dropout_rng is None else tuple(
         jax.random.split(dropout_rng))
     query = self.embed_queries(query_ids, query_mask, dropout_rng=q_rng)
-    learned_null = null_document and self.config.null_score == "learned"
+    learned_null = null_document and self.config.learned_null
     first = 1 if learned_null else 0
     if document_embeddings is not None:
       docs = jax.lax.stop_gradient(document_embeddings[:, first:])
@@ -253,11 +270,13 @@ class Retriever(nnx.Module):
     logits = retrieval_logits(query, docs, self.config.score_scale)
     if not learned_null:
       return logits
-    # The null document's score follows the retrieved ones (no gradient
-    # through their mean, so each real candidate's gradient stays REALM's
-    # r(z)); only the offset is learned.
-    null = (jax.lax.stop_gradient(jnp.mean(logits, axis=-1))
-            + self.null_score_bias[...])
+    # The null document's score follows the retrieved ones; only the
+    # offset is learned. "learned": no gradient through their mean, so each
+    # real candidate's gradient stays REALM's r(z) (RetrieverConfig).
+    mean = jnp.mean(logits, axis=-1)
+    if self.config.null_score == "learned":
+      mean = jax.lax.stop_gradient(mean)
+    null = mean + self.null_score_bias[...]
     return jnp.concatenate([null[:, None], logits], axis=-1)
 
 

@@ -39,7 +39,7 @@ def _setup(null_score="embedding", **retriever):
 
 
 @pytest.mark.parametrize("null_score,retriever", [
-    ("embedding", {}), ("learned", {}),
+    ("embedding", {}), ("learned", {}), ("learned_mean", {}),
     # f(x, z) = 20 cos(x, z): the identity holds for the scaled scores.
     ("learned", {"pooling": "mean", "normalize": True, "score_scale": 20.0})])
 def test_retriever_gradient_is_the_papers_identity(null_score, retriever):
@@ -165,6 +165,56 @@ def test_learned_null_score_follows_the_retrieved_scores():
   np.testing.assert_allclose(
       jax.grad(loss_of_bias)(jnp.float32(0.7)),
       -r_null.sum() / batch["mlm_weights"].sum(), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("null_score", ["learned", "learned_mean"])
+def test_the_learned_null_pushes_every_retrieved_score_only_if_stopped(
+    null_score):
+  """Raising every retrieved score of a query by c leaves p(z|x) unchanged
+  (the null's score rises too), so the loss is flat along it. With
+  "learned" (no gradient through the mean) the gradient still pushes
+  along it: the retrieved scores' gradients sum to r(null) = post(null) -
+  p(null) (per mask, float64 numpy). With "learned_mean" they sum to 0.
+
+  The documents' embeddings come from the batch (no gradient), all with
+  last coordinate 1: adding t to the query tower's final LayerNorm offset
+  in its last coordinate raises every retrieved score by t."""
+  graphdef, params, batch = _setup(null_score)
+  docs = np.random.default_rng(2).normal(
+      size=batch["candidate_mask"].shape[:2] + (16,))
+  docs[..., -1] = 1.0
+  batch = dict(batch, candidate_embeddings=jnp.asarray(docs, jnp.float32))
+  loss_fn = pretrain.make_loss_fn(graphdef)
+
+  @jax.jit
+  def push(weights):  # d loss / d t for the queries `weights` keeps
+    def mean_loss(p):
+      loss_sum, weight_sum, _ = loss_fn(p, dict(batch, mlm_weights=weights),
+                                        None)
+      return loss_sum / weight_sum
+    return jax.grad(mean_loss)(params)["retriever"]["query_embedder"][
+        "layer_norm"]["bias"][-1]
+
+  f, mlm_logits = functional.bind(graphdef, params).pretraining_logits(batch)
+  f = np.asarray(f, np.float64)
+  token_ll = np.asarray(losses.token_log_likelihoods(
+      mlm_logits, batch["mlm_targets"]), np.float64)              # [B, C, M]
+  p_z = np.exp(f - f.max(1, keepdims=True))
+  p_z /= p_z.sum(1, keepdims=True)
+  p_y_z = np.exp(token_ll)
+  post_null = p_z[:, :1] * p_y_z[:, 0] / np.einsum("bc,bcm->bm", p_z, p_y_z)
+  r_null = post_null - p_z[:, :1]                                 # [B, M]
+  w = np.asarray(batch["mlm_weights"], np.float64)
+  stopped, got = [], []
+  for b in range(len(w)):
+    only_b = np.zeros_like(w)
+    only_b[b] = w[b]
+    stopped.append((only_b[b] * r_null[b]).sum() / only_b[b].sum())
+    got.append(float(push(jnp.asarray(only_b, jnp.float32))))
+  scale = np.abs(stopped).max()
+  assert scale > 1e-3, "the check needs a reader that reads"
+  want = np.asarray(stopped) if null_score == "learned" else np.zeros(len(w))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * scale)
 
 
 def test_learned_null_probability_starts_near_uniform():
