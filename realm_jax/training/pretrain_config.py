@@ -79,9 +79,11 @@ class PretrainConfig(loop.TrainConfig):
       never change, e.g. ("bias", "scale"): every bias and LayerNorm
       parameter, so only its kernels, embedding tables and the null score
       learn (REALM: none). An ablation: a shared offset is a shared
-      direction of every embedding, and Adam moves the offsets most
-      (docs/results/learning.md, session 26). A name that matches no leaf
-      is refused.
+      direction of every embedding, and Adam moves the offsets most; yet
+      on the Wikipedia slice the blocks folded onto one direction as much
+      with them fixed. The cause was the learned null's stop-gradient
+      (RetrieverConfig.null_score; docs/results/learning.md, session 26).
+      A name that matches no leaf is refused.
     retriever_gate: when the retriever is released. "steps": at
       freeze_retriever_steps. A measured gate: every `gate_every` steps the
       reader is evaluated on the first `gate_num_queries` queries of
