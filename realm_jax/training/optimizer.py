@@ -429,6 +429,15 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
       release,
       learning_rate=learning_rate * retriever_learning_rate_multiplier,
       num_train_steps=num_train_steps, warmup_steps=warmup_steps)
+  return optax.multi_transform({"retriever": retriever, "reader": reader,
+                                "frozen": optax.set_to_zero()},
+                               _part_labels(frozen, frozen_leaves))
+
+
+def _part_labels(frozen: Sequence[tuple[str, ...]],
+                 frozen_leaves: Sequence[str]):
+  """`realm_optimizer`'s labels: "frozen" under a `frozen` prefix or at a
+  retriever leaf named in `frozen_leaves`, else the top-level key."""
   frozen = tuple(tuple(p) for p in frozen)
   frozen_leaves = frozenset(frozen_leaves)
 
@@ -447,5 +456,4 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                        f"retriever's parameters (leaf names: {sorted(names)}).")
     return jax.tree_util.tree_map_with_path(label, params)
 
-  return optax.multi_transform({"retriever": retriever, "reader": reader,
-                                "frozen": optax.set_to_zero()}, labels)
+  return labels

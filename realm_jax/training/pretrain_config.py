@@ -73,8 +73,9 @@ class PretrainConfig(loop.TrainConfig):
       scores. MIPS ranks by f, so the index is unchanged. An ablation:
       on the Wikipedia slice the ideal signal shrank that spread ~12-15x
       in 400 steps with it as without it (the blocks' shared direction
-      grew either way), and held-out recall fell further
-      (docs/results/learning.md, session 25).
+      grew either way: the learned null's stop-gradient pushed it,
+      RetrieverConfig.null_score), and held-out recall fell further
+      (docs/results/learning.md, sessions 25-26).
     retriever_frozen_leaves: names of the retriever's parameter leaves that
       never change, e.g. ("bias", "scale"): every bias and LayerNorm
       parameter, so only its kernels, embedding tables and the null score

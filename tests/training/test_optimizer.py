@@ -387,7 +387,10 @@ def test_realm_optimizer_never_moves_frozen_retriever_leaves():
   """frozen_leaves=("bias", "scale"): the retriever's biases and LayerNorm
   parameters stay as they were; its kernels and the reader's biases learn."""
   rng = np.random.default_rng(5)
-  leaf = lambda *shape: rng.normal(size=shape).astype(np.float32)  # pylint: disable=unnecessary-lambda-assignment
+
+  def leaf(*shape):
+    return rng.normal(size=shape).astype(np.float32)
+
   params = {"retriever": {"dense": {"kernel": leaf(3, 2), "bias": leaf(2)},
                           "layer_norm": {"scale": leaf(2), "bias": leaf(2)},
                           "null_score_bias": leaf()},
