@@ -1,4 +1,5 @@
-"""realm_jax: REALM (retrieval-augmented language model pre-training) in JAX/Flax."""
+"""realm_jax: REALM (retrieval-augmented language model pre-training) in
+JAX/Flax."""
 
 __version__ = "0.1.0"
 

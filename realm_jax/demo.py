@@ -159,8 +159,8 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
   else:
     extra += [f"TRAIN_JSONL = {demo_qa.path('train')!r}",
               f"INDEX_DIR = {checkpoints.index_root(paths['pretrain'])!r}",
-              "INIT_FROM = " + repr(
-                  "checkpoint:" + checkpoints.checkpoint_dir(paths["pretrain"]))]
+              "INIT_FROM = " + repr("checkpoint:" + checkpoints.checkpoint_dir(
+                  paths["pretrain"]))]
   if config.model == "tiny":
     files.append("models/tiny.gin")
   if stage == "pretrain":

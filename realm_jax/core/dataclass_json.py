@@ -59,7 +59,8 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
     return value
   if origin is typing.Literal and value in typing.get_args(kind):
     return value
-  raise ValueError(f"{where}: {value!r} is not a {getattr(kind, '__name__', kind)}.")
+  name = getattr(kind, "__name__", kind)
+  raise ValueError(f"{where}: {value!r} is not a {name}.")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:

@@ -36,8 +36,8 @@ part of each step's batch from the result:
 
 A reader holds no per-row state of its own; ArrayRecord keeps each opened
 shard's chunk offsets in memory (~14 bytes a row of this host's shards,
-~17 MB for 1.25M rows). Opening reads the shards' footers only, so the time to the
-first batch does not grow with the corpus.
+~17 MB for 1.25M rows). Opening reads the shards' footers only, so the time
+to the first batch does not grow with the corpus.
 """
 
 from __future__ import annotations

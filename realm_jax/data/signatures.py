@@ -119,7 +119,8 @@ def load(store) -> np.ndarray:
     except (OSError, ValueError) as e:
       raise ValueError(
           f"{path} (listed in the manifest of block store {store.path}) "
-          f"cannot be read ({e}); rebuild the store with the corpus job.") from e
+          f"cannot be read ({e}); rebuild the store with the corpus job."
+      ) from e
     if (signatures.dtype != np.uint64 or
         signatures.shape != (len(store), _WORDS)):
       raise ValueError(

@@ -545,8 +545,9 @@ class Realm(nnx.Module):
       batch: query_ids/query_mask [B, Lq]; candidate_ids/candidate_mask/
         candidate_segment_ids [B, C, Ld] (retriever inputs of the candidates,
         null document first); optionally candidate_embeddings [B, C, D]
-        (a frozen document tower's, from the index: query-side training); reader_ids/reader_mask/reader_segment_ids
-        [B, C, Lr]; mlm_positions [B, M] (positions in the reader input).
+        (a frozen document tower's, from the index: query-side training);
+        reader_ids/reader_mask/reader_segment_ids [B, C, Lr]; mlm_positions
+        [B, M] (positions in the reader input).
       null_document: candidate 0 is the null document.
 
     Returns:

@@ -8,12 +8,13 @@ A trainer is a config, an input, a loss and a short `train`:
 
 `Run` owns everything around the step, so the trainers cannot drift apart:
 the workdir and its exclusive lease (`core.lease`), the operative config,
-TensorBoard/JSON metrics with progress and ETA, orbax checkpoints (restored with abstract
-replicated shardings), preemption with one stop decision for all hosts,
-the checkpoint cadence, the `DONE` marker, `history.json` across restarts
-and the exit barrier. Trainer-specific work plugs in as small hooks
-(`Hooks`): a host-synchronised index swap before a step, an inline index
-refresh after a checkpoint, extra metrics and checks at a log step.
+TensorBoard/JSON metrics with progress and ETA, orbax checkpoints
+(restored with abstract replicated shardings), preemption with one stop
+decision for all hosts, the checkpoint cadence, the `DONE` marker,
+`history.json` across restarts and the exit barrier. Trainer-specific work
+plugs in as small hooks (`Hooks`): a host-synchronised index swap before a
+step, an inline index refresh after a checkpoint, extra metrics and checks
+at a log step.
 
 Workdir paths may be local or `gs://`: files go through `core.io_utils`.
 """
