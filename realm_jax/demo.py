@@ -387,7 +387,7 @@ def write_ask_gin(config: DemoConfig, paths: dict[str, str]) -> str:
   lines = [f"# `python -m realm_jax.ask --gin_file={paths['ask_gin']} "
            '"question"`: the demo\'s fine-tuned model.']
   lines += [f"include '{f}'" for f in files] + [
-      'realm.RetrieverConfig.null_score = "learned"',
+      'realm.RetrieverConfig.null_score = "learned_mean"',
       f"WORKDIR = {paths['finetune']!r}",
       f"INDEX_DIR = {checkpoints.index_root(paths['pretrain'])!r}",
       f"BLOCK_STORE = {paths['blocks']!r}"]

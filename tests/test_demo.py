@@ -123,4 +123,4 @@ def test_stage_configs_come_from_the_experiment_files(tmp_path):
   assert run.init_from.startswith("checkpoint:")
   assert run.workdir == str(tmp_path / "finetune")
   assert run.qa.reader_length == run.qa.question_length + 100
-  assert model.retriever.null_score == "learned"
+  assert model.retriever.null_score == "learned_mean"

@@ -42,8 +42,8 @@ def merge_checked(fresh: Params, imported: Params, where: str) -> Params:
     core.CheckpointMismatchError: unexpected paths or wrong shapes.
   """
   want, got = core.flatten(fresh), core.flatten(imported)
-  # Only REALM pre-training with RetrieverConfig.null_score="learned" has
-  # this scalar; a model without it (fine-tuning, QA, the other null
+  # Only REALM pre-training with a learned null score ("learned" or
+  # "learned_mean") has this scalar; a model without it (fine-tuning, QA, the other null
   # score) loads the rest of such a checkpoint.
   optional = ("retriever", "null_score_bias")
   if optional in got and optional not in want:

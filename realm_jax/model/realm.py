@@ -249,7 +249,7 @@ class Retriever(nnx.Module):
     q_len]: float32 [batch, candidates].
 
     With `null_document`, candidate 0 is the null document, scored as
-    `config.null_score` says (with "learned" its tokens are not read).
+    `config.null_score` says (a learned null score reads no tokens of it).
     `document_embeddings` [batch, candidates, dim] (query-side training,
     a frozen document tower): the candidates' embeddings from the index,
     used instead of re-embedding their tokens (no gradient reaches them);

@@ -94,7 +94,7 @@ class CollapseGuard:
         "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f over the "
         "last %d queries; the null document takes the retrieval mass and "
         "the retriever gets no gradient. Use "
-        "RetrieverConfig.null_score='learned', or a retriever whose "
+        "RetrieverConfig.null_score='learned_mean', or a retriever whose "
         "document embeddings are trained (ICT).", step, null,
         c.null_probability_warning, n)
 

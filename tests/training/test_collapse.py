@@ -121,7 +121,7 @@ def test_a_real_hub_and_the_null_trap_are_reported_once(monkeypatch):
   for step in range(40, 80):  # then the null trap
     _log(guard, step, rng.integers(0, 1000, 4), null=0.95)
   assert len(warnings) == 2, warnings
-  assert "null_score='learned'" in warnings[1]
+  assert "null_score='learned_mean'" in warnings[1]
   # Only once p(null) 0.95 fills the last 64 queries enough (>= 0.9).
   assert int(warnings[1].split("step ")[1].split(":")[0]) >= 40 + 14
 
