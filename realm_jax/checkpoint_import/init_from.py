@@ -43,8 +43,8 @@ def merge_checked(fresh: Params, imported: Params, where: str) -> Params:
   """
   want, got = core.flatten(fresh), core.flatten(imported)
   # Only REALM pre-training with a learned null score ("learned" or
-  # "learned_mean") has this scalar; a model without it (fine-tuning, QA, the other null
-  # score) loads the rest of such a checkpoint.
+  # "learned_mean") has this scalar; a model without it (fine-tuning, QA,
+  # the embedded null score) loads the rest of such a checkpoint.
   optional = ("retriever", "null_score_bias")
   if optional in got and optional not in want:
     logging.info("%s: not using %s (this model scores no null document "
