@@ -302,6 +302,7 @@ def main(argv=None) -> None:
     with open(args.table_from, encoding="utf-8") as f:
       rows = [json.loads(line) for line in f if line.strip()]
     print(table(rows))
+    print(paired_table(rows))
     if args.plot:
       plot(rows, args.plot)
     return
@@ -467,11 +468,12 @@ def main(argv=None) -> None:
     if seconds is not None:
       row["train_seconds"] = round(seconds, 1)
     rows.append(row)
-    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                       for k, v in row.items()})
-    print(line, flush=True)
+    line = {k: round(v, 4) if isinstance(v, float) else v
+            for k, v in row.items()}
+    print(json.dumps({k: v for k, v in line.items()
+                      if k != "qa_answer_rank"}), flush=True)
     if out:
-      out.write(line + "\n")
+      out.write(json.dumps(line) + "\n")
       out.flush()
 
   def evaluate_run(condition, model, ckpt_dir, seconds, every, first=0,
@@ -589,6 +591,7 @@ def main(argv=None) -> None:
   if out:
     out.close()
   print(table(rows))
+  print(paired_table(rows))
   if args.plot:
     plot(rows, args.plot)
   del jax
@@ -609,6 +612,46 @@ def table(rows) -> str:
     lines.append(f"| {r['condition']} | {r['step']} | " + " | ".join(
         f"{r[k]:.3f}" if k in r else "-" for k in keys) + " |")
   return "\n".join(lines)
+
+
+def paired_table(rows, baseline: str = "ict") -> str:
+  """Each condition's last checkpoint against the baseline's, question by
+  question: the difference in qa_recall@k and its standard error over
+  the same questions (`paired_difference`). Empty without per-question
+  ranks (real text only; jsonl written before session 28)."""
+  last = {}
+  for r in rows:
+    if "qa_answer_rank" in r:
+      last[r["condition"]] = r
+  if baseline not in last or len(last) < 2:
+    return ""
+  base = last.pop(baseline)
+  ks = [int(k.split("@")[1]) for k in base if k.startswith("qa_recall@")]
+  lines = [f"Against {baseline} (step {base['step']}), on the same "
+           f"{len(base['qa_answer_rank'])} questions (difference +- its "
+           "standard error):",
+           "| condition | step | " + " | ".join(
+               f"qa_recall@{k}" for k in ks) + " |",
+           "|---|---|" + "---|" * len(ks)]
+  for r in last.values():
+    cells = (paired_difference(
+        r["qa_answer_rank"], base["qa_answer_rank"], k) for k in ks)
+    lines.append(f"| {r['condition']} | {r['step']} | " + " | ".join(
+        f"{d:+.3f} +- {se:.3f}" for d, se in cells) + " |")
+  return "\n".join(lines)
+
+
+def paired_difference(ranks, baseline, k: int) -> tuple[float, float]:
+  """recall@k of `ranks` minus the baseline's on the same questions, and
+  that difference's standard error: the per-question differences' sample
+  std over sqrt(n) (pairing removes how much harder some questions are)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  ranks, baseline = np.asarray(ranks), np.asarray(baseline)
+  if ranks.shape != baseline.shape or ranks.ndim != 1 or len(ranks) < 2:
+    raise ValueError(f"ranks {ranks.shape} and baseline {baseline.shape}: "
+                     "one rank per question, the same questions, >= 2.")
+  d = (ranks < k).astype(np.float64) - (baseline < k)
+  return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
 
 
 def plot(rows, path: str) -> None:

@@ -5,6 +5,7 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
 
 from realm_jax.data import examples
 
@@ -112,3 +113,32 @@ def test_every_condition_binds_a_config_and_controls_differ_only_in_signal(
           "answer_spans", "shuffled_spans")
     assert configs["ideal_query_side"][0]["retriever_training"] == (
         "query_side")
+
+
+def test_paired_table_compares_each_condition_on_the_same_questions(
+    monkeypatch):
+  learning = _learning(monkeypatch)
+  # recall@5 hits: base 0 1 0 1, a 1 0 0 1: differences +1 -1 0 0.
+  base, a = [20, 0, 20, 3], [0, 5, 20, 3]
+  d, se = learning.paired_difference(a, base, 5)
+  assert d == 0.0 and abs(se - (2 / 3) ** 0.5 / 2) < 1e-12
+  assert learning.paired_difference(a, base, 21) == (0.0, 0.0)
+  with pytest.raises(ValueError, match="the same questions"):
+    learning.paired_difference(a, base[:3], 5)
+
+  def row(condition, step, ranks):
+    return {"condition": condition, "step": step, "qa_recall@1": 0.0,
+            "qa_recall@5": 0.0, "qa_answer_rank": ranks}
+  rows = [row("ict", 600, base), row("realm", 100, a),
+          row("realm", 400, [0, 0, 20, 3]),
+          {"condition": "realm", "summary": True}]
+  got = learning.paired_table(rows).splitlines()
+  assert got[0].startswith("Against ict (step 600), on the same 4 ")
+  # The last checkpoint of each condition: one question more at @1 and
+  # @5 (differences 1 0 0 0: +0.25, sample std 0.5, se 0.25).
+  assert got[3] == "| realm | 400 | +0.250 +- 0.250 | +0.250 +- 0.250 |"
+  assert len(got) == 4
+  # Rows without per-question ranks (older results) give no table.
+  assert learning.paired_table(
+      [{k: v for k, v in r.items() if k != "qa_answer_rank"}
+       for r in rows]) == ""

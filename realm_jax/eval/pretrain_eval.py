@@ -32,7 +32,10 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
 Without known evidence blocks (real text) the recall and gold-document
 metrics are left out; given open-domain questions, `qa_recall@k` is the
 share of them with an answer-bearing block among the top k (text match,
-as `qa_eval` counts it), with the same index.
+as `qa_eval` counts it), with the same index; `qa_answer_rank` lists,
+question by question, where the first such block ranks (0 = first; the
+largest k where none is in the top k), so that two checkpoints can be
+compared on the same questions.
 
 Nothing here trains; `benchmarks/learning.py` runs it on every checkpoint.
 """
@@ -109,7 +112,7 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
              trivial_candidates: str = "article",
              block_emb: np.ndarray | None = None,
              question_inputs: dict[str, np.ndarray] | None = None
-             ) -> dict[str, float]:
+             ) -> dict[str, Any]:
   """Held-out retrieval and reading metrics of one set of parameters.
 
   Args:
@@ -136,7 +139,8 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
       tensorflow_text; default: tokenized here.
 
   Returns:
-    The metrics listed in the module docstring, as floats.
+    The metrics listed in the module docstring, as floats
+    (`qa_answer_rank`: a list of ints, one per question).
 
   Raises:
     ValueError: on mismatched sizes or too small a corpus.
@@ -169,9 +173,11 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
                              num_candidates, gold, reader_length, batch_size)
   metrics["score_spread"] = spread
   if questions:
-    metrics.update(qa_recall(params, model, store, block_emb, questions,
-                              question_length, qa_ks, batch_size,
-                              question_inputs))
+    ranks = qa_answer_ranks(params, model, store, block_emb, questions,
+                            question_length, max(qa_ks), batch_size,
+                            question_inputs)
+    metrics.update(recall_at(ranks, qa_ks))
+    metrics["qa_answer_rank"] = ranks.tolist()
   return metrics
 
 
@@ -257,6 +263,25 @@ def qa_recall(params, model, store, block_emb, questions,
   `block_emb` [len(store), D] are the blocks' embeddings (an index's, or
   `embed_block_store`'s). Returns {"qa_recall@k": share} for k in `ks`.
   """
+  return recall_at(qa_answer_ranks(params, model, store, block_emb,
+                                   questions, question_length, max(ks),
+                                   batch_size, question_inputs), ks)
+
+
+def recall_at(ranks: np.ndarray, ks: Sequence[int]) -> dict[str, float]:
+  """{"qa_recall@k": share of `ranks` below k} for k in `ks`."""
+  return {f"qa_recall@{k}": float(np.mean(np.asarray(ranks) < k))
+          for k in ks}
+
+
+def qa_answer_ranks(params, model, store, block_emb, questions,
+                    question_length: int = 32, depth: int = 20,
+                    batch_size: int = 64,
+                    question_inputs: dict[str, np.ndarray] | None = None
+                    ) -> np.ndarray:
+  """Per question, the rank of the first answer-bearing block (0 = the
+  top block) among the top `depth`; `depth` where none of them holds an
+  answer. Arguments as `qa_recall`'s."""
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
   q = question_inputs or qa_inputs.tokenize_questions(
@@ -270,9 +295,8 @@ def qa_recall(params, model, store, block_emb, questions,
       params, q["question_ids"][s], q["question_mask"][s]))},
                    len(questions), batch_size)["e"]
   scores = emb.astype(np.float64) @ block_emb.astype(np.float64).T
-  top = np.argsort(-scores, axis=1, kind="stable")[:, :max(ks)]
+  top = np.argsort(-scores, axis=1, kind="stable")[:, :depth]
   found = np.stack([qa_lib.has_answer_batch(
       [store.text(int(b)) for b in row], e.answers, e.is_regex)
                     for row, e in zip(top, questions)])
-  first = np.where(found.any(1), np.argmax(found, 1), len(found[0]))
-  return {f"qa_recall@{k}": float(np.mean(first < k)) for k in ks}
+  return np.where(found.any(1), np.argmax(found, 1), depth)

@@ -155,6 +155,14 @@ def test_real_text_mode_and_qa_recall(world):
   for k in (1, 5):
     want = np.mean(found[:, :k].any(1))
     assert abs(got[f"qa_recall@{k}"] - want) <= near_tie.mean() + 1e-9
+  # Question by question: where the first answer-bearing block ranks, 5
+  # (the largest k) where none of the top 5 holds one.
+  rank = got["qa_answer_rank"]
+  assert len(rank) == len(questions) and all(type(r) is int for r in rank)
+  want = np.where(found[:, :5].any(1), np.argmax(found[:, :5], 1), 5)
+  assert np.all((np.asarray(rank) == want) | near_tie), (rank, want)
+  assert pretrain_eval.recall_at(rank, (1, 5)) == {
+      k: got[k] for k in ("qa_recall@1", "qa_recall@5")}
   # Questions tokenized beforehand (a host without tensorflow_text) give
   # the same recall; a tokenization of another length is refused.
   given = pretrain_eval.qa_recall(params, model, store, docs, questions, 16,
