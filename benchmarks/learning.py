@@ -680,6 +680,9 @@ def plot(rows, path: str) -> None:
   pretrained = {r["condition"]: r["reader_mlm"]["curve"] for r in rows
                 if r.get("reader_mlm")}
   rows = [r for r in rows if "summary" not in r]
+  if paired_table(rows):
+    panels += (("paired", "qa_recall@5 minus ICT's, on the same "
+                "questions (+- 1 s.e.)"),)
   panels += ((("reader_mlm", "reader masked-LM: held-out accuracy"),
               ("reader_mlm_utility", "reader masked-LM: neighbour utility "
                "(nats)")) if pretrained else ()) + (
@@ -701,6 +704,9 @@ def plot(rows, path: str) -> None:
   axes = axes.flat
   conditions = list(dict.fromkeys(r["condition"] for r in rows))
   for ax, (key, title) in zip(axes, panels):
+    if key == "paired":
+      _plot_paired(ax, rows, conditions, title)
+      continue
     if key in ("gate", "gate_z"):
       for c, decisions in gates.items():
         ax.plot([d["step"] for d in decisions],
@@ -772,6 +778,24 @@ def plot(rows, path: str) -> None:
   axes[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
+
+
+
+def _plot_paired(ax, rows, conditions, title: str, k: int = 5) -> None:
+  """Each checkpoint's qa_recall@k minus ICT's last, question by question,
+  with one standard error (`paired_difference`)."""
+  base = [r for r in rows if r["condition"] == "ict"][-1]["qa_answer_rank"]
+  for c in conditions:
+    pts = [(r["step"], *paired_difference(r["qa_answer_rank"], base, k))
+           for r in rows if r["condition"] == c and "qa_answer_rank" in r]
+    if c in ("init", "ict") or not pts:
+      continue
+    steps, d, se = zip(*pts)
+    ax.errorbar(steps, d, yerr=se, marker="o", markersize=3, capsize=2,
+                label=c, color=f"C{conditions.index(c) % 10}")
+  ax.axhline(0.0, color="black", linestyle="--", linewidth=1)
+  ax.set_title(title)
+  ax.set_xlabel("REALM step")
 
 
 if __name__ == "__main__":
