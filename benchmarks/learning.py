@@ -301,8 +301,7 @@ def main(argv=None) -> None:
   if args.table_from:
     with open(args.table_from, encoding="utf-8") as f:
       rows = [json.loads(line) for line in f if line.strip()]
-    print(table(rows))
-    print(paired_table(rows))
+    print("\n\n".join(filter(None, (table(rows), paired_table(rows)))))
     if args.plot:
       plot(rows, args.plot)
     return
@@ -590,8 +589,7 @@ def main(argv=None) -> None:
     run(condition)
   if out:
     out.close()
-  print(table(rows))
-  print(paired_table(rows))
+  print("\n\n".join(filter(None, (table(rows), paired_table(rows)))))
   if args.plot:
     plot(rows, args.plot)
   del jax
@@ -780,11 +778,11 @@ def plot(rows, path: str) -> None:
   fig.savefig(path, dpi=90)
 
 
-
 def _plot_paired(ax, rows, conditions, title: str, k: int = 5) -> None:
   """Each checkpoint's qa_recall@k minus ICT's last, question by question,
   with one standard error (`paired_difference`)."""
-  base = [r for r in rows if r["condition"] == "ict"][-1]["qa_answer_rank"]
+  base = [r for r in rows if r["condition"] == "ict"
+          and "qa_answer_rank" in r][-1]["qa_answer_rank"]
   for c in conditions:
     pts = [(r["step"], *paired_difference(r["qa_answer_rank"], base, k))
            for r in rows if r["condition"] == c and "qa_answer_rank" in r]
