@@ -617,10 +617,7 @@ def paired_table(rows, baseline: str = "ict") -> str:
   question: the difference in qa_recall@k and its standard error over
   the same questions (`paired_difference`). Empty without per-question
   ranks (real text only; jsonl written before session 28)."""
-  last = {}
-  for r in rows:
-    if "qa_answer_rank" in r:
-      last[r["condition"]] = r
+  last = _last_ranked(rows)
   if baseline not in last or len(last) < 2:
     return ""
   base = last.pop(baseline)
@@ -637,6 +634,11 @@ def paired_table(rows, baseline: str = "ict") -> str:
     lines.append(f"| {r['condition']} | {r['step']} | " + " | ".join(
         f"{d:+.3f} +- {se:.3f}" for d, se in cells) + " |")
   return "\n".join(lines)
+
+
+def _last_ranked(rows) -> dict:
+  """Each condition's last row with per-question ranks, by condition."""
+  return {r["condition"]: r for r in rows if "qa_answer_rank" in r}
 
 
 def paired_difference(ranks, baseline, k: int) -> tuple[float, float]:
@@ -678,7 +680,8 @@ def plot(rows, path: str) -> None:
   pretrained = {r["condition"]: r["reader_mlm"]["curve"] for r in rows
                 if r.get("reader_mlm")}
   rows = [r for r in rows if "summary" not in r]
-  if paired_table(rows):
+  ranked = _last_ranked(rows)
+  if "ict" in ranked and len(ranked) > 1:  # (as paired_table)
     panels += (("paired", "qa_recall@5 minus ICT's, on the same "
                 "questions (+- 1 s.e.)"),)
   panels += ((("reader_mlm", "reader masked-LM: held-out accuracy"),
@@ -781,8 +784,7 @@ def plot(rows, path: str) -> None:
 def _plot_paired(ax, rows, conditions, title: str, k: int = 5) -> None:
   """Each checkpoint's qa_recall@k minus ICT's last, question by question,
   with one standard error (`paired_difference`)."""
-  base = [r for r in rows if r["condition"] == "ict"
-          and "qa_answer_rank" in r][-1]["qa_answer_rank"]
+  base = _last_ranked(rows)["ict"]["qa_answer_rank"]
   for c in conditions:
     pts = [(r["step"], *paired_difference(r["qa_answer_rank"], base, k))
            for r in rows if r["condition"] == c and "qa_answer_rank" in r]
