@@ -3,7 +3,7 @@
 Retriever: Embed(x) = LayerNorm(Dense_128(pool(BERT(x)))) and
 f(x, z) = Embed(x) . Embed(z). The pooling is configurable: REALM's tanh
 pooler over [CLS] for the released checkpoints, mean pooling for
-sentence-embedding initialisations such as MiniLM (BUILD.md, design notes).
+sentence-embedding initialisations such as MiniLM (docs/design.md).
 
 Reader: BERT over `[CLS] x [SEP] z_body [SEP]` with
 - an MLM head (dense + GELU + LayerNorm, output embeddings tied to the word
