@@ -151,8 +151,10 @@ class PublishFailedError(RuntimeError):
   """An index could not be written after every retry."""
 
 
-def _retrying(fn: Callable[[], Any], what: str, config: IndexBuildConfig):
-  """fn(), retried on filesystem errors with exponential backoff."""
+def _retrying(fn: Callable[[], Any], what: str, config: IndexBuildConfig,
+              on_retry: Callable[[str], None] | None = None):
+  """fn(), retried on filesystem errors with exponential backoff;
+  `on_retry` hears each failure that will be retried."""
   for attempt in range(1, config.publish_attempts + 1):
     try:
       return fn()
@@ -165,6 +167,9 @@ def _retrying(fn: Callable[[], Any], what: str, config: IndexBuildConfig):
       delay = min(60.0, config.retry_seconds * 2 ** (attempt - 1))
       logging.warning("%s failed (%r); attempt %d of %d in %.1f s", what, e,
                       attempt + 1, config.publish_attempts, delay)
+      if on_retry:
+        on_retry(f"{what} failed ({e!r}); attempt {attempt + 1} of "
+                 f"{config.publish_attempts} in {delay:.0f} s")
       time.sleep(delay)
 
 
@@ -172,8 +177,12 @@ def build_and_publish(*, retriever_params: Any,
                       retriever_config: RetrieverConfig, store, root: str,
                       step: int,
                       config: IndexBuildConfig = IndexBuildConfig(),
-                      devices=None) -> str:
+                      devices=None,
+                      progress: publish.BuildProgress | None = None) -> str:
   """Embeds the store with `retriever_params` and publishes index `step`.
+
+  `progress` (the builder job's process 0) records how far it got, for a
+  trainer that waits on it.
 
   With several processes (a multi-host builder), each host embeds its
   contiguous share of the rows on its local devices and writes it to
@@ -187,7 +196,7 @@ def build_and_publish(*, retriever_params: Any,
       retriever_params, retriever_config, store,
       batch_size_per_device=config.batch_size_per_device,
       bfloat16=config.bfloat16, devices=devices, process_index=index,
-      process_count=count)
+      process_count=count, on_progress=progress and progress.on_embedded)
   shard_dir = io_utils.join(root, f".tmp-shards-{int(step)}")
   if count > 1:
     buffer = io.BytesIO()
@@ -208,7 +217,7 @@ def build_and_publish(*, retriever_params: Any,
         embeddings=embeddings, store=store, root=root, step=step,
         config=config,
         params_sha256=publish.params_checksum(retriever_params),
-        start_time=start,
+        start_time=start, progress=progress,
         extra={"blocks_per_second": round(stats.blocks_per_second * count,
                                           2), "hosts": count})
     if count > 1:
@@ -222,7 +231,8 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
                        step: int,
                        config: IndexBuildConfig = IndexBuildConfig(),
                        params_sha256: str = "", start_time: float | None
-                       = None, extra: dict[str, Any] | None = None) -> str:
+                       = None, extra: dict[str, Any] | None = None,
+                       progress: publish.BuildProgress | None = None) -> str:
   """Builds a searcher over given embeddings and publishes it.
 
   Also the path for an imported `block_emb` (REALM's encoded.ckpt): the
@@ -235,6 +245,8 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
         "blocks; row i must be block i (use the block store built from the "
         "same corpus).")
   start_time = start_time or time.time()
+  if progress:
+    progress.write("publishing")
   t = time.time()
   searcher = searchers.build_searcher(embeddings, config.searcher,
                                       **dict(config.searcher_config))
@@ -244,7 +256,8 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
       corpus_fingerprint=store.fingerprint, params_sha256=params_sha256,
       build_seconds=time.time() - start_time, keep=config.keep,
       extra=dict(extra or {}, searcher_build_seconds=round(build, 3))),
-                   f"publishing index {step} to {root}", config)
+                   f"publishing index {step} to {root}", config,
+                   on_retry=progress and progress.retrying)
   logging.info("published index %d (%d rows) to %s in %.1f s", step,
                embeddings.shape[0], path, time.time() - start_time)
   return path
@@ -362,10 +375,11 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
                       type(e).__name__, e)
       follower.give_up(step)
       continue
-    path = build_and_publish(retriever_params=params,
-                             retriever_config=trained_with, store=store,
-                             root=root, step=step, config=config.index_build,
-                             devices=devices)
+    path = build_and_publish(
+        retriever_params=params, retriever_config=trained_with, store=store,
+        root=root, step=step, config=config.index_build, devices=devices,
+        progress=(publish.BuildProgress(root, step)
+                  if jax.process_index() == 0 else None))
     out.append(step)
     if on_publish:
       on_publish(step, path)

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -84,6 +84,29 @@ class EmbedStats:
     return self.rows / max(self.seconds, 1e-9)
 
 
+def _embedder(retriever_params: Any, retriever_config: RetrieverConfig,
+              bfloat16: bool, devices):
+  """(mesh, the jitted document tower, its replicated parameters)."""
+  if bfloat16:
+    retriever_config = dataclasses.replace(
+        retriever_config,
+        bert=dataclasses.replace(retriever_config.bert, dtype="bfloat16"))
+  mesh = parallel.make_mesh(devices or jax.local_devices())
+  return (mesh, make_embed_fn(retriever_config, mesh),
+          jax.device_put(retriever_params, parallel.replicated(mesh)))
+
+
+def _embed_rows(embed, params, mesh, store, ids: np.ndarray, batch: int,
+                seq_len: int) -> np.ndarray:
+  """The embeddings of blocks `ids` (at most one batch, padded to it)."""
+  padded = np.pad(ids, (0, batch - len(ids)), mode="edge")
+  inputs = store.retriever_inputs(padded, seq_len)
+  sharding = parallel.data_sharded(mesh)
+  emb = embed(params, *(jax.device_put(inputs[k], sharding) for k in
+                        ("token_ids", "input_mask", "segment_ids")))
+  return np.asarray(emb)[:len(ids)]
+
+
 def embed_block_store(
     retriever_params: Any,
     retriever_config: RetrieverConfig,
@@ -96,6 +119,7 @@ def embed_block_store(
     process_index: int = 0,
     process_count: int = 1,
     log_every_seconds: float = 0.5,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, EmbedStats]:
   """Embeds this host's share of the blocks.
 
@@ -110,17 +134,14 @@ def embed_block_store(
       shows a progress bar (blocks done / total, blocks/s, ETA) on stderr
       when that is a terminal, and every host logs its rate at the end.
     log_every_seconds: the bar's refresh period.
+    on_progress: called with (rows embedded, rows of this host) after each
+      batch (the builder's `publish.BuildProgress`).
 
   Returns:
     (embeddings float32 [rows of this host, dim], stats).
   """
-  if bfloat16:
-    retriever_config = dataclasses.replace(
-        retriever_config,
-        bert=dataclasses.replace(retriever_config.bert, dtype="bfloat16"))
-  mesh = parallel.make_mesh(devices or jax.local_devices())
-  embed = make_embed_fn(retriever_config, mesh)
-  params = jax.device_put(retriever_params, parallel.replicated(mesh))
+  mesh, embed, params = _embedder(retriever_params, retriever_config,
+                                  bfloat16, devices)
   seq_len = seq_len or store.max_block_len
   lo, hi = host_row_range(len(store), process_index, process_count)
   batch = batch_size_per_device * mesh.size
@@ -130,15 +151,15 @@ def embed_block_store(
   bar = tqdm.tqdm(total=hi - lo, desc="embedding blocks", unit="block",
                   file=sys.stderr, mininterval=log_every_seconds,
                   disable=None if process_index == 0 else True)
+  if on_progress:
+    on_progress(0, hi - lo)
   for first in range(lo, hi, batch):
     ids = np.arange(first, min(hi, first + batch))
-    padded = np.pad(ids, (0, batch - len(ids)), mode="edge")
-    inputs = store.retriever_inputs(padded, seq_len)
-    sharding = parallel.data_sharded(mesh)
-    emb = embed(params, *(jax.device_put(inputs[k], sharding) for k in
-                          ("token_ids", "input_mask", "segment_ids")))
-    out[first - lo:first - lo + len(ids)] = np.asarray(emb)[:len(ids)]
+    out[first - lo:first - lo + len(ids)] = _embed_rows(
+        embed, params, mesh, store, ids, batch, seq_len)
     bar.update(len(ids))
+    if on_progress:
+      on_progress(first - lo + len(ids), hi - lo)
   bar.close()
   stats = EmbedStats(rows=hi - lo, seconds=time.time() - start)
   logging.info("embedded %d blocks (host %d/%d) in %.1f s, %.1f blocks/s",

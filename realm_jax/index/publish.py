@@ -8,6 +8,7 @@ Layout under an index root (usually `<workdir>/index`, local or `gs://`):
   <step>/embeddings.npy    [rows, dim]; row i = block i of the block store
   <step>/searcher/         the serialized searcher
   LATEST                   the step of the newest published index
+  .progress.json           the index builder's progress (`BuildProgress`)
 
 The commit point is LATEST alone, because object stores (GCS) have no
 atomic directory rename: publication writes the files into `<step>/`
@@ -31,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -40,6 +42,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
+from realm_jax.core import lease as lease_lib
 from realm_jax.index import search_base, searchers
 
 LATEST = "LATEST"
@@ -47,6 +50,12 @@ MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
 SEARCHER_DIR = "searcher"
 _TMP_PREFIX = ".tmp-"
+PROGRESS = ".progress.json"
+# An embedding builder that has not recorded a batch for this long counts
+# as stuck (the lease's own bound; a batch takes seconds, the first one's
+# compilation under a minute on 2 loaded cores). A searcher build records
+# nothing until it ends (ScaNN over millions of rows takes minutes).
+PROGRESS_STALE_SECONDS = lease_lib.STALE_SECONDS
 # Local cached copies of remote indices kept per index root (the live one
 # and the previous; an evicted copy stays readable by whoever mapped it).
 _CACHED_INDICES = 2
@@ -516,6 +525,89 @@ def load_frozen_index(index_dir: PathLike, store, model, *,
   return index
 
 
+class BuildProgress:
+  """The index builder's progress on one index, in `<root>/.progress.json`.
+
+  Written by the builder's process 0 (JSON, atomically) as it embeds the
+  corpus (`on_embedded`, at most every `every_seconds`), builds and
+  publishes, or retries a failed publication (`retrying`), so that a
+  trainer waiting for an index can tell a builder at work from one that is
+  gone or failing (`IndexWatcher.wait_for_index`).
+  """
+
+  def __init__(self, index_root: PathLike, step: int, *,
+               every_seconds: float = 5.0):
+    self.path = io_utils.join(index_root, PROGRESS)
+    self.step, self.every_seconds = int(step), every_seconds
+    self._written = 0.0
+
+  def write(self, stage: str, done: int = 0, total: int = 0,
+            error: str = "") -> None:
+    record = {"step": self.step, "stage": stage, "done": int(done),
+              "total": int(total), "error": error, "pid": os.getpid(),
+              "host": socket.gethostname(), "updated": time.time()}
+    try:
+      io_utils.atomic_write_text(self.path, json.dumps(record))
+    except OSError as e:  # Progress is advice: never fail a build on it.
+      logging.warning("could not write %s: %s", self.path, e)
+    self._written = time.time()
+
+  def on_embedded(self, done: int, total: int) -> None:
+    if done >= total or time.time() - self._written >= self.every_seconds:
+      self.write("embedding", done, total)
+
+  def retrying(self, error: str) -> None:
+    self.write("retrying", error=error)
+
+
+def read_progress(index_root: PathLike) -> dict[str, Any] | None:
+  """The builder's last `BuildProgress` record, or None (missing, a link,
+  or not such a record)."""
+  path = io_utils.join(index_root, PROGRESS)
+  try:
+    io_utils.check_no_links(path, index_root)
+    record = json.loads(io_utils.read_text(path))
+  except (OSError, ValueError, io_utils.LinkRefusedError):
+    return None
+  keys = {"step": int, "stage": str, "done": int, "total": int,
+          "error": str, "pid": int, "host": str, "updated": float}
+  if not isinstance(record, dict) or not all(
+      isinstance(record.get(k), (int, float) if t is float else t)
+      for k, t in keys.items()):
+    return None
+  return record
+
+
+def builder_status(index_root: PathLike) -> tuple[bool, str]:
+  """(at work, what the index builder is doing) for a waiting trainer.
+
+  At work: the job holding the index root's lease (`core.lease`) wrote
+  the progress record, is not retrying a failed publication, and, while
+  embedding, recorded a batch within `PROGRESS_STALE_SECONDS`. Otherwise
+  the text says what is wrong.
+  """
+  holder = lease_lib.live_holder(index_root)
+  if holder is None:
+    return False, "no live index builder holds its lease"
+  who = f"the {holder.describe(heartbeat=False)}"
+  record = read_progress(index_root)
+  if record is None or (holder.pid, holder.host) != (record["pid"],
+                                                     record["host"]):
+    return False, f"{who} has reported no progress"
+  age = time.time() - record["updated"]
+  if record["stage"] == "retrying":
+    return False, (f"{who} is retrying a failed publication of index "
+                   f"{record['step']}: {record['error']}")
+  if record["stage"] == "embedding" and age >= PROGRESS_STALE_SECONDS:
+    return False, f"{who} has reported no progress for {age:.0f} s"
+  doing = f"building index {record['step']} ({record['stage']})"
+  if record["stage"] == "embedding" and record["total"]:
+    doing = (f"embedding the corpus for index {record['step']}: "
+             f"{record['done']:,} of {record['total']:,} blocks "
+             f"({100 * record['done'] / record['total']:.0f}%)")
+  return True, f"{who} is {doing} ({age:.0f} s ago)"
+
+
 class IndexWatcher:
   """Trainer side: loads new indices in the background, swaps between steps.
 
@@ -616,12 +708,25 @@ class IndexWatcher:
             "PretrainConfig.index_mode=\"inline\" "
             "(--gin.pretrain.PretrainConfig.index_mode=\"'inline'\").")
 
+  def _report_wait(self, seconds: float) -> None:
+    """INFO while a live builder makes progress; else a WARNING with why."""
+    at_work, builder = builder_status(self.index_root)
+    if at_work and not self.rejected:
+      logging.info("Index watcher: waiting %.0f s for the first index under "
+                   "%s: %s.", seconds, self.index_root, builder)
+    else:
+      logging.warning("Index watcher: no index to serve after %.0f s "
+                      "under %s (%s): %s", seconds, self.index_root,
+                      builder, self._waiting_for())
+
   def wait_for_index(self, timeout: float | None = None,
                      report_seconds: float = 30.0) -> PublishedIndex:
     """Blocks until an index is available (the first one), then swaps it in.
 
-    Says what it waits for every `report_seconds` (each rejected index is
-    logged with its reason as the poll rejects it).
+    Says what it waits for every `report_seconds`: at INFO while the index
+    builder holding the root's lease reports progress (`builder_status`),
+    else a WARNING with the ways out (each rejected index is also logged
+    with its reason as the poll rejects it).
 
     Raises:
       TimeoutError: no valid index within `timeout` seconds; names every
@@ -639,9 +744,7 @@ class IndexWatcher:
         raise TimeoutError(f"No valid index under {self.index_root} after "
                            f"{timeout} s: {self._waiting_for()}")
       if now >= next_report:
-        logging.warning("Index watcher: no index to serve after %.0f s "
-                        "under %s: %s", now - start, self.index_root,
-                        self._waiting_for())
+        self._report_wait(now - start)
         next_report = now + report_seconds
       self._new.wait(min(self.poll_seconds, remaining or self.poll_seconds))
     return self._current

@@ -194,6 +194,41 @@ def test_builder_publishes_a_sharded_scann_index(store, tmp_path):
       ids, np.argsort(-(queries @ emb.T), axis=1, kind="stable")[:, :4])
 
 
+class _Recorded(publish.BuildProgress):
+  """The builder's progress record, every write also kept in order."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.writes = []
+
+  def write(self, stage, done=0, total=0, error=""):
+    self.writes.append((stage, done, total))
+    super().write(stage, done, total, error)
+
+
+def test_a_build_records_its_progress_for_a_waiting_trainer(store, tmp_path):
+  """Issue 48: the builder records how far it got (blocks embedded, then
+  publishing) in the index root, where a waiting trainer's watcher reads
+  it; the record names this process."""
+  root = str(tmp_path / "index")
+  progress = _Recorded(root, 5, every_seconds=0.0)
+  builder.build_and_publish(
+      retriever_params=_params(0)["retriever"],
+      retriever_config=CONFIG.retriever, store=store, root=root, step=5,
+      config=dataclasses.replace(EXACT, batch_size_per_device=1),
+      progress=progress)
+  n = len(store)
+  embedded = [w for w in progress.writes if w[0] == "embedding"]
+  assert embedded[0] == ("embedding", 0, n)
+  assert embedded[-1] == ("embedding", n, n)
+  assert [d for _, d, _ in embedded] == sorted(d for _, d, _ in embedded)
+  assert progress.writes[-1][0] == "publishing"
+  record = publish.read_progress(root)
+  assert (record["step"], record["stage"], record["pid"]) == (
+      5, "publishing", os.getpid())
+  assert publish.read_latest(root) == 5
+
+
 def test_publication_retries_then_fails_loudly(store, tmp_path,
                                                monkeypatch):
   """Transient write errors are retried; persistent ones end the job with
@@ -223,8 +258,12 @@ def test_publication_retries_then_fails_loudly(store, tmp_path,
   monkeypatch.setattr(publish, "publish_index", broken)
   with pytest.raises(builder.PublishFailedError, match="failed 3 times"):
     builder.publish_embeddings(embeddings=emb, store=store, root=root, step=1,
-                               config=config)
+                               config=config,
+                               progress=publish.BuildProgress(root, 1))
   assert publish.read_latest(root) == 0
+  # A waiting trainer hears that the builder is failing, and why.
+  record = publish.read_progress(root)
+  assert record["stage"] == "retrying" and "No space left" in record["error"]
 
 
 def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,

@@ -6,6 +6,9 @@ import multiprocessing
 import os
 import pathlib
 import pickle
+import re
+import socket
+import subprocess
 import threading
 import time
 import types
@@ -13,6 +16,7 @@ import types
 import numpy as np
 import pytest
 
+from realm_jax.core import lease as lease_lib
 from realm_jax.index import publish, searchers
 
 FINGERPRINT = "corpus-abc"
@@ -256,6 +260,108 @@ def test_waiting_for_an_index_says_why_and_the_way_out(tmp_path, caplog):
              if "no index to serve after" in r.getMessage()]
   assert waiting and "index 3: " in waiting[0]
   assert 'index_mode="inline"' in waiting[0]
+
+
+def _hear_the_wait(root, caplog, timeout):
+  """The watcher's reports while it waits (INFO and up), and its error."""
+  watcher = publish.IndexWatcher(
+      root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=0.02)
+  error = None
+  try:
+    with caplog.at_level(logging.INFO):
+      watcher.wait_for_index(timeout=timeout, report_seconds=0.1)
+  except TimeoutError as e:
+    error = e
+  finally:
+    watcher.close()
+  said = [(r.levelno, r.getMessage()) for r in caplog.records
+          if r.getMessage().startswith("Index watcher: ") and (
+              "waiting" in r.getMessage() or "no index" in r.getMessage())]
+  return said, error
+
+
+def test_a_progressing_builder_is_reported_at_info(tmp_path, caplog):
+  """Issue 48: the demo's trainer waited for index 0 while the builder
+  beside it embedded the corpus, and said WARNING. A builder that holds
+  the index root's lease and records its progress is reported at INFO,
+  with that progress."""
+  root = str(tmp_path / "index")
+  progress = publish.BuildProgress(root, 0, every_seconds=0.0)
+  progress.on_embedded(0, 100)
+  stop = threading.Event()
+
+  def build():
+    for done in range(1, 101):
+      if stop.wait(0.01):
+        return
+      progress.on_embedded(done, 100)
+    _publish(root, 0)
+
+  with lease_lib.Lease(root, job="index builder"):
+    builder = threading.Thread(target=build)
+    builder.start()
+    try:
+      said, error = _hear_the_wait(root, caplog, timeout=60)
+    finally:
+      stop.set()
+      builder.join()
+  assert error is None
+  assert said and all(level == logging.INFO for level, _ in said), said
+  assert "index builder (pid" in said[0][1]
+  assert re.search(r"embedding the corpus for index 0: \d+ of 100 blocks",
+                   said[0][1]), said[0][1]
+
+
+def _dead_pid():
+  child = subprocess.Popen(["true"])
+  child.wait()
+  return child.pid
+
+
+@pytest.mark.parametrize("builder", ["none", "dead", "stuck", "retrying"])
+def test_a_gone_stuck_or_failing_builder_still_warns(tmp_path, caplog,
+                                                      builder):
+  """No builder, a dead one (its lease and progress name a pid that is
+  gone), one that stopped recording batches, or one retrying a failed
+  publication: the wait is reported as a WARNING saying which."""
+  root = str(tmp_path / "index")
+  os.makedirs(root)
+  lease = None
+  if builder == "dead":
+    pid = _dead_pid()
+    record = {"job": "index builder", "host": socket.gethostname(),
+              "pid": pid, "token": "t", "started": time.time(),
+              "heartbeat": time.time()}
+    pathlib.Path(root, lease_lib.LEASE_FILE).write_text(json.dumps(record))
+    progress = publish.BuildProgress(root, 0)
+    progress.on_embedded(10, 100)
+    data = json.loads(pathlib.Path(root, publish.PROGRESS).read_text())
+    pathlib.Path(root, publish.PROGRESS).write_text(
+        json.dumps(dict(data, pid=pid)))
+  elif builder in ("stuck", "retrying"):
+    lease = lease_lib.Lease(root, job="index builder").acquire()
+    progress = publish.BuildProgress(root, 0)
+    if builder == "retrying":
+      progress.retrying("publishing index 0 failed (OSError 28)")
+    else:
+      progress.on_embedded(10, 100)
+      data = json.loads(pathlib.Path(root, publish.PROGRESS).read_text())
+      pathlib.Path(root, publish.PROGRESS).write_text(json.dumps(dict(
+          data, updated=time.time() - publish.PROGRESS_STALE_SECONDS - 5)))
+  try:
+    said, error = _hear_the_wait(root, caplog, timeout=0.5)
+  finally:
+    if lease:
+      lease.release()
+  assert isinstance(error, TimeoutError)
+  assert said and all(level == logging.WARNING for level, _ in said), said
+  why = {"none": "no live index builder holds its lease",
+         "dead": "no live index builder holds its lease",
+         "stuck": "has reported no progress for",
+         "retrying": "is retrying a failed publication of index 0: "
+                     "publishing index 0 failed (OSError 28)"}[builder]
+  assert why in said[0][1], said[0][1]
+  assert 'index_mode="inline"' in said[0][1]
 
 
 class _PlantedPickle:
