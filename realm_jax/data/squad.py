@@ -225,6 +225,28 @@ def question_lines(questions: Iterable[SquadQuestion]) -> str:
                             ensure_ascii=False) + "\n" for q in questions)
 
 
+def read_paragraphs_jsonl(path: io_utils.PathLike) -> list[SquadParagraph]:
+  """Reads `corpus_lines`' JSONL back.
+
+  Raises:
+    SquadFormatError: a line without a string "id", "title" or "text".
+  """
+  path = os.fspath(path)
+  out = []
+  for number, line in enumerate(io_utils.read_text(path).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise SquadFormatError(f"{path}: line {number}: invalid JSON "
+                             f"({e.msg}).") from None
+    where = f"line {number}"
+    out.append(SquadParagraph(*(_field(record, key, str, where, path)
+                                for key in ("id", "title", "text"))))
+  return out
+
+
 def read_questions_jsonl(path: io_utils.PathLike) -> list[SquadQuestion]:
   """Reads `question_lines`' JSONL back, strictly.
 
@@ -251,7 +273,9 @@ def read_questions_jsonl(path: io_utils.PathLike) -> list[SquadQuestion]:
 
 
 def _squeezed(text: str) -> str:
-  return " ".join(text.split())
+  # Without any whitespace: a long sentence cut between two blocks may be
+  # cut where the text has none ("BWV 38" | ", later").
+  return "".join(text.split())
 
 
 def paragraph_blocks(store, paragraphs: Sequence[SquadParagraph]
@@ -260,7 +284,7 @@ def paragraph_blocks(store, paragraphs: Sequence[SquadParagraph]
 
   A store document is a paragraph's when it has the paragraph's title and
   its blocks' texts, joined, are the paragraph's text (whitespace
-  collapsed: blocks cover every non-whitespace character of a document).
+  ignored: blocks cover every non-whitespace character of a document).
   The store may hold other documents too (e.g. other articles' leads).
   Paragraphs with the same title and text share their blocks.
 
@@ -283,8 +307,8 @@ def paragraph_blocks(store, paragraphs: Sequence[SquadParagraph]
   found: dict[str, np.ndarray] = {}
   for d in range(store.num_documents):
     lo, hi = int(offsets[d]), int(offsets[d + 1])
-    key = (store.title(lo), " ".join(_squeezed(store.text(b))
-                                     for b in range(lo, hi)))
+    key = (store.title(lo), "".join(_squeezed(store.text(b))
+                                    for b in range(lo, hi)))
     for paragraph_id in wanted.get(key, ()):
       found[paragraph_id] = np.arange(lo, hi, dtype=np.int64)
   missing = [p.id for p in paragraphs if p.id not in found]

@@ -77,6 +77,9 @@ def test_jsonl_round_trip(tmp_path):
   assert squad.read_questions_jsonl(path) == data.questions
   lines = [json.loads(x) for x in squad.corpus_lines(
       data.paragraphs).splitlines()]
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text(squad.corpus_lines(data.paragraphs), encoding="utf-8")
+  assert squad.read_paragraphs_jsonl(corpus) == data.paragraphs
   assert lines[2] == {"title": "Tallin\u00e9 Fort, Kessar",
                       "text": data.paragraphs[2].text,
                       "id": "Tallin%C3%A9_Fort,_Kessar#0"}
@@ -92,6 +95,10 @@ def test_read_questions_jsonl_needs_the_gold_paragraph(tmp_path):
 
 def test_paragraph_blocks_in_a_store_with_other_documents(tmp_path):
   data = squad.read_squad(_fixture("tiny_v1.json"))
+  # One sentence longer than a block, cut where the text has no space
+  # ("mapped" | ",by").
+  data.paragraphs.append(squad.SquadParagraph("Long#0", "Long", " ".join(
+      f"lake{i},river{i},hill{i}" for i in range(12)) + "."))
   other = {"title": "Lake Vostrel", "text": "Lake Vostrel is a lake. " * 30}
   corpus = tmp_path / "corpus.jsonl"
   corpus.write_text(json.dumps(other) + "\n" +
@@ -106,8 +113,9 @@ def test_paragraph_blocks_in_a_store_with_other_documents(tmp_path):
   for p in data.paragraphs:
     ids = blocks[p.id]
     assert ids.min() >= first_other  # never the other "Lake Vostrel" doc
-    assert " ".join(store.text(int(b)) for b in ids).split() == p.text.split()
+    assert "".join(store.text(int(b)) for b in ids).replace(" ", "") == \
+        p.text.replace(" ", "")
   assert len(blocks["Lake_Vostrel#0"]) > 1  # 24 wordpieces: split
   missing = squad.SquadParagraph("X#0", "X", "Not in the store.")
-  with pytest.raises(ValueError, match="1 of 4 paragraphs .* 'X#0'"):
+  with pytest.raises(ValueError, match="1 of 5 paragraphs .* 'X#0'"):
     squad.paragraph_blocks(store, [*data.paragraphs, missing])
