@@ -98,9 +98,11 @@ def dense_ranking(params: dict[str, Any], model: RealmConfig, index,
   `Realm` of `model`) over a published index (`publish.PublishedIndex`).
 
   Returns:
-    (ids int64 [Q, depth], scores float32 [Q, depth]) as the index returns
-    them (inner products, best first).
+    (ids int64 [Q, d], scores float32 [Q, d]) as the index returns them
+    (inner products, best first); d = `depth`, or every row of a smaller
+    index.
   """
+  depth = min(depth, int(index.manifest["rows"]))
   graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
   embed_queries = embed_lib.make_query_embedder(graphdef, None)
   q = qa_inputs.tokenize_questions(Tokenizer(), list(questions),

@@ -1,0 +1,77 @@
+"""benchmarks/real_text.py end to end on a tiny data directory in
+fetch_public.py's format (hand-written leads + the SQuAD fixture)."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+
+from realm_jax.data import squad
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LEADS = [
+    {"title": "Ines Marlow", "text": "Ines Marlow was a surveyor of the "
+     "north. She mapped the Kessar Hills and their lakes.",
+     "description": "", "topic": "People"},
+    {"title": "Opal (river)", "text": "The Opal is a cold river that flows "
+     "north from the Kessar Hills to the sea.", "description": "river",
+     "topic": "Geography"},
+]
+
+
+def _module(monkeypatch):
+  for name in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
+    monkeypatch.setenv(name, os.environ.get(name, ""))
+  spec = importlib.util.spec_from_file_location(
+      "real_text", os.path.join(_ROOT, "benchmarks", "real_text.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def _data_dir(path):
+  data = squad.read_squad(os.path.join(_ROOT, "tests", "fixtures", "squad",
+                                       "tiny_v1.json"))
+  os.makedirs(path)
+  (path / "vital_leads.jsonl").write_text("".join(
+      json.dumps(x) + "\n" for x in LEADS))
+  (path / "squad_dev_paragraphs.jsonl").write_text(
+      squad.corpus_lines(data.paragraphs))
+  (path / "squad_dev_questions.jsonl").write_text(
+      squad.question_lines(data.questions))
+  return data
+
+
+def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
+  real_text = _module(monkeypatch)
+  data = _data_dir(tmp_path / "data")
+  output = tmp_path / "rows.jsonl"
+  real_text.main([f"--data_dir={tmp_path / 'data'}",
+                  f"--workdir={tmp_path / 'w'}", f"--output={output}",
+                  "--max_block_len=24"])
+  rows = [json.loads(x) for x in output.read_text().splitlines()]
+  assert [r["retriever"] for r in rows] == ["bm25", "minilm"]
+  assert capsys.readouterr().out.count('"retriever"') == 2
+  for row in rows:
+    assert row["questions"] == len(data.questions) == 4
+    # The tiny corpus has fewer than 100 blocks: all are retrieved.
+    assert row["recall@100"] == row["gold_recall@100"] == 1.0
+    for k in (1, 5, 20):
+      assert 0 <= row[f"recall@{k}"] <= row["recall@100"]
+  predictions = [json.loads(x) for x in (
+      tmp_path / "w" / "predictions" / "bm25.jsonl").read_text()
+                 .splitlines()]
+  assert predictions[0]["question"] == data.questions[0].example.question
+  # The leads' index was extended by the SQuAD paragraphs' blocks.
+  manifest = json.loads((tmp_path / "w" / "index_minilm_union" / "0" /
+                         "manifest.json").read_text())
+  vital = json.loads((tmp_path / "w" / "vital" / "manifest.json")
+                     .read_text())
+  assert manifest["extends"]["rows"] == vital["num_blocks"]
+  assert manifest["new_rows"] > 0
+  assert np.isclose(rows[0]["recall@1"], np.mean([
+      p["retrieved_has_answer"][0] for p in predictions]))
