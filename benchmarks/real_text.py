@@ -25,7 +25,14 @@ For each: recall@k (an answer string in the text of a top-k block: the QA
 eval's `aggregate_metrics` over its predictions, written to
 `<workdir>/predictions/<retriever>.jsonl`) and gold recall@k (a block of
 the question's own SQuAD paragraph in the top k), k = 1, 5, 20, 100. One
-JSON line per retriever on stdout and in `--output`.
+JSON line per retriever and task on stdout and in `--output` ("seconds":
+ranking and scoring the questions; "setup_seconds": indexing).
+
+`--tasks=squad,cloze` also asks the qa_wikidata prompts about a lead
+(`wikidata_cloze.jsonl`, evaluation only) as questions: recall@k of a
+block holding the answer, and gold recall@k of a block of the subject's
+lead (the data of the cloze probe, issue 47 item 5; the reader's
+masked-span accuracy is not measured here).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import json
 import os
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
@@ -77,7 +86,7 @@ def _score(name, examples, gold, ids, scores, store, workdir, seconds):
   qa_eval.write_predictions(
       os.path.join(workdir, "predictions", f"{name}.jsonl"), results)
   metrics = qa_eval.aggregate_metrics(results, recall_ks=KS)
-  row = {"retriever": name, "questions": len(examples),
+  row = {"retriever": name.split("_")[0], "questions": len(examples),
          "blocks": len(store),
          **{f"recall@{k}": round(metrics[f"recall@{k}"], 4) for k in KS},
          **{k: round(v, 4) for k, v in retrieval_eval.gold_recall(
@@ -86,14 +95,16 @@ def _score(name, examples, gold, ids, scores, store, workdir, seconds):
   return row
 
 
-def run_bm25(examples, store):
+def bm25_ranker(stores, workdir):
+  """questions -> BM25's top 100 over the union's blocks."""
+  del workdir  # (BM25 keeps nothing on disk)
   from realm_jax.eval import bm25  # pylint: disable=g-import-not-at-top
-  index = bm25.BM25Index.from_store(store)
-  return index.search([e.question for e in examples], max(KS))
+  index = bm25.BM25Index.from_store(stores[1])
+  return lambda questions: index.search(questions, max(KS))
 
 
-def run_minilm(examples, stores, workdir):
-  """MiniLM: leads indexed, SQuAD paragraphs added, questions searched."""
+def minilm_ranker(stores, workdir):
+  """MiniLM: leads indexed, SQuAD paragraphs added; questions -> top 100."""
   from realm_jax.checkpoint_import import init_from  # pylint: disable=g-import-not-at-top
   from realm_jax.eval import retrieval_eval  # pylint: disable=g-import-not-at-top
   from realm_jax.index import builder, extend, publish  # pylint: disable=g-import-not-at-top
@@ -120,8 +131,45 @@ def run_minilm(examples, stores, workdir):
                         retriever_config=model.retriever,
                         output_root=union_root, config=config)
   index = publish.load_frozen_index(union_root, union, model)
-  return retrieval_eval.dense_ranking(
-      params, model, index, [e.question for e in examples], max(KS))
+  return lambda questions: retrieval_eval.dense_ranking(
+      params, model, index, questions, max(KS))
+
+
+RANKERS = {"bm25": bm25_ranker, "minilm": minilm_ranker}
+
+
+def squad_task(data_dir: str, union, max_questions: int):
+  """(examples, gold blocks): every SQuAD dev question (or the first N),
+  gold = the blocks of its paragraph."""
+  from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
+  questions = squad.read_questions_jsonl(
+      os.path.join(data_dir, "squad_dev_questions.jsonl"))
+  questions = questions[:max_questions or None]
+  blocks = squad.paragraph_blocks(union, squad.read_paragraphs_jsonl(
+      os.path.join(data_dir, "squad_dev_paragraphs.jsonl")))
+  return ([q.example for q in questions],
+          [blocks[q.paragraph_id] for q in questions])
+
+
+def cloze_task(data_dir: str, stores):
+  """(examples, gold blocks) of the qa_wikidata prompts about a lead
+  (`wikidata_cloze.jsonl`): the prompt asked as a question, gold = the
+  blocks of its subject's lead. Evaluation only."""
+  from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
+  vital, union = stores
+  offsets = union.doc_block_offsets
+  leads = {union.title(int(offsets[d])): np.arange(offsets[d],
+                                                   offsets[d + 1])
+           for d in range(vital.num_documents)}
+  examples, gold = [], []
+  with open(os.path.join(data_dir, "wikidata_cloze.jsonl"),
+            encoding="utf-8") as f:
+    for line in f:
+      prompt = json.loads(line)
+      examples.append(qa.QAExample(prompt["prompt"],
+                                   tuple(prompt["answers"])))
+      gold.append(leads[prompt["subject"]])
+  return examples, gold
 
 
 def main(argv=None) -> None:
@@ -135,30 +183,37 @@ def main(argv=None) -> None:
   parser.add_argument("--max_block_len", type=int, default=128)
   parser.add_argument("--max_questions", type=int, default=0,
                       help="Only the first N questions (0: all).")
+  parser.add_argument("--tasks", default="squad",
+                      help="squad (SQuAD-open) and/or cloze (the "
+                      "qa_wikidata prompts about a lead, asked as "
+                      "questions), comma-separated.")
   args = parser.parse_args(argv)
-  from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
   os.makedirs(args.workdir, exist_ok=True)
   stores = build_stores(args.data_dir, args.workdir, args.max_block_len)
-  questions = squad.read_questions_jsonl(
-      os.path.join(args.data_dir, "squad_dev_questions.jsonl"))
-  questions = questions[:args.max_questions or None]
-  blocks = squad.paragraph_blocks(stores[1], squad.read_paragraphs_jsonl(
-      os.path.join(args.data_dir, "squad_dev_paragraphs.jsonl")))
-  examples = [q.example for q in questions]
-  gold = [blocks[q.paragraph_id] for q in questions]
+  tasks = {}
+  for task in args.tasks.split(","):
+    if task not in ("squad", "cloze"):
+      parser.error(f"--tasks: {task!r} is not squad or cloze")
+    tasks[task] = (squad_task(args.data_dir, stores[1], args.max_questions)
+                   if task == "squad" else cloze_task(args.data_dir, stores))
   for name in args.retrievers.split(","):
-    if name not in RETRIEVERS:
+    if name not in RANKERS:
       parser.error(f"--retrievers: {name!r} is not one of {RETRIEVERS}")
     start = time.time()
-    ids, scores = (run_bm25(examples, stores[1]) if name == "bm25" else
-                   run_minilm(examples, stores, args.workdir))
-    row = _score(name, examples, gold, ids, scores, stores[1], args.workdir,
-                 time.time() - start)
-    row["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(row), flush=True)
-    if args.output:
-      with open(args.output, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    rank = RANKERS[name](stores, args.workdir)
+    setup = time.time() - start
+    for task, (examples, gold) in tasks.items():
+      start = time.time()
+      ids, scores = rank([e.question for e in examples])
+      row = _score(name if task == "squad" else f"{name}_{task}", examples,
+                   gold, ids, scores, stores[1], args.workdir,
+                   time.time() - start)
+      row = {"task": task, **row, "setup_seconds": round(setup, 1),
+             "load_average": [round(x, 2) for x in os.getloadavg()]}
+      print(json.dumps(row), flush=True)
+      if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+          f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

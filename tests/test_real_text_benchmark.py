@@ -43,6 +43,9 @@ def _data_dir(path):
       squad.corpus_lines(data.paragraphs))
   (path / "squad_dev_questions.jsonl").write_text(
       squad.question_lines(data.questions))
+  (path / "wikidata_cloze.jsonl").write_text(json.dumps(
+      {"prompt": "The occupation of Ines Marlow is",
+       "answers": ["surveyor"], "subject": "Ines Marlow"}) + "\n")
   return data
 
 
@@ -52,10 +55,17 @@ def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
   output = tmp_path / "rows.jsonl"
   real_text.main([f"--data_dir={tmp_path / 'data'}",
                   f"--workdir={tmp_path / 'w'}", f"--output={output}",
-                  "--max_block_len=24"])
+                  "--max_block_len=24", "--tasks=squad,cloze"])
   rows = [json.loads(x) for x in output.read_text().splitlines()]
-  assert [r["retriever"] for r in rows] == ["bm25", "minilm"]
-  assert capsys.readouterr().out.count('"retriever"') == 2
+  assert [(r["task"], r["retriever"]) for r in rows] == [
+      ("squad", "bm25"), ("cloze", "bm25"), ("squad", "minilm"),
+      ("cloze", "minilm")]
+  assert capsys.readouterr().out.count('"retriever"') == 4
+  cloze = rows[1]
+  assert cloze["questions"] == 1
+  # BM25 finds the subject's lead (the only block with "Ines Marlow").
+  assert cloze["recall@1"] == cloze["gold_recall@1"] == 1.0
+  rows = [rows[0], rows[2]]
   for row in rows:
     assert row["questions"] == len(data.questions) == 4
     # The tiny corpus has fewer than 100 blocks: all are retrieved.
