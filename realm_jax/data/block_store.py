@@ -682,7 +682,8 @@ class BlockStore:
 
 
 # (flat array, its offsets): the variable-length rows of a store.
-_RAGGED = (("body_ids", "body_offsets"), ("sentence_starts", "sentence_offsets"),
+_RAGGED = (("body_ids", "body_offsets"),
+           ("sentence_starts", "sentence_offsets"),
            ("text_bytes", "text_offsets"), ("title_ids", "title_offsets"),
            ("title_bytes", "title_byte_offsets"),
            ("passage_id_bytes", "passage_id_offsets"))

@@ -38,6 +38,22 @@ from realm_jax.index import publish
 from realm_jax.model.realm import RetrieverConfig
 
 
+def _base_index(index_root: str, step: int | None, base_store,
+                retriever_params: Any) -> tuple[publish.PublishedIndex, str]:
+  """(the verified base index, the parameters' checksum), refusing
+  parameters other than those the index was built with."""
+  base = publish.load_index(index_root, step, publish.Expectation(
+      base_store.fingerprint, len(base_store)))
+  checksum = publish.params_checksum(retriever_params)
+  if base.manifest.get("params_sha256") != checksum:
+    raise ValueError(
+        f"{publish.step_dir(index_root, base.step)} was built with "
+        f"parameters {base.manifest.get('params_sha256')}, not these "
+        f"({checksum}); embed the new blocks with the index's own "
+        "checkpoint, or rebuild the whole index.")
+  return base, checksum
+
+
 def extend_index(*, index_root: str, base_store, union_store,
                  retriever_params: Any, retriever_config: RetrieverConfig,
                  output_root: str, step: int | None = None,
@@ -72,15 +88,8 @@ def extend_index(*, index_root: str, base_store, union_store,
         "extended index under another root (the base index keeps serving "
         "its own store).")
   start = time.time()
-  base = publish.load_index(index_root, step, publish.Expectation(
-      base_store.fingerprint, len(base_store)))
-  checksum = publish.params_checksum(retriever_params)
-  if base.manifest.get("params_sha256") != checksum:
-    raise ValueError(
-        f"{publish.step_dir(index_root, base.step)} was built with "
-        f"parameters {base.manifest.get('params_sha256')}, not these "
-        f"({checksum}); embed the new blocks with the index's own "
-        "checkpoint, or rebuild the whole index.")
+  base, checksum = _base_index(index_root, step, base_store,
+                               retriever_params)
   block_store.check_extends(base_store, union_store)
   new, stats = embed_lib.embed_block_store(
       retriever_params, retriever_config, union_store,
