@@ -172,11 +172,26 @@ def cloze_task(data_dir: str, stores):
   return examples, gold
 
 
+def table(rows) -> str:
+  """A Markdown table of the JSON lines: recall@k / gold recall@k, in %."""
+  head = " | ".join(f"@{k}" for k in KS)
+  lines = [f"| task | retriever | questions | blocks | answer recall {head} "
+           f"| gold recall {head} |", "|---" * (4 + 2 * len(KS)) + "|"]
+  for r in rows:
+    cells = [f"{100 * r[f'{p}recall@{k}']:.1f}" for p in ("", "gold_")
+             for k in KS]
+    lines.append(f"| {r.get('task', 'squad')} | {r['retriever']} | "
+                 f"{r['questions']} | {r['blocks']} | {' | '.join(cells)} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--data_dir", required=True,
-                      help="fetch_public.py's --output_dir.")
-  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--table_from", default=None,
+                      help="Only print the Markdown table of this JSON "
+                      "lines file.")
+  parser.add_argument("--data_dir", help="fetch_public.py's --output_dir.")
+  parser.add_argument("--workdir")
   parser.add_argument("--output", default=None,
                       help="Append the JSON lines here too.")
   parser.add_argument("--retrievers", default=",".join(RETRIEVERS))
@@ -188,6 +203,12 @@ def main(argv=None) -> None:
                       "qa_wikidata prompts about a lead, asked as "
                       "questions), comma-separated.")
   args = parser.parse_args(argv)
+  if args.table_from:
+    with open(args.table_from, encoding="utf-8") as f:
+      print(table([json.loads(line) for line in f if line.strip()]))
+    return
+  if not (args.data_dir and args.workdir):
+    parser.error("--data_dir and --workdir are required")
   os.makedirs(args.workdir, exist_ok=True)
   stores = build_stores(args.data_dir, args.workdir, args.max_block_len)
   tasks = {}

@@ -61,6 +61,9 @@ def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
       ("squad", "bm25"), ("cloze", "bm25"), ("squad", "minilm"),
       ("cloze", "minilm")]
   assert capsys.readouterr().out.count('"retriever"') == 4
+  real_text.main([f"--table_from={output}"])
+  table = capsys.readouterr().out.splitlines()
+  assert len(table) == 2 + 4 and table[3].startswith("| squad | minilm | 4 |")
   cloze = rows[1]
   assert cloze["questions"] == 1
   # BM25 finds the subject's lead (the only block with "Ines Marlow").
