@@ -185,11 +185,35 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
+def paired(workdir: str, name: str, baseline: str = "bm25") -> str:
+  """`name` - `baseline` on the same questions: the difference of recall@k
+  (from their predictions in `<workdir>/predictions/`) +- its standard
+  error (of the mean of the per-question differences), in points."""
+  found = {}
+  for n in (name, baseline):
+    with open(os.path.join(workdir, "predictions", f"{n}.jsonl"),
+              encoding="utf-8") as f:
+      found[n] = np.array([[any(r["retrieved_has_answer"][:k]) for k in KS]
+                           for r in map(json.loads, f)], np.float64)
+  if found[name].shape != found[baseline].shape:
+    raise ValueError(f"{name} and {baseline} were not run on the same "
+                     "questions.")
+  diff = found[name] - found[baseline]
+  se = diff.std(0, ddof=1) / np.sqrt(len(diff))
+  return f"{name} - {baseline}: " + ", ".join(
+      f"@{k} {100 * d:+.1f} +- {100 * e:.1f}"
+      for k, d, e in zip(KS, diff.mean(0), se))
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--table_from", default=None,
                       help="Only print the Markdown table of this JSON "
                       "lines file.")
+  parser.add_argument("--paired", default=None,
+                      help="With --table_from and --workdir: also print "
+                      "this retriever's (e.g. minilm) recall@k minus "
+                      "BM25's on the same questions, +- standard error.")
   parser.add_argument("--data_dir", help="fetch_public.py's --output_dir.")
   parser.add_argument("--workdir")
   parser.add_argument("--output", default=None,
@@ -206,6 +230,8 @@ def main(argv=None) -> None:
   if args.table_from:
     with open(args.table_from, encoding="utf-8") as f:
       print(table([json.loads(line) for line in f if line.strip()]))
+    if args.paired:
+      print(paired(args.workdir, args.paired))
     return
   if not (args.data_dir and args.workdir):
     parser.error("--data_dir and --workdir are required")

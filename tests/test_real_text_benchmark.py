@@ -63,7 +63,12 @@ def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
   assert capsys.readouterr().out.count('"retriever"') == 4
   real_text.main([f"--table_from={output}"])
   table = capsys.readouterr().out.splitlines()
-  assert len(table) == 2 + 4 and table[3].startswith("| squad | minilm | 4 |")
+  assert len(table) == 2 + 4 and table[4].startswith("| squad | minilm | 4 |")
+  real_text.main([f"--table_from={output}", f"--workdir={tmp_path / 'w'}",
+                  "--paired=minilm"])
+  # Every block is retrieved (9 < 100): no difference at 100.
+  assert capsys.readouterr().out.splitlines()[-1].endswith(
+      "@100 +0.0 +- 0.0")
   cloze = rows[1]
   assert cloze["questions"] == 1
   # BM25 finds the subject's lead (the only block with "Ines Marlow").
