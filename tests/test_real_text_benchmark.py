@@ -1,10 +1,9 @@
 """benchmarks/real_text.py end to end on a tiny data directory in
 fetch_public.py's format (hand-written leads + the SQuAD fixture)."""
 
-import importlib.util
+import importlib
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -25,12 +24,8 @@ LEADS = [
 def _module(monkeypatch):
   for name in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
     monkeypatch.setenv(name, os.environ.get(name, ""))
-  spec = importlib.util.spec_from_file_location(
-      "real_text", os.path.join(_ROOT, "benchmarks", "real_text.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
+  monkeypatch.syspath_prepend(os.path.join(_ROOT, "benchmarks"))
+  return importlib.import_module("real_text")
 
 
 def _data_dir(path):

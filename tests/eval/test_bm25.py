@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from realm_jax.data import block_store, blocks, qa, wikipedia
-from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.data import qa, wikipedia
 from realm_jax.eval import bm25, qa_eval, retrieval_eval
+from realm_jax.testing import corpus
 
 TEXTS = [
     ("Lake Vostrel", "Lake Vostrel is a glacial lake in the Kessar Hills. It "
@@ -32,12 +32,8 @@ QUERIES = ["who first mapped lake vostrel?", "Which river drains the lake?",
 
 @pytest.fixture(scope="module", name="store")
 def _store(tmp_path_factory):
-  tok = Tokenizer()
-  docs = [wikipedia.Document(t, x) for t, x in TEXTS]
-  return block_store.write_block_store(
-      blocks.pack_blocks(docs, tok, max_block_len=24),
-      str(tmp_path_factory.mktemp("s") / "store"),
-      tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=24)
+  return corpus.write_store(tmp_path_factory.mktemp("s") / "store",
+                            [wikipedia.Document(t, x) for t, x in TEXTS], 24)
 
 
 def test_analyzer_lowercases_drops_stop_words_and_stems():

@@ -4,12 +4,11 @@ retraining return what a full rebuild on the union returns."""
 import numpy as np
 import pytest
 
-from realm_jax.data import block_store, blocks, wikipedia
-from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.data import wikipedia
 from realm_jax.index import builder, extend, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
-from realm_jax.testing import tiny
+from realm_jax.testing import corpus, tiny
 
 CONFIG = tiny.tiny_realm(vocab_size=30522)
 _WORDS = ("river lake hill fort mapped surveyor glacial northern garrison "
@@ -24,10 +23,7 @@ def _documents(first, count):
 
 
 def _store(path, docs):
-  tok = Tokenizer()
-  return block_store.write_block_store(
-      blocks.pack_blocks(docs, tok, max_block_len=16), str(path),
-      tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
+  return corpus.write_store(path, docs, 16)
 
 
 @pytest.fixture(scope="module", name="stores")
