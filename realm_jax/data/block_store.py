@@ -681,6 +681,51 @@ class BlockStore:
     return out, lengths.astype(np.int32)
 
 
+# (flat array, its offsets): the variable-length rows of a store.
+_RAGGED = (("body_ids", "body_offsets"),
+           ("sentence_starts", "sentence_offsets"),
+           ("text_bytes", "text_offsets"), ("title_ids", "title_offsets"),
+           ("title_bytes", "title_byte_offsets"),
+           ("passage_id_bytes", "passage_id_offsets"))
+
+
+def check_extends(base: BlockStore, union: BlockStore) -> None:
+  """Checks that `union` begins with `base`: the same blocks with the same
+  ids, articles and tokenizer, then more (e.g. a corpus built from the
+  base's input followed by new documents).
+
+  An index of `base` then serves `union`'s first `len(base)` rows, and only
+  the rest need embedding (`realm_jax.index.extend`).
+
+  Raises:
+    ValueError: naming what differs.
+  """
+  def refuse(what):
+    raise ValueError(
+        f"block store {union.path} does not extend {base.path}: {what}. "
+        "Build it from the base store's input followed by the new "
+        "documents, with the same max_block_len and vocabulary.")
+
+  for key in ("vocab_sha256", "max_block_len", "options"):
+    if base.manifest.get(key) != union.manifest.get(key):
+      refuse(f"its {key} differs")
+  if len(union) < len(base) or union.num_documents < base.num_documents:
+    refuse(f"it has {len(union)} blocks of {union.num_documents} articles, "
+           f"fewer than {len(base)} of {base.num_documents}")
+  a, b = base._a, union._a  # pylint: disable=protected-access
+  for flat, offsets in _RAGGED:
+    if (flat in a) != (flat in b):
+      refuse(f"one of them has no {flat}")
+    if flat in a and not (
+        np.array_equal(a[offsets], b[offsets][:len(a[offsets])]) and
+        np.array_equal(a[flat], b[flat][:len(a[flat])])):
+      refuse(f"its first rows' {flat} differ")
+  for name, n in (("doc_index", len(base)), ("doc_hash", len(base)),
+                  ("doc_block_offsets", base.num_documents + 1)):
+    if not np.array_equal(a[name], b[name][:n]):
+      refuse(f"its first rows' {name} differ")
+
+
 def _scatter(out: np.ndarray, flat: np.ndarray, starts: np.ndarray,
              lengths: np.ndarray, columns) -> None:
   """out[r, columns[r] + j] = flat[starts[r] + j] for j < lengths[r]."""

@@ -120,6 +120,7 @@ def embed_block_store(
     process_count: int = 1,
     log_every_seconds: float = 0.5,
     on_progress: Callable[[int, int], None] | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, EmbedStats]:
   """Embeds this host's share of the blocks.
 
@@ -136,14 +137,24 @@ def embed_block_store(
     log_every_seconds: the bar's refresh period.
     on_progress: called with (rows embedded, rows of this host) after each
       batch (the builder's `publish.BuildProgress`).
+    rows: embed only the blocks [first, end) (e.g. the blocks added to an
+      indexed corpus), shared among the hosts; default: every block.
 
   Returns:
     (embeddings float32 [rows of this host, dim], stats).
+
+  Raises:
+    ValueError: `rows` is not a range of the store's blocks.
   """
   mesh, embed, params = _embedder(retriever_params, retriever_config,
                                   bfloat16, devices)
   seq_len = seq_len or store.max_block_len
-  lo, hi = host_row_range(len(store), process_index, process_count)
+  first_row, end_row = rows if rows is not None else (0, len(store))
+  if not 0 <= first_row <= end_row <= len(store):
+    raise ValueError(f"rows={rows} is not a range of the {len(store)} "
+                     "blocks of the store.")
+  lo, hi = (first_row + x for x in host_row_range(
+      end_row - first_row, process_index, process_count))
   batch = batch_size_per_device * mesh.size
   out = np.zeros([hi - lo, retriever_config.embedding_size], np.float32)
   start = time.time()

@@ -62,6 +62,15 @@ def write_questions(path: str) -> str:
   return path
 
 
+def write_store(path: str, docs, max_block_len: int):
+  """A block store of `docs` (`wikipedia.Document`s), written at `path`."""
+  tok = Tokenizer()
+  return block_store.write_block_store(
+      blocks.pack_blocks(docs, tok, max_block_len=max_block_len), str(path),
+      tokenizer_vocab_path=tok.vocab_path, source="test",
+      max_block_len=max_block_len)
+
+
 def make_tiny_corpus(directory: str, *, max_block_len: int = 32,
                      copies: int = 1) -> tuple[str, str]:
   """Writes `blocks/` and `annotated.tfr.gz` under `directory`.

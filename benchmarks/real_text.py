@@ -1,0 +1,267 @@
+r"""Zero-shot SQuAD-open over the Vital Articles' leads (issue 47, item 4).
+
+    python benchmarks/data/fetch_public.py --cache_dir=/work/cache \
+        --output_dir=/tmp/public_data
+    python benchmarks/real_text.py --data_dir=/tmp/public_data \
+        --workdir=/tmp/real_text --output=docs/results/real_text.jsonl
+
+Z is the 10,033 leads (`vital_leads.jsonl`) followed by the 2,067 SQuAD
+v1.1 dev paragraphs (`squad_dev_paragraphs.jsonl`), each as blocks of at
+most `--max_block_len` (128) wordpieces built by the corpus job: the
+leads' store `vital/` and the union's `union/`, which begins with the
+leads' blocks (`block_store.check_extends`). Every one of the 10,565 dev
+questions is asked (none is ever trained on), with these retrievers:
+
+  bm25    BM25 over the union's blocks (`realm_jax.eval.bm25`: bm25s,
+          k1 0.9, b 0.4, title + text of each block).
+  minilm  MiniLM-L6 in both towers (models/minilm_l6.gin: mean pooling,
+          L2 norm; `init_from="minilm"`), as the demo starts: the index of
+          the leads is published by the one-shot builder path
+          (`builder.build_and_publish`), then the SQuAD paragraphs are
+          added without re-embedding the leads (`index.extend`), and the
+          questions are searched in the merged index (exact MIPS).
+
+For each: recall@k (an answer string in the text of a top-k block: the QA
+eval's `aggregate_metrics` over its predictions, written to
+`<workdir>/predictions/<retriever>.jsonl`) and gold recall@k (a block of
+the question's own SQuAD paragraph in the top k), k = 1, 5, 20, 100. One
+JSON line per retriever and task on stdout and in `--output` ("seconds":
+ranking and scoring the questions; "setup_seconds": indexing).
+
+`--tasks=squad,cloze` also asks the qa_wikidata prompts about a lead
+(`wikidata_cloze.jsonl`, evaluation only) as questions: recall@k of a
+block holding the answer, and gold recall@k of a block of the subject's
+lead (the data of the cloze probe, issue 47 item 5; the reader's
+masked-span accuracy is not measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+
+from realm_jax import gin_cli  # pylint: disable=wrong-import-position
+
+gin_cli.add_cpu_xla_flag()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+KS = (1, 5, 20, 100)
+RETRIEVERS = ("bm25", "minilm")
+
+
+def build_stores(data_dir: str, workdir: str, max_block_len: int):
+  """(leads store, union store), built once by the corpus job."""
+  from realm_jax.data import block_store, corpus_job  # pylint: disable=g-import-not-at-top
+  leads = os.path.join(data_dir, "vital_leads.jsonl")
+  union_jsonl = os.path.join(workdir, "union.jsonl")
+  if not os.path.exists(union_jsonl):
+    with open(union_jsonl + ".tmp", "wb") as out:
+      for name in ("vital_leads.jsonl", "squad_dev_paragraphs.jsonl"):
+        with open(os.path.join(data_dir, name), "rb") as f:
+          out.write(f.read())
+    os.replace(union_jsonl + ".tmp", union_jsonl)
+  stores = []
+  for name, source in (("vital", leads), ("union", union_jsonl)):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+      corpus_job.build_corpus(input_path=source, output_dir=path,
+                              max_block_len=max_block_len)
+    stores.append(block_store.BlockStore.open(path))
+  block_store.check_extends(*stores)
+  return stores
+
+
+def _score(name, examples, gold, ids, scores, store, workdir, seconds):
+  """The JSON line of one retriever; writes its predictions."""
+  from realm_jax.eval import qa_eval, retrieval_eval  # pylint: disable=g-import-not-at-top
+  results = retrieval_eval.retrieval_results(examples, ids, scores, store)
+  qa_eval.write_predictions(
+      os.path.join(workdir, "predictions", f"{name}.jsonl"), results)
+  metrics = qa_eval.aggregate_metrics(results, recall_ks=KS)
+  row = {"retriever": name.split("_")[0], "questions": len(examples),
+         "blocks": len(store),
+         **{f"recall@{k}": round(metrics[f"recall@{k}"], 4) for k in KS},
+         **{k: round(v, 4) for k, v in retrieval_eval.gold_recall(
+             results, gold, KS).items()},
+         "seconds": round(seconds, 1)}
+  return row
+
+
+def bm25_ranker(stores, workdir):
+  """questions -> BM25's top 100 over the union's blocks."""
+  del workdir  # (BM25 keeps nothing on disk)
+  from realm_jax.eval import bm25  # pylint: disable=g-import-not-at-top
+  index = bm25.BM25Index.from_store(stores[1])
+  return lambda questions: index.search(questions, max(KS))
+
+
+def minilm_ranker(stores, workdir):
+  """MiniLM: leads indexed, SQuAD paragraphs added; questions -> top 100."""
+  from realm_jax.checkpoint_import import init_from  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import retrieval_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import builder, extend, publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import Realm, RealmConfig  # pylint: disable=g-import-not-at-top
+  import gin  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_cli.parse(["models/minilm_l6.gin"], [])
+  model = gin.get_configurable(RealmConfig)()
+  _, fresh = functional.init(lambda r: Realm(model, rngs=r), 0)
+  params = init_from.initial_params(model, fresh, "minilm")
+  config = builder.IndexBuildConfig(searcher="exact")
+  vital, union = stores
+  leads_root = os.path.join(workdir, "index_minilm_vital")
+  union_root = os.path.join(workdir, "index_minilm_union")
+  if publish.read_latest(leads_root) is None:
+    builder.build_and_publish(retriever_params=params["retriever"],
+                              retriever_config=model.retriever, store=vital,
+                              root=leads_root, step=0, config=config)
+  if publish.read_latest(union_root) is None:
+    extend.extend_index(index_root=leads_root, base_store=vital,
+                        union_store=union,
+                        retriever_params=params["retriever"],
+                        retriever_config=model.retriever,
+                        output_root=union_root, config=config)
+  index = publish.load_frozen_index(union_root, union, model)
+  return lambda questions: retrieval_eval.dense_ranking(
+      params, model, index, questions, max(KS))
+
+
+RANKERS = {"bm25": bm25_ranker, "minilm": minilm_ranker}
+
+
+def squad_task(data_dir: str, union, max_questions: int):
+  """(examples, gold blocks): every SQuAD dev question (or the first N),
+  gold = the blocks of its paragraph."""
+  from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
+  questions = squad.read_questions_jsonl(
+      os.path.join(data_dir, "squad_dev_questions.jsonl"))
+  questions = questions[:max_questions or None]
+  blocks = squad.paragraph_blocks(union, squad.read_paragraphs_jsonl(
+      os.path.join(data_dir, "squad_dev_paragraphs.jsonl")))
+  return ([q.example for q in questions],
+          [blocks[q.paragraph_id] for q in questions])
+
+
+def cloze_task(data_dir: str, stores):
+  """(examples, gold blocks) of the qa_wikidata prompts about a lead
+  (`wikidata_cloze.jsonl`): the prompt asked as a question, gold = the
+  blocks of its subject's lead. Evaluation only."""
+  from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
+  vital, union = stores
+  offsets = union.doc_block_offsets
+  leads = {union.title(int(offsets[d])): np.arange(offsets[d],
+                                                   offsets[d + 1])
+           for d in range(vital.num_documents)}
+  examples, gold = [], []
+  with open(os.path.join(data_dir, "wikidata_cloze.jsonl"),
+            encoding="utf-8") as f:
+    for line in f:
+      prompt = json.loads(line)
+      examples.append(qa.QAExample(prompt["prompt"],
+                                   tuple(prompt["answers"])))
+      gold.append(leads[prompt["subject"]])
+  return examples, gold
+
+
+def table(rows) -> str:
+  """A Markdown table of the JSON lines: recall@k / gold recall@k, in %."""
+  head = " | ".join(f"@{k}" for k in KS)
+  lines = [f"| task | retriever | questions | blocks | answer recall {head} "
+           f"| gold recall {head} |", "|---" * (4 + 2 * len(KS)) + "|"]
+  for r in rows:
+    cells = [f"{100 * r[f'{p}recall@{k}']:.1f}" for p in ("", "gold_")
+             for k in KS]
+    lines.append(f"| {r.get('task', 'squad')} | {r['retriever']} | "
+                 f"{r['questions']} | {r['blocks']} | {' | '.join(cells)} |")
+  return "\n".join(lines)
+
+
+def paired(workdir: str, name: str, baseline: str = "bm25") -> str:
+  """`name` - `baseline` on the same questions: the difference of recall@k
+  (from their predictions in `<workdir>/predictions/`) +- its standard
+  error (of the mean of the per-question differences), in points."""
+  found = {}
+  for n in (name, baseline):
+    with open(os.path.join(workdir, "predictions", f"{n}.jsonl"),
+              encoding="utf-8") as f:
+      found[n] = np.array([[any(r["retrieved_has_answer"][:k]) for k in KS]
+                           for r in map(json.loads, f)], np.float64)
+  if found[name].shape != found[baseline].shape:
+    raise ValueError(f"{name} and {baseline} were not run on the same "
+                     "questions.")
+  diff = found[name] - found[baseline]
+  se = diff.std(0, ddof=1) / np.sqrt(len(diff))
+  return f"{name} - {baseline}: " + ", ".join(
+      f"@{k} {100 * d:+.1f} +- {100 * e:.1f}"
+      for k, d, e in zip(KS, diff.mean(0), se))
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--table_from", default=None,
+                      help="Only print the Markdown table of this JSON "
+                      "lines file.")
+  parser.add_argument("--paired", default=None,
+                      help="With --table_from and --workdir: also print "
+                      "this retriever's (e.g. minilm) recall@k minus "
+                      "BM25's on the same questions, +- standard error.")
+  parser.add_argument("--data_dir", help="fetch_public.py's --output_dir.")
+  parser.add_argument("--workdir")
+  parser.add_argument("--output", default=None,
+                      help="Append the JSON lines here too.")
+  parser.add_argument("--retrievers", default=",".join(RETRIEVERS))
+  parser.add_argument("--max_block_len", type=int, default=128)
+  parser.add_argument("--max_questions", type=int, default=0,
+                      help="Only the first N questions (0: all).")
+  parser.add_argument("--tasks", default="squad",
+                      help="squad (SQuAD-open) and/or cloze (the "
+                      "qa_wikidata prompts about a lead, asked as "
+                      "questions), comma-separated.")
+  args = parser.parse_args(argv)
+  if args.table_from:
+    with open(args.table_from, encoding="utf-8") as f:
+      print(table([json.loads(line) for line in f if line.strip()]))
+    if args.paired:
+      print(paired(args.workdir, args.paired))
+    return
+  if not (args.data_dir and args.workdir):
+    parser.error("--data_dir and --workdir are required")
+  os.makedirs(args.workdir, exist_ok=True)
+  stores = build_stores(args.data_dir, args.workdir, args.max_block_len)
+  tasks = {}
+  for task in args.tasks.split(","):
+    if task not in ("squad", "cloze"):
+      parser.error(f"--tasks: {task!r} is not squad or cloze")
+    tasks[task] = (squad_task(args.data_dir, stores[1], args.max_questions)
+                   if task == "squad" else cloze_task(args.data_dir, stores))
+  for name in args.retrievers.split(","):
+    if name not in RANKERS:
+      parser.error(f"--retrievers: {name!r} is not one of {RETRIEVERS}")
+    start = time.time()
+    rank = RANKERS[name](stores, args.workdir)
+    setup = time.time() - start
+    for task, (examples, gold) in tasks.items():
+      start = time.time()
+      ids, scores = rank([e.question for e in examples])
+      row = _score(name if task == "squad" else f"{name}_{task}", examples,
+                   gold, ids, scores, stores[1], args.workdir,
+                   time.time() - start)
+      row = {"task": task, **row, "setup_seconds": round(setup, 1),
+             "load_average": [round(x, 2) for x in os.getloadavg()]}
+      print(json.dumps(row), flush=True)
+      if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+          f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,118 @@
+"""Retrieval-only evaluation: any retriever's ranking as QA predictions.
+
+A retriever without a reader (BM25, a dense retriever's index alone) is
+scored with the QA eval's own definitions: its ranking becomes one
+`qa_model.QAResult` per question (no prediction: `prediction` "", `score`
+-inf, `block_id` -1, no evidence; `retrieved_ids` and `retrieved_scores`
+in rank order, `retrieved_has_answer` by `qa.has_answer` on each block's
+text), written with `qa_eval.write_predictions`, and recall@k is
+`qa_eval.aggregate_metrics`' (an answer string in the text of one of the
+top k blocks). `gold_recall` adds recall of a gold block (e.g. a block of
+the question's SQuAD paragraph) at each k.
+
+`dense_ranking` ranks blocks for questions with a retriever's query tower
+over a published index (the same tokenisation and query tower as the QA
+model's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from realm_jax.data import qa as qa_lib
+from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.eval.qa_model import QAResult
+from realm_jax.index import embed as embed_lib
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm, RealmConfig
+from realm_jax.training import qa_inputs
+
+
+def retrieval_results(examples: Sequence[qa_lib.QAExample], ids: np.ndarray,
+                      scores: np.ndarray, store) -> list[QAResult]:
+  """One reader-less `QAResult` per question from a ranking.
+
+  Args:
+    examples: the questions with their answers.
+    ids: int [num_questions, depth] block ids in rank order (-1: none).
+    scores: float [num_questions, depth] the retriever's scores.
+    store: the block store the ids index.
+
+  Returns:
+    The results (`qa_eval.aggregate_metrics` gives their recall@k).
+
+  Raises:
+    ValueError: `ids`, `scores` and `examples` do not have one row each.
+  """
+  ids, scores = np.asarray(ids), np.asarray(scores)
+  if ids.shape != scores.shape or ids.shape[0] != len(examples):
+    raise ValueError(f"ids {ids.shape} and scores {scores.shape} must have "
+                     f"one row per question ({len(examples)}).")
+  results = []
+  for e, row, row_scores in zip(examples, ids, scores):
+    flags = qa_lib.has_answer_batch(
+        [store.text(int(b)) if b >= 0 else "" for b in row], e.answers,
+        e.is_regex) & (row >= 0)
+    results.append(QAResult(
+        question=e.question, prediction="", score=float("-inf"), block_id=-1,
+        evidence=[], retrieved_ids=[int(b) for b in row],
+        retrieved_scores=[float(s) for s in row_scores],
+        answers=list(e.answers), is_regex=e.is_regex, correct=False,
+        retrieved_has_answer=[bool(x) for x in flags],
+        reader_has_answer=None))
+  return results
+
+
+def gold_recall(results: Sequence[QAResult],
+                gold_blocks: Sequence[np.ndarray],
+                ks: Sequence[int]) -> dict[str, float]:
+  """Share of questions with a gold block among their top k, per k.
+
+  Args:
+    results: results with `retrieved_ids`.
+    gold_blocks: per result, its gold block ids (e.g.
+      `squad.paragraph_blocks` of its paragraph).
+    ks: the k.
+
+  Returns:
+    {"gold_recall@k": share}.
+  """
+  if len(results) != len(gold_blocks) or not results:
+    raise ValueError(f"{len(results)} results but {len(gold_blocks)} gold "
+                     "block sets; pass one (non-empty) set per result.")
+  hits = {k: 0 for k in ks}
+  for r, gold in zip(results, gold_blocks):
+    found = np.isin(np.asarray(r.retrieved_ids), np.asarray(gold))
+    for k in ks:
+      hits[k] += bool(found[:k].any())
+  return {f"gold_recall@{k}": hits[k] / len(results) for k in ks}
+
+
+def dense_ranking(params: dict[str, Any], model: RealmConfig, index,
+                  questions: Sequence[str], depth: int, *,
+                  question_length: int = 32, batch_size: int = 256
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """Top-`depth` blocks of each question: `params`' query tower (of a
+  `Realm` of `model`) over a published index (`publish.PublishedIndex`).
+
+  Returns:
+    (ids int64 [Q, d], scores float32 [Q, d]) as the index returns them
+    (inner products, best first); d = `depth`, or every row of a smaller
+    index.
+  """
+  depth = min(depth, int(index.manifest["rows"]))
+  graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
+  embed_queries = embed_lib.make_query_embedder(graphdef, None)
+  q = qa_inputs.tokenize_questions(Tokenizer(), list(questions),
+                                   question_length)
+  ids, scores = [], []
+  for lo in range(0, len(questions), batch_size):
+    s = slice(lo, lo + batch_size)
+    emb = np.asarray(embed_queries(params, q["question_ids"][s],
+                                   q["question_mask"][s]), np.float32)
+    i, d = index.search(emb, depth)
+    ids.append(np.asarray(i))
+    scores.append(np.asarray(d))
+  return np.concatenate(ids), np.concatenate(scores)

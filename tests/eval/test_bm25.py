@@ -1,0 +1,119 @@
+"""realm_jax.eval.bm25 against an independent numpy BM25, and its results
+as the QA eval's predictions (recall@k, gold recall)."""
+
+import collections
+import json
+import math
+
+import numpy as np
+import pytest
+
+from realm_jax.data import qa, wikipedia
+from realm_jax.eval import bm25, qa_eval, retrieval_eval
+from realm_jax.testing import corpus
+
+TEXTS = [
+    ("Lake Vostrel", "Lake Vostrel is a glacial lake in the Kessar Hills. It "
+     "was first mapped in 1871 by the surveyor Ines Marlow. The lake drains "
+     "into the river Opal."),
+    ("River Opal", "The Opal is a river of the Kessar Hills. Its source is "
+     "Lake Vostrel; it flows north to the sea. Rivers, lakes and hills."),
+    ("Ines Marlow", "Ines Marlow was a surveyor. She mapped lakes, rivers and "
+     "forts of the north between 1865 and 1890."),
+    ("Tallin\u00e9 Fort", "Tallin\u00e9 Fort guards the northern pass. Its "
+     "garrison left in 1903. The fort is on a hill."),
+    ("Kessar Hills", "The Kessar Hills are a range of hills. The hills hold "
+     "lakes and a fort; surveyors mapped them."),
+]
+QUERIES = ["who first mapped lake vostrel?", "Which river drains the lake?",
+           "when did the garrison of Tallin\u00e9 fort leave", "hills",
+           "the of and", "surveyors mapping lakes in 1871"]
+
+
+@pytest.fixture(scope="module", name="store")
+def _store(tmp_path_factory):
+  return corpus.write_store(tmp_path_factory.mktemp("s") / "store",
+                            [wikipedia.Document(t, x) for t, x in TEXTS], 24)
+
+
+def test_analyzer_lowercases_drops_stop_words_and_stems():
+  analyzer = bm25.Analyzer()
+  assert analyzer(["The Rivers of Kessar, mapped in 1871 by O. Marlow"]) == [
+      ["river", "kessar", "map", "1871", "o", "marlow"]]
+  assert analyzer(["\uff2c\uff41\uff4b\uff45s"]) == [["lake"]]  # NFKC
+
+
+def numpy_bm25(docs, query, k1=0.9, b=0.4):
+  """Lucene's BM25, written out: idf ln(1 + (N - df + .5)/(df + .5)),
+  tf / (tf + k1 (1 - b + b dl / avgdl)), summed over query terms."""
+  n = len(docs)
+  lengths = np.array([len(d) for d in docs], np.float64)
+  avgdl = lengths.mean()
+  df = collections.Counter(t for d in docs for t in set(d))
+  scores = np.zeros(n)
+  for term in query:
+    if term not in df:
+      continue
+    idf = math.log(1 + (n - df[term] + 0.5) / (df[term] + 0.5))
+    tf = np.array([d.count(term) for d in docs], np.float64)
+    scores += idf * tf / (tf + k1 * (1 - b + b * lengths / avgdl))
+  return scores
+
+
+def test_scores_and_ranks_match_numpy_bm25(store):
+  assert len(store) > len(TEXTS)  # 24 wordpieces: several blocks an article
+  index = bm25.BM25Index.from_store(store)
+  docs = index.analyzer(bm25.block_texts(store))
+  assert bm25.block_texts(store)[0].startswith("Lake Vostrel\nLake Vostrel")
+  ids, scores = index.search(QUERIES, k=len(store) + 3)
+  assert ids.shape == (len(QUERIES), len(store))
+  for i, query in enumerate(QUERIES):
+    want = numpy_bm25(docs, index.analyzer([query])[0])
+    np.testing.assert_allclose(index.scores(query), want, rtol=1e-5,
+                               atol=1e-6)
+    # Ranks: score descending, ties by the smaller id.
+    order = np.lexsort((np.arange(len(store)), -want))
+    np.testing.assert_allclose(scores[i], want[order], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want[ids[i]], want[order], atol=1e-6)
+    # The same block at every rank whose score no other block has (scores
+    # equal up to float32 rounding may come in either order).
+    unique = np.array([np.sum(np.abs(want - want[o]) <= 1e-4) == 1
+                       for o in order])
+    assert unique.sum() >= 3 or query in ("hills", "the of and")
+    np.testing.assert_array_equal(ids[i][unique], order[unique])
+  assert (scores[QUERIES.index("the of and")] == 0).all()
+  assert ids[QUERIES.index("the of and")].tolist() == list(range(len(store)))
+  top, _ = index.search(QUERIES[:1], k=2)
+  assert store.title(int(top[0, 0])) == "Lake Vostrel"
+
+
+def test_results_are_qa_eval_predictions_with_recall(store, tmp_path):
+  index = bm25.BM25Index.from_store(store)
+  examples = [qa.QAExample("who first mapped lake vostrel?",
+                           ("Ines Marlow",)),
+              qa.QAExample("when did the garrison of Tallin\u00e9 fort "
+                           "leave", ("1903",)),
+              qa.QAExample("what colour is the sea?", ("purple",))]
+  ids, scores = index.search([e.question for e in examples], k=3)
+  results = retrieval_eval.retrieval_results(examples, ids, scores, store)
+  path = tmp_path / "predictions.jsonl"
+  qa_eval.write_predictions(str(path), results)
+  lines = [json.loads(x) for x in path.read_text().splitlines()]
+  assert lines[0]["retrieved_ids"] == ids[0].tolist()
+  assert lines[0]["score"] is None and lines[0]["prediction"] == ""
+  assert lines[2]["retrieved_has_answer"] == [False] * 3
+  want = [[qa.has_answer(store.text(int(b)), e.answers) for b in row]
+          for row, e in zip(ids, examples)]
+  assert [r.retrieved_has_answer for r in results] == want
+  metrics = qa_eval.aggregate_metrics(results, recall_ks=(1, 3))
+  assert metrics["recall@3"] == pytest.approx(
+      np.mean([any(w) for w in want]))
+  assert metrics["recall@3"] == pytest.approx(2 / 3)
+  gold = [store.document_blocks(0), store.document_blocks(3),
+          store.document_blocks(1)]
+  recall = retrieval_eval.gold_recall(results, [np.array(g) for g in gold],
+                                      (1, 3))
+  want_gold = [np.isin(ids[i], list(g)) for i, g in enumerate(gold)]
+  assert recall == {"gold_recall@1": np.mean([w[0] for w in want_gold]),
+                    "gold_recall@3": np.mean([w.any() for w in want_gold])}
+  assert recall["gold_recall@1"] >= 2 / 3

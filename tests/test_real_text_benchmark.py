@@ -1,0 +1,90 @@
+"""benchmarks/real_text.py end to end on a tiny data directory in
+fetch_public.py's format (hand-written leads + the SQuAD fixture)."""
+
+import importlib
+import json
+import os
+
+import numpy as np
+
+from realm_jax.data import squad
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LEADS = [
+    {"title": "Ines Marlow", "text": "Ines Marlow was a surveyor of the "
+     "north. She mapped the Kessar Hills and their lakes.",
+     "description": "", "topic": "People"},
+    {"title": "Opal (river)", "text": "The Opal is a cold river that flows "
+     "north from the Kessar Hills to the sea.", "description": "river",
+     "topic": "Geography"},
+]
+
+
+def _module(monkeypatch):
+  for name in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
+    monkeypatch.setenv(name, os.environ.get(name, ""))
+  monkeypatch.syspath_prepend(os.path.join(_ROOT, "benchmarks"))
+  return importlib.import_module("real_text")
+
+
+def _data_dir(path):
+  data = squad.read_squad(os.path.join(_ROOT, "tests", "fixtures", "squad",
+                                       "tiny_v1.json"))
+  os.makedirs(path)
+  (path / "vital_leads.jsonl").write_text("".join(
+      json.dumps(x) + "\n" for x in LEADS))
+  (path / "squad_dev_paragraphs.jsonl").write_text(
+      squad.corpus_lines(data.paragraphs))
+  (path / "squad_dev_questions.jsonl").write_text(
+      squad.question_lines(data.questions))
+  (path / "wikidata_cloze.jsonl").write_text(json.dumps(
+      {"prompt": "The occupation of Ines Marlow is",
+       "answers": ["surveyor"], "subject": "Ines Marlow"}) + "\n")
+  return data
+
+
+def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
+  real_text = _module(monkeypatch)
+  data = _data_dir(tmp_path / "data")
+  output = tmp_path / "rows.jsonl"
+  real_text.main([f"--data_dir={tmp_path / 'data'}",
+                  f"--workdir={tmp_path / 'w'}", f"--output={output}",
+                  "--max_block_len=24", "--tasks=squad,cloze"])
+  rows = [json.loads(x) for x in output.read_text().splitlines()]
+  assert [(r["task"], r["retriever"]) for r in rows] == [
+      ("squad", "bm25"), ("cloze", "bm25"), ("squad", "minilm"),
+      ("cloze", "minilm")]
+  assert capsys.readouterr().out.count('"retriever"') == 4
+  real_text.main([f"--table_from={output}"])
+  table = capsys.readouterr().out.splitlines()
+  assert len(table) == 2 + 4 and table[4].startswith("| squad | minilm | 4 |")
+  real_text.main([f"--table_from={output}", f"--workdir={tmp_path / 'w'}",
+                  "--paired=minilm"])
+  # Every block is retrieved (9 < 100): no difference at 100.
+  assert capsys.readouterr().out.splitlines()[-1].endswith(
+      "@100 +0.0 +- 0.0")
+  cloze = rows[1]
+  assert cloze["questions"] == 1
+  # BM25 finds the subject's lead (the only block with "Ines Marlow").
+  assert cloze["recall@1"] == cloze["gold_recall@1"] == 1.0
+  rows = [rows[0], rows[2]]
+  for row in rows:
+    assert row["questions"] == len(data.questions) == 4
+    # The tiny corpus has fewer than 100 blocks: all are retrieved.
+    assert row["recall@100"] == row["gold_recall@100"] == 1.0
+    for k in (1, 5, 20):
+      assert 0 <= row[f"recall@{k}"] <= row["recall@100"]
+  predictions = [json.loads(x) for x in (
+      tmp_path / "w" / "predictions" / "bm25.jsonl").read_text()
+                 .splitlines()]
+  assert predictions[0]["question"] == data.questions[0].example.question
+  # The leads' index was extended by the SQuAD paragraphs' blocks.
+  manifest = json.loads((tmp_path / "w" / "index_minilm_union" / "0" /
+                         "manifest.json").read_text())
+  vital = json.loads((tmp_path / "w" / "vital" / "manifest.json")
+                     .read_text())
+  assert manifest["extends"]["rows"] == vital["num_blocks"]
+  assert manifest["new_rows"] > 0
+  assert np.isclose(rows[0]["recall@1"], np.mean([
+      p["retrieved_has_answer"][0] for p in predictions]))
