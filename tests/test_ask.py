@@ -364,3 +364,31 @@ def test_untrained_span_head_is_announced(setup, tmp_path, caplog):
   a = trained.predict(QUESTIONS[:2])
   b = untrained.predict(QUESTIONS[:2])
   assert [r.retrieved_ids for r in a] == [r.retrieved_ids for r in b]
+
+
+@pytest.mark.parametrize("meta,trained", [
+    ({"task_class": "PretrainConfig"}, False),
+    ({"task_class": "FinetuneConfig"}, True),
+    ({"task_class": "FinetuneConfig", "span_head_trained": True}, True),
+    ({"span_head_trained": False}, False)])
+def test_a_checkpoint_says_whether_its_span_head_was_trained(
+    setup, tmp_path, caplog, meta, trained):
+  """A pre-training checkpoint carries an (untrained) span head: `load`
+  reads the checkpoint's own record (fine-tuning writes
+  `span_head_trained`; older checkpoints: their task), not the presence
+  of the parameters, and warns for an untrained one."""
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "run"),
+                                       async_save=False)
+  ckpt.save(8, setup["params"], {"count": np.zeros((), np.int32)},
+            dict(meta, index_step=0), force=True)
+  ckpt.close()
+  kwargs = dict(model_config=setup["config"], store=setup["store"],
+                qa_config=QA_CONFIG, batch_size=4,
+                index_dir=str(setup["workdir"] / "index"))
+  for where in (dict(checkpoint_dir=str(tmp_path / "run")),
+                dict(init_from=f"checkpoint:{tmp_path / 'run'}@8")):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      model = qa_model.load_qa_model(**where, **kwargs)
+    assert model.span_head_trained is trained
+    assert ("span head is not trained" in caplog.text) is not trained

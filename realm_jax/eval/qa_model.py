@@ -232,6 +232,40 @@ def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
 # ----------------------------------------------------------------------------
 
 
+def _without_span_head(params: dict[str, Any]) -> dict[str, Any]:
+  """`params` less the reader's span head: an untrained one is dropped, so
+  that `_fit_params` announces it (and initialises it) like a missing one."""
+  return dict(params, reader={k: v for k, v in params["reader"].items()
+                              if k != "span_head"})
+
+
+def _init_checkpoint_untrained(init_from: str) -> bool:
+  """Whether `init_from` is `checkpoint:<dir>[@step]` whose meta says its
+  span head was not trained."""
+  kind, _, rest = init_from.partition(":")
+  if kind != "checkpoint":
+    return False
+  directory, _, step = rest.partition("@")
+  step = int(step) if step else checkpoints.newest_step(directory)
+  return span_head_trained(checkpoints.read_meta(directory, step)) is False
+
+
+def span_head_trained(meta: dict[str, Any]) -> bool | None:
+  """Whether a checkpoint's reader span head was trained, by its meta.
+
+  Fine-tuning records `span_head_trained`; checkpoints written before it
+  did tell by their task (only fine-tuning trains the span head, though
+  pre-training checkpoints carry an untrained one). None: the meta does
+  not say (the presence of span-head parameters decides).
+  """
+  if "span_head_trained" in meta:
+    return bool(meta["span_head_trained"])
+  if "task_class" in meta:
+    return meta["task_class"] == "FinetuneConfig"
+  return None
+
+
+
 def configs_of(directory: str, step: int) -> dict[str, Any]:
   """The meta of checkpoint `step` of `directory`, which must carry the
   model config (ValueError otherwise)."""
@@ -344,6 +378,8 @@ class QAModel:
     step = checkpoints.newest_step(checkpoint_dir) if step is None else step
     params = checkpoints.restore_items(checkpoint_dir, step,
                                        checkpoints.PARAM_ITEMS)
+    if span_head_trained(checkpoints.read_meta(checkpoint_dir, step)) is False:
+      params = _without_span_head(params)
     return cls(model_config, params, index, store, step=step, **kwargs)
 
   @classmethod
@@ -363,11 +399,11 @@ class QAModel:
     params = init_lib.initial_params(both_heads, fresh, init_from)
     span = ("reader", "span_head")
     before, after = core.flatten(fresh), core.flatten(params)
-    if all(after[p] is before[p] for p in before if p[:2] == span):
+    if all(after[p] is before[p] for p in before if p[:2] == span) or (
+        _init_checkpoint_untrained(init_from)):
       # Left fresh by `initial_params` (MiniLM, BERT, REALM pre-training
-      # have none): an untrained head, announced by `_fit_params`.
-      params = dict(params, reader={k: v for k, v in params[
-          "reader"].items() if k != "span_head"})
+      # have none), or a realm_jax checkpoint that says it was not trained.
+      params = _without_span_head(params)
     return cls(model_config, params, index, store, **kwargs)
 
   def with_params(self, params: dict[str, Any],
