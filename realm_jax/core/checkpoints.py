@@ -118,8 +118,9 @@ def read_meta(directory: io_utils.PathLike, step: int) -> dict[str, Any]:
   (fine-tuning records there the `index_step` it was trained against).
   """
   try:
-    return json.loads(io_utils.read_text(io_utils.join(
-        directory, str(step), "meta", "metadata")))
+    text = io_utils.read_text(io_utils.join(directory, str(step), "meta",
+                                            "metadata"))
+    return json.loads(text)  # Orbax's JSON; unreadable: {}.
   except Exception:  # pylint: disable=broad-except
     # Missing or unreadable on any filesystem (gs:// raises tf.errors).
     return {}
@@ -350,8 +351,8 @@ def clear_done_marker(directory: io_utils.PathLike) -> None:
 def done_step(directory: io_utils.PathLike) -> int | None:
   """The final step DONE records, or None without a (readable) DONE."""
   try:
-    return int(json.loads(io_utils.read_text(io_utils.join(
-        directory, DONE_MARKER)))["final_step"])
+    text = io_utils.read_text(io_utils.join(directory, DONE_MARKER))
+    return int(json.loads(text)["final_step"])  # Atomic; torn: None.
   except Exception:  # pylint: disable=broad-except
     # Missing, or torn, on any filesystem (gs:// raises tf.errors).
     return None

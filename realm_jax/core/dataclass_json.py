@@ -20,7 +20,8 @@ T = TypeVar("T")
 
 def to_dict(config: Any) -> dict[str, Any]:
   """A (nested) config dataclass as JSON-ready dicts (paths as strings)."""
-  return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+  text = json.dumps(dataclasses.asdict(config), default=str)
+  return json.loads(text)  # A string made here, no file.
 
 
 def _convert(value: Any, kind: Any, where: str) -> Any:

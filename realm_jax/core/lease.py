@@ -79,7 +79,7 @@ class Holder:
   @classmethod
   def parse(cls, text: str) -> "Holder | None":
     try:
-      d = json.loads(text)
+      d = json.loads(text)  # Bad text: None (an unknown holder).
       return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
     except (ValueError, KeyError, TypeError):
       return None

@@ -136,7 +136,7 @@ def read_documents(input_path: str, *, max_documents: int | None,
         "the format its name says.") from e
   finally:
     if local_dir:
-      shutil.rmtree(local_dir, ignore_errors=True)
+      shutil.rmtree(local_dir, ignore_errors=True)  # Own mkdtemp.
   io_utils.atomic_write_text(stats_path, json.dumps(
       dict(report.summary(list_dropped), documents=progress.done)))
   logging.info("read all %d documents of %s in %.1fs", progress.done,
@@ -205,7 +205,7 @@ class ShardedOutput:
     """A JSON stats file, then removed (`default` if there is none)."""
     if not io_utils.as_path(path).exists():
       return default
-    value = json.loads(io_utils.read_text(path))
+    value = json.loads(io_utils.read_text(path))  # Atomic stats file.
     io_utils.remove(path)
     return value
 

@@ -501,7 +501,7 @@ def iter_jsonl_documents(
         report.skip("invalid_utf8", where, str(e))
         continue
       try:
-        record = json.loads(line)
+        record = json.loads(line)  # Input corpus, not job output.
       except json.JSONDecodeError as e:
         report.skip("bad_json", where, str(e))
         continue

@@ -8,7 +8,6 @@ Used by `pretrain.train` with a measured `PretrainConfig.retriever_gate`
 from __future__ import annotations
 
 import copy
-import json
 import math
 from typing import Any, Mapping
 
@@ -16,7 +15,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from realm_jax.core import distributed, io_utils, parallel
+from realm_jax.core import distributed, io_utils, parallel, records
 from realm_jax.data import qa, query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional, losses
@@ -166,12 +165,9 @@ class RetrieverGate:
   def restore(self, meta: dict[str, Any], start_step: int, state) -> None:
     self.streak = int(meta.get("retriever_gate", {}).get("streak", 0))
     self.release = optimizer_lib.release_step(state.opt_state)
-    if self.is_chief and io_utils.as_path(self.path).exists():
+    if self.is_chief:
       # Decisions after the restored step are replayed by this run.
-      kept = [line for line in io_utils.read_text(self.path).splitlines()
-              if line.strip() and json.loads(line)["step"] < start_step]
-      io_utils.atomic_write_text(self.path,
-                                 "".join(l + "\n" for l in kept))
+      records.keep_records(self.path, lambda r: r["step"] < start_step)
 
   def statistics(self, state) -> dict[str, float]:
     """`gate_statistics` of the gate's queries (every host's rows)."""
@@ -304,11 +300,8 @@ class RecallGuard:
     self.baseline = saved.get("baseline")
     self.streak = int(saved.get("streak", 0))
     self.tripped = saved.get("tripped")
-    if self.is_chief and io_utils.as_path(self.path).exists():
-      kept = [line for line in io_utils.read_text(self.path).splitlines()
-              if line.strip() and json.loads(line)["step"] < start_step]
-      io_utils.atomic_write_text(self.path,
-                                 "".join(l + "\n" for l in kept))
+    if self.is_chief:
+      records.keep_records(self.path, lambda r: r["step"] < start_step)
 
   def recall(self, state) -> float:
     """The share of the guard's probes (this host's rows, gathered) whose

@@ -377,3 +377,40 @@ def test_links_are_removed_not_followed_and_refused_inside_a_job(tmp_path):
   io_utils.remove(job / "sub" / "link")
   assert not os.path.lexists(job / "sub" / "link")
   assert (outside / "keep.txt").read_text() == "precious"
+
+
+def test_job_outputs_go_through_a_fresh_temporary_never_a_link(tmp_path):
+  """`output_dir` (every local job output directory) and the atomic file
+  writes: a link planted at the output, or where an old-style temporary
+  of a predictable name would go, is never written through or deleted."""
+  victim = tmp_path / "victim"
+  victim.mkdir()
+  (victim / "keep.txt").write_text("precious")
+  os.symlink(victim, tmp_path / "out")
+  with pytest.raises(io_utils.LinkRefusedError, match="out is a symbolic"):
+    with io_utils.output_dir(str(tmp_path / "out"), overwrite=True):
+      pass
+  with pytest.raises(io_utils.LinkRefusedError):
+    io_utils.replace_local_dir(str(tmp_path), str(tmp_path / "out"))
+  # A planted file at the old temporary name of an atomic write.
+  os.symlink(victim / "keep.txt",
+             tmp_path / f".tmp-manifest.json-{os.getpid()}")
+  io_utils.atomic_write_text(str(tmp_path / "manifest.json"), "{}")
+  assert (victim / "keep.txt").read_text() == "precious"
+  assert (tmp_path / "manifest.json").read_text() == "{}"
+  # A failed job deletes only the temporary it made; no output appears.
+  with pytest.raises(RuntimeError):
+    with io_utils.output_dir(str(tmp_path / "new")) as tmp:
+      (tmp_path / "new.txt").write_text("not the job's")
+      raise RuntimeError("the job failed")
+  assert not os.path.exists(tmp) and not os.path.exists(tmp_path / "new")
+  with io_utils.output_dir(str(tmp_path / "new")) as tmp:
+    with open(os.path.join(tmp, "v"), "w") as f:
+      f.write("whole")
+  assert (tmp_path / "new" / "v").read_text() == "whole"
+  with pytest.raises(FileExistsError, match="new exists"):
+    with io_utils.output_dir(str(tmp_path / "new")):
+      pass
+  with pytest.raises(ValueError, match="not a temporary"):
+    io_utils.discard_output_tmp(str(victim))
+  assert sorted(os.listdir(victim)) == ["keep.txt"]
