@@ -392,3 +392,17 @@ def test_a_checkpoint_says_whether_its_span_head_was_trained(
       model = qa_model.load_qa_model(**where, **kwargs)
     assert model.span_head_trained is trained
     assert ("span head is not trained" in caplog.text) is not trained
+
+
+@pytest.mark.parametrize("questions,error,match", [
+    ("Where was Mozart born?", TypeError, "list of questions, got one str"),
+    (b"Where was Mozart born?", TypeError, "got one bytes"),
+    (["Where was Mozart born?", 7], TypeError, "Question 1 is '7' \\(int\\)"),
+    ([None], TypeError, "Question 0 is 'None'"),
+    (["Where was Mozart born?", "  "], ValueError, "Question 1 .* is empty")])
+def test_predict_refuses_a_bare_string_and_non_questions(setup, questions,
+                                                         error, match):
+  """A string is not a list of questions: predict would answer each of
+  its characters."""
+  with pytest.raises(error, match=match):
+    setup["model"].predict(questions)

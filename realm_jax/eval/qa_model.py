@@ -462,8 +462,13 @@ class QAModel:
       num_evidence: evidence blocks per answer (default: the model's).
       recall_depth: retrieve at least this deep for `retrieved_has_answer`
         (capped at the corpus size); the model itself reads K.
+
+    Raises:
+      TypeError: `questions` is one string (not a list of them), or holds
+        something other than strings.
+      ValueError: an empty or whitespace question.
     """
-    questions = list(questions)
+    questions = _question_list(questions)
     n = len(questions)
     if answers is not None and len(answers) != n:
       raise ValueError(f"{len(answers)} answer lists for {n} questions.")
@@ -577,6 +582,32 @@ class QAModel:
     gold &= batch["retrieved_mask"][:, :r, None, None]
     text_level = np.array([f[:r].any() for f in flags])
     return np.where(regex, text_level, gold.any(axis=(1, 2, 3)))
+
+
+def _question_list(questions: Sequence[str]) -> list[str]:
+  """`questions` as a list, refusing what `predict` would answer wrongly:
+  one string (each character would become a question), a non-string
+  item, an empty question."""
+  if isinstance(questions, (str, bytes)):
+    kind = type(questions).__name__
+    raise TypeError(
+        f"predict takes a list of questions, got one {kind} "
+        f"({_short(questions)!r}); use ask(question) or "
+        "predict([question]).")
+  questions = list(questions)
+  for i, question in enumerate(questions):
+    if not isinstance(question, str):
+      raise TypeError(f"Question {i} is {_short(question)!r} "
+                      f"({type(question).__name__}); a question is a str.")
+    if not question.strip():
+      raise ValueError(f"Question {i} ({question!r}) is empty; ask "
+                       "something, e.g. 'Where was Mozart born?'.")
+  return questions
+
+
+def _short(value: Any, limit: int = 60) -> Any:
+  text = value if isinstance(value, (str, bytes)) else repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
