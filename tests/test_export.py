@@ -174,3 +174,21 @@ def test_an_export_never_writes_or_deletes_through_a_link(tmp_path):
   assert (tmp_path / "again.tmp-export" / "mine.txt").read_text() == "mine"
   assert sorted(os.listdir(tmp_path)) == [
       "again.tmp-export", "linked", "out", "out.tmp-export", "victim"]
+
+
+def test_an_export_whose_config_says_infinity_is_refused(tmp_path):
+  """`"score_scale": Infinity` (JSON that Python reads as inf) in an
+  export's realm_config.json is refused on load, naming the file."""
+  config = RealmConfig(retriever=RetrieverConfig(bert=BERT),
+                       reader=ReaderConfig(bert=BERT))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  out = export.export_model(params, config, str(tmp_path / "e"))
+  path = os.path.join(out, exported.CONFIG_FILE)
+  with open(path) as f:
+    data = json.load(f)
+  data["model"]["retriever"]["score_scale"] = float("inf")
+  with open(path, "w") as f:
+    json.dump(data, f)  # Writes `Infinity`.
+  with pytest.raises(ValueError, match=r"realm_config.json:model.retriever: "
+                     r"RetrieverConfig.score_scale must be finite"):
+    exported.load_exported(out)

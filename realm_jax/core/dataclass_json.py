@@ -73,5 +73,10 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
   if unknown:
     raise ValueError(f"{where}: unknown {cls.__name__} fields {unknown}; "
                      "was it written by a newer realm_jax?")
-  return cls(**{k: _convert(v, hints[k], f"{where}.{k}")
-                for k, v in data.items()})
+  values = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+  try:
+    return cls(**values)
+  except ValueError as e:  # The config's own checks: name the source.
+    if str(e).startswith(where):
+      raise
+    raise type(e)(f"{where}: {e}") from e
