@@ -136,6 +136,27 @@ def test_a_lease_file_planted_as_a_link_is_refused(tmp_path):
   assert victim.read_text() == "precious"
 
 
+def test_a_lease_file_planted_as_a_hard_link_is_refused(tmp_path):
+  """`ln precious.txt W/.lease`: O_NOFOLLOW sees no link, but the file
+  has two names; the job refuses it and leaves its content alone, on
+  acquire and (had it been taken) on release."""
+  victim = tmp_path / "precious.txt"
+  victim.write_text("precious")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  os.link(victim, workdir / ".lease")
+  with pytest.raises(io_utils.LinkRefusedError,
+                     match=r"run/\.lease has 2 hard links"):
+    with lease_lib.Lease(str(workdir), job="builder"):
+      pass
+  assert victim.read_text() == "precious"
+  # Once the extra name is gone, the lease works (and is the job's own).
+  os.unlink(workdir / ".lease")
+  with lease_lib.Lease(str(workdir), job="builder"):
+    pass
+  assert victim.read_text() == "precious"
+
+
 def test_local_refusals_name_no_heartbeat(tmp_path):
   """Local leases do not heartbeat, so a refusal must not report a
   'last heartbeat' age; remote ones do and say so."""
