@@ -406,3 +406,28 @@ def test_predict_refuses_a_bare_string_and_non_questions(setup, questions,
   its characters."""
   with pytest.raises(error, match=match):
     setup["model"].predict(questions)
+
+
+def test_a_damaged_checkpoint_behind_load_names_it_and_the_way_out(
+    setup, tmp_path):
+  """A truncated array file of the newest checkpoint: `load` says which
+  checkpoint does not restore, in the trainer's words, and which older
+  step to answer with (not TensorStore's bare error)."""
+  ckpt_dir = str(tmp_path / "run")
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, async_save=False)
+  for step in (2, 4):
+    ckpt.save(step, setup["params"], {"count": np.zeros((), np.int32)},
+              {"index_step": 0}, force=True)
+  ckpt.close()
+  data = os.path.join(ckpt_dir, "4", "reader", "ocdbt.process_0", "d")
+  for name in os.listdir(data):
+    with open(os.path.join(data, name), "r+b") as f:
+      f.truncate(10)
+  with pytest.raises(checkpoints.CheckpointRestoreError, match=(
+      rf"(?s)^checkpoint {ckpt_dir}/4 does not restore \(.*\); its files "
+      r"are "
+      r"damaged: answer with an older step: step=2 ")):
+    qa_model.load_qa_model(model_config=setup["config"], store=setup["store"],
+                           checkpoint_dir=ckpt_dir, qa_config=QA_CONFIG,
+                           index_dir=str(setup["workdir"] / "index"),
+                           batch_size=4)

@@ -376,8 +376,11 @@ class QAModel:
     """From a realm_jax checkpoint directory (newest step by default);
     only its `retriever` and `reader` items are read."""
     step = checkpoints.newest_step(checkpoint_dir) if step is None else step
-    params = checkpoints.restore_items(checkpoint_dir, step,
-                                       checkpoints.PARAM_ITEMS)
+    params = checkpoints.restore_items(
+        checkpoint_dir, step, checkpoints.PARAM_ITEMS, way_out=(
+            "answer with an older step: step={older} (realm_jax.load(..., "
+            "step={older}); realm-ask and the eval job: "
+            "--gin.qa_eval.EvalConfig.step={older})"))
     if span_head_trained(checkpoints.read_meta(checkpoint_dir, step)) is False:
       params = _without_span_head(params)
     return cls(model_config, params, index, store, step=step, **kwargs)
