@@ -431,3 +431,40 @@ def test_a_damaged_checkpoint_behind_load_names_it_and_the_way_out(
                            checkpoint_dir=ckpt_dir, qa_config=QA_CONFIG,
                            index_dir=str(setup["workdir"] / "index"),
                            batch_size=4)
+
+
+def test_without_an_index_dir_the_run_answers_with_its_own_index(
+    setup, tmp_path):
+  """A fine-tuning run trained against an index outside its workdir:
+  `realm-ask` (load_qa_model with the workdir and no INDEX_DIR) uses that
+  index, as `realm_jax.load` does; when it is gone, the error names
+  `--gin.INDEX_DIR`."""
+  from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
+  index_dir = str(setup["workdir"] / "index")
+  task = finetune.FinetuneConfig(
+      workdir=str(tmp_path / "ft"), block_store=setup["store"].path,
+      train_jsonl="q.jsonl", index_dir=index_dir, num_train_steps=5,
+      qa=QA_CONFIG)
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ft" / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(5, setup["params"], {"count": np.zeros((), np.int32)},
+            {"index_step": 0, "task_class": "FinetuneConfig",
+             "task_config": dataclass_json.to_dict(task),
+             "span_head_trained": True}, force=True)
+  ckpt.close()
+  kwargs = dict(model_config=setup["config"], store=setup["store"],
+                workdir=str(tmp_path / "ft"), batch_size=4)
+  model = qa_model.load_qa_model(**kwargs)  # As realm-ask calls it.
+  assert model.index.step == 0 and model.qa_config == QA_CONFIG
+  assert model.ask(QUESTIONS[0]) == setup["model"].ask(QUESTIONS[0])
+  task = dataclasses.replace(task, index_dir=str(tmp_path / "gone"))
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ft" / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(6, setup["params"], {"count": np.zeros((), np.int32)},
+            {"task_class": "FinetuneConfig",
+             "task_config": dataclass_json.to_dict(task)}, force=True)
+  ckpt.close()
+  with pytest.raises(Exception, match=r"the index the run trained against "
+                     r".*--gin.INDEX_DIR.*gone"):
+    qa_model.load_qa_model(**kwargs)

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Sequence
 
 from absl import logging
@@ -230,6 +231,16 @@ def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
 # ----------------------------------------------------------------------------
 # The configs a checkpoint carries
 # ----------------------------------------------------------------------------
+
+
+def run_index_dir(checkpoint_dir: str, step: int | None = None) -> str:
+  """The index a run's checkpoint answers with when none is given: the
+  one it trained against (a fine-tuning run's `index_dir`, in its task
+  config), else the run's own `<workdir>/index`."""
+  step = checkpoints.newest_step(checkpoint_dir) if step is None else step
+  task = checkpoints.read_meta(checkpoint_dir, step).get("task_config")
+  return (task or {}).get("index_dir") or checkpoints.index_root(
+      os.path.dirname(os.fspath(checkpoint_dir).rstrip("/")))
 
 
 def _without_span_head(params: dict[str, Any]) -> dict[str, Any]:
@@ -648,12 +659,18 @@ def load_qa_model(*, model_config: RealmConfig, store,
       `QAConfig()`.
     **kwargs: more `QAModel` arguments (mesh, batch_size, ...).
   """
+  what = "index_dir (the CLI: --gin.INDEX_DIR)"
   if workdir:
     checkpoint_dir = checkpoint_dir or checkpoints.checkpoint_dir(workdir)
-    index_dir = index_dir or checkpoints.index_root(workdir)
+  if not index_dir and checkpoint_dir and not init_from:
+    index_dir = run_index_dir(checkpoint_dir, step)
+    what = ("the index the run trained against (another: index_dir=, the "
+            "CLI's --gin.INDEX_DIR)")
+  elif not index_dir and workdir:
+    index_dir = checkpoints.index_root(workdir)
   if not index_dir:
-    raise ValueError("No index: give index_dir (a published index root) or "
-                     "a workdir with index/ inside.")
+    raise ValueError("No index: give index_dir (a published index root; the "
+                     "CLI: --gin.INDEX_DIR) or a workdir with index/ inside.")
   if init_from:
     make = functools.partial(QAModel.from_init, init_from)
   elif not checkpoint_dir:
@@ -673,6 +690,6 @@ def load_qa_model(*, model_config: RealmConfig, store,
     make = functools.partial(QAModel.from_checkpoint, checkpoint_dir, step)
   return make(model_config=model_config, store=store,
               index=publish.load_frozen_index(index_dir, store, model_config,
-                                              step=index_step),
+                                              step=index_step, what=what),
               qa_config=qa_config or qa_inputs.QAConfig(), **kwargs)
 
