@@ -468,3 +468,15 @@ def test_without_an_index_dir_the_run_answers_with_its_own_index(
   with pytest.raises(Exception, match=r"the index the run trained against "
                      r".*--gin.INDEX_DIR.*gone"):
     qa_model.load_qa_model(**kwargs)
+
+
+def test_a_huge_question_is_cut_on_its_q_line(setup):
+  """A 44 KB question is answered, but its `Q:` line shows its start and
+  its length, not all of it."""
+  result = ask_lib.ask(QUESTIONS[0], setup["model"], top_k=1)
+  huge = dataclasses.replace(result, question=LONG_QUESTION[:44000])
+  line = ask_lib.format_result(huge).splitlines()[0]
+  assert line.startswith("Q: Where was Mozart born? Where was")
+  assert line.endswith("... (44000 characters)") and len(line) < 240
+  assert ask_lib.format_result(result).splitlines()[0] == (
+      f"Q: {QUESTIONS[0]}")

@@ -422,6 +422,32 @@ def sha256_file(path: PathLike) -> str:
   return digest.hexdigest()
 
 
+def save_npy(path: str, array: Any) -> None:
+  """`np.save` of `array` (no pickles) to local file `path`, whose failure
+  says what failed: numpy's own writer reports a full disk as
+  `OSError('1152 requested and 992 written')`, naming neither the file nor
+  ENOSPC; here the data goes through Python's file writes, and an OSError
+  is raised again with its errno, the file and how much space is left.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  array = np.ascontiguousarray(array)
+  try:
+    with open(path, "wb") as f:
+      np.lib.format.write_array_header_1_0(
+          f, np.lib.format.header_data_from_array_1_0(array))
+      f.write(memoryview(array.reshape(-1)).cast("B"))
+  except OSError as e:
+    free = ""
+    try:
+      stat = os.statvfs(os.path.dirname(os.path.abspath(path)))
+      free = f"; {stat.f_bavail * stat.f_frsize} bytes free there"
+    except OSError:
+      pass
+    raise OSError(e.errno, f"{os.strerror(e.errno) if e.errno else e} "
+                  f"while writing {path} ({array.nbytes} bytes of data"
+                  f"{free})", path) from e
+
+
 def write_json(path: PathLike, obj: Any) -> None:
   """Writes JSON atomically (local: temp file + rename; GCS: one upload)."""
   atomic_write_text(path, json.dumps(obj, indent=1))

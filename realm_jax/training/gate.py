@@ -118,14 +118,7 @@ class RetrieverGate:
     self.config, self.inputs, self.is_chief = config, inputs, is_chief
     self.store = store
     self.path = io_utils.join(workdir, "gate.jsonl")
-    stream = query_cache.QueryStream(
-        config.gate_queries, seed=config.seed,
-        batch_size=max(config.gate_num_queries, 1))
-    try:
-      stream.check(query_config)
-      queries = stream.head(config.gate_num_queries)
-    finally:
-      stream.close()
+    queries = _gate_queries(config, query_config)
     # This host's rows of the fixed batch: as many as the cache has, to a
     # multiple of the devices.
     devices, hosts, me = (jax.process_count() * len(inputs.mesh.local_devices),
@@ -223,6 +216,23 @@ class RetrieverGate:
 
   def checkpoint_meta(self) -> dict[str, Any]:
     return {"retriever_gate": {"streak": self.streak}}
+
+
+def _gate_queries(config, query_config) -> dict[str, np.ndarray]:
+  """The first `gate_num_queries` of the gate's cache; its errors say that
+  the cache at fault is `PretrainConfig.gate_queries`."""
+  try:
+    stream = query_cache.QueryStream(
+        config.gate_queries, seed=config.seed,
+        batch_size=max(config.gate_num_queries, 1))
+    try:
+      stream.check(query_config)
+      return stream.head(config.gate_num_queries)
+    finally:
+      stream.close()
+  except (OSError, ValueError) as e:
+    raise type(e)(f"PretrainConfig.gate_queries={config.gate_queries!r} (the "
+                  f"retriever gate's query cache): {e}") from e
 
 
 def guard_every(config) -> int:

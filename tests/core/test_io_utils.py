@@ -414,3 +414,18 @@ def test_job_outputs_go_through_a_fresh_temporary_never_a_link(tmp_path):
   with pytest.raises(ValueError, match="not a temporary"):
     io_utils.discard_output_tmp(str(victim))
   assert sorted(os.listdir(victim)) == ["keep.txt"]
+
+
+def test_a_full_disk_is_named_with_the_file(tmp_path):
+  """`save_npy` (publication's embeddings, searchers, signatures) on a
+  full device: ENOSPC with the file named, not numpy's '1152 requested
+  and 992 written'. /dev/full fails every write with ENOSPC."""
+  import errno  # pylint: disable=g-import-not-at-top
+  with pytest.raises(OSError) as e:
+    io_utils.save_npy("/dev/full", np.ones((64, 32), np.float32))
+  assert e.value.errno == errno.ENOSPC
+  assert "No space left on device while writing /dev/full (8192 bytes" in (
+      str(e.value))
+  array = np.arange(12, dtype=np.float32).reshape(3, 4)
+  io_utils.save_npy(str(tmp_path / "a.npy"), array)
+  np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), array)
