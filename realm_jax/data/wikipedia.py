@@ -486,8 +486,8 @@ def iter_jsonl_documents(
   object with string "title" and "text", or whose title is empty, are skipped
   and counted (`invalid_utf8`, `bad_json`, `bad_record`, `empty_title`) with
   their line number; so are byte-identical repeats of an earlier line
-  (`duplicate_article`, naming that line), empty, enormous and too-long-titled documents
-  (see `iter_wikipedia_pages`). The text is used as is: blank lines separate
+  (`duplicate_article`, naming that line) and empty, enormous and
+  too-long-titled documents (see `iter_wikipedia_pages`). The text is used as is: blank lines separate
   paragraphs. `path` may be compressed (`.gz`, `.bz2`).
   """
   if not os.path.exists(path):

@@ -140,12 +140,7 @@ def check_question(question: str, tokenizer: Tokenizer,
     TypeError: not a str.
     ValueError: empty, whitespace or nothing the tokenizer keeps.
   """
-  if not isinstance(question, str):
-    raise TypeError(f"A question is a str, got {question!r} "
-                    f"({type(question).__name__}).")
-  if not question.strip():
-    raise ValueError(f"The question {question!r} is empty; ask something, "
-                     "e.g. 'Where was Mozart born?'.")
+  _refuse_non_question(question, "The question")
   num_pieces = len(tokenizer.tokenize([question])[0])
   if not num_pieces:
     raise ValueError(f"The question {question!r} has no wordpieces (only "
@@ -610,13 +605,19 @@ def _question_list(questions: Sequence[str]) -> list[str]:
         "predict([question]).")
   questions = list(questions)
   for i, question in enumerate(questions):
-    if not isinstance(question, str):
-      raise TypeError(f"Question {i} is {_short(question)!r} "
-                      f"({type(question).__name__}); a question is a str.")
-    if not question.strip():
-      raise ValueError(f"Question {i} ({question!r}) is empty; ask "
-                       "something, e.g. 'Where was Mozart born?'.")
+    _refuse_non_question(question, f"Question {i}")
   return questions
+
+
+def _refuse_non_question(question: Any, name: str) -> None:
+  """TypeError for a non-string, ValueError for an empty question (`name`:
+  how the message calls it)."""
+  if not isinstance(question, str):
+    raise TypeError(f"{name} is {_short(question)!r} "
+                    f"({type(question).__name__}); a question is a str.")
+  if not question.strip():
+    raise ValueError(f"{name} {question!r} is empty; ask something, "
+                     "e.g. 'Where was Mozart born?'.")
 
 
 def _short(value: Any, limit: int = 60) -> Any:

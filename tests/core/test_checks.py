@@ -124,16 +124,22 @@ def _wrong_value(hint: Any) -> Any:
   return "1" if float in options else 2.5
 
 
-@pytest.mark.parametrize("module, name", CONFIG_CLASSES,
-                         ids=[n for _, n in CONFIG_CLASSES])
-def test_every_config_refuses_wrong_types(module, name):
+def _a_valid_config(module: str, name: str):
+  """(a valid instance of config class `name`, its init fields, their
+  resolved types)."""
   cls = getattr(importlib.import_module(module), name)
   hints = typing.get_type_hints(cls)
   fields = [f for f in dataclasses.fields(cls) if f.init]
   required = {f.name: REQUIRED[f.name] for f in fields
               if f.default is dataclasses.MISSING
               and f.default_factory is dataclasses.MISSING}
-  config = cls(**required, **EXTRA.get(name, {}))
+  return cls(**required, **EXTRA.get(name, {})), fields, hints
+
+
+@pytest.mark.parametrize("module, name", CONFIG_CLASSES,
+                         ids=[n for _, n in CONFIG_CLASSES])
+def test_every_config_refuses_wrong_types(module, name):
+  config, fields, hints = _a_valid_config(module, name)
   for f in fields:
     if hints[f.name] is Any:
       continue
@@ -183,13 +189,7 @@ def _admits_float(hint: Any) -> bool:
 def test_every_float_field_refuses_inf_and_nan(module, name):
   """inf and nan (`--gin...=1e309` parses to inf) fail when the config is
   built, in every config's float fields, unless a field allows them."""
-  cls = getattr(importlib.import_module(module), name)
-  hints = typing.get_type_hints(cls)
-  fields = [f for f in dataclasses.fields(cls) if f.init]
-  required = {f.name: REQUIRED[f.name] for f in fields
-              if f.default is dataclasses.MISSING
-              and f.default_factory is dataclasses.MISSING}
-  config = cls(**required, **EXTRA.get(name, {}))
+  config, fields, hints = _a_valid_config(module, name)
   for f in fields:
     if not _admits_float(hints[f.name]) or f.metadata.get(
         checks.ALLOW_NONFINITE):

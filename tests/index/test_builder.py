@@ -491,12 +491,11 @@ def test_a_one_shot_build_of_a_damaged_checkpoint_names_the_way_out(
   _save(ckpt, 2, 2)
   _save(ckpt, 4, 4)
   _truncate_retriever(ckpt_dir, 4)
+  one_shot = [f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
+              "builder.BuilderConfig.one_shot = True"]
   gin.clear_config()
+  gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], one_shot)
   try:
-    gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], [
-        f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
-        "builder.BuilderConfig.one_shot = True",
-        "builder.IndexBuildConfig.searcher = 'exact'"])
     with pytest.raises(SystemExit, match=(
         rf"(?s)^checkpoint {re.escape(ckpt_dir)}/4 does not restore "
         r"\(.*\); its "
