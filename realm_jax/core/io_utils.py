@@ -236,8 +236,8 @@ def copy_tree(src: PathLike, dst: PathLike, *,
       copy_file(child, dst / child.name)
 
 
-def _refuse_link(path: str) -> None:
-  """LinkRefusedError when local `path` is a symbolic link."""
+def refuse_output_link(path: str) -> None:
+  """LinkRefusedError when local output `path` is a symbolic link."""
   if os.path.islink(path):
     raise LinkRefusedError(
         f"{path} is a symbolic link (to {os.readlink(path)!r}); a job "
@@ -253,7 +253,7 @@ def replace_local_dir(tmp_dir: str, directory: str) -> None:
   old or the new tree under `directory` (plus, at worst, a `.<name>.old-*`
   sibling), never a mix. A `directory` that is a link is refused.
   """
-  _refuse_link(directory)
+  refuse_output_link(directory)
   if not os.path.exists(directory):
     os.rename(tmp_dir, directory)
     return
@@ -278,7 +278,7 @@ def new_output_tmp(directory: PathLike, *, overwrite: bool = False,
       `exists`, or a default).
   """
   directory = os.path.abspath(os.fspath(directory))
-  _refuse_link(directory)
+  refuse_output_link(directory)
   if os.path.exists(directory) and not overwrite:
     raise FileExistsError(exists or f"{directory} exists; choose a new "
                           "output directory.")

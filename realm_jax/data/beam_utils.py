@@ -157,12 +157,15 @@ class ShardedOutput:
 
   def __init__(self, output_dir: str, *, marker: str, overwrite: bool):
     self.output_dir = io_utils.absolute(output_dir)
+    if io_utils.is_local(self.output_dir):  # Before the pipeline runs.
+      io_utils.refuse_output_link(self.output_dir)
     if (io_utils.as_path(io_utils.join(self.output_dir, marker)).exists() or
         (io_utils.is_local(self.output_dir) and
          os.path.exists(self.output_dir))) and not overwrite:
       raise FileExistsError(f"{self.output_dir} already exists; pass "
                             "overwrite=True or another path.")
-    self.tmp_dir = f"{self.output_dir}.tmp-{uuid.uuid4().hex[:12]}"
+    # A fresh random name (Beam workers may be remote: no mkdtemp).
+    self.tmp_dir = f"{self.output_dir}.tmp-{uuid.uuid4().hex}"
     self.stats = self.path(".shard_stats.json")
 
   def __enter__(self) -> ShardedOutput:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from realm_jax.core import io_utils
-from realm_jax.data import block_store, blocks, corpus_job, wikipedia
+from realm_jax.data import beam_utils, block_store, blocks, corpus_job
+from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish, searchers
 from realm_jax.testing import ram_fs
@@ -392,6 +393,9 @@ def test_job_outputs_go_through_a_fresh_temporary_never_a_link(tmp_path):
       pass
   with pytest.raises(io_utils.LinkRefusedError):
     io_utils.replace_local_dir(str(tmp_path), str(tmp_path / "out"))
+  with pytest.raises(io_utils.LinkRefusedError):  # The Beam jobs' outputs.
+    beam_utils.ShardedOutput(str(tmp_path / "out"), marker="manifest.json",
+                             overwrite=True)
   # A planted file at the old temporary name of an atomic write.
   os.symlink(victim / "keep.txt",
              tmp_path / f".tmp-manifest.json-{os.getpid()}")
