@@ -72,8 +72,14 @@ while alive "$trainer_pid" && alive "$builder_pid"; do
   wait -n "$trainer_pid" "$builder_pid" || true  # a trap also wakes it
 done
 trap '' TERM INT
-if alive "$trainer_pid"; then   # The builder died first.
+if alive "$trainer_pid"; then   # The builder exited first.
   wait "$builder_pid" && status=0 || status=$?
+  if [ "$status" -eq 0 ] && [ -f "$workdir/checkpoints/DONE" ]; then
+    # It saw the run DONE (its lease released) and indexed the last
+    # checkpoint: the trainer is only exiting. Its status is the run's.
+    wait "$trainer_pid" && status=0 || status=$?
+    exit "$status"
+  fi
   echo "launcher: the index builder exited with status $status;" \
        "stopping the trainer" >&2
   kill -TERM "$trainer_pid" 2>/dev/null || true
@@ -83,8 +89,32 @@ if alive "$trainer_pid"; then   # The builder died first.
 fi
 wait "$trainer_pid" && status=0 || status=$?
 # The trainer is gone (done, stopped or failed): the builder indexes the
-# last checkpoint it has not indexed yet, then exits.
+# last checkpoint it has not indexed yet, then exits. A finished run's
+# builder sees DONE and exits by itself: a SIGTERM then could land while it
+# exits (its handlers already restored) and kill it (status 143), so it is
+# sent only if the builder is not done within BUILDER_FINISH_SECONDS.
+if [ "$status" -eq 0 ] && [ -f "$workdir/checkpoints/DONE" ]; then
+  trap 'kill -TERM "$builder_pid" 2>/dev/null || true' TERM INT
+  waited=0
+  while alive "$builder_pid" &&
+      [ "$waited" -lt "${BUILDER_FINISH_SECONDS:-1800}" ]; do
+    sleep 1
+    waited=$((waited + 1))
+  done
+  trap '' TERM INT
+fi
 kill -TERM "$builder_pid" 2>/dev/null || true
 wait "$builder_pid" && builder_status=0 || builder_status=$?
+# The newest checkpoint step, and the step of the published index.
+newest=$(ls "$workdir/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' |
+         sort -n | tail -n 1 || true)
+latest=$(tr -cd '0-9' < "$workdir/index/LATEST" 2>/dev/null || true)
+if [ "$status" -eq 0 ] && [ "$builder_status" -ne 0 ] &&
+    [ -n "$newest" ] && [ "$latest" = "$newest" ]; then
+  # Stopped while exiting, after its work was done: the run is complete.
+  echo "launcher: the index builder exited with status $builder_status" \
+       "after publishing the last checkpoint's index ($latest)" >&2
+  builder_status=0
+fi
 [ "$status" -ne 0 ] || status=$builder_status
 exit "$status"

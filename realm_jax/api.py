@@ -64,8 +64,6 @@ def load(path: str, *, block_store: str | None = None,
   model_config, _, task = qa_model_lib.run_configs(directory, step)
   where = f"{directory}/{step}/meta"
   block_store = block_store or task.get("block_store")
-  index_dir = index_dir or task.get("index_dir") or checkpoints.index_root(
-      os.path.dirname(directory.rstrip("/")))
   if not block_store:
     raise ValueError(f"{where} names no block store; give block_store=.")
   return qa_model_lib.load_qa_model(

@@ -59,8 +59,13 @@ def ask(question: str, qa_model: QAModel, top_k: int = 5) -> QAResult:
 
 
 def format_result(result: QAResult, snippet_chars: int = 200) -> str:
-  """Human-readable answer with its evidence."""
-  lines = [f"Q: {result.question}",
+  """Human-readable answer with its evidence (a question longer than
+  `snippet_chars` is shown cut, saying how long it was)."""
+  question = " ".join(result.question.split())
+  if len(question) > snippet_chars:
+    question = (f"{question[:snippet_chars - 3].rstrip()}... "
+                f"({len(result.question)} characters)")
+  lines = [f"Q: {question}",
            f"A: {result.prediction or '(no answer)'}    score "
            f"{result.score:.3f}, from block {result.block_id}", "Evidence:"]
   for e in result.evidence:

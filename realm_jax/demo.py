@@ -41,7 +41,6 @@ gin_cli.add_cpu_xla_flag()  # The demo is a CPU run.
 
 import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json
-import shutil
 import textwrap
 import threading
 import time
@@ -49,7 +48,7 @@ from typing import Any, Sequence
 
 import jax
 from realm_jax import ask as ask_lib
-from realm_jax.core import checkpoints, checks, gin_config
+from realm_jax.core import checkpoints, checks, gin_config, io_utils
 from realm_jax.data import block_store
 from realm_jax.data import annotate_job, corpus_job, demo_qa, query_cache
 from realm_jax.data import examples
@@ -215,7 +214,7 @@ class _Follow(threading.Thread):
     complete = text[:text.rfind("\n") + 1]  # A line being written waits.
     self._offset += len(complete.encode("utf-8"))
     for line in complete.splitlines():
-      record = json.loads(line)
+      record = json.loads(line)  # Whole lines of a live log only.
       _log(self._stage, step=record["step"], **_round(
           {shown: record[k] for k, shown in self._fields.items()
            if k in record}))
@@ -307,7 +306,7 @@ def _build_inputs(config: DemoConfig, paths: dict[str, str]):
         max_documents=config.num_documents)
   with open(os.path.join(paths["annotated"], "report.json"),
             encoding="utf-8") as f:
-    report = json.load(f)
+    report = json.load(f)  # Atomic (written whole by its job).
   _log("salient_spans", sentences=report.get("sentences"),
        spans=report.get("spans"), seconds=round(time.time() - t, 1))
 
@@ -424,7 +423,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   t0 = time.time()
   paths = _paths(config)
   for name in ("pretrain", "finetune", "eval"):  # Runs start afresh.
-    shutil.rmtree(paths[name], ignore_errors=True)
+    io_utils.remove(paths[name])  # The demo's own; links unlinked.
   os.makedirs(config.workdir, exist_ok=True)
   store = _build_inputs(config, paths)
 
@@ -434,7 +433,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   warmup_path = os.path.join(paths["pretrain"], "mlm_head_warmup.json")
   if os.path.exists(warmup_path):
     with open(warmup_path, encoding="utf-8") as f:
-      _log("mlm_head_warmup", **json.load(f))
+      _log("mlm_head_warmup", **json.load(f))  # Atomic write_json.
   _log("pretrain_done", seconds=round(pretrain_seconds, 1),
        indices_published=published)
   _, pretrain_model, _ = stage_configs(config, "pretrain")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from realm_jax.checkpoint_import import core, exported, importers
-from realm_jax.core import checks, dataclass_json, gin_config
+from realm_jax.core import checks, dataclass_json, gin_config, io_utils
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, RetrieverConfig
@@ -127,6 +127,37 @@ def _write_tower(directory: str, params: dict[str, Any],
   _write_json(os.path.join(directory, "modules.json"), modules)
 
 
+def _write_export(tmp: str, params: dict[str, Any], config: RealmConfig,
+                  vocab_path: str, max_seq_length: int,
+                  run_configs: dict[str, Any] | None) -> None:
+  """`export_model`'s files, into the fresh directory `tmp`."""
+  retriever = params["retriever"]
+  _write_tower(os.path.join(tmp, "retriever"), retriever["query_embedder"],
+               config.retriever, vocab_path, max_seq_length)
+  if "document_embedder" in retriever:
+    _write_tower(os.path.join(tmp, "document_retriever"),
+                 retriever["document_embedder"], config.retriever,
+                 vocab_path, max_seq_length)
+  if "null_score_bias" in retriever:
+    _save(os.path.join(tmp, "retriever", exported.NULL_SCORE_FILE), {
+        "null_score_bias": np.asarray(retriever["null_score_bias"],
+                                      np.float32)})
+  reader_dir = os.path.join(tmp, "reader")
+  reader = params["reader"]
+  _save(os.path.join(reader_dir, "model.safetensors"),
+        _named(reader, exported.reader_rules(config.reader)))
+  _write_json(os.path.join(reader_dir, "config.json"), hf_bert_config(
+      config.reader.bert, architectures=["BertForMaskedLM"]))
+  shutil.copyfile(vocab_path, os.path.join(reader_dir, "vocab.txt"))
+  if config.reader.span_head:
+    _save(os.path.join(reader_dir, exported.SPAN_HEAD_FILE),
+          _named(reader, exported.span_rules()))
+  _write_json(os.path.join(tmp, exported.CONFIG_FILE), dict(
+      run_configs or {}, model=dataclass_json.to_dict(config),
+      retriever_pooling=config.retriever.pooling,
+      retriever_normalize=config.retriever.normalize))
+
+
 def export_model(params: dict[str, Any], config: RealmConfig,
                  output_dir: str, *, vocab_path: str | None = None,
                  max_seq_length: int = 512,
@@ -145,42 +176,12 @@ def export_model(params: dict[str, Any], config: RealmConfig,
   Returns:
     output_dir.
   """
-  if os.path.exists(output_dir):
-    raise FileExistsError(f"{output_dir} exists; choose a new output "
-                          "directory (exports are never overwritten).")
   vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
-  tmp = output_dir.rstrip("/") + ".tmp-export"
-  shutil.rmtree(tmp, ignore_errors=True)
-  try:
-    retriever = params["retriever"]
-    _write_tower(os.path.join(tmp, "retriever"), retriever["query_embedder"],
-                 config.retriever, vocab_path, max_seq_length)
-    if "document_embedder" in retriever:
-      _write_tower(os.path.join(tmp, "document_retriever"),
-                   retriever["document_embedder"], config.retriever,
-                   vocab_path, max_seq_length)
-    if "null_score_bias" in retriever:
-      _save(os.path.join(tmp, "retriever", exported.NULL_SCORE_FILE), {
-          "null_score_bias": np.asarray(retriever["null_score_bias"],
-                                        np.float32)})
-    reader_dir = os.path.join(tmp, "reader")
-    reader = params["reader"]
-    _save(os.path.join(reader_dir, "model.safetensors"),
-          _named(reader, exported.reader_rules(config.reader)))
-    _write_json(os.path.join(reader_dir, "config.json"), hf_bert_config(
-        config.reader.bert, architectures=["BertForMaskedLM"]))
-    shutil.copyfile(vocab_path, os.path.join(reader_dir, "vocab.txt"))
-    if config.reader.span_head:
-      _save(os.path.join(reader_dir, exported.SPAN_HEAD_FILE),
-            _named(reader, exported.span_rules()))
-    _write_json(os.path.join(tmp, exported.CONFIG_FILE), dict(
-        run_configs or {}, model=dataclass_json.to_dict(config),
-        retriever_pooling=config.retriever.pooling,
-        retriever_normalize=config.retriever.normalize))
-    os.replace(tmp, output_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+  with io_utils.output_dir(output_dir, exists=(
+      f"{output_dir} exists; choose a new output directory (exports are "
+      "never overwritten).")) as tmp:
+    _write_export(tmp, params, config, vocab_path, max_seq_length,
+                  run_configs)
   return output_dir
 
 

@@ -526,4 +526,27 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
 
   app.run(main, argv=argv, flags_parser=(
       (lambda a: flags.FLAGS(a, known_only=True)) if pipeline_args
-      else app.parse_flags_with_usage))
+      else functools.partial(parse_flags_with_hints, runs_file=runs_file,
+                             config_class=config_class)))
+
+
+def parse_flags_with_hints(argv: Sequence[str], *, runs_file: str = "",
+                           config_class: str = "") -> list[str]:
+  """absl's `parse_flags_with_usage` for the jobs without Beam options: an
+  unknown flag also gets the gin flag it meant, as `refuse_unknown_args`
+  gives the Beam jobs (`--one_shot` -> `did you mean
+  --gin.BuilderConfig.one_shot=True?`)."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  try:
+    return flags.FLAGS(list(argv))
+  except flags.UnrecognizedFlagError as e:
+    # absl's flagvalue is the whole argument (`--index_dir=/i`).
+    _, eq, value = str(e.flagvalue or "").partition("=")
+    hint = _suggestion("--" + e.flagname, value if eq else None, runs_file,
+                       config_class)
+    if not hint:
+      return app.parse_flags_with_usage(list(argv))
+    sys.stderr.write(f"FATAL Flags parsing error: {e}; did you mean {hint}?"
+                     "\nPass --helpshort or --helpfull to see help on "
+                     "flags.\n")
+    sys.exit(1)

@@ -53,3 +53,10 @@ def pytest_sessionstart(session):
     raise pytest.UsageError(
         f"Expected 8 emulated CPU devices, JAX sees {n}: XLA_FLAGS was read "
         "before tests/conftest.py could set it.")
+
+
+def pytest_configure(config):
+  # Long stress loops (e.g. the launcher's 20 runs): `-m "not slow"` skips
+  # them.
+  config.addinivalue_line(
+      "markers", "slow: a long stress test; deselect with -m 'not slow'")

@@ -364,3 +364,119 @@ def test_untrained_span_head_is_announced(setup, tmp_path, caplog):
   a = trained.predict(QUESTIONS[:2])
   b = untrained.predict(QUESTIONS[:2])
   assert [r.retrieved_ids for r in a] == [r.retrieved_ids for r in b]
+
+
+@pytest.mark.parametrize("meta,trained", [
+    ({"task_class": "PretrainConfig"}, False),
+    ({"task_class": "FinetuneConfig"}, True),
+    ({"task_class": "FinetuneConfig", "span_head_trained": True}, True),
+    ({"span_head_trained": False}, False)])
+def test_a_checkpoint_says_whether_its_span_head_was_trained(
+    setup, tmp_path, caplog, meta, trained):
+  """A pre-training checkpoint carries an (untrained) span head: `load`
+  reads the checkpoint's own record (fine-tuning writes
+  `span_head_trained`; older checkpoints: their task), not the presence
+  of the parameters, and warns for an untrained one."""
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "run"),
+                                       async_save=False)
+  ckpt.save(8, setup["params"], {"count": np.zeros((), np.int32)},
+            dict(meta, index_step=0), force=True)
+  ckpt.close()
+  kwargs = dict(model_config=setup["config"], store=setup["store"],
+                qa_config=QA_CONFIG, batch_size=4,
+                index_dir=str(setup["workdir"] / "index"))
+  for where in (dict(checkpoint_dir=str(tmp_path / "run")),
+                dict(init_from=f"checkpoint:{tmp_path / 'run'}@8")):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      model = qa_model.load_qa_model(**where, **kwargs)
+    assert model.span_head_trained is trained
+    assert ("span head is not trained" in caplog.text) is not trained
+
+
+@pytest.mark.parametrize("questions,error,match", [
+    ("Where was Mozart born?", TypeError, "list of questions, got one str"),
+    (b"Where was Mozart born?", TypeError, "got one bytes"),
+    (["Where was Mozart born?", 7], TypeError, "Question 1 is '7' \\(int\\)"),
+    ([None], TypeError, "Question 0 is 'None'"),
+    (["Where was Mozart born?", "  "], ValueError, "Question 1 .* is empty")])
+def test_predict_refuses_a_bare_string_and_non_questions(setup, questions,
+                                                         error, match):
+  """A string is not a list of questions: predict would answer each of
+  its characters."""
+  with pytest.raises(error, match=match):
+    setup["model"].predict(questions)
+
+
+def test_a_damaged_checkpoint_behind_load_names_it_and_the_way_out(
+    setup, tmp_path):
+  """A truncated array file of the newest checkpoint: `load` says which
+  checkpoint does not restore, in the trainer's words, and which older
+  step to answer with (not TensorStore's bare error)."""
+  ckpt_dir = str(tmp_path / "run")
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, async_save=False)
+  for step in (2, 4):
+    ckpt.save(step, setup["params"], {"count": np.zeros((), np.int32)},
+              {"index_step": 0}, force=True)
+  ckpt.close()
+  data = os.path.join(ckpt_dir, "4", "reader", "ocdbt.process_0", "d")
+  for name in os.listdir(data):
+    with open(os.path.join(data, name), "r+b") as f:
+      f.truncate(10)
+  with pytest.raises(checkpoints.CheckpointRestoreError, match=(
+      rf"(?s)^checkpoint {ckpt_dir}/4 does not restore \(.*\); its files "
+      r"are "
+      r"damaged: answer with an older step: step=2 ")):
+    qa_model.load_qa_model(model_config=setup["config"], store=setup["store"],
+                           checkpoint_dir=ckpt_dir, qa_config=QA_CONFIG,
+                           index_dir=str(setup["workdir"] / "index"),
+                           batch_size=4)
+
+
+def test_without_an_index_dir_the_run_answers_with_its_own_index(
+    setup, tmp_path):
+  """A fine-tuning run trained against an index outside its workdir:
+  `realm-ask` (load_qa_model with the workdir and no INDEX_DIR) uses that
+  index, as `realm_jax.load` does; when it is gone, the error names
+  `--gin.INDEX_DIR`."""
+  from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
+  index_dir = str(setup["workdir"] / "index")
+  task = finetune.FinetuneConfig(
+      workdir=str(tmp_path / "ft"), block_store=setup["store"].path,
+      train_jsonl="q.jsonl", index_dir=index_dir, num_train_steps=5,
+      qa=QA_CONFIG)
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ft" / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(5, setup["params"], {"count": np.zeros((), np.int32)},
+            {"index_step": 0, "task_class": "FinetuneConfig",
+             "task_config": dataclass_json.to_dict(task),
+             "span_head_trained": True}, force=True)
+  ckpt.close()
+  kwargs = dict(model_config=setup["config"], store=setup["store"],
+                workdir=str(tmp_path / "ft"), batch_size=4)
+  model = qa_model.load_qa_model(**kwargs)  # As realm-ask calls it.
+  assert model.index.step == 0 and model.qa_config == QA_CONFIG
+  assert model.ask(QUESTIONS[0]) == setup["model"].ask(QUESTIONS[0])
+  task = dataclasses.replace(task, index_dir=str(tmp_path / "gone"))
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ft" / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(6, setup["params"], {"count": np.zeros((), np.int32)},
+            {"task_class": "FinetuneConfig",
+             "task_config": dataclass_json.to_dict(task)}, force=True)
+  ckpt.close()
+  with pytest.raises(Exception, match=r"the index the run trained against "
+                     r".*--gin.INDEX_DIR.*gone"):
+    qa_model.load_qa_model(**kwargs)
+
+
+def test_a_huge_question_is_cut_on_its_q_line(setup):
+  """A 44 KB question is answered, but its `Q:` line shows its start and
+  its length, not all of it."""
+  result = ask_lib.ask(QUESTIONS[0], setup["model"], top_k=1)
+  huge = dataclasses.replace(result, question=LONG_QUESTION[:44000])
+  line = ask_lib.format_result(huge).splitlines()[0]
+  assert line.startswith("Q: Where was Mozart born? Where was")
+  assert line.endswith("... (44000 characters)") and len(line) < 240
+  assert ask_lib.format_result(result).splitlines()[0] == (
+      f"Q: {QUESTIONS[0]}")

@@ -98,6 +98,12 @@ _FAILS = {
     "--gin.pretrain.PretrainConfig.checkpoint_every=2.5":
         "ConfigTypeError: PretrainConfig.checkpoint_every must be int, "
         "got 2.5 (float)",
+    "--gin.realm.RetrieverConfig.score_scale=1e309":
+        "ConfigTypeError: RetrieverConfig.score_scale must be finite, got "
+        "inf",
+    "--gin_file=runs/index_builder.gin --one_shot":
+        "Unknown command line flag 'one_shot'; did you mean "
+        "--gin.BuilderConfig.one_shot=True?",
 }
 # REALM_DOCS_FORK=0: every command in an interpreter of its own (slower;
 # rules the fork server out when a result looks odd).

@@ -143,3 +143,52 @@ def test_init_from_an_export(tmp_path):
   out = export.export_model(params, config, str(tmp_path / "e"))
   got = init.initial_params(config, fresh, f"export:{out}")
   _assert_same_params(params, got)
+
+
+def test_an_export_never_writes_or_deletes_through_a_link(tmp_path):
+  """A link planted where the export writes (the old `OUT.tmp-export`,
+  or `OUT` itself) is neither written through nor deleted; a failed
+  export deletes only the temporary it created."""
+  from realm_jax.core import io_utils  # pylint: disable=g-import-not-at-top
+  config = RealmConfig(retriever=RetrieverConfig(bert=BERT),
+                       reader=ReaderConfig(bert=BERT))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  victim = tmp_path / "victim"
+  victim.mkdir()
+  (victim / "precious.txt").write_text("keep me")
+  os.symlink(victim, tmp_path / "out.tmp-export")
+  export.export_model(params, config, str(tmp_path / "out"))
+  assert not os.path.islink(tmp_path / "out")
+  assert (tmp_path / "out" / exported.CONFIG_FILE).is_file()
+  assert sorted(os.listdir(victim)) == ["precious.txt"]
+  os.symlink(victim, tmp_path / "linked")
+  with pytest.raises(io_utils.LinkRefusedError, match="linked"):
+    export.export_model(params, config, str(tmp_path / "linked"))
+  assert sorted(os.listdir(victim)) == ["precious.txt"]
+  # A real directory of the old temporary's name is not deleted either.
+  (tmp_path / "again.tmp-export").mkdir()
+  (tmp_path / "again.tmp-export" / "mine.txt").write_text("mine")
+  broken = dict(params, reader={})  # Fails midway through the export.
+  with pytest.raises(Exception):
+    export.export_model(broken, config, str(tmp_path / "again"))
+  assert (tmp_path / "again.tmp-export" / "mine.txt").read_text() == "mine"
+  assert sorted(os.listdir(tmp_path)) == [
+      "again.tmp-export", "linked", "out", "out.tmp-export", "victim"]
+
+
+def test_an_export_whose_config_says_infinity_is_refused(tmp_path):
+  """`"score_scale": Infinity` (JSON that Python reads as inf) in an
+  export's realm_config.json is refused on load, naming the file."""
+  config = RealmConfig(retriever=RetrieverConfig(bert=BERT),
+                       reader=ReaderConfig(bert=BERT))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  out = export.export_model(params, config, str(tmp_path / "e"))
+  path = os.path.join(out, exported.CONFIG_FILE)
+  with open(path) as f:
+    data = json.load(f)
+  data["model"]["retriever"]["score_scale"] = float("inf")
+  with open(path, "w") as f:
+    json.dump(data, f)  # Writes `Infinity`.
+  with pytest.raises(ValueError, match=r"realm_config.json:model.retriever: "
+                     r"RetrieverConfig.score_scale must be finite"):
+    exported.load_exported(out)

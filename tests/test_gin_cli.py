@@ -166,3 +166,25 @@ def test_the_corpus_job_refuses_a_stale_flag():
   assert result.returncode == 0, result.stderr[-2000:]
   assert ("Beam options: ['--runner=DirectRunner', '--direct_num_workers=2']"
           in result.stdout)
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["-m", "realm_jax.index.builder", "--one_shot"],
+     "did you mean --gin.BuilderConfig.one_shot=True?"),
+    (["-m", "realm_jax.ask", "--index_dir=/i", "where?"],
+     "did you mean --gin.INDEX_DIR=\"'/i'\"?"),
+    (["-m", "realm_jax.export", "--step=4"],
+     "did you mean --gin.STEP=4?"),
+])
+def test_the_other_jobs_hint_the_gin_flag_of_an_unknown_flag(args, hint):
+  """The jobs without Beam options (absl parses all their flags) name the
+  gin flag an unknown one meant, as the Beam jobs do."""
+  result = _run(args + ["--dry_run"])
+  assert result.returncode == 1 and not result.stdout
+  assert "FATAL Flags parsing error: Unknown command line flag" in (
+      result.stderr)
+  assert hint in result.stderr, result.stderr[-2000:]
+  result = _run(["-m", "realm_jax.ask", "--no_such_flag", "--dry_run"])
+  assert result.returncode == 1
+  assert "Unknown command line flag 'no_such_flag'" in result.stderr
+  assert "did you mean" not in result.stderr

@@ -184,7 +184,7 @@ def infer_bert_config(source: core.Source, prefix: str, dialect: Dialect,
                                "bert_config.json")
     if os.path.exists(config_json):
       with open(config_json) as f:
-        num_heads = json.load(f).get("num_attention_heads")
+        num_heads = json.load(f).get("num_attention_heads")  # Input.
   return BertConfig(**{
       "vocab_size": vocab, "hidden_size": hidden,
       "num_layers": max(layers) + 1 if layers else 0,
@@ -222,7 +222,8 @@ def load_hf_bert(model_dir: str, *, with_mlm_head: bool = False,
           "config.json and model.safetensors (convert .bin files with "
           "safetensors first).")
   with open(config_path) as f:
-    config = BertConfig.from_hf_config(json.load(f), **config_overrides)
+    hf_config = json.load(f)  # Input: imported weights, not job output.
+  config = BertConfig.from_hf_config(hf_config, **config_overrides)
   source = core.SafetensorsSource(weights_path)
   prefix = "bert." if "bert.embeddings.word_embeddings.weight" in source else ""
   return config, _load_bert(source, config, "hf", prefix, "cls.",
@@ -467,7 +468,7 @@ def _read_hf_config(config_json: str) -> dict[str, Any]:
   if os.path.exists(config_json):
     with open(config_json) as f:
       try:
-        hf = json.load(f)
+        hf = json.load(f)  # Input: imported weights, not job output.
       except json.JSONDecodeError as e:
         raise ValueError(f"{config_json} is not valid JSON: {e}") from e
   return hf

@@ -118,8 +118,9 @@ def read_meta(directory: io_utils.PathLike, step: int) -> dict[str, Any]:
   (fine-tuning records there the `index_step` it was trained against).
   """
   try:
-    return json.loads(io_utils.read_text(io_utils.join(
-        directory, str(step), "meta", "metadata")))
+    text = io_utils.read_text(io_utils.join(directory, str(step), "meta",
+                                            "metadata"))
+    return json.loads(text)  # Orbax's JSON; unreadable: {}.
   except Exception:  # pylint: disable=broad-except
     # Missing or unreadable on any filesystem (gs:// raises tf.errors).
     return {}
@@ -288,7 +289,9 @@ def _item_handlers():
 
 def restore_items(directory: io_utils.PathLike, step: int,
                   names: tuple[str, ...],
-                  abstract: dict[str, Any] | None = None) -> dict[str, Any]:
+                  abstract: dict[str, Any] | None = None, *,
+                  way_out: str = "read an older step ({older})"
+                  ) -> dict[str, Any]:
   """Restores some items of checkpoint `step`, whatever topology saved it.
 
   Args:
@@ -298,38 +301,71 @@ def restore_items(directory: io_utils.PathLike, step: int,
     abstract: optional {name: tree of jax.ShapeDtypeStruct with shardings};
       default: the saved shapes on this process's first device (side jobs
       usually run on other devices than the trainer that saved).
+    way_out: what the caller can do about a checkpoint that does not
+      restore; `{older}` becomes the newest older step.
+
+  Raises:
+    FileNotFoundError: there is no step `step`.
+    CheckpointRestoreError: it does not restore (damaged files), in the
+      trainer's words (`checkpoint <dir>/<step> does not restore (...)`)
+      and `way_out`.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   manager = ocp.CheckpointManager(
       io_utils.absolute(directory),
       options=ocp.CheckpointManagerOptions(read_only=True, create=False),
       item_handlers=_item_handlers())
   try:
-    if step not in manager.all_steps():
+    steps = list(manager.all_steps())
+    if step not in steps:
       raise FileNotFoundError(f"No checkpoint step {step} under {directory} "
-                              f"(steps: {list(manager.all_steps())}).")
-    abstract = dict(abstract or {})
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    metadata = manager.item_metadata(step)
-    for name in names:
-      if name not in abstract:
-        abstract[name] = jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
-                                           sharding=device),
-            metadata[name])
-    out = manager.restore(step, args=ocp.args.Composite(**{
-        name: ocp.args.StandardRestore(abstract[name]) for name in names}))
-    return {name: out[name] for name in names}
+                              f"(steps: {steps}).")
+    try:
+      return _restore_from(manager, step, names, abstract)
+    except FileNotFoundError:
+      raise  # Deleted meanwhile (a trainer's retention), not damaged.
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax and TensorStore raise many kinds (see `restore_newest`).
+      older = max((s for s in steps if s < step), default=None)
+      raise CheckpointRestoreError(
+          f"checkpoint {io_utils.join(directory, str(step))} does not "
+          f"restore ({type(e).__name__}: {_brief(e)}); its files are "
+          "damaged: "
+          + (way_out.format(older=older) if older is not None else
+             "there is no older step to read instead.")) from e
   finally:
     manager.close()
 
 
+def _brief(error: Exception) -> str:
+  """`error`'s message without TensorStore's spec dump (dozens of lines)."""
+  return str(error).split(" See full TensorStore details")[0]
+
+
+def _restore_from(manager, step: int, names: tuple[str, ...],
+                  abstract: dict[str, Any] | None) -> dict[str, Any]:
+  """`restore_items` with an open read-only manager."""
+  import jax  # pylint: disable=g-import-not-at-top
+  abstract = dict(abstract or {})
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  metadata = manager.item_metadata(step)
+  for name in names:
+    if name not in abstract:
+      abstract[name] = jax.tree_util.tree_map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                         sharding=device),
+          metadata[name])
+  out = manager.restore(step, args=ocp.args.Composite(**{
+      name: ocp.args.StandardRestore(abstract[name]) for name in names}))
+  return {name: out[name] for name in names}
+
+
 def restore_retriever(directory: io_utils.PathLike, step: int,
-                      abstract: Any | None = None) -> Any:
-  """Restores only the retriever parameters of checkpoint `step`."""
+                      abstract: Any | None = None, **kwargs) -> Any:
+  """Restores only the retriever parameters of checkpoint `step`
+  (`kwargs`: `restore_items`'s `way_out`)."""
   return restore_items(directory, step, ("retriever",),
                        None if abstract is None else
-                       {"retriever": abstract})["retriever"]
+                       {"retriever": abstract}, **kwargs)["retriever"]
 
 
 def write_done_marker(directory: io_utils.PathLike, final_step: int) -> None:
@@ -350,8 +386,8 @@ def clear_done_marker(directory: io_utils.PathLike) -> None:
 def done_step(directory: io_utils.PathLike) -> int | None:
   """The final step DONE records, or None without a (readable) DONE."""
   try:
-    return int(json.loads(io_utils.read_text(io_utils.join(
-        directory, DONE_MARKER)))["final_step"])
+    text = io_utils.read_text(io_utils.join(directory, DONE_MARKER))
+    return int(json.loads(text)["final_step"])  # Atomic; torn: None.
   except Exception:  # pylint: disable=broad-except
     # Missing, or torn, on any filesystem (gs:// raises tf.errors).
     return None

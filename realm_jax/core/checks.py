@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import functools
+import math
 import numbers
 import os
 import types
@@ -46,17 +47,38 @@ class ConfigTypeError(TypeError, ValueError):
   """
 
 
+# A float field that may hold inf or nan says so in its metadata:
+# `dataclasses.field(default=..., metadata={ALLOW_NONFINITE: True})`.
+ALLOW_NONFINITE = "allow_nonfinite"
+
+
 @functools.lru_cache(maxsize=None)
-def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
-  """(name, resolved type) of each init field of dataclass `cls`.
+def _field_hints(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+  """(name, resolved type, non-finite allowed) of each init field of
+  dataclass `cls`.
 
   The modules use `from __future__ import annotations`, so the annotations
   are strings until `typing.get_type_hints` resolves them. Cached per
   class: configs are built often (`dataclasses.replace`).
   """
   hints = typing.get_type_hints(cls)
-  return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls)
-               if f.init)
+  return tuple((f.name, hints[f.name], bool(f.metadata.get(ALLOW_NONFINITE)))
+               for f in dataclasses.fields(cls) if f.init)
+
+
+def _non_finite(value: Any) -> Any:
+  """The first inf or nan in `value` (a number, or one inside a tuple,
+  list or dict), else None."""
+  if isinstance(value, numbers.Real) and not isinstance(
+      value, numbers.Integral):
+    return None if math.isfinite(value) else value
+  if isinstance(value, dict):
+    value = list(value.values())
+  if isinstance(value, (tuple, list)):
+    for item in value:
+      if _non_finite(item) is not None:
+        return _non_finite(item)
+  return None
 
 
 def _type_name(hint: Any) -> str:
@@ -119,7 +141,9 @@ def field_types(config: Any) -> None:
   The one type check of every config dataclass: call it first in
   `__post_init__`, before any comparison, so that `checkpoint_every=2.5`
   or `batch_size=8.0` fail when the config is built, not steps later after
-  outputs were written. Types come from the class's annotations (a
+  outputs were written. Numbers must be finite (inf or nan, also inside
+  containers, only where the field's metadata has `ALLOW_NONFINITE`).
+  Types come from the class's annotations (a
   subclass's fields included): `int` takes no float and no bool, `float`
   takes an int, `Optional[...]`, unions, `Literal`, tuples (of fixed or
   any length), lists and dicts are checked with their items.
@@ -130,9 +154,15 @@ def field_types(config: Any) -> None:
   Raises:
     ConfigTypeError: naming the class, the field, the value and the type.
   """
-  for name, hint in _field_hints(type(config)):
+  for name, hint, allow_non_finite in _field_hints(type(config)):
     value = getattr(config, name)
     if not _matches(value, hint):
       raise ConfigTypeError(
           f"{type(config).__name__}.{name} must be {_type_name(hint)}, got "
           f"{value!r} ({type(value).__name__}).")
+    bad = None if allow_non_finite else _non_finite(value)
+    if bad is not None:
+      raise ConfigTypeError(
+          f"{type(config).__name__}.{name} must be finite, got {value!r} "
+          f"({bad!r} is not a number a run can use; a literal such as 1e309 "
+          "overflows to inf).")

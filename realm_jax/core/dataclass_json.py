@@ -20,7 +20,8 @@ T = TypeVar("T")
 
 def to_dict(config: Any) -> dict[str, Any]:
   """A (nested) config dataclass as JSON-ready dicts (paths as strings)."""
-  return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+  text = json.dumps(dataclasses.asdict(config), default=str)
+  return json.loads(text)  # A string made here, no file.
 
 
 def _convert(value: Any, kind: Any, where: str) -> Any:
@@ -72,5 +73,10 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
   if unknown:
     raise ValueError(f"{where}: unknown {cls.__name__} fields {unknown}; "
                      "was it written by a newer realm_jax?")
-  return cls(**{k: _convert(v, hints[k], f"{where}.{k}")
-                for k, v in data.items()})
+  values = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+  try:
+    return cls(**values)
+  except ValueError as e:  # The config's own checks: name the source.
+    if str(e).startswith(where):
+      raise
+    raise type(e)(f"{where}: {e}") from e

@@ -19,13 +19,14 @@ What differs between the two kinds of storage, and how it is handled:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 from etils import epath
 
@@ -117,14 +118,15 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
   if not is_local(target):
     target.write_bytes(data)
     return
-  tmp = os.path.join(os.path.dirname(os.fspath(target)),
-                     f".tmp-{target.name}-{os.getpid()}")
+  # mkstemp creates the temporary exclusively: never a planted file or link.
+  fd, tmp = tempfile.mkstemp(prefix=f".tmp-{target.name}-",
+                             dir=os.path.dirname(os.fspath(target)))
   try:
-    with open(tmp, "wb") as f:
+    with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, target)
+    os.replace(tmp, target)  # Replaces a link at target, never follows it.
   except BaseException:
     if os.path.exists(tmp):
       os.remove(tmp)
@@ -179,7 +181,7 @@ def remove(path: PathLike) -> None:
   if is_local(target) and os.path.islink(target):
     os.unlink(target)
   elif target.is_dir():
-    target.rmtree(missing_ok=True)
+    target.rmtree(missing_ok=True)  # Not a link (checked above).
   elif target.exists():
     target.unlink(missing_ok=True)
 
@@ -196,7 +198,7 @@ def move_aside(path: PathLike, new_name: str) -> str:
   source = as_path(path)
   dest = source.parent / new_name
   if is_local(source):
-    os.rename(source, dest)
+    os.rename(source, dest)  # Moves a link itself, never its target.
   elif source.is_dir():
     copy_tree(source, dest)
     remove(source)
@@ -234,20 +236,88 @@ def copy_tree(src: PathLike, dst: PathLike, *,
       copy_file(child, dst / child.name)
 
 
+def refuse_output_link(path: str) -> None:
+  """LinkRefusedError when local output `path` is a symbolic link."""
+  if os.path.islink(path):
+    raise LinkRefusedError(
+        f"{path} is a symbolic link (to {os.readlink(path)!r}); a job "
+        "never writes or deletes its output through a link, since it could "
+        "lead anywhere. Remove the link or choose another output path.")
+
+
 def replace_local_dir(tmp_dir: str, directory: str) -> None:
   """Moves the finished local directory `tmp_dir` to `directory`.
 
-  An existing `directory` is renamed aside first and deleted only after the
-  new one is in place, so a crash leaves either the old or the new tree
-  under `directory` (plus, at worst, a `.old-<pid>` sibling), never a mix.
+  An existing `directory` is moved into a fresh aside directory first and
+  deleted only after the new one is in place, so a crash leaves either the
+  old or the new tree under `directory` (plus, at worst, a `.<name>.old-*`
+  sibling), never a mix. A `directory` that is a link is refused.
   """
+  refuse_output_link(directory)
   if not os.path.exists(directory):
     os.rename(tmp_dir, directory)
     return
-  old_dir = f"{directory}.old-{os.getpid()}"
-  os.rename(directory, old_dir)
+  aside = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-",
+                           dir=os.path.dirname(os.path.abspath(directory)))
+  os.rename(directory, os.path.join(aside, "old"))
   os.rename(tmp_dir, directory)
-  shutil.rmtree(old_dir)
+  shutil.rmtree(aside)  # Made above; holds the replaced output only.
+
+
+def new_output_tmp(directory: PathLike, *, overwrite: bool = False,
+                   exists: str = "") -> str:
+  """A fresh, empty temporary sibling of local output `directory`.
+
+  The first half of `output_dir` for jobs that cannot use a `with` block:
+  finish with `replace_local_dir(tmp, directory)`, or on failure
+  `discard_output_tmp(tmp)`.
+
+  Raises:
+    LinkRefusedError: `directory` is a symbolic link.
+    FileExistsError: `directory` exists and not `overwrite` (message:
+      `exists`, or a default).
+  """
+  directory = os.path.abspath(os.fspath(directory))
+  refuse_output_link(directory)
+  if os.path.exists(directory) and not overwrite:
+    raise FileExistsError(exists or f"{directory} exists; choose a new "
+                          "output directory.")
+  parent = os.path.dirname(directory)
+  os.makedirs(parent, exist_ok=True)
+  # mkdtemp makes a new directory (never an existing one or a link).
+  return tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-",
+                          dir=parent)
+
+
+def discard_output_tmp(tmp_dir: str) -> None:
+  """Deletes a temporary made by `new_output_tmp` (and only such a one)."""
+  if not os.path.basename(tmp_dir).startswith(".") or ".tmp-" not in (
+      os.path.basename(tmp_dir)) or os.path.islink(tmp_dir):
+    raise ValueError(f"{tmp_dir} is not a temporary of new_output_tmp.")
+  shutil.rmtree(tmp_dir, ignore_errors=True)  # Checked: ours.
+
+
+@contextlib.contextmanager
+def output_dir(directory: PathLike, *, overwrite: bool = False,
+               exists: str = "") -> Iterator[str]:
+  """Writes a job's local output directory whole, or not at all.
+
+  Yields a fresh temporary sibling that this call created itself
+  (`new_output_tmp`); when the block ends it becomes `directory`
+  (`replace_local_dir`), and if the block raises it is deleted. Nothing is
+  written or deleted through a link, and no directory the job did not
+  create is deleted (an existing output only with `overwrite`).
+
+  Raises:
+    LinkRefusedError, FileExistsError: as `new_output_tmp`.
+  """
+  tmp = new_output_tmp(directory, overwrite=overwrite, exists=exists)
+  try:
+    yield tmp
+    replace_local_dir(tmp, os.path.abspath(os.fspath(directory)))
+  except BaseException:
+    discard_output_tmp(tmp)
+    raise
 
 
 def cache_root() -> str:
@@ -315,7 +385,7 @@ def local_copy(path: PathLike, key: str, *,
     else:
       copy_file(src, tmp)
     try:
-      os.rename(tmp, dest)
+      os.rename(tmp, dest)  # A fresh cache entry from its own tmp.
     except OSError:
       if not os.path.exists(dest):
         raise
@@ -350,6 +420,32 @@ def sha256_file(path: PathLike) -> str:
     for chunk in iter(lambda: f.read(1 << 22), b""):
       digest.update(chunk)
   return digest.hexdigest()
+
+
+def save_npy(path: str, array: Any) -> None:
+  """`np.save` of `array` (no pickles) to local file `path`, whose failure
+  says what failed: numpy's own writer reports a full disk as
+  `OSError('1152 requested and 992 written')`, naming neither the file nor
+  ENOSPC; here the data goes through Python's file writes, and an OSError
+  is raised again with its errno, the file and how much space is left.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  array = np.ascontiguousarray(array)
+  try:
+    with open(path, "wb") as f:
+      np.lib.format.write_array_header_1_0(
+          f, np.lib.format.header_data_from_array_1_0(array))
+      f.write(memoryview(array.reshape(-1)).cast("B"))
+  except OSError as e:
+    free = ""
+    try:
+      stat = os.statvfs(os.path.dirname(os.path.abspath(path)))
+      free = f"; {stat.f_bavail * stat.f_frsize} bytes free there"
+    except OSError:
+      pass
+    raise OSError(e.errno, f"{os.strerror(e.errno) if e.errno else e} "
+                  f"while writing {path} ({array.nbytes} bytes of data"
+                  f"{free})", path) from e
 
 
 def write_json(path: PathLike, obj: Any) -> None:
@@ -393,7 +489,7 @@ def read_manifest(
     raise missing_error(f"{path} is missing: {directory} is a partial "
                         f"{what} (an interrupted build?); rebuild it.")
   try:
-    manifest = json.loads(read_text(path))
+    manifest = json.loads(read_text(path))  # The manifest reader.
     missing = [key for key in fields if key not in manifest]
     if missing:
       raise KeyError(f"no {missing}")

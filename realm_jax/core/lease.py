@@ -33,6 +33,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -79,10 +80,27 @@ class Holder:
   @classmethod
   def parse(cls, text: str) -> "Holder | None":
     try:
-      d = json.loads(text)
+      d = json.loads(text)  # Bad text: None (an unknown holder).
       return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
     except (ValueError, KeyError, TypeError):
       return None
+
+
+def _refuse_shared_file(fd: int, path: str) -> None:
+  """Closes `fd` and refuses a lease file that is not the job's own plain
+  file: a hard link (other names share its bytes, which the lease would
+  truncate and overwrite) or not a regular file."""
+  info = os.fstat(fd)
+  if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+    return
+  os.close(fd)
+  what = (f"has {info.st_nlink} hard links (other names for the same "
+          "file, which the lease would truncate and overwrite)"
+          if stat.S_ISREG(info.st_mode) else "is not a regular file")
+  raise io_utils.LinkRefusedError(
+      f"{path} {what}; a job writes its lease only to a file of its own. "
+      "Remove it (the other names keep the content) and start the job "
+      "again.")
 
 
 def _refusal(directory: str, holder: Holder | None) -> LeaseHeldError:
@@ -170,6 +188,7 @@ class Lease:
           f"{self.path} is a symbolic link (to {os.readlink(self.path)!r}); "
           "a job never writes through a link in its own directory. Remove "
           "the link and start the job again.") from None
+    _refuse_shared_file(fd, self.path)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

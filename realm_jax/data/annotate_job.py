@@ -125,7 +125,7 @@ def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, Any]:
       report.sentences += stats["sentences"]
       report.spans += stats["spans"]
       report.span_types.update(stats["span_types"])
-  tf.io.gfile.rename(tmp, path, overwrite=True)
+  tf.io.gfile.rename(tmp, path, overwrite=True)  # Inside its own tmp_dir.
   return {"shard": k, **report.to_dict()}
 
 

@@ -136,7 +136,7 @@ def read_documents(input_path: str, *, max_documents: int | None,
         "the format its name says.") from e
   finally:
     if local_dir:
-      shutil.rmtree(local_dir, ignore_errors=True)
+      shutil.rmtree(local_dir, ignore_errors=True)  # Own mkdtemp.
   io_utils.atomic_write_text(stats_path, json.dumps(
       dict(report.summary(list_dropped), documents=progress.done)))
   logging.info("read all %d documents of %s in %.1fs", progress.done,
@@ -157,12 +157,15 @@ class ShardedOutput:
 
   def __init__(self, output_dir: str, *, marker: str, overwrite: bool):
     self.output_dir = io_utils.absolute(output_dir)
+    if io_utils.is_local(self.output_dir):  # Before the pipeline runs.
+      io_utils.refuse_output_link(self.output_dir)
     if (io_utils.as_path(io_utils.join(self.output_dir, marker)).exists() or
         (io_utils.is_local(self.output_dir) and
          os.path.exists(self.output_dir))) and not overwrite:
       raise FileExistsError(f"{self.output_dir} already exists; pass "
                             "overwrite=True or another path.")
-    self.tmp_dir = f"{self.output_dir}.tmp-{uuid.uuid4().hex[:12]}"
+    # A fresh random name (Beam workers may be remote: no mkdtemp).
+    self.tmp_dir = f"{self.output_dir}.tmp-{uuid.uuid4().hex}"
     self.stats = self.path(".shard_stats.json")
 
   def __enter__(self) -> ShardedOutput:
@@ -205,7 +208,7 @@ class ShardedOutput:
     """A JSON stats file, then removed (`default` if there is none)."""
     if not io_utils.as_path(path).exists():
       return default
-    value = json.loads(io_utils.read_text(path))
+    value = json.loads(io_utils.read_text(path))  # Atomic stats file.
     io_utils.remove(path)
     return value
 

@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from typing import Any, Iterable
 
 from absl import logging
@@ -199,7 +200,7 @@ def write_block_store(
   except BaseException:
     for writer in writers.values():
       writer.abort()
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+    io_utils.discard_output_tmp(tmp_dir)
     raise
   logging.info("wrote block store %s: %d blocks of %d articles, fingerprint "
                "%s", out_dir, num_blocks, num_documents,
@@ -208,17 +209,12 @@ def write_block_store(
 
 
 def _local_tmp_dir(out_dir: str, overwrite: bool) -> str:
-  """Refuses an existing `out_dir` unless `overwrite`; makes a fresh, empty
-  `out_dir + ".tmp-<pid>"` to build the store in and returns it."""
-  if os.path.exists(out_dir) and not overwrite:
-    raise FileExistsError(
-        f"{out_dir} already exists; pass overwrite=True (the corpus job: "
-        "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
-        "output directory.")
-  tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp_dir, ignore_errors=True)
-  os.makedirs(tmp_dir)
-  return tmp_dir
+  """Refuses an existing `out_dir` unless `overwrite` (and a link always);
+  makes a fresh, empty temporary sibling to build the store in."""
+  return io_utils.new_output_tmp(out_dir, overwrite=overwrite, exists=(
+      f"{out_dir} already exists; pass overwrite=True (the corpus job: "
+      "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
+      "output directory."))
 
 
 class _Writers(dict):
@@ -775,8 +771,9 @@ def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
                     "be replaced.", out_dir)
   root = io_utils.cache_root()
   os.makedirs(root, exist_ok=True)
-  build_dir = os.path.join(root, f".build-{os.getpid()}")
-  shutil.rmtree(build_dir, ignore_errors=True)
+  # A fresh directory of this job's own (mkdtemp), the store built inside.
+  build_dir = os.path.join(tempfile.mkdtemp(prefix=".build-", dir=root),
+                           "store")
   try:
     store = write_block_store(blocks, build_dir, **kwargs)
     logging.info("uploading block store to %s", out_dir)
@@ -790,18 +787,17 @@ def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
                        remote / "manifest.json")
     cached = os.path.join(root, _cache_key(store.manifest))
     del store  # Unmap before moving.
-    if os.path.exists(cached):
-      shutil.rmtree(build_dir)
-    else:
-      os.rename(build_dir, cached)
+    if not os.path.exists(cached):
+      os.rename(build_dir, cached)  # A new cache entry (local_copy's way).
   except BaseException:
-    shutil.rmtree(build_dir, ignore_errors=True)
     if not (remote / "manifest.json").exists():
       try:  # A partial upload is invisible to readers; tidy it if we can.
         io_utils.remove(remote)
       except Exception:  # pylint: disable=broad-except
         logging.warning("could not remove the partial upload %s", out_dir)
     raise
+  finally:
+    shutil.rmtree(os.path.dirname(build_dir))  # Its own mkdtemp above.
   return BlockStore.open(out_dir, cache_dir=root)
 
 

@@ -198,7 +198,7 @@ def _block_line(block: blocks_lib.Block) -> str:
 
 
 def _read_block(line: str) -> blocks_lib.Block:
-  record = json.loads(line)
+  record = json.loads(line)  # A chunk file written atomically.
   for name in _ARRAYS:
     record[name] = np.asarray(record[name]["values"],
                               np.dtype(record[name]["dtype"]))

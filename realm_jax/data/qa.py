@@ -124,7 +124,7 @@ def _compile_answer_pattern(pattern: str) -> re.Pattern[str] | None:
 def _parse_qa_line(text: str, regex_answers: bool) -> QAExample:
   """Parses one JSONL line; raises _Malformed saying what is wrong."""
   try:
-    record = json.loads(text)
+    record = json.loads(text)  # Input questions, not job output.
   except json.JSONDecodeError as e:
     raise _Malformed(f"invalid JSON ({e.msg} at column {e.colno})") from None
   if not isinstance(record, dict):

@@ -497,7 +497,7 @@ def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, int]:
   writer.close()
   if not local:
     io_utils.copy_file(path, io_utils.join(tmp_dir, name))
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    shutil.rmtree(os.path.dirname(path))  # Its own mkdtemp above.
   return {"shard": k, "rows": len(rows), "bytes": size}
 
 

@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import os
 import re
+import uuid
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -353,7 +354,7 @@ def write_annotated(path: str, docs: Iterable[AnnotatedDocument], *,
   overrides that). Returns the number of records written.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tmp = f"{path}.tmp-{os.getpid()}"
+  tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # Fresh: no name planted before.
   count = 0
   try:
     with tf.io.TFRecordWriter(
@@ -362,7 +363,7 @@ def write_annotated(path: str, docs: Iterable[AnnotatedDocument], *,
       for doc in docs:
         writer.write(to_tf_example(doc).SerializeToString())
         count += 1
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    tf.io.gfile.rename(tmp, path, overwrite=True)  # The job's own file.
   finally:
     if tf.io.gfile.exists(tmp):
       tf.io.gfile.remove(tmp)

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 from absl import logging
 import numpy as np
 
+from realm_jax.core import io_utils
+
 SIGNATURE_BITS = 1024
 FILE_NAME = "body_signatures.npy"
 _WORDS = SIGNATURE_BITS // 64
@@ -98,7 +100,7 @@ def write(store_dir: str, body_ids: np.ndarray, body_offsets: np.ndarray
   """Writes `body_signatures.npy` into `store_dir`; its manifest entry."""
   signatures = compute(body_ids, body_offsets)
   path = os.path.join(store_dir, FILE_NAME)
-  np.save(path, signatures)
+  io_utils.save_npy(path, signatures)
   return {"file": FILE_NAME, "bits": SIGNATURE_BITS,
           "shape": list(signatures.shape),
           "sha256": hashlib.sha256(signatures.tobytes()).hexdigest()}

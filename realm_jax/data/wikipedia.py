@@ -34,6 +34,7 @@ import csv
 import dataclasses
 import functools
 import gzip
+import hashlib
 import itertools
 import json
 import multiprocessing.pool
@@ -484,12 +485,14 @@ def iter_jsonl_documents(
   Other keys are ignored. Lines that are not valid UTF-8, not JSON, not an
   object with string "title" and "text", or whose title is empty, are skipped
   and counted (`invalid_utf8`, `bad_json`, `bad_record`, `empty_title`) with
-  their line number; so are empty, enormous and too-long-titled documents
-  (see `iter_wikipedia_pages`). The text is used as is: blank lines separate
+  their line number; so are byte-identical repeats of an earlier line
+  (`duplicate_article`, naming that line) and empty, enormous and
+  too-long-titled documents (see `iter_wikipedia_pages`). The text is used as is: blank lines separate
   paragraphs. `path` may be compressed (`.gz`, `.bz2`).
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"JSONL corpus {path} does not exist.")
+  seen = {}  # 8-byte digest of a line -> its first line number.
   with _open_binary(path) as f:
     for line_number, raw in enumerate(f, start=1):
       where = f"{path}:{line_number}"
@@ -501,7 +504,7 @@ def iter_jsonl_documents(
         report.skip("invalid_utf8", where, str(e))
         continue
       try:
-        record = json.loads(line)
+        record = json.loads(line)  # Input corpus, not job output.
       except json.JSONDecodeError as e:
         report.skip("bad_json", where, str(e))
         continue
@@ -521,6 +524,14 @@ def iter_jsonl_documents(
       if not title:
         report.skip("empty_title", where)
         continue
+      first = seen.setdefault(hashlib.blake2b(raw.strip(),
+                                              digest_size=8).digest(),
+                              line_number)
+      if first != line_number:  # The same article twice adds nothing.
+        report.skip("duplicate_article", where,
+                    f"'{title[:80]}': the same bytes as line {first}",
+                    title=title)
+        continue
       if document := _check_document(
           title, text, f"{where} '{title[:80]}'", report,
           max_article_chars=max_article_chars, max_title_chars=max_title_chars):
@@ -539,8 +550,45 @@ def iter_dpr_passages(path: str) -> Iterator[tuple[str, str, str]]:
   writes (a field with quotes is quoted, its quotes doubled). No passage is
   skipped, so passage i is line i + 2: a malformed line (wrong number of
   fields, empty id or text, invalid UTF-8) raises `CorruptDumpError` naming
-  the file and the line.
+  the file and the line; so does a passage id used before (gold passages
+  are matched by id), naming both lines.
   """
+  seen = _SeenIds()
+  for line, (passage_id, text, title) in _dpr_rows(path):
+    if seen.add(passage_id):
+      first = next(n for n, row in _dpr_rows(path) if row[0] == passage_id)
+      raise CorruptDumpError(
+          f"{path}:{line}: passage id {passage_id!r} is also the id of line "
+          f"{first}; ids must be unique (gold passages are matched by id). "
+          "Fix or remove one of the two lines.")
+    yield passage_id, title, text
+
+
+class _SeenIds:
+  """The passage ids met so far: decimal ids (DPR's: 1..21M) as bits,
+  others in a set."""
+
+  def __init__(self):
+    self._bits, self._other = bytearray(), set()
+
+  def add(self, passage_id: str) -> bool:
+    """Adds `passage_id`; whether it was there already."""
+    if not (passage_id.isdigit() and passage_id.isascii() and (
+        passage_id == "0" or passage_id[0] != "0") and len(passage_id) < 12):
+      seen = passage_id in self._other
+      self._other.add(passage_id)
+      return seen
+    n = int(passage_id)
+    if n >> 3 >= len(self._bits):
+      self._bits.extend(bytes(max(n >> 3, 2 * len(self._bits)) + 1
+                              - len(self._bits)))
+    seen = bool(self._bits[n >> 3] >> (n & 7) & 1)
+    self._bits[n >> 3] |= 1 << (n & 7)
+    return seen
+
+
+def _dpr_rows(path: str) -> Iterator[tuple[int, list[str]]]:
+  """(line, [id, text, title]) of each passage of a DPR passage file."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"DPR passage file {path} does not exist.")
 
@@ -569,7 +617,7 @@ def iter_dpr_passages(path: str) -> Iterator[tuple[str, str, str]]:
               "title) with a non-empty id and text, got "
               f"{[field[:40] for field in row[:5]]}; fix or remove the line.")
         if number:
-          yield row[0], row[2], row[1]
+          yield line, row
         line = reader.line_num + 1
     except csv.Error as e:
       raise CorruptDumpError(

@@ -58,7 +58,7 @@ from absl import logging
 import jax
 
 from realm_jax.core import checkpoints, checks, follow, gin_config, io_utils
-from realm_jax.core import parallel
+from realm_jax.core import parallel, records
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
@@ -342,7 +342,7 @@ def _read_ledger(path: str, identity: dict[str, Any]) -> dict[str, Any]:
   if not io_utils.as_path(path).exists():
     return {**identity, "steps": {}}
   try:
-    ledger = json.loads(io_utils.read_text(path))
+    ledger = json.loads(io_utils.read_text(path))  # Atomic write_json.
   except json.JSONDecodeError as e:
     raise ValueError(f"{path} is corrupt ({e}); delete it to re-evaluate "
                      "every checkpoint.") from e
@@ -385,6 +385,8 @@ def _open_job_outputs(output_dir: str, checkpoint_dir: str,
       "checkpoint_dir": io_utils.absolute(checkpoint_dir),
       "examples_sha256": examples_fingerprint(examples),
       "index_step": int(index.step)})
+  if is_chief:  # A torn last line goes before this run appends its own.
+    records.keep_records(io_utils.join(output_dir, METRICS_JSONL))
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   writer = metric_writers.create_default_writer(
       io_utils.join(output_dir, "summaries"), just_logging=not is_chief)

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Sequence
 
 from absl import logging
@@ -139,12 +140,7 @@ def check_question(question: str, tokenizer: Tokenizer,
     TypeError: not a str.
     ValueError: empty, whitespace or nothing the tokenizer keeps.
   """
-  if not isinstance(question, str):
-    raise TypeError(f"A question is a str, got {question!r} "
-                    f"({type(question).__name__}).")
-  if not question.strip():
-    raise ValueError(f"The question {question!r} is empty; ask something, "
-                     "e.g. 'Where was Mozart born?'.")
+  _refuse_non_question(question, "The question")
   num_pieces = len(tokenizer.tokenize([question])[0])
   if not num_pieces:
     raise ValueError(f"The question {question!r} has no wordpieces (only "
@@ -230,6 +226,50 @@ def _fit_params(model_config: RealmConfig, loaded: dict[str, Any],
 # ----------------------------------------------------------------------------
 # The configs a checkpoint carries
 # ----------------------------------------------------------------------------
+
+
+def run_index_dir(checkpoint_dir: str, step: int | None = None) -> str:
+  """The index a run's checkpoint answers with when none is given: the
+  one it trained against (a fine-tuning run's `index_dir`, in its task
+  config), else the run's own `<workdir>/index`."""
+  step = checkpoints.newest_step(checkpoint_dir) if step is None else step
+  task = checkpoints.read_meta(checkpoint_dir, step).get("task_config")
+  return (task or {}).get("index_dir") or checkpoints.index_root(
+      os.path.dirname(os.fspath(checkpoint_dir).rstrip("/")))
+
+
+def _without_span_head(params: dict[str, Any]) -> dict[str, Any]:
+  """`params` less the reader's span head: an untrained one is dropped, so
+  that `_fit_params` announces it (and initialises it) like a missing one."""
+  return dict(params, reader={k: v for k, v in params["reader"].items()
+                              if k != "span_head"})
+
+
+def _init_checkpoint_untrained(init_from: str) -> bool:
+  """Whether `init_from` is `checkpoint:<dir>[@step]` whose meta says its
+  span head was not trained."""
+  kind, _, rest = init_from.partition(":")
+  if kind != "checkpoint":
+    return False
+  directory, _, step = rest.partition("@")
+  step = int(step) if step else checkpoints.newest_step(directory)
+  return span_head_trained(checkpoints.read_meta(directory, step)) is False
+
+
+def span_head_trained(meta: dict[str, Any]) -> bool | None:
+  """Whether a checkpoint's reader span head was trained, by its meta.
+
+  Fine-tuning records `span_head_trained`; checkpoints written before it
+  did tell by their task (only fine-tuning trains the span head, though
+  pre-training checkpoints carry an untrained one). None: the meta does
+  not say (the presence of span-head parameters decides).
+  """
+  if "span_head_trained" in meta:
+    return bool(meta["span_head_trained"])
+  if "task_class" in meta:
+    return meta["task_class"] == "FinetuneConfig"
+  return None
+
 
 
 def configs_of(directory: str, step: int) -> dict[str, Any]:
@@ -342,8 +382,13 @@ class QAModel:
     """From a realm_jax checkpoint directory (newest step by default);
     only its `retriever` and `reader` items are read."""
     step = checkpoints.newest_step(checkpoint_dir) if step is None else step
-    params = checkpoints.restore_items(checkpoint_dir, step,
-                                       checkpoints.PARAM_ITEMS)
+    params = checkpoints.restore_items(
+        checkpoint_dir, step, checkpoints.PARAM_ITEMS, way_out=(
+            "answer with an older step: step={older} (realm_jax.load(..., "
+            "step={older}); realm-ask and the eval job: "
+            "--gin.qa_eval.EvalConfig.step={older})"))
+    if span_head_trained(checkpoints.read_meta(checkpoint_dir, step)) is False:
+      params = _without_span_head(params)
     return cls(model_config, params, index, store, step=step, **kwargs)
 
   @classmethod
@@ -363,11 +408,11 @@ class QAModel:
     params = init_lib.initial_params(both_heads, fresh, init_from)
     span = ("reader", "span_head")
     before, after = core.flatten(fresh), core.flatten(params)
-    if all(after[p] is before[p] for p in before if p[:2] == span):
+    if all(after[p] is before[p] for p in before if p[:2] == span) or (
+        _init_checkpoint_untrained(init_from)):
       # Left fresh by `initial_params` (MiniLM, BERT, REALM pre-training
-      # have none): an untrained head, announced by `_fit_params`.
-      params = dict(params, reader={k: v for k, v in params[
-          "reader"].items() if k != "span_head"})
+      # have none), or a realm_jax checkpoint that says it was not trained.
+      params = _without_span_head(params)
     return cls(model_config, params, index, store, **kwargs)
 
   def with_params(self, params: dict[str, Any],
@@ -426,8 +471,13 @@ class QAModel:
       num_evidence: evidence blocks per answer (default: the model's).
       recall_depth: retrieve at least this deep for `retrieved_has_answer`
         (capped at the corpus size); the model itself reads K.
+
+    Raises:
+      TypeError: `questions` is one string (not a list of them), or holds
+        something other than strings.
+      ValueError: an empty or whitespace question.
     """
-    questions = list(questions)
+    questions = _question_list(questions)
     n = len(questions)
     if answers is not None and len(answers) != n:
       raise ValueError(f"{len(answers)} answer lists for {n} questions.")
@@ -543,6 +593,38 @@ class QAModel:
     return np.where(regex, text_level, gold.any(axis=(1, 2, 3)))
 
 
+def _question_list(questions: Sequence[str]) -> list[str]:
+  """`questions` as a list, refusing what `predict` would answer wrongly:
+  one string (each character would become a question), a non-string
+  item, an empty question."""
+  if isinstance(questions, (str, bytes)):
+    kind = type(questions).__name__
+    raise TypeError(
+        f"predict takes a list of questions, got one {kind} "
+        f"({_short(questions)!r}); use ask(question) or "
+        "predict([question]).")
+  questions = list(questions)
+  for i, question in enumerate(questions):
+    _refuse_non_question(question, f"Question {i}")
+  return questions
+
+
+def _refuse_non_question(question: Any, name: str) -> None:
+  """TypeError for a non-string, ValueError for an empty question (`name`:
+  how the message calls it)."""
+  if not isinstance(question, str):
+    raise TypeError(f"{name} is {_short(question)!r} "
+                    f"({type(question).__name__}); a question is a str.")
+  if not question.strip():
+    raise ValueError(f"{name} {question!r} is empty; ask something, "
+                     "e.g. 'Where was Mozart born?'.")
+
+
+def _short(value: Any, limit: int = 60) -> Any:
+  text = value if isinstance(value, (str, bytes)) else repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
   """Row softmax over finite entries (-inf = not retrieved -> 0)."""
   finite = np.isfinite(logits)
@@ -578,12 +660,18 @@ def load_qa_model(*, model_config: RealmConfig, store,
       `QAConfig()`.
     **kwargs: more `QAModel` arguments (mesh, batch_size, ...).
   """
+  what = "index_dir (the CLI: --gin.INDEX_DIR)"
   if workdir:
     checkpoint_dir = checkpoint_dir or checkpoints.checkpoint_dir(workdir)
-    index_dir = index_dir or checkpoints.index_root(workdir)
+  if not index_dir and checkpoint_dir and not init_from:
+    index_dir = run_index_dir(checkpoint_dir, step)
+    what = ("the index the run trained against (another: index_dir=, the "
+            "CLI's --gin.INDEX_DIR)")
+  elif not index_dir and workdir:
+    index_dir = checkpoints.index_root(workdir)
   if not index_dir:
-    raise ValueError("No index: give index_dir (a published index root) or "
-                     "a workdir with index/ inside.")
+    raise ValueError("No index: give index_dir (a published index root; the "
+                     "CLI: --gin.INDEX_DIR) or a workdir with index/ inside.")
   if init_from:
     make = functools.partial(QAModel.from_init, init_from)
   elif not checkpoint_dir:
@@ -603,6 +691,6 @@ def load_qa_model(*, model_config: RealmConfig, store,
     make = functools.partial(QAModel.from_checkpoint, checkpoint_dir, step)
   return make(model_config=model_config, store=store,
               index=publish.load_frozen_index(index_dir, store, model_config,
-                                              step=index_step),
+                                              step=index_step, what=what),
               qa_config=qa_config or qa_inputs.QAConfig(), **kwargs)
 

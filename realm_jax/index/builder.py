@@ -370,9 +370,10 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
       # builder only reads checkpoints, so it skips this one for good
       # (the trainer moves it aside when it resumes) and takes the
       # newest older one, instead of dying on it.
-      logging.warning("checkpoint %s does not restore (%s: %s); skipping "
-                      "it.", io_utils.join(ckpt_dir, str(step)),
-                      type(e).__name__, e)
+      if not isinstance(e, checkpoints.CheckpointRestoreError):
+        e = (f"checkpoint {io_utils.join(ckpt_dir, str(step))} does not "
+             f"restore ({type(e).__name__}: {e})")
+      logging.warning("%s; skipping it.", e)
       follower.give_up(step)
       continue
     path = build_and_publish(
@@ -449,7 +450,11 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
               else checkpoints.newest_step(ckpt_dir))
     except FileNotFoundError as e:
       raise SystemExit(str(e)) from e
-    params = checkpoints.restore_retriever(ckpt_dir, step)
+    try:
+      params = checkpoints.restore_retriever(ckpt_dir, step, way_out=(
+          "index an older one with --gin.builder.BuilderConfig.step={older}"))
+    except checkpoints.CheckpointRestoreError as e:
+      raise SystemExit(str(e)) from e
     retriever_config = checkpoint_retriever_config(
         ckpt_dir, step, gin_config.configured(RealmConfig).retriever)
   build_and_publish(retriever_params=params,

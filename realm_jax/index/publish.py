@@ -308,8 +308,7 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
       prefix=f"realm_jax_publish-{int(step)}-")
   os.makedirs(stage, exist_ok=True)
   try:
-    np.save(os.path.join(stage, EMBEDDINGS),
-            np.ascontiguousarray(embeddings))
+    io_utils.save_npy(os.path.join(stage, EMBEDDINGS), embeddings)
     searcher.save(os.path.join(stage, SEARCHER_DIR))
     manifest = _index_manifest(
         stage, step, embeddings, searcher,

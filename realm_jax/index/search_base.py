@@ -15,8 +15,6 @@ import abc
 import dataclasses
 import math
 import os
-import shutil
-import tempfile
 from typing import Any, ClassVar, Mapping, Type, TypeVar, Union
 
 from absl import logging
@@ -469,11 +467,7 @@ class Searcher(abc.ABC):
     """
     require_local(directory)
     directory = os.path.abspath(directory)
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(
-        prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
-    try:
+    with io_utils.output_dir(directory, overwrite=True) as tmp_dir:
       extra = self._write(tmp_dir)
       metadata = {
           "format_version": FORMAT_VERSION,
@@ -484,10 +478,6 @@ class Searcher(abc.ABC):
           **extra,
       }
       io_utils.write_json(os.path.join(tmp_dir, METADATA_FILE), metadata)
-      io_utils.replace_local_dir(tmp_dir, directory)
-    except BaseException:
-      shutil.rmtree(tmp_dir, ignore_errors=True)
-      raise
     logging.info("saved %s searcher (%d x %d) to %s", self.kind,
                  self.num_rows, self.dim, directory)
 

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from realm_jax.core import io_utils
 from realm_jax.index import search_base
 from realm_jax.index.scann_search import ScannSearcher
 from realm_jax.index.search_base import (FORMAT_VERSION, METADATA_FILE,
@@ -214,8 +215,8 @@ class ExactSearcher(Searcher):
     return ids[:num_queries], scores[:num_queries]
 
   def _write(self, directory):
-    np.save(os.path.join(directory, EMBEDDINGS_FILE),
-            np.asarray(self.embeddings))
+    io_utils.save_npy(os.path.join(directory, EMBEDDINGS_FILE),
+                      np.asarray(self.embeddings))
     return {"embeddings_file": EMBEDDINGS_FILE}
 
   @classmethod

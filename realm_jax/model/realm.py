@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +95,9 @@ class RetrieverConfig:
     if self.projection_size is not None and self.projection_size <= 0:
       raise ValueError("RetrieverConfig.projection_size must be positive or "
                        f"None, got {self.projection_size}.")
-    if not self.score_scale > 0:
-      raise ValueError("RetrieverConfig.score_scale must be positive (it "
-                       "multiplies f(x, z)), got "
+    if not 0 < self.score_scale < math.inf:
+      raise ValueError("RetrieverConfig.score_scale must be positive and "
+                       "finite (it multiplies f(x, z)), got "
                        f"{self.score_scale}.")
 
   @property

@@ -27,6 +27,7 @@ import os
 
 import numpy as np
 
+from realm_jax.core import io_utils
 from realm_jax.data import block_store, blocks, salient_spans, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
@@ -251,9 +252,8 @@ def write_world(directory: str, *, num_people: int = 300,
       salient_spans.write_annotated(path, [article(p) for p in people
                                            if member(p)])
   if not os.path.exists(files.people):
-    with open(files.people + ".tmp", "w", encoding="utf-8") as f:
-      json.dump([dataclasses.asdict(p) for p in people], f)
-    os.replace(files.people + ".tmp", files.people)
+    io_utils.atomic_write_text(files.people, json.dumps(
+        [dataclasses.asdict(p) for p in people]))
   return files
 
 
@@ -281,4 +281,4 @@ def gold_blocks(store: block_store.BlockStore,
 
 def load_people(path: str) -> list[Person]:
   with open(path, encoding="utf-8") as f:
-    return [Person(**p) for p in json.load(f)]
+    return [Person(**p) for p in json.load(f)]  # Atomic (replace).

@@ -468,7 +468,8 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
     return run.loop(
         state, train_step, inputs.batch, num_train_steps=num_steps,
         seed=seed, meta={"seed": seed, "index_step": index.step,
-                         "corpus_fingerprint": store.fingerprint},
+                         "corpus_fingerprint": store.fingerprint,
+                         "span_head_trained": True},
         log_line=("loss %.4f (retriever %.4f reader %.4f) positive@K %.2f "
                   "span@R %.2f span_correct %.2f",
                   ("loss", "retriever_loss", "reader_loss",

@@ -8,7 +8,6 @@ Used by `pretrain.train` with a measured `PretrainConfig.retriever_gate`
 from __future__ import annotations
 
 import copy
-import json
 import math
 from typing import Any, Mapping
 
@@ -16,7 +15,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from realm_jax.core import distributed, io_utils, parallel
+from realm_jax.core import distributed, io_utils, parallel, records
 from realm_jax.data import qa, query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional, losses
@@ -119,14 +118,7 @@ class RetrieverGate:
     self.config, self.inputs, self.is_chief = config, inputs, is_chief
     self.store = store
     self.path = io_utils.join(workdir, "gate.jsonl")
-    stream = query_cache.QueryStream(
-        config.gate_queries, seed=config.seed,
-        batch_size=max(config.gate_num_queries, 1))
-    try:
-      stream.check(query_config)
-      queries = stream.head(config.gate_num_queries)
-    finally:
-      stream.close()
+    queries = _gate_queries(config, query_config)
     # This host's rows of the fixed batch: as many as the cache has, to a
     # multiple of the devices.
     devices, hosts, me = (jax.process_count() * len(inputs.mesh.local_devices),
@@ -166,12 +158,9 @@ class RetrieverGate:
   def restore(self, meta: dict[str, Any], start_step: int, state) -> None:
     self.streak = int(meta.get("retriever_gate", {}).get("streak", 0))
     self.release = optimizer_lib.release_step(state.opt_state)
-    if self.is_chief and io_utils.as_path(self.path).exists():
+    if self.is_chief:
       # Decisions after the restored step are replayed by this run.
-      kept = [line for line in io_utils.read_text(self.path).splitlines()
-              if line.strip() and json.loads(line)["step"] < start_step]
-      io_utils.atomic_write_text(self.path,
-                                 "".join(l + "\n" for l in kept))
+      records.keep_records(self.path, lambda r: r["step"] < start_step)
 
   def statistics(self, state) -> dict[str, float]:
     """`gate_statistics` of the gate's queries (every host's rows)."""
@@ -227,6 +216,23 @@ class RetrieverGate:
 
   def checkpoint_meta(self) -> dict[str, Any]:
     return {"retriever_gate": {"streak": self.streak}}
+
+
+def _gate_queries(config, query_config) -> dict[str, np.ndarray]:
+  """The first `gate_num_queries` of the gate's cache; its errors say that
+  the cache at fault is `PretrainConfig.gate_queries`."""
+  try:
+    stream = query_cache.QueryStream(
+        config.gate_queries, seed=config.seed,
+        batch_size=max(config.gate_num_queries, 1))
+    try:
+      stream.check(query_config)
+      return stream.head(config.gate_num_queries)
+    finally:
+      stream.close()
+  except (OSError, ValueError) as e:
+    raise type(e)(f"PretrainConfig.gate_queries={config.gate_queries!r} (the "
+                  f"retriever gate's query cache): {e}") from e
 
 
 def guard_every(config) -> int:
@@ -304,11 +310,8 @@ class RecallGuard:
     self.baseline = saved.get("baseline")
     self.streak = int(saved.get("streak", 0))
     self.tripped = saved.get("tripped")
-    if self.is_chief and io_utils.as_path(self.path).exists():
-      kept = [line for line in io_utils.read_text(self.path).splitlines()
-              if line.strip() and json.loads(line)["step"] < start_step]
-      io_utils.atomic_write_text(self.path,
-                                 "".join(l + "\n" for l in kept))
+    if self.is_chief:
+      records.keep_records(self.path, lambda r: r["step"] < start_step)
 
   def recall(self, state) -> float:
     """The share of the guard's probes (this host's rows, gathered) whose

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
-import json
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -41,6 +40,7 @@ from realm_jax.core import io_utils
 from realm_jax.core import parallel
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption as preemption_lib
+from realm_jax.core import records
 from realm_jax.training import optimizer as optimizer_lib
 
 
@@ -405,7 +405,7 @@ class Run:
     if self.is_chief:
       # A run killed after logging steps past its last checkpoint logs them
       # again from that checkpoint on: their first lines go.
-      _truncate_metrics(metrics_path, start)
+      records.keep_records(metrics_path, lambda r: r["step"] <= start)
       if start < total:
         # Continuing a finished run (more steps): side jobs must not take
         # the last run's DONE for this one's, so it goes before any step.
@@ -471,7 +471,7 @@ class Run:
     history.json.
     """
     path = io_utils.join(self.workdir, "history.json")
-    earlier = [h for h in _read_metrics(
+    earlier = [h for h in records.read_records(
         io_utils.join(self.workdir, "metrics.jsonl")) if h["step"] <= start]
     io_utils.write_json(path, earlier + history)
 
@@ -482,33 +482,3 @@ def _stop_requested(preempted: preemption_lib.Preemption) -> bool:
   return bool(distributed.broadcast_from_chief(
       np.int32(preempted.requested))) if jax.process_count() > 1 else (
           preempted.requested)
-
-
-def _read_metrics(path: str) -> list[dict[str, Any]]:
-  """The records of metrics.jsonl ([] if missing); a torn last line (a
-  kill mid-append) is dropped."""
-  if not io_utils.as_path(path).exists():
-    return []
-  records = []
-  for line in io_utils.read_text(path).splitlines():
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:
-      continue
-    if isinstance(record, dict) and isinstance(record.get("step"), int):
-      records.append(record)
-  return records
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-  """Drops the records of metrics.jsonl after `step` (atomically)."""
-  records = _read_metrics(path)
-  kept = [r for r in records if r["step"] <= step]
-  if len(kept) == len(records) and (
-      not records or io_utils.read_text(path).endswith("\n")):
-    return
-  logging.info("%s: dropping %d records after step %d (logged again from "
-               "the restored checkpoint on)", path, len(records) - len(kept),
-               step)
-  io_utils.atomic_write_text(path, "".join(json.dumps(r) + "\n"
-                                           for r in kept))

@@ -124,16 +124,22 @@ def _wrong_value(hint: Any) -> Any:
   return "1" if float in options else 2.5
 
 
-@pytest.mark.parametrize("module, name", CONFIG_CLASSES,
-                         ids=[n for _, n in CONFIG_CLASSES])
-def test_every_config_refuses_wrong_types(module, name):
+def _a_valid_config(module: str, name: str):
+  """(a valid instance of config class `name`, its init fields, their
+  resolved types)."""
   cls = getattr(importlib.import_module(module), name)
   hints = typing.get_type_hints(cls)
   fields = [f for f in dataclasses.fields(cls) if f.init]
   required = {f.name: REQUIRED[f.name] for f in fields
               if f.default is dataclasses.MISSING
               and f.default_factory is dataclasses.MISSING}
-  config = cls(**required, **EXTRA.get(name, {}))
+  return cls(**required, **EXTRA.get(name, {})), fields, hints
+
+
+@pytest.mark.parametrize("module, name", CONFIG_CLASSES,
+                         ids=[n for _, n in CONFIG_CLASSES])
+def test_every_config_refuses_wrong_types(module, name):
+  config, fields, hints = _a_valid_config(module, name)
   for f in fields:
     if hints[f.name] is Any:
       continue
@@ -170,3 +176,49 @@ def test_the_issues_values_fail_before_a_run_starts(field, value, tmp_path):
                      match=rf"PretrainConfig\.{field} must be int"):
     pretrain.PretrainConfig(**kwargs, **{field: value})
   assert not os.path.exists(tmp_path / "w")
+
+
+def _admits_float(hint: Any) -> bool:
+  options = typing.get_args(hint) if typing.get_origin(hint) in (
+      typing.Union, getattr(__import__("types"), "UnionType")) else (hint,)
+  return float in options
+
+
+@pytest.mark.parametrize("module, name", CONFIG_CLASSES,
+                         ids=[n for _, n in CONFIG_CLASSES])
+def test_every_float_field_refuses_inf_and_nan(module, name):
+  """inf and nan (`--gin...=1e309` parses to inf) fail when the config is
+  built, in every config's float fields, unless a field allows them."""
+  config, fields, hints = _a_valid_config(module, name)
+  for f in fields:
+    if not _admits_float(hints[f.name]) or f.metadata.get(
+        checks.ALLOW_NONFINITE):
+      continue
+    for bad in (float("inf"), float("-inf"), float("nan"), np.float32("inf")):
+      with pytest.raises(checks.ConfigTypeError,
+                         match=rf"^{name}\.{f.name} must be finite, got "):
+        dataclasses.replace(config, **{f.name: bad})
+
+
+def test_non_finite_numbers_inside_containers_and_by_choice():
+  @dataclasses.dataclass(frozen=True)
+  class Holder:
+    weights: tuple[float, ...] = (1.0,)
+    bound: float = dataclasses.field(
+        default=float("inf"), metadata={checks.ALLOW_NONFINITE: True})
+
+    def __post_init__(self):
+      checks.field_types(self)
+
+  assert Holder().bound == float("inf")
+  with pytest.raises(checks.ConfigTypeError, match=r"weights must be finite"):
+    Holder(weights=(1.0, float("nan")))
+
+
+def test_score_scale_must_be_positive_and_finite():
+  from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
+  from realm_jax.testing import tiny  # pylint: disable=g-import-not-at-top
+  bert = tiny.tiny_realm().retriever.bert
+  for scale in (float("inf"), 1e309, 0.0, -1.0, float("nan")):
+    with pytest.raises(ValueError, match="score_scale must be"):
+      realm.RetrieverConfig(bert=bert, score_scale=scale)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from realm_jax.core import io_utils
-from realm_jax.data import block_store, blocks, corpus_job, wikipedia
+from realm_jax.data import beam_utils, block_store, blocks, corpus_job
+from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish, searchers
 from realm_jax.testing import ram_fs
@@ -377,3 +378,58 @@ def test_links_are_removed_not_followed_and_refused_inside_a_job(tmp_path):
   io_utils.remove(job / "sub" / "link")
   assert not os.path.lexists(job / "sub" / "link")
   assert (outside / "keep.txt").read_text() == "precious"
+
+
+def test_job_outputs_go_through_a_fresh_temporary_never_a_link(tmp_path):
+  """`output_dir` (every local job output directory) and the atomic file
+  writes: a link planted at the output, or where an old-style temporary
+  of a predictable name would go, is never written through or deleted."""
+  victim = tmp_path / "victim"
+  victim.mkdir()
+  (victim / "keep.txt").write_text("precious")
+  os.symlink(victim, tmp_path / "out")
+  with pytest.raises(io_utils.LinkRefusedError, match="out is a symbolic"):
+    with io_utils.output_dir(str(tmp_path / "out"), overwrite=True):
+      pass
+  with pytest.raises(io_utils.LinkRefusedError):
+    io_utils.replace_local_dir(str(tmp_path), str(tmp_path / "out"))
+  with pytest.raises(io_utils.LinkRefusedError):  # The Beam jobs' outputs.
+    beam_utils.ShardedOutput(str(tmp_path / "out"), marker="manifest.json",
+                             overwrite=True)
+  # A planted file at the old temporary name of an atomic write.
+  os.symlink(victim / "keep.txt",
+             tmp_path / f".tmp-manifest.json-{os.getpid()}")
+  io_utils.atomic_write_text(str(tmp_path / "manifest.json"), "{}")
+  assert (victim / "keep.txt").read_text() == "precious"
+  assert (tmp_path / "manifest.json").read_text() == "{}"
+  # A failed job deletes only the temporary it made; no output appears.
+  with pytest.raises(RuntimeError):
+    with io_utils.output_dir(str(tmp_path / "new")) as tmp:
+      (tmp_path / "new.txt").write_text("not the job's")
+      raise RuntimeError("the job failed")
+  assert not os.path.exists(tmp) and not os.path.exists(tmp_path / "new")
+  with io_utils.output_dir(str(tmp_path / "new")) as tmp:
+    with open(os.path.join(tmp, "v"), "w") as f:
+      f.write("whole")
+  assert (tmp_path / "new" / "v").read_text() == "whole"
+  with pytest.raises(FileExistsError, match="new exists"):
+    with io_utils.output_dir(str(tmp_path / "new")):
+      pass
+  with pytest.raises(ValueError, match="not a temporary"):
+    io_utils.discard_output_tmp(str(victim))
+  assert sorted(os.listdir(victim)) == ["keep.txt"]
+
+
+def test_a_full_disk_is_named_with_the_file(tmp_path):
+  """`save_npy` (publication's embeddings, searchers, signatures) on a
+  full device: ENOSPC with the file named, not numpy's '1152 requested
+  and 992 written'. /dev/full fails every write with ENOSPC."""
+  import errno  # pylint: disable=g-import-not-at-top
+  with pytest.raises(OSError) as e:
+    io_utils.save_npy("/dev/full", np.ones((64, 32), np.float32))
+  assert e.value.errno == errno.ENOSPC
+  assert "No space left on device while writing /dev/full (8192 bytes" in (
+      str(e.value))
+  array = np.arange(12, dtype=np.float32).reshape(3, 4)
+  io_utils.save_npy(str(tmp_path / "a.npy"), array)
+  np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), array)

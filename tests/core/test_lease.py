@@ -122,17 +122,41 @@ def test_every_writing_job_leases_what_it_writes(tmp_path):
                            model_config=model, index=None, store=None)
 
 
-def test_a_lease_file_planted_as_a_link_is_refused(tmp_path):
-  """A `.lease` linked to another file: the job neither truncates nor
-  overwrites that file, and names the link."""
+def _planted_lease(tmp_path, link):
+  """A workdir whose `.lease` is `link(victim, lease)` of a precious file;
+  (victim, workdir)."""
   victim = tmp_path / "victim.txt"
   victim.write_text("precious")
   workdir = tmp_path / "run"
   workdir.mkdir()
-  os.symlink(victim, workdir / ".lease")
+  link(victim, workdir / ".lease")
+  return victim, workdir
+
+
+def test_a_lease_file_planted_as_a_link_is_refused(tmp_path):
+  """A `.lease` linked to another file: the job neither truncates nor
+  overwrites that file, and names the link."""
+  victim, workdir = _planted_lease(tmp_path, os.symlink)
   with pytest.raises(io_utils.LinkRefusedError,
                      match=r"run/\.lease is a symbolic link"):
     lease_lib.Lease(str(workdir), job="builder").acquire()
+  assert victim.read_text() == "precious"
+
+
+def test_a_lease_file_planted_as_a_hard_link_is_refused(tmp_path):
+  """`ln precious.txt W/.lease`: O_NOFOLLOW sees no link, but the file
+  has two names; the job refuses it and leaves its content alone, on
+  acquire and (had it been taken) on release."""
+  victim, workdir = _planted_lease(tmp_path, os.link)
+  with pytest.raises(io_utils.LinkRefusedError,
+                     match=r"run/\.lease has 2 hard links"):
+    with lease_lib.Lease(str(workdir), job="builder"):
+      pass
+  assert victim.read_text() == "precious"
+  # Once the extra name is gone, the lease works (and is the job's own).
+  os.unlink(workdir / ".lease")
+  with lease_lib.Lease(str(workdir), job="builder"):
+    pass
   assert victim.read_text() == "precious"
 
 

@@ -465,3 +465,38 @@ def test_split_sentences_covers_every_character():
       covered[i] = True
     previous_end = end
   assert all(covered[i] or c.isspace() for i, c in enumerate(text))
+
+
+@pytest.mark.parametrize("ids, line, first", [
+    (["1", "1", "2"], 3, 2), (["7", "2", "3", "7"], 5, 2),
+    (["wiki:a", "b", "wiki:a"], 4, 2), (["0", "00", "0"], 4, 2)])
+def test_dpr_duplicate_passage_ids_name_both_lines(tmp_path, ids, line,
+                                                   first):
+  """Gold passages are matched by id: a repeated id is an error naming
+  the repeat's line and the first one's."""
+  path = _write_tsv(tmp_path / "psgs.tsv",
+                    [(i, f"Passage {n}.", "T") for n, i in enumerate(ids)])
+  with pytest.raises(wikipedia.CorruptDumpError,
+                     match=rf"psgs.tsv:{line}: passage id '{ids[line - 2]}' "
+                     rf"is also the id of line {first}"):
+    list(wikipedia.iter_dpr_passages(path))
+  unique = _write_tsv(tmp_path / "ok.tsv", [(str(i), "x", "T")
+                                            for i in (5, 1, 900, 0, 64)])
+  assert [p[0] for p in wikipedia.iter_dpr_passages(unique)] == [
+      "5", "1", "900", "0", "64"]
+
+
+def test_jsonl_exact_duplicate_articles_are_counted(tmp_path):
+  ant = json.dumps({"title": "Ant", "text": "Ants are insects."}).encode()
+  bee = json.dumps({"title": "Bee", "text": "Bees make honey."}).encode()
+  near = json.dumps({"title": "Ant", "text": "Ants are insects!"}).encode()
+  path = tmp_path / "docs.jsonl"
+  path.write_bytes(b"\n".join([ant, bee, ant, near, ant]) + b"\n")
+  report = wikipedia.Report()
+  documents = list(wikipedia.iter_jsonl_documents(str(path), report))
+  assert [d.text for d in documents] == [
+      "Ants are insects.", "Bees make honey.", "Ants are insects!"]
+  assert report.skipped == {"duplicate_article": 2}
+  assert report.examples["duplicate_article"][0] == (
+      f"{path}:3 ('Ant': the same bytes as line 1)")
+  assert report.dropped == [("duplicate_article", "Ant")] * 2

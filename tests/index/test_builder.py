@@ -510,3 +510,37 @@ def test_a_damaged_checkpoint_is_skipped_not_fatal(store, tmp_path, caplog):
                                config=config, max_indices=1,
                                timeout=60) == [1]
   assert re.search(r"checkpoints/2 does not restore", caplog.text)
+
+
+def _truncate_retriever(ckpt_dir, step):
+  data = os.path.join(ckpt_dir, str(step), "retriever", "ocdbt.process_0", "d")
+  for name in os.listdir(data):
+    with open(os.path.join(data, name), "r+b") as f:
+      f.truncate(10)
+
+
+def test_a_one_shot_build_of_a_damaged_checkpoint_names_the_way_out(
+    store, tmp_path):
+  """The one-shot builder on a truncated newest checkpoint: the trainer's
+  message (which checkpoint does not restore) and the way out
+  (`BuilderConfig.step=<the newest older step>`), not TensorStore's."""
+  workdir = str(tmp_path / "run")
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
+  _save(ckpt, 2, 2)
+  _save(ckpt, 4, 4)
+  _truncate_retriever(ckpt_dir, 4)
+  one_shot = [f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
+              "builder.BuilderConfig.one_shot = True"]
+  gin.clear_config()
+  gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], one_shot)
+  try:
+    with pytest.raises(SystemExit, match=(
+        rf"(?s)^checkpoint {re.escape(ckpt_dir)}/4 does not restore "
+        r"\(.*\); its "
+        r"files are damaged: index an older one with "
+        r"--gin.builder.BuilderConfig.step=2$")):
+      builder._job(False)
+  finally:
+    gin.clear_config()
+  assert not publish.published_steps(checkpoints.index_root(workdir))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
@@ -40,12 +42,12 @@ def test_local_launcher_usage():
   assert result.returncode == 2 and "Usage" in result.stdout
 
 
-def _launch(tmp_path, steps=1000):
+def _launch(tmp_path, steps=1000, name="run"):
   from realm_jax.testing import corpus  # pylint: disable=g-import-not-at-top
   store, annotated = corpus.make_tiny_corpus(str(tmp_path / "corpus"))
   queries = corpus.make_query_cache(annotated, str(tmp_path / "queries"),
                                     query_length=32)
-  workdir = str(tmp_path / "run")
+  workdir = str(tmp_path / name)
   bindings = [f"pretrain.PretrainConfig.{k}={v}" for k, v in (
       ("num_train_steps", steps), ("batch_size", 8), ("num_candidates", 2),
       ("reader_length", 64), ("checkpoint_every", 2),
@@ -126,3 +128,29 @@ def test_a_dead_builder_ends_the_run_with_its_status(tmp_path):
     logged = max(json.loads(line)["step"] for line in f)
   ckpt = checkpoints.TrainCheckpointer(checkpoints.checkpoint_dir(workdir))
   assert ckpt.latest_step() == logged
+
+
+# How many finished runs `test_a_finished_run_exits_0_every_time` checks
+# (issue 49: 2 of 4 exited 143).
+RUNS = int(os.environ.get("REALM_LAUNCHER_RUNS", "20"))
+
+
+@pytest.mark.slow
+def test_a_finished_run_exits_0_every_time(tmp_path):
+  """A run that trains to the end and publishes its last index exits 0,
+  every time: the builder, which sees DONE and exits by itself, is not
+  signalled while it exits (it used to be, and died with 143 in 2 of 4
+  runs)."""
+  from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+  for i in range(RUNS):
+    proc, workdir = _launch(tmp_path, steps=4, name=f"run{i}")
+    try:
+      _, log = proc.communicate(timeout=900)
+    finally:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"run {i}: {log[-3000:]}"
+    ckpt_dir = checkpoints.checkpoint_dir(workdir)
+    assert checkpoints.done_step(ckpt_dir) == 4
+    assert publish.read_latest(checkpoints.index_root(workdir)) == 4

@@ -376,6 +376,11 @@ def test_checkpoints_carry_their_configs_and_load_from_them(setup,
   assert saved["task_class"] == "FinetuneConfig"
   config = _config(setup, workdir)
   loaded = realm_jax.load(workdir, batch_size=8)
+  # Fine-tuning records that it trained the span head.
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  assert checkpoints.read_meta(ckpt_dir, checkpoints.newest_step(
+      ckpt_dir))["span_head_trained"] is True
+  assert loaded.span_head_trained
   assert loaded.model_config == qa_model.qa_model_config(setup["model"])
   assert loaded.qa_config == config.qa  # K = 8 fits the corpus.
   by_hand = qa_model.load_qa_model(

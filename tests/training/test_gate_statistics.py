@@ -115,3 +115,20 @@ def test_answer_bearing_blocks_hold_the_masked_span(tmp_path):
       queries, candidates, store, doc_len=store.max_block_len,
       reader_len=32 + store.max_block_len, answer_bearing=True)
   np.testing.assert_array_equal(batch["answer_bearing"], found)
+
+
+@pytest.mark.parametrize("broken", ["missing", "corrupt"])
+def test_the_gates_cache_errors_name_gate_queries(tmp_path, broken):
+  """A missing or corrupt gate cache: the error says that the cache at
+  fault is `PretrainConfig.gate_queries` (the run has two caches)."""
+  import types  # pylint: disable=g-import-not-at-top
+  cache = tmp_path / "gate_cache"
+  if broken == "corrupt":
+    cache.mkdir()
+    (cache / "manifest.json").write_text("{not json")
+  config = types.SimpleNamespace(gate_queries=str(cache), seed=0,
+                                 gate_num_queries=8)
+  with pytest.raises((OSError, ValueError), match=(
+      r"^PretrainConfig.gate_queries='.*gate_cache' \(the retriever gate's "
+      r"query cache\): .*gate_cache")):
+    gate._gate_queries(config, None)

@@ -8,6 +8,7 @@ on a tiny real-text corpus, with the 8 emulated devices of the test env.
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -482,3 +483,35 @@ def test_retriever_frozen_leaves_must_be_a_tuple_of_names(tmp_path,
     _configs(_bindings(str(tmp_path), tiny_corpus,
                        retriever_frozen_leaves="bias"))
   gin.clear_config()
+
+
+def test_a_torn_gate_record_does_not_block_the_resume(tmp_path, tiny_corpus,
+                                                      caplog):
+  """An evidence-gate run killed while appending to gate.jsonl (after its
+  checkpoint of step 4) resumes: the torn record is dropped with a warning
+  naming the file, and the resumed run's decisions are whole lines."""
+  workdir = str(tmp_path / "run")
+  gate = dict(retriever_gate="evidence", gate_queries=tiny_corpus[1],
+              gate_every=2, gate_num_queries=8, freeze_retriever_steps=STEPS)
+  config, model = _configs(_bindings(workdir, tiny_corpus, **gate))
+  pretrain.train(config=config, model=model)
+  path = os.path.join(workdir, "gate.jsonl")
+  with open(path, "rb") as f:
+    text = f.read()
+  assert [json.loads(l)["step"] for l in text.splitlines()] == [0, 2, 4, 6]
+  # The kill: in the middle of the step-6 record, before checkpoint 6.
+  last = text.rstrip(b"\n").rfind(b"\n") + 1
+  with open(path, "wb") as f:
+    f.write(text[:last + (len(text) - last) // 2])
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  for step in (6, 8):
+    shutil.rmtree(os.path.join(ckpt_dir, str(step)))
+  checkpoints.clear_done_marker(ckpt_dir)
+  config, model = _configs(_bindings(workdir, tiny_corpus, **gate))
+  with caplog.at_level("WARNING"):
+    pretrain.train(config=config, model=model)
+  gin.clear_config()
+  assert f"{path}: its last record is torn" in caplog.text
+  with open(path, encoding="utf-8") as f:
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == [0, 2, 4, 6]
