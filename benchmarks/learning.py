@@ -38,19 +38,11 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
                   spans (evaluated, like all, on held-out salient spans)
   realm_repeat    `realm` again: the same seed must give the same numbers
   realm_slow      (only when named) the recipe with the retriever at 0.01x
-  ideal_reader    (only when named) a diagnostic, not REALM: the retriever,
-                  released at step 0, learns what an ideal reader would
-                  teach it, -log p(a block holding the masked span | x)
-                  (PretrainConfig.retriever_signal='answer_spans'): how far
-                  these queries and steps could move it with a reader that
-                  reads
-  ideal_shuffled  (only when named) ideal_reader's control: the same loss
-                  with each batch's answer-bearing flags shuffled across
-                  its queries (retriever_signal='shuffled_spans'): what
-                  moving the retriever costs with no information
-  ideal_query_side, ideal_shuffled_query_side
-                  (only when named) the two above with the document tower
-                  (and so the index) fixed: only the query tower moves
+
+(The ideal-reader diagnostics, ideal_reader, ideal_shuffled and their
+query-side pair, and the reader pre-training and adaptation stages were
+retired with their trainer options; docs/results/learning.md keeps their
+measurements.)
 
 The world: --people, --heldout, --dev (people whose X articles are
 neither trained on nor evaluated: a held-out gate's queries), --templates (a or
@@ -117,8 +109,7 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow", "ideal_reader", "ideal_shuffled",
-                    "ideal_query_side", "ideal_shuffled_query_side")
+EXTRA_CONDITIONS = ("realm_slow",)
 
 
 def _bindings(name: str, args) -> list[str]:
@@ -131,10 +122,6 @@ def _bindings(name: str, args) -> list[str]:
   fixed = ["pretrain.PretrainConfig.retriever_gate = 'steps'"]
   query_side = ["pretrain.PretrainConfig.retriever_training = 'query_side'",
                 "realm.RetrieverConfig.share_towers = False"]
-  ideal, shuffled = ([
-      *fixed, "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-      f"pretrain.PretrainConfig.retriever_signal = '{signal}'"]
-                      for signal in ("answer_spans", "shuffled_spans"))
   return {
       "realm": [],
       "realm_repeat": [],
@@ -153,10 +140,6 @@ def _bindings(name: str, args) -> list[str]:
       "random_masks": ["examples.RealmQueryConfig.masking = 'random_tokens'"],
       "realm_slow": ["pretrain.PretrainConfig."
                      "retriever_learning_rate_multiplier = 0.01"],
-      "ideal_reader": ideal,
-      "ideal_shuffled": shuffled,
-      "ideal_query_side": ideal + query_side,
-      "ideal_shuffled_query_side": shuffled + query_side,
   }[name]
 
 
@@ -326,8 +309,7 @@ def main(argv=None) -> None:
   if not scratch and {"init", "ict", "realm_original"} & set(conditions):
     parser.error("--start=minilm starts from MiniLM (no ICT): use realm, "
                  "frozen, query_side, stale30, stale30_rerank, "
-                 "random_masks, realm_repeat, realm_slow, ideal_reader, "
-                 "ideal_shuffled.")
+                 "random_masks, realm_repeat, realm_slow.")
   if args.train_articles_every < 1 or (args.train_articles_every > 1
                                        and not wiki):
     parser.error("--train_articles_every is a positive step over the wiki "
@@ -572,11 +554,6 @@ def main(argv=None) -> None:
       if os.path.exists(decisions):
         with open(decisions, encoding="utf-8") as f:
           worst[key] = [json.loads(line) for line in f]
-    for key in ("reader_mlm", "reader_adaptation"):  # before REALM
-      report = os.path.join(workdir, key + ".json")
-      if os.path.exists(report):
-        with open(report, encoding="utf-8") as f:
-          worst[key] = json.load(f)
     print(json.dumps(worst), flush=True)
     rows.append(worst)
     if out:

@@ -19,8 +19,7 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   is what moves the blocks' ranking;
 - `span_recall`: share of queries with a block that holds their masked
   span (`realm_inputs.holds_spans`) among the k candidates read: what an
-  ideal reader would reward (`PretrainConfig.retriever_signal`), with no
-  reader involved;
+  ideal reader would reward, with no reader involved;
 - `hubness`: share of queries whose top-1 block is the single most common
   top-1 block (1 / num_queries when every query retrieves another block);
 - `score_spread`: the std of f(x, z) over the corpus (trivial candidates

@@ -26,7 +26,6 @@ shards of it (`data.query_cache.QueryStream`).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.core import checkpoints, distributed, io_utils
@@ -39,7 +38,7 @@ from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import candidates as candidates_lib
-from realm_jax.training import collapse, loop, mlm_warmup, reader_mlm
+from realm_jax.training import collapse, loop, mlm_warmup
 from realm_jax.training import realm_inputs
 from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
@@ -54,44 +53,14 @@ from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 # ----------------------------------------------------------------------------
 
 
-def standardized_logits(logits: jax.Array, temperature: float,
-                        null_document: bool = True) -> jax.Array:
-  """`temperature * (f - mean) / std` per query, the mean and std over
-  its retrieved candidates (the null document, column 0, left out but
-  mapped alike): a posterior whose spread the loss cannot shrink."""
-  blocks = logits[:, 1:] if null_document else logits
-  mean = jnp.mean(blocks, axis=-1, keepdims=True)
-  std = jnp.std(blocks, axis=-1, keepdims=True)
-  return temperature * (logits - mean) / (std + 1e-6)
-
-
-def make_loss_fn(graphdef, null_document: bool = True,
-                 retriever_signal: str = "reader",
-                 retrieval_temperature: float = 0.0):
-  """REALM's loss; with `retriever_signal="answer_spans"` (or its
-  control, "shuffled_spans") the retriever's part is replaced by the ideal
-  reader's; a `retrieval_temperature` standardizes the retrieval logits
-  (`PretrainConfig`)."""
+def make_loss_fn(graphdef, null_document: bool = True):
+  """REALM's loss (`losses.pretraining_loss`) of the bound model."""
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(
         batch, null_document=null_document, dropout_rng=dropout_rng)
-    if retrieval_temperature:
-      retrieval_logits = standardized_logits(
-          retrieval_logits, retrieval_temperature, null_document)
-    if retriever_signal == "reader":
-      return losses.pretraining_loss(retrieval_logits, mlm_logits,
-                                     batch["mlm_targets"],
-                                     batch["mlm_weights"])
-    loss, count, metrics = losses.pretraining_loss(
-        jax.lax.stop_gradient(retrieval_logits), mlm_logits,
-        batch["mlm_targets"], batch["mlm_weights"])
-    # Every masked wordpiece of a query has the same ideal-reader loss.
-    spans = losses.retriever_marginal_loss(
-        retrieval_logits, batch["answer_bearing"]) * jnp.sum(
-            batch["mlm_weights"], -1)
-    metrics["answer_span_loss"] = jnp.sum(spans)
-    return loss + jnp.sum(spans), count, metrics
+    return losses.pretraining_loss(retrieval_logits, mlm_logits,
+                                   batch["mlm_targets"], batch["mlm_weights"])
   return loss_fn
 
 
@@ -183,7 +152,6 @@ def make_optimizer(config: PretrainConfig):
       gated=config.retriever_gate in MEASURED_GATES,
       frozen=((DOCUMENT_TOWER,) if config.retriever_training == "query_side"
               else ()),
-      frozen_leaves=tuple(config.retriever_frozen_leaves),
       unused=UNUSED_BY_PRETRAINING,
       bias_correction=config.adam_bias_correction)
 
@@ -202,42 +170,11 @@ def _check_reader_length(config: PretrainConfig,
 
 def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
                     fresh, queries, store, is_chief: bool):
-  """`init_from`, then the reader's masked-LM pre-training, the MLM-head
-  warm start and the reader adaptation when the config asks."""
+  """`init_from`, then the MLM-head warm start when the config asks."""
   params = init_lib.initial_params(model, fresh, config.init_from)
-  if config.reader_mlm_steps:
-    # Deterministic from the seed: every host trains the same reader.
-    params, report = reader_mlm.pretrain_reader(
-        params, graphdef, store, steps=config.reader_mlm_steps,
-        query_length=queries.query_config.query_length,
-        reader_length=config.reader_length,
-        batch_size=config.reader_mlm_batch_size,
-        learning_rate=config.reader_mlm_learning_rate,
-        eval_every=config.reader_mlm_eval_every, seed=config.seed)
-    if is_chief:
-      io_utils.write_json(io_utils.join(config.workdir, "reader_mlm.json"),
-                          report)
   if config.mlm_head_warmup_steps:
     params = _warm_start_head(config, graphdef, params, queries, store,
                               is_chief)
-  if config.reader_adaptation_steps:
-    # Deterministic from the seed on the same queries: every host adapts
-    # the reader identically, so the replicated parameters agree.
-    params, report = mlm_warmup.adapt_reader(
-        params, graphdef,
-        queries.head(config.reader_adaptation_max_queries), store=store,
-        sep_id=int(store.manifest["sep_id"]),
-        reader_length=config.reader_length,
-        steps=config.reader_adaptation_steps,
-        learning_rate=config.reader_adaptation_learning_rate,
-        eval_every=config.reader_adaptation_eval_every,
-        min_utility=config.reader_adaptation_min_utility,
-        trivial_candidates=config.trivial_candidates,
-        reads=config.reader_adaptation_reads,
-        max_queries=config.reader_adaptation_max_queries, seed=config.seed)
-    if is_chief:
-      io_utils.write_json(
-          io_utils.join(config.workdir, "reader_adaptation.json"), report)
   return params
 
 
@@ -339,9 +276,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
     inputs.source.restore(restored, start_step)
-    loss_fn = make_loss_fn(graphdef, config.null_document,
-                           config.retriever_signal,
-                           config.retrieval_temperature)
+    loss_fn = make_loss_fn(graphdef, config.null_document)
     gate = None
     if config.retriever_gate in MEASURED_GATES:
       gate = gate_lib.RetrieverGate(config, queries.query_config,

@@ -10,12 +10,11 @@ import dataclasses
 
 from realm_jax.core import checks
 from realm_jax.index import builder
-from realm_jax.training import loop, mlm_warmup, realm_inputs
+from realm_jax.training import loop, realm_inputs
 
 INDEX_MODES = ("inline", "builder")
 RETRIEVER_TRAINING = ("full", "query_side")
 RETRIEVER_GATES = ("steps", "utility", "evidence")
-RETRIEVER_SIGNALS = ("reader", "answer_spans", "shuffled_spans")
 # The gates measured in the run (the others release at a step count).
 MEASURED_GATES = ("utility", "evidence")
 # The query-side mode's frozen subtree: the document tower.
@@ -51,40 +50,6 @@ class PretrainConfig(loop.TrainConfig):
       candidates' embeddings come from the index instead of being
       recomputed). Needs RetrieverConfig.share_towers=False; a source with
       one tower initialises both.
-    retriever_signal: what the retriever learns from. "reader": REALM,
-      the marginal likelihood's gradient through the reader's
-      p(y|x, z). "answer_spans": a diagnostic ablation, not REALM: an
-      ideal reader that fills the masks from exactly the candidates whose
-      text holds the masked span (`realm_inputs.holds_spans`), so the
-      retriever's loss is -log sum p(z|x) over those (0 where none was
-      retrieved), per masked wordpiece; the reader still learns REALM's
-      loss, without a gradient to the retriever. It bounds what a reader
-      that reads could teach the retriever from these queries in these
-      steps. "shuffled_spans": its control, the same loss with each
-      batch's answer-bearing flags permuted across its queries
-      (`realm_inputs.shuffled_rows`): what moving the retriever by such
-      gradients costs with no information in them. Both need
-      retrieval='host'.
-    retrieval_temperature: 0 (REALM): p(z|x) = softmax f(x, z) over the
-      candidates. > 0: softmax of `retrieval_temperature * (f - mean) /
-      std`, the mean and std of each query's retrieved candidates'
-      scores (`pretrain.standardized_logits`): the loss can reorder the
-      candidates but cannot flatten p(z|x) by shrinking the spread of the
-      scores. MIPS ranks by f, so the index is unchanged. An ablation:
-      on the Wikipedia slice the ideal signal shrank that spread ~12-15x
-      in 400 steps with it as without it (the blocks' shared direction
-      grew either way: the learned null's stop-gradient pushed it,
-      RetrieverConfig.null_score), and held-out recall fell further
-      (docs/results/learning.md, sessions 25-26).
-    retriever_frozen_leaves: names of the retriever's parameter leaves that
-      never change, e.g. ("bias", "scale"): every bias and LayerNorm
-      parameter, so only its kernels, embedding tables and the null score
-      learn (REALM: none). An ablation: a shared offset is a shared
-      direction of every embedding, and Adam moves the offsets most; yet
-      on the Wikipedia slice the blocks folded onto one direction as much
-      with them fixed. The cause was the learned null's stop-gradient
-      (RetrieverConfig.null_score; docs/results/learning.md, session 26).
-      A name that matches no leaf is refused.
     retriever_gate: when the retriever is released. "steps": at
       freeze_retriever_steps. A measured gate: every `gate_every` steps the
       reader is evaluated on the first `gate_num_queries` queries of
@@ -141,34 +106,6 @@ class PretrainConfig(loop.TrainConfig):
       reader's MLM head alone to the queries' masks for this many steps
       (0: off). For checkpoints without an MLM head (MiniLM); see
       `training.mlm_warmup`.
-    reader_mlm_steps: a fresh run first pre-trains the reader (BERT body and
-      MLM head) with BERT's masked-LM on pairs of the block store's blocks
-      for at most this many steps (0: off), for a reader from random
-      weights; it stops sooner, keeping its best reader, once the loss on
-      a tenth of the articles, held out, stops improving
-      (`reader_mlm.pretrain_reader`). Its curve goes to reader_mlm.json.
-    reader_mlm_learning_rate, reader_mlm_batch_size,
-      reader_mlm_eval_every: its peak learning rate (BERT's optimiser with
-      Adam's bias correction), pairs per step and evaluation period.
-    reader_adaptation_steps: a fresh run then trains the reader (its BERT
-      body and MLM head; the retriever does not move) on the queries' masks,
-      each read with the null document, a random block and an answer block
-      (a block holding the masked span that `trivial_candidates` allows),
-      for at most this many steps (0: off); it stops sooner once an answer
-      block helps on held-out queries (`mlm_warmup.adapt_reader`). Its
-      curve and stop reason go to reader_adaptation.json.
-    reader_adaptation_reads: what its training steps read: "all" (the three
-      documents) or "answer" (the answer block alone).
-    reader_adaptation_learning_rate: its peak learning rate (BERT's
-      optimiser with Adam's bias correction, warmup, linear decay).
-    reader_adaptation_eval_every: its held-out evaluations' period (steps).
-    reader_adaptation_max_queries: the first queries of the stream it
-      reads (a tenth of their articles held out). It stops early, keeping
-      its best reader, once its held-out loss has not improved for
-      `mlm_warmup.LOSS_PATIENCE` evaluations; more queries memorise later.
-    reader_adaptation_min_utility: its stop threshold: the answer block's
-      held-out utility (nats per mask) must exceed it at 2 evaluations in a
-      row.
     num_candidates: retrieved blocks per query k (REALM: 7), plus the null
       document when `null_document`.
     null_document: put the empty document first among the candidates.
@@ -240,9 +177,6 @@ class PretrainConfig(loop.TrainConfig):
   retriever_learning_rate_multiplier: float = 1.0
   freeze_retriever_steps: int = 0
   retriever_training: str = "full"
-  retriever_signal: str = "reader"
-  retrieval_temperature: float = 0.0
-  retriever_frozen_leaves: tuple[str, ...] = ()
   retriever_gate: str = "steps"
   gate_queries: str = ""
   gate_every: int = 50
@@ -258,16 +192,6 @@ class PretrainConfig(loop.TrainConfig):
   recall_guard_patience: int = 2
   adam_bias_correction: bool = False
   mlm_head_warmup_steps: int = 0
-  reader_mlm_steps: int = 0
-  reader_mlm_learning_rate: float = 1e-3
-  reader_mlm_batch_size: int = 32
-  reader_mlm_eval_every: int = 250
-  reader_adaptation_steps: int = 0
-  reader_adaptation_learning_rate: float = 1e-4
-  reader_adaptation_eval_every: int = 50
-  reader_adaptation_max_queries: int = mlm_warmup.ADAPTATION_MAX_QUERIES
-  reader_adaptation_min_utility: float = mlm_warmup.MIN_UTILITY
-  reader_adaptation_reads: str = "all"
   num_candidates: int = 7
   null_document: bool = True
   trivial_candidates: str = "article"
@@ -303,8 +227,7 @@ class PretrainConfig(loop.TrainConfig):
                          f"{self.recall_guard_max_drop!r}.")
 
   def _check_retriever_training(self):
-    """The retriever's training: which towers, from which signal, with
-    which p(z|x)."""
+    """The retriever's training: which towers."""
     if self.retriever_training not in RETRIEVER_TRAINING:
       raise ValueError(f"retriever_training={self.retriever_training!r}; "
                        f"use one of {RETRIEVER_TRAINING}.")
@@ -313,37 +236,11 @@ class PretrainConfig(loop.TrainConfig):
       raise ValueError(
           "retriever_training='query_side' keeps the index exact for the "
           "whole run: it needs retrieval='host' and rerank_candidates=0.")
-    if not self.retrieval_temperature >= 0:
-      raise ValueError(f"retrieval_temperature must be >= 0 (0: REALM's "
-                       f"raw scores), got {self.retrieval_temperature}.")
-    if self.retriever_signal not in RETRIEVER_SIGNALS:
-      raise ValueError(f"retriever_signal={self.retriever_signal!r}; use "
-                       f"one of {RETRIEVER_SIGNALS}.")
-    if self.retriever_signal != "reader" and self.retrieval != "host":
-      raise ValueError(f"retriever_signal={self.retriever_signal!r} finds "
-                       "the answer-bearing candidates on the host: it needs "
-                       "retrieval='host'.")
 
   def __post_init__(self):
     super().__post_init__()
     checks.at_least(self, "num_candidates", "guard_min_queries")
-    checks.at_least(self, "reader_adaptation_steps", "reader_mlm_steps",
-                    minimum=0, integer=True)
-    checks.at_least(self, "reader_mlm_batch_size", "reader_mlm_eval_every",
-                    integer=True)
-    if not self.reader_mlm_learning_rate > 0:
-      raise ValueError("reader_mlm_learning_rate must be > 0, got "
-                       f"{self.reader_mlm_learning_rate!r}.")
-    checks.at_least(self, "reader_adaptation_eval_every",
-                    "reader_adaptation_max_queries", integer=True)
     self._check_recall_guard()
-    if self.reader_adaptation_reads not in mlm_warmup.READS:
-      raise ValueError("reader_adaptation_reads="
-                       f"{self.reader_adaptation_reads!r}; use one of "
-                       f"{mlm_warmup.READS}.")
-    if not self.reader_adaptation_learning_rate > 0:
-      raise ValueError("reader_adaptation_learning_rate must be > 0, got "
-                       f"{self.reader_adaptation_learning_rate!r}.")
     if self.index_mode not in INDEX_MODES:
       raise ValueError(f"index_mode={self.index_mode!r}; use one of "
                        f"{INDEX_MODES}.")

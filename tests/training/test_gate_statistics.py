@@ -16,7 +16,6 @@ from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import losses
 from realm_jax.testing import knowledge_world
 from realm_jax.training import gate
-from realm_jax.training import realm_inputs
 
 
 def _random_batch(seed, b=12, c=4, m=3):
@@ -110,8 +109,3 @@ def test_answer_bearing_blocks_hold_the_masked_span(tmp_path):
   np.testing.assert_array_equal(
       gate.answer_bearing(queries, candidates, store, null_document=False),
       found[:, 1:])
-  # retriever_signal='answer_spans' trains on the same flags.
-  batch = realm_inputs.pretraining_batch(
-      queries, candidates, store, doc_len=store.max_block_len,
-      reader_len=32 + store.max_block_len, answer_bearing=True)
-  np.testing.assert_array_equal(batch["answer_bearing"], found)

@@ -456,29 +456,3 @@ def test_query_side_mode_never_changes_the_document_tower_or_the_index(
   gin.clear_config()
   with pytest.raises(ValueError, match="share_towers"):
     pretrain.train(config=shared, model=model)
-
-
-
-@pytest.mark.parametrize("signal", ["answer_spans", "shuffled_spans"])
-def test_the_answer_span_signal_needs_host_retrieval(tmp_path, tiny_corpus,
-                                                     signal):
-  with pytest.raises(ValueError, match="retrieval='host'"):
-    _configs(_bindings(str(tmp_path), tiny_corpus,
-                       retriever_signal=signal, retrieval="device"))
-  gin.clear_config()
-
-
-def test_a_negative_retrieval_temperature_is_refused(tmp_path, tiny_corpus):
-  with pytest.raises(ValueError, match="retrieval_temperature must be >= 0"):
-    _configs(_bindings(str(tmp_path), tiny_corpus,
-                       retrieval_temperature=-0.5))
-  gin.clear_config()
-
-
-def test_retriever_frozen_leaves_must_be_a_tuple_of_names(tmp_path,
-                                                          tiny_corpus):
-  with pytest.raises(ValueError, match=r"retriever_frozen_leaves must be "
-                     r"tuple\[str, \.\.\.\], got 'bias'"):
-    _configs(_bindings(str(tmp_path), tiny_corpus,
-                       retriever_frozen_leaves="bias"))
-  gin.clear_config()
