@@ -72,7 +72,8 @@ Two starts:
                   gated REALM; conditions ict, realm, query_side.
   --start=minilm  the product path: MiniLM-L6 in both towers
                   (experiments/pretrain_minilm_wiki_gated.gin); its step 0
-                  is MiniLM with the warmed MLM head, the baseline;
+                  is MiniLM with the MLM head fitted by the reader
+                  preparation job (`reader_prep`), the baseline;
                   condition query_side (a MiniLM refresh of 5,448 blocks
                   costs minutes on 2 cores), or realm / frozen.
 
@@ -297,7 +298,7 @@ def main(argv=None) -> None:
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import ict, pretrain, pretrain_config  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import ict, pretrain, pretrain_config, reader_prep  # pylint: disable=g-import-not-at-top
   from realm_jax.core import checkpoints, gin_config  # pylint: disable=g-import-not-at-top
   from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
 
@@ -506,14 +507,31 @@ def main(argv=None) -> None:
   warmup = (recipe.freeze_retriever_steps
             if recipe.retriever_gate == "steps" else 0)
 
+  def prepared_reader(condition, queries):
+    """MiniLM's reader prepared on the condition's queries (its own job,
+    `reader_prep`: MiniLM has no MLM head); pre-training starts from it."""
+    prep_dir = os.path.join(args.workdir, condition + thinned + "_reader")
+    gin, model = _configs(gin_files, base + _bindings(condition, args) + [
+        f"reader_prep.ReaderPrepConfig.workdir = '{prep_dir}'",
+        f"reader_prep.ReaderPrepConfig.queries = '{queries}'",
+        f"reader_prep.ReaderPrepConfig.seed = {args.seed}"])
+    reader_prep.train(
+        config=gin.get_configurable(reader_prep.ReaderPrepConfig)(),
+        model=model)
+    return [f"pretrain.PretrainConfig.init_from = "
+            f"'checkpoint:{checkpoints.checkpoint_dir(prep_dir)}'"]
+
   def run(condition):
     workdir = os.path.join(args.workdir, condition + thinned)
+    bindings = _bindings(condition, args)
+    _configs(gin_files, base + bindings)
+    queries = queries_for(gin_config.configured(examples.RealmQueryConfig))
     gin, model = _configs(gin_files, base + [
         f"pretrain.PretrainConfig.workdir = '{workdir}'",
         "pretrain.PretrainConfig.keep_checkpoints = 1000"]
-        + start_from + _bindings(condition, args))
+        + (start_from if scratch else prepared_reader(condition, queries))
+        + bindings)
     config = gin.get_configurable(pretrain.PretrainConfig)()
-    queries = queries_for(gin_config.configured(examples.RealmQueryConfig))
     # A gate on the training queries follows the condition's masking.
     config = dataclasses.replace(config, queries=queries, gate_queries=(
         queries if config.gate_queries == config.queries

@@ -58,7 +58,6 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
   shapes = ["pretrain.PretrainConfig.reader_length = 64"] if not demo else [
                 "pretrain.PretrainConfig.index_mode = 'inline'",
                 "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-                "pretrain.PretrainConfig.mlm_head_warmup_steps = 0",
                 "pretrain.PretrainConfig.log_every = 1"]
   gin_cli.parse([("experiments/demo_pretrain.gin" if demo else
                   "experiments/pretrain_tiny_cpu.gin")], [

@@ -38,7 +38,7 @@ from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import candidates as candidates_lib
-from realm_jax.training import collapse, loop, mlm_warmup
+from realm_jax.training import collapse, loop
 from realm_jax.training import realm_inputs
 from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
@@ -168,32 +168,6 @@ def _check_reader_length(config: PretrainConfig,
         f"set reader_length to {query_length} + the block length.")
 
 
-def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
-                    fresh, queries, store, is_chief: bool):
-  """`init_from`, then the MLM-head warm start when the config asks."""
-  params = init_lib.initial_params(model, fresh, config.init_from)
-  if config.mlm_head_warmup_steps:
-    params = _warm_start_head(config, graphdef, params, queries, store,
-                              is_chief)
-  return params
-
-
-def _warm_start_head(config: PretrainConfig, graphdef, params, queries, store,
-                     is_chief: bool):
-  """The MLM-head warm start (`mlm_warmup.warm_start_mlm_head`)."""
-  # Every host runs the same deterministic warm start on the same queries,
-  # so the replicated parameters agree.
-  params, report = mlm_warmup.warm_start_mlm_head(
-      params, graphdef, queries.head(mlm_warmup.MAX_QUERIES),
-      sep_id=int(store.manifest["sep_id"]),
-      store=store, reader_length=config.reader_length,
-      steps=config.mlm_head_warmup_steps, seed=config.seed)
-  if is_chief:
-    io_utils.write_json(io_utils.join(config.workdir, "mlm_head_warmup.json"),
-                        report)
-  return params
-
-
 def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
            guard: gate_lib.RecallGuard | None, run: loop.Run) -> loop.Hooks:
   """The trainer's work around `Run.loop`: index swaps and refreshes,
@@ -270,8 +244,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
                                       config.seed)
     tx = make_optimizer(config)
     state, _, restored = run.init_or_restore(
-        fresh, tx, lambda: _initial_params(
-            config, model, graphdef, fresh, queries, store, run.is_chief))
+        fresh, tx, lambda: init_lib.initial_params(model, fresh,
+                                                   config.init_from))
     start_step = int(jax.device_get(state.step))
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)

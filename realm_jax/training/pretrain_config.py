@@ -102,10 +102,6 @@ class PretrainConfig(loop.TrainConfig):
       recall_guard_patience: see `recall_guard_queries`.
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
       raw ones (REALM: False); see `optimizer.bert_optimizer`.
-    mlm_head_warmup_steps: a fresh run (no checkpoint yet) first fits the
-      reader's MLM head alone to the queries' masks for this many steps
-      (0: off). For checkpoints without an MLM head (MiniLM); see
-      `training.mlm_warmup`.
     num_candidates: retrieved blocks per query k (REALM: 7), plus the null
       document when `null_document`.
     null_document: put the empty document first among the candidates.
@@ -191,7 +187,6 @@ class PretrainConfig(loop.TrainConfig):
   recall_guard_max_drop: float = 0.02
   recall_guard_patience: int = 2
   adam_bias_correction: bool = False
-  mlm_head_warmup_steps: int = 0
   num_candidates: int = 7
   null_document: bool = True
   trivial_candidates: str = "article"

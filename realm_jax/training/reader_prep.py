@@ -1,4 +1,4 @@
-"""A warm start of the reader's masked-LM head on the pre-training queries.
+"""Reader preparation: the reader's masked-LM head fitted before REALM.
 
 Checkpoints without an MLM head (sentence-embedding packages such as
 MiniLM, or a BERT exported without its pre-training heads) start REALM with
@@ -6,25 +6,39 @@ a random head: its predictions are noise over 30k wordpieces, so masked-LM
 accuracy stays at 0 and the reader cannot yet tell the retriever which
 documents help, until many joint steps have taught it the vocabulary.
 
-This module trains only the head (`reader/mlm_head/*`: transform, layer
-norm and output bias; the output embeddings stay tied to the frozen input
-ones) on the run's own salient-span queries, read as pre-training reads
-them, half with the null document and half with a (random) block:
+This job, run before pre-training as ICT is, trains only the head
+(`reader/mlm_head/*`: transform, layer norm and output bias; the output
+embeddings stay tied to the frozen input ones) on the run's own
+salient-span queries, read as pre-training reads them, half with the null
+document and half with a (random) block:
 
 1. the frozen reader encodes `[CLS] x [SEP] [SEP]` or `[CLS] x [SEP] block
    [SEP]` once per query and the hidden states at the masks are kept;
-2. Adam fits the head to those features for `steps` steps;
+2. Adam fits the head to those features for `num_train_steps` steps;
 3. a tenth of the queries is held out, and the head's masked-token accuracy
-   and loss on them are reported before and after.
+   and loss on them are reported before and after (mlm_head_warmup.json).
+
+It writes one checkpoint, which pre-training starts from:
+
+    python -m realm_jax.training.reader_prep \\
+        --gin_file=experiments/pretrain_minilm_wiki.gin \\
+        --gin.WORKDIR="'/tmp/prep'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
+        --gin.QUERIES="'/tmp/queries'"
+    python -m realm_jax.training.pretrain \\
+        --gin_file=experiments/pretrain_minilm_wiki.gin \\
+        --gin.WORKDIR="'/tmp/run'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
+        --gin.QUERIES="'/tmp/queries'" \\
+        --gin.INIT_FROM="'checkpoint:/tmp/prep/checkpoints'"
 
 The cost is one forward pass of the reader over the queries used and a few
-seconds of head-only steps; `PretrainConfig.mlm_head_warmup_steps` turns it
-on for a run that starts from such a checkpoint. It touches nothing but the
-head, so the retriever (and index 0) are unchanged.
+seconds of head-only steps. Nothing but the head moves, so the retriever
+(and index 0) are `init_from`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from typing import Any, Mapping
 
@@ -34,8 +48,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from realm_jax.checkpoint_import import init_from as init_lib
+from realm_jax.core import checkpoints, checks, io_utils
+from realm_jax.data import block_store, query_cache
+from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional
-from realm_jax.training import realm_inputs
+from realm_jax.model.realm import Realm, RealmConfig
+from realm_jax.training import loop, realm_inputs
 
 
 # Queries the warm start reads (the first ones of the run's query stream).
@@ -170,7 +189,7 @@ def _head_fns(params, graphdef, tx):
 
 def _fit_head(step, opt_state, head, train, *, steps, batch_size, seed):
   """`steps` head steps on seeded random batches of the `train` masks
-  (logging the loss four times); returns the head."""
+  (logging the loss four times); returns (head, Adam's state)."""
   m = len(train["targets"])
   for i in range(steps):
     rows = np.random.default_rng([seed, i]).integers(0, m, min(batch_size, m))
@@ -179,7 +198,7 @@ def _fit_head(step, opt_state, head, train, *, steps, batch_size, seed):
     if (i + 1) % max(1, steps // 4) == 0:
       logging.info("MLM head warm start: step %d/%d, loss %.3f", i + 1,
                    steps, float(loss))
-  return head
+  return head, opt_state
 
 
 def warm_start_mlm_head(params: dict[str, Any], graphdef,
@@ -188,9 +207,9 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
                         steps: int = 200, batch_size: int = 256,
                         learning_rate: float = 3e-3,
                         max_queries: int = MAX_QUERIES,
-                        seed: int = 0) -> tuple[dict[str, Any],
-                                                dict[str, float]]:
-  """Fits `reader/mlm_head` to the queries' masks; returns (params, report).
+                        seed: int = 0
+                        ) -> tuple[dict[str, Any], Any, dict[str, float]]:
+  """Fits `reader/mlm_head` to the queries' masks.
 
   Args:
     params: {"retriever", "reader"} parameters; the reader has an MLM head.
@@ -206,8 +225,9 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
 
   Returns:
     The parameters with a new head (everything else is the same object),
-    and {"masks", "heldout_masks", "heldout_accuracy_before"/"_after",
-    "heldout_loss_before"/"_after" (mean negative log-likelihood),
+    the head's Adam state, and {"masks", "heldout_masks",
+    "heldout_accuracy_before"/"_after", "heldout_loss_before"/"_after"
+    (mean negative log-likelihood),
     "train_accuracy_after", "seconds"}.
 
   Raises:
@@ -228,8 +248,8 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
   before = evaluate(head, features["heldout"])
   train = features["train"]
   m = len(train["targets"])
-  head = _fit_head(step, tx.init(head), head, train, steps=steps,
-                   batch_size=batch_size, seed=seed)
+  head, opt_state = _fit_head(step, tx.init(head), head, train,
+                              steps=steps, batch_size=batch_size, seed=seed)
   after = evaluate(head, features["heldout"])
   report = {
       "masks": float(m),
@@ -245,4 +265,121 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
                "%.3f, loss %.2f -> %.2f (%.1f s)", m, before[0], after[0],
                before[1], after[1], report["seconds"])
   reader = dict(params["reader"], mlm_head=head)
-  return dict(params, reader=reader), report
+  return dict(params, reader=reader), opt_state, report
+
+
+# -----------------------------------------------------------------------------
+# The job
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReaderPrepConfig(loop.TrainConfig):
+  """A reader preparation run (`loop.TrainConfig`): the MLM head's fit.
+
+  Attributes:
+    queries: the pre-training query cache (the masks the head learns); the
+      first `max_queries` queries are read, a tenth of them held out.
+    init_from: the weights to prepare, e.g. "minilm" (see
+      `realm_jax.checkpoint_import.init_from`).
+    num_train_steps: the head's Adam steps over the masks' features.
+    batch_size: masks per step.
+    learning_rate: Adam's (constant) rate.
+    reader_length: the reader's input, query + block, as pre-training reads
+      it; None: the cache's query_length + the block store's max_block_len.
+    max_queries: queries encoded.
+  """
+
+  queries: str
+  num_train_steps: int = 200
+  batch_size: int = 256
+  learning_rate: float = 3e-3
+  reader_length: int | None = None
+  max_queries: int = MAX_QUERIES
+
+  def __post_init__(self):
+    for name in ("workdir", "block_store", "queries"):
+      if not getattr(self, name):
+        raise ValueError(f"ReaderPrepConfig.{name} is empty; set the "
+                         f"{name.upper()} gin macro.")
+    super().__post_init__()
+    checks.at_least(self, "max_queries")
+    checks.at_least(self, "reader_length", optional=True)
+
+
+def _inputs(config: ReaderPrepConfig):
+  """(block store, the first queries of the cache, reader length)."""
+  store = block_store.BlockStore.open(config.block_store)
+  tokenizer = Tokenizer()
+  store.check_vocab(tokenizer.vocab_path)
+  # Every host reads the same first queries (`QueryStream.head`).
+  queries = query_cache.QueryStream(
+      config.queries, seed=config.seed, batch_size=int(
+          query_cache.read_manifest(config.queries)["num_shards"]))
+  try:
+    queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
+    query_length = queries.query_config.query_length
+    head = queries.head(config.max_queries)
+  finally:
+    queries.close()
+  reader_length = config.reader_length or (query_length
+                                           + store.max_block_len)
+  if reader_length <= query_length:
+    raise ValueError(
+        f"ReaderPrepConfig.reader_length={reader_length} must exceed the "
+        f"query_length={query_length} of {config.queries}.")
+  return store, head, reader_length
+
+
+def train(*, config: ReaderPrepConfig, model: RealmConfig,
+          operative_config: str = "", stop_after: int | None = None
+          ) -> dict[str, float]:
+  """Prepares the reader once: `init_from`'s weights with the MLM head fit
+  to the queries' masks (`warm_start_mlm_head`, deterministic from the
+  seed: every host computes the same), saved as checkpoint
+  `num_train_steps` of `config.workdir` (DONE marked) for pre-training's
+  `init_from = "checkpoint:<workdir>/checkpoints"`, and its report as
+  mlm_head_warmup.json. A workdir that holds the checkpoint already is
+  left as it is. Returns the report. (`stop_after`: unused, the fit is
+  one piece.)"""
+  del stop_after
+  with loop.Run(config, model, job="reader preparation",
+                operative_config=operative_config) as run:
+    store, queries, reader_length = _inputs(config)
+    graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
+                                      config.seed)
+    tx = optax.adam(config.learning_rate)
+    _, params, restored = run.init_or_restore(
+        fresh, tx, lambda: init_lib.initial_params(model, fresh,
+                                                   config.init_from),
+        trained=_head)
+    report_path = io_utils.join(config.workdir, "mlm_head_warmup.json")
+    if restored:
+      logging.info("reader preparation: %s is prepared already",
+                   run.ckpt.directory)
+      return json.loads(io_utils.read_text(report_path))
+    params, opt_state, report = warm_start_mlm_head(
+        jax.device_get(params), graphdef, queries,
+        sep_id=int(store.manifest["sep_id"]), store=store,
+        reader_length=reader_length, steps=config.num_train_steps,
+        batch_size=config.batch_size, learning_rate=config.learning_rate,
+        max_queries=config.max_queries, seed=config.seed)
+    if run.is_chief:
+      io_utils.write_json(report_path, report)
+    run.save(config.num_train_steps, params, opt_state,
+             {"seed": config.seed, "job": "reader_prep"})
+    run.ckpt.wait_until_finished()
+    if run.is_chief:
+      checkpoints.write_done_marker(run.ckpt.directory,
+                                    config.num_train_steps)
+    return report
+
+
+def _head(params):
+  return params["reader"]["mlm_head"]
+
+
+if __name__ == "__main__":
+  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  gin_cli.run(gin_cli.training_job("realm_jax.training.reader_prep",
+                                   "ReaderPrepConfig"))
