@@ -189,7 +189,7 @@ def _stage_bindings(config: DemoConfig, stage: str) -> list[str]:
     steps = config.train_steps
     if steps is not None:
       extra += [f"pretrain.PretrainConfig.num_train_steps = {steps}",
-                f"pretrain.PretrainConfig.freeze_retriever_steps = "
+                f"pretrain.RetrieverScheduleConfig.freeze_steps = "
                 f"{steps // 2}"]
   return extra + list(config.pretrain_bindings)
 

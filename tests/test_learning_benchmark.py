@@ -97,7 +97,7 @@ def test_every_condition_binds_a_config(monkeypatch):
       gin, model = learning._configs(
           [recipe], macros + learning._bindings(name, args))
       config = gin.get_configurable(pretrain.PretrainConfig)()
-      if config.retriever_training == "query_side":  # pretrain.train's rule
+      if config.retriever.training == "query_side":  # pretrain.train's rule
         assert not model.retriever.share_towers, (recipe, name)
 
 

@@ -129,7 +129,7 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     question_length: `[CLS] question [SEP]` wordpieces.
     qa_ks: the k of `qa_recall@k`.
     trivial_candidates: the blocks a masked query may not retrieve, as in
-      training (`PretrainConfig.trivial_candidates`).
+      training (`RetrievalConfig.trivial_candidates`).
     block_emb: the blocks' embeddings by these parameters' document tower
       (e.g. a query-side run's index, which never changes); default: the
       corpus is embedded here.

@@ -42,10 +42,14 @@ from realm_jax.training import collapse, loop
 from realm_jax.training import realm_inputs
 from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
-# The run's settings; gin binds them as pretrain.PretrainConfig.
+# The run's settings; gin binds them as pretrain.PretrainConfig and its
+# parts as pretrain.<Part> (re-exported here for gin).
 from realm_jax.training.pretrain_config import DOCUMENT_TOWER
-from realm_jax.training.pretrain_config import MEASURED_GATES
+from realm_jax.training.pretrain_config import GuardConfig  # pylint: disable=unused-import
 from realm_jax.training.pretrain_config import PretrainConfig
+from realm_jax.training.pretrain_config import RecallGuardConfig  # pylint: disable=unused-import
+from realm_jax.training.pretrain_config import RetrievalConfig  # pylint: disable=unused-import
+from realm_jax.training.pretrain_config import RetrieverScheduleConfig  # pylint: disable=unused-import
 from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 
 # ----------------------------------------------------------------------------
@@ -85,7 +89,7 @@ class RetrievalInput:
   def __init__(self, config: PretrainConfig, model: RealmConfig, graphdef,
                store, queries, mesh):
     self.config, self.queries, self.mesh = config, queries, mesh
-    self.guard = collapse.CollapseGuard(config)
+    self.guard = collapse.CollapseGuard(config.guards)
     self.service = service_lib.IndexService(
         root=checkpoints.index_root(config.workdir), store=store,
         retriever_config=model.retriever, mode=config.index_mode,
@@ -94,13 +98,14 @@ class RetrievalInput:
         build_config=config.index_build,
         wait_seconds=config.index_wait_seconds,
         last_step=config.num_train_steps,
-        frozen=config.retriever_training == "query_side",
-        staleness=dict(checkpoint_every=config.checkpoint_every,
-                       warning=config.stale_index_warning,
-                       error=config.stale_index_error),
+        refresh_every=config.refresh_period,
+        frozen=config.retriever.training == "query_side",
+        staleness=dict(warning=config.guards.stale_index_warning,
+                       error=config.guards.stale_index_error),
         on_serve=lambda index: self.source.on_serve(index))
     args = (config, model, graphdef, store, queries, mesh, self.service,
-            realm_inputs.TrivialCandidates(store, config.trivial_candidates))
+            realm_inputs.TrivialCandidates(store,
+                                           config.retrieval.trivial_candidates))
     self.source = candidates_lib.source_class(config)(*args)
     # Fixed held-out queries (the retriever gate's) are searched on the host.
     self.host = (self.source
@@ -144,14 +149,12 @@ class RetrievalInput:
 
 def make_optimizer(config: PretrainConfig):
   """REALM's optimizer with the run's retriever schedule."""
+  s = config.retriever
   return optimizer_lib.realm_optimizer(
       **config.schedule(),
-      retriever_learning_rate_multiplier=(
-          config.retriever_learning_rate_multiplier),
-      freeze_retriever_steps=config.freeze_retriever_steps,
-      gated=config.retriever_gate in MEASURED_GATES,
-      frozen=((DOCUMENT_TOWER,) if config.retriever_training == "query_side"
-              else ()),
+      retriever_learning_rate_multiplier=s.learning_rate_multiplier,
+      freeze_retriever_steps=s.freeze_steps, gated=s.measured,
+      frozen=(DOCUMENT_TOWER,) if s.training == "query_side" else (),
       unused=UNUSED_BY_PRETRAINING,
       bias_correction=config.adam_bias_correction)
 
@@ -210,11 +213,45 @@ def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
 
 def _check_towers(config: PretrainConfig, model: RealmConfig) -> None:
   """Query-side training needs a document tower of its own."""
-  if config.retriever_training == "query_side" and model.retriever.share_towers:
+  if (config.retriever.training == "query_side"
+      and model.retriever.share_towers):
     raise ValueError(
-        "retriever_training='query_side' freezes the document tower only: "
+        "RetrieverScheduleConfig.training='query_side' freezes the document "
+        "tower only: "
         "set realm.RetrieverConfig.share_towers = False (both towers start "
         "from the same weights).")
+
+
+def _open_inputs(config: PretrainConfig):
+  """(block store, this host's query stream), checked against the
+  tokenizer's vocabulary and the reader's length."""
+  store = block_store.BlockStore.open(config.block_store)
+  tokenizer = Tokenizer()
+  store.check_vocab(tokenizer.vocab_path)
+  # Each host streams its shards of the cache; the global batch of a step
+  # is the same for any host count, and a restart replays it exactly.
+  queries = query_cache.QueryStream(
+      config.queries, batch_size=config.batch_size,
+      seed=int(distributed.broadcast_from_chief(np.int64(config.seed))),
+      process_index=jax.process_index(),
+      process_count=jax.process_count())
+  queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
+  _check_reader_length(config, queries)
+  return store, queries
+
+
+def _initial_retriever(config: PretrainConfig, model: RealmConfig, fresh,
+                       state, start_step: int):
+  """A host copy of the run's initial retriever (the recall guard's
+  rollback target), taken now (the train step donates the state's
+  buffers): the state's own until the release, else `init_from`'s again
+  (a restart after the release)."""
+  release = optimizer_lib.release_step(state.opt_state)
+  untrained = start_step == 0 or (release is not None
+                                  and start_step <= release)
+  return jax.device_get(
+      state.params["retriever"] if untrained else
+      init_lib.initial_params(model, fresh, config.init_from)["retriever"])
 
 
 def train(*, config: PretrainConfig, model: RealmConfig,
@@ -228,18 +265,7 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   with loop.Run(config, model, job="pretrain trainer",
                 operative_config=operative_config,
                 lease_paths=[index_lease] if inline else []) as run:
-    store = block_store.BlockStore.open(config.block_store)
-    tokenizer = Tokenizer()
-    store.check_vocab(tokenizer.vocab_path)
-    # Each host streams its shards of the cache; the global batch of a step
-    # is the same for any host count, and a restart replays it exactly.
-    queries = query_cache.QueryStream(
-        config.queries, batch_size=config.batch_size,
-        seed=int(distributed.broadcast_from_chief(np.int64(config.seed))),
-        process_index=jax.process_index(),
-        process_count=jax.process_count())
-    queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
-    _check_reader_length(config, queries)
+    store, queries = _open_inputs(config)
     graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                       config.seed)
     tx = make_optimizer(config)
@@ -250,26 +276,18 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
     inputs.source.restore(restored, start_step)
-    loss_fn = make_loss_fn(graphdef, config.null_document)
+    loss_fn = make_loss_fn(graphdef, config.retrieval.null_document)
     gate = None
-    if config.retriever_gate in MEASURED_GATES:
+    if config.retriever.measured:
       gate = gate_lib.RetrieverGate(config, queries.query_config,
                                     inputs, graphdef, store, config.workdir,
                                     run.is_chief)
       gate.restore(restored, start_step, state)
     guard = None
-    if config.recall_guard_queries or config.recall_guard_questions:
-      # A host copy of the initial retriever, taken now (the train step
-      # donates the state's buffers): the state's own until the release,
-      # else `init_from`'s again (a restart after the release).
-      release = optimizer_lib.release_step(state.opt_state)
-      untrained = start_step == 0 or (release is not None
-                                      and start_step <= release)
-      initial = jax.device_get(
-          state.params["retriever"] if untrained else
-          init_lib.initial_params(model, fresh, config.init_from)["retriever"])
+    if config.recall_guard.enabled:
       guard = gate_lib.RecallGuard(
-          config, queries.query_config, inputs, store, initial,
+          config, queries.query_config, inputs, store,
+          _initial_retriever(config, model, fresh, state, start_step),
           config.workdir, run.is_chief)
       guard.restore(restored, start_step)
 

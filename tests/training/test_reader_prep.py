@@ -105,7 +105,8 @@ def test_pretraining_starts_from_the_prepared_reader(world, tmp_path):
   pretrain.train(config=pretrain.PretrainConfig(
       workdir=workdir, block_store=world.block_store, queries=prep.queries,
       init_from=f"checkpoint:{prep_ckpts}", num_train_steps=1, batch_size=8,
-      num_candidates=2, reader_length=96, checkpoint_every=1,
+      retrieval=pretrain.RetrievalConfig(num_candidates=2), reader_length=96,
+      checkpoint_every=1,
       index_mode="inline",
       index_build=builder.IndexBuildConfig(searcher="exact")), model=model)
   start = checkpoints.restore_items(checkpoints.checkpoint_dir(workdir), 0,
