@@ -364,6 +364,15 @@ def freeze_again(opt_state):
       r, jnp.asarray(NEVER, r.dtype)))
 
 
+def _check_retriever_schedule(multiplier: float, freeze_steps: int) -> None:
+  if multiplier < 0:
+    raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
+                     f"{multiplier}.")
+  if freeze_steps < 0:
+    raise ValueError(f"freeze_retriever_steps must be >= 0, got "
+                     f"{freeze_steps}.")
+
+
 def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                     warmup_steps: int | None = None,
                     retriever_learning_rate_multiplier: float = 1.0,
@@ -401,12 +410,8 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   the whole tree, the other part's leaves masked). A multiplier of 0
   freezes the retriever for the whole run.
   """
-  if retriever_learning_rate_multiplier < 0:
-    raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
-                     f"{retriever_learning_rate_multiplier}.")
-  if freeze_retriever_steps < 0:
-    raise ValueError(f"freeze_retriever_steps must be >= 0, got "
-                     f"{freeze_retriever_steps}.")
+  _check_retriever_schedule(retriever_learning_rate_multiplier,
+                            freeze_retriever_steps)
   reader = bert_optimizer(learning_rate=learning_rate,
                           num_train_steps=num_train_steps,
                           warmup_steps=warmup_steps, unused=unused,

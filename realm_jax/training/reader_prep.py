@@ -201,6 +201,27 @@ def _fit_head(step, opt_state, head, train, *, steps, batch_size, seed):
   return head, opt_state
 
 
+def _head_report(evaluate, head, features, before, t0) -> dict[str, float]:
+  """`warm_start_mlm_head`'s report (logged): masks, held-out accuracy and
+  loss `before` (and after) the fit, train accuracy, seconds since t0."""
+  after = evaluate(head, features["heldout"])
+  m = len(features["train"]["targets"])
+  report = {
+      "masks": float(m),
+      "heldout_masks": float(len(features["heldout"]["targets"])),
+      "heldout_accuracy_before": before[0],
+      "heldout_accuracy_after": after[0],
+      "heldout_loss_before": before[1],
+      "heldout_loss_after": after[1],
+      "train_accuracy_after": evaluate(head, features["train"])[0],
+      "seconds": round(time.time() - t0, 1),
+  }
+  logging.info("MLM head warm start on %d masks: held-out accuracy %.3f -> "
+               "%.3f, loss %.2f -> %.2f (%.1f s)", m, before[0], after[0],
+               before[1], after[1], report["seconds"])
+  return report
+
+
 def warm_start_mlm_head(params: dict[str, Any], graphdef,
                         queries: Mapping[str, np.ndarray], *, sep_id: int,
                         store=None, reader_length: int = 0,
@@ -246,24 +267,9 @@ def warm_start_mlm_head(params: dict[str, Any], graphdef,
   step, evaluate = _head_fns(params, graphdef, tx)
   head = jax.tree_util.tree_map(jnp.asarray, params["reader"]["mlm_head"])
   before = evaluate(head, features["heldout"])
-  train = features["train"]
-  m = len(train["targets"])
-  head, opt_state = _fit_head(step, tx.init(head), head, train,
+  head, opt_state = _fit_head(step, tx.init(head), head, features["train"],
                               steps=steps, batch_size=batch_size, seed=seed)
-  after = evaluate(head, features["heldout"])
-  report = {
-      "masks": float(m),
-      "heldout_masks": float(len(features["heldout"]["targets"])),
-      "heldout_accuracy_before": before[0],
-      "heldout_accuracy_after": after[0],
-      "heldout_loss_before": before[1],
-      "heldout_loss_after": after[1],
-      "train_accuracy_after": evaluate(head, train)[0],
-      "seconds": round(time.time() - t0, 1),
-  }
-  logging.info("MLM head warm start on %d masks: held-out accuracy %.3f -> "
-               "%.3f, loss %.2f -> %.2f (%.1f s)", m, before[0], after[0],
-               before[1], after[1], report["seconds"])
+  report = _head_report(evaluate, head, features, before, t0)
   reader = dict(params["reader"], mlm_head=head)
   return dict(params, reader=reader), opt_state, report
 
