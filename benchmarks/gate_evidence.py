@@ -81,9 +81,9 @@ def main(argv=None) -> None:
     for name, queries in sets.items():
       metrics = pretrain_eval.evaluate(
           params, model, store, queries, None,
-          num_candidates=recipe.num_candidates,
+          num_candidates=recipe.retrieval.num_candidates,
           reader_length=recipe.reader_length, block_emb=block_emb,
-          trivial_candidates=recipe.trivial_candidates)
+          trivial_candidates=recipe.retrieval.trivial_candidates)
       line = json.dumps({"condition": args.condition, "step": step,
                          "queries": name, **{k: round(v, 6) for k, v in
                                              metrics.items()}})

@@ -38,19 +38,11 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
                   spans (evaluated, like all, on held-out salient spans)
   realm_repeat    `realm` again: the same seed must give the same numbers
   realm_slow      (only when named) the recipe with the retriever at 0.01x
-  ideal_reader    (only when named) a diagnostic, not REALM: the retriever,
-                  released at step 0, learns what an ideal reader would
-                  teach it, -log p(a block holding the masked span | x)
-                  (PretrainConfig.retriever_signal='answer_spans'): how far
-                  these queries and steps could move it with a reader that
-                  reads
-  ideal_shuffled  (only when named) ideal_reader's control: the same loss
-                  with each batch's answer-bearing flags shuffled across
-                  its queries (retriever_signal='shuffled_spans'): what
-                  moving the retriever costs with no information
-  ideal_query_side, ideal_shuffled_query_side
-                  (only when named) the two above with the document tower
-                  (and so the index) fixed: only the query tower moves
+
+(The ideal-reader diagnostics, ideal_reader, ideal_shuffled and their
+query-side pair, and the reader pre-training and adaptation stages were
+retired with their trainer options; docs/results/learning.md keeps their
+measurements.)
 
 The world: --people, --heldout, --dev (people whose X articles are
 neither trained on nor evaluated: a held-out gate's queries), --templates (a or
@@ -80,7 +72,8 @@ Two starts:
                   gated REALM; conditions ict, realm, query_side.
   --start=minilm  the product path: MiniLM-L6 in both towers
                   (experiments/pretrain_minilm_wiki_gated.gin); its step 0
-                  is MiniLM with the warmed MLM head, the baseline;
+                  is MiniLM with the MLM head fitted by the reader
+                  preparation job (`reader_prep`), the baseline;
                   condition query_side (a MiniLM refresh of 5,448 blocks
                   costs minutes on 2 cores), or realm / frozen.
 
@@ -117,46 +110,37 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow", "ideal_reader", "ideal_shuffled",
-                    "ideal_query_side", "ideal_shuffled_query_side")
+EXTRA_CONDITIONS = ("realm_slow",)
 
 
 def _bindings(name: str, args) -> list[str]:
   """Gin bindings of a pre-training condition, on top of the recipe file."""
   original = [
-      "pretrain.PretrainConfig.retriever_learning_rate_multiplier = 1.0",
-      "pretrain.PretrainConfig.freeze_retriever_steps = 0",
+      "pretrain.RetrieverScheduleConfig.learning_rate_multiplier = 1.0",
+      "pretrain.RetrieverScheduleConfig.freeze_steps = 0",
       "pretrain.PretrainConfig.adam_bias_correction = False",
       "realm.RetrieverConfig.null_score = 'embedding'"]
-  fixed = ["pretrain.PretrainConfig.retriever_gate = 'steps'"]
-  query_side = ["pretrain.PretrainConfig.retriever_training = 'query_side'",
+  fixed = ["pretrain.RetrieverScheduleConfig.gate = 'steps'"]
+  query_side = ["pretrain.RetrieverScheduleConfig.training = 'query_side'",
                 "realm.RetrieverConfig.share_towers = False"]
-  ideal, shuffled = ([
-      *fixed, "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-      f"pretrain.PretrainConfig.retriever_signal = '{signal}'"]
-                      for signal in ("answer_spans", "shuffled_spans"))
   return {
       "realm": [],
       "realm_repeat": [],
       "realm_fixed600": fixed + [
-          "pretrain.PretrainConfig.freeze_retriever_steps = 600"],
+          "pretrain.RetrieverScheduleConfig.freeze_steps = 600"],
       "query_side": query_side,
       "realm_original": original + fixed,
-      "frozen": fixed + ["pretrain.PretrainConfig."
-                         "retriever_learning_rate_multiplier = 0.0"],
+      "frozen": fixed + ["pretrain.RetrieverScheduleConfig."
+                         "learning_rate_multiplier = 0.0"],
       "stale30": [f"pretrain.PretrainConfig.checkpoint_every = "
                   f"{30 * args.refresh_every}"],
       "stale30_rerank": [f"pretrain.PretrainConfig.checkpoint_every = "
                          f"{30 * args.refresh_every}",
-                         "pretrain.PretrainConfig.rerank_candidates = "
+                         "pretrain.RetrievalConfig.rerank_candidates = "
                          f"{args.rerank}"],
       "random_masks": ["examples.RealmQueryConfig.masking = 'random_tokens'"],
-      "realm_slow": ["pretrain.PretrainConfig."
-                     "retriever_learning_rate_multiplier = 0.01"],
-      "ideal_reader": ideal,
-      "ideal_shuffled": shuffled,
-      "ideal_query_side": ideal + query_side,
-      "ideal_shuffled_query_side": shuffled + query_side,
+      "realm_slow": ["pretrain.RetrieverScheduleConfig."
+                     "learning_rate_multiplier = 0.01"],
   }[name]
 
 
@@ -314,7 +298,7 @@ def main(argv=None) -> None:
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import ict, pretrain, pretrain_config  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import ict, pretrain, reader_prep  # pylint: disable=g-import-not-at-top
   from realm_jax.core import checkpoints, gin_config  # pylint: disable=g-import-not-at-top
   from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
 
@@ -326,8 +310,7 @@ def main(argv=None) -> None:
   if not scratch and {"init", "ict", "realm_original"} & set(conditions):
     parser.error("--start=minilm starts from MiniLM (no ICT): use realm, "
                  "frozen, query_side, stale30, stale30_rerank, "
-                 "random_masks, realm_repeat, realm_slow, ideal_reader, "
-                 "ideal_shuffled.")
+                 "random_masks, realm_repeat, realm_slow.")
   if args.train_articles_every < 1 or (args.train_articles_every > 1
                                        and not wiki):
     parser.error("--train_articles_every is a positive step over the wiki "
@@ -359,25 +342,25 @@ def main(argv=None) -> None:
           f"pretrain.PretrainConfig.num_train_steps = {args.steps}",
           f"pretrain.PretrainConfig.checkpoint_every = {args.refresh_every}",
           f"pretrain.PretrainConfig.seed = {args.seed}",
-          f"pretrain.PretrainConfig.trivial_candidates = '{args.trivial}'"
+          f"pretrain.RetrievalConfig.trivial_candidates = '{args.trivial}'"
           ] + list(args.gin)
   gin, model = _configs(gin_files, [b for b in base
                                     if ".num_train_steps" not in b])
   recipe = gin.get_configurable(pretrain.PretrainConfig)()
   recipe_queries = gin_config.configured(examples.RealmQueryConfig)
-  if wiki and recipe.recall_guard_questions and os.path.samefile(
-      recipe.recall_guard_questions, WIKI_QUESTIONS):
-    parser.error("recall_guard_questions is the evaluation's question set "
+  if wiki and recipe.recall_guard.questions and os.path.samefile(
+      recipe.recall_guard.questions, WIKI_QUESTIONS):
+    parser.error("RecallGuardConfig.questions is the evaluation's question set "
                  f"({WIKI_QUESTIONS}): guard on dev questions, e.g. "
                  f"{WIKI_DEV_QUESTIONS}.")
-  if recipe.retriever_gate in pretrain_config.MEASURED_GATES and (
-      recipe.freeze_retriever_steps >= recipe.num_train_steps):
+  if recipe.retriever.measured and (
+      recipe.retriever.freeze_steps >= recipe.num_train_steps):
     # The recipe's bound is its whole run: keep it the whole run.
-    base.append(f"pretrain.PretrainConfig.freeze_retriever_steps = "
+    base.append(f"pretrain.RetrieverScheduleConfig.freeze_steps = "
                 f"{args.steps}")
-  if ((recipe.retriever_gate in pretrain_config.MEASURED_GATES
-       and recipe.gate_queries != recipe.queries)
-      or recipe.recall_guard_queries not in ("", recipe.queries)):
+  if ((recipe.retriever.measured
+       and recipe.retriever.gate_queries != recipe.queries)
+      or recipe.recall_guard.queries not in ("", recipe.queries)):
     # (A dev split's: the gate's or the recall guard's.)
     if not dev_x:
       parser.error("the recipe's gate or recall guard needs --dev people.")
@@ -459,7 +442,7 @@ def main(argv=None) -> None:
              **extra):
     row = {"condition": condition, "step": step, **pretrain_eval.evaluate(
         params, model, store, heldout, gold,
-        num_candidates=recipe.num_candidates,
+        num_candidates=recipe.retrieval.num_candidates,
         reader_length=recipe.reader_length, questions=questions,
         question_length=recipe_queries.query_length,
         trivial_candidates=args.trivial, block_emb=block_emb,
@@ -521,21 +504,40 @@ def main(argv=None) -> None:
   # warm-up with their own settings (same optimiser state, same step).
   # (A gated recipe releases the retriever when its run says so: no
   # warm-up is shared then.)
-  warmup = (recipe.freeze_retriever_steps
-            if recipe.retriever_gate == "steps" else 0)
+  warmup = (recipe.retriever.freeze_steps
+            if recipe.retriever.gate == "steps" else 0)
+
+  def prepared_reader(condition, queries):
+    """MiniLM's reader prepared on the condition's queries (its own job,
+    `reader_prep`: MiniLM has no MLM head); pre-training starts from it."""
+    prep_dir = os.path.join(args.workdir, condition + thinned + "_reader")
+    gin, model = _configs(gin_files, base + _bindings(condition, args) + [
+        f"reader_prep.ReaderPrepConfig.workdir = '{prep_dir}'",
+        f"reader_prep.ReaderPrepConfig.queries = '{queries}'",
+        f"reader_prep.ReaderPrepConfig.seed = {args.seed}"])
+    reader_prep.train(
+        config=gin.get_configurable(reader_prep.ReaderPrepConfig)(),
+        model=model)
+    return [f"pretrain.PretrainConfig.init_from = "
+            f"'checkpoint:{checkpoints.checkpoint_dir(prep_dir)}'"]
 
   def run(condition):
     workdir = os.path.join(args.workdir, condition + thinned)
+    bindings = _bindings(condition, args)
+    _configs(gin_files, base + bindings)
+    queries = queries_for(gin_config.configured(examples.RealmQueryConfig))
     gin, model = _configs(gin_files, base + [
         f"pretrain.PretrainConfig.workdir = '{workdir}'",
         "pretrain.PretrainConfig.keep_checkpoints = 1000"]
-        + start_from + _bindings(condition, args))
+        + (start_from if scratch else prepared_reader(condition, queries))
+        + bindings)
     config = gin.get_configurable(pretrain.PretrainConfig)()
-    queries = queries_for(gin_config.configured(examples.RealmQueryConfig))
     # A gate on the training queries follows the condition's masking.
-    config = dataclasses.replace(config, queries=queries, gate_queries=(
-        queries if config.gate_queries == config.queries
-        else config.gate_queries))
+    config = dataclasses.replace(
+        config, queries=queries, retriever=dataclasses.replace(
+            config.retriever, gate_queries=(
+                queries if config.retriever.gate_queries == config.queries
+                else config.retriever.gate_queries)))
     ckpt_dir = checkpoints.checkpoint_dir(workdir)
     shared = condition not in ("realm", "realm_original") and warmup
     if shared and not os.path.exists(ckpt_dir):
@@ -549,7 +551,7 @@ def main(argv=None) -> None:
     # Query-side: the document tower never moves, so every checkpoint's
     # blocks are the run's one index (not embedded again per checkpoint).
     block_emb = (publish.load_index(checkpoints.index_root(workdir)).embeddings
-                 if config.retriever_training == "query_side" else None)
+                 if config.retriever.training == "query_side" else None)
     evaluate_run(condition, model, ckpt_dir, seconds, args.eval_every,
                  first=warmup + 1 if shared else 0, block_emb=block_emb)
     # The training-time guards, for the doc: worst logged values (from the
@@ -572,11 +574,6 @@ def main(argv=None) -> None:
       if os.path.exists(decisions):
         with open(decisions, encoding="utf-8") as f:
           worst[key] = [json.loads(line) for line in f]
-    for key in ("reader_mlm", "reader_adaptation"):  # before REALM
-      report = os.path.join(workdir, key + ".json")
-      if os.path.exists(report):
-        with open(report, encoding="utf-8") as f:
-          worst[key] = json.load(f)
     print(json.dumps(worst), flush=True)
     rows.append(worst)
     if out:

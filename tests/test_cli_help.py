@@ -111,6 +111,7 @@ def test_help_exits_0(name):
 @pytest.mark.parametrize("module, runs_file", [
     ("realm_jax.training.pretrain", "runs/pretrain.gin"),
     ("realm_jax.training.ict", "runs/ict.gin"),
+    ("realm_jax.training.reader_prep", "runs/reader_prep.gin"),
     ("realm_jax.training.finetune", "runs/finetune.gin"),
     ("realm_jax.index.builder", "runs/index_builder.gin"),
     ("realm_jax.eval.qa_eval", "runs/eval.gin"),

@@ -41,7 +41,7 @@ def test_demo_runs_every_stage(tmp_path, capsys):
       pretrain_bindings=(
           "builder.IndexBuildConfig.searcher = 'exact'",
           "pretrain.PretrainConfig.batch_size = 8",
-          "pretrain.PretrainConfig.num_candidates = 2",
+          "pretrain.RetrievalConfig.num_candidates = 2",
           "pretrain.PretrainConfig.checkpoint_every = 1"),
       finetune_bindings=(
           "finetune.FinetuneConfig.batch_size = 8",
@@ -109,9 +109,16 @@ def test_stage_configs_come_from_the_experiment_files(tmp_path):
   override steps, and reader lengths follow the corpus's block length."""
   config = demo.DemoConfig(workdir=str(tmp_path), max_block_len=100,
                            finetune_steps=5)
+  assert demo.stages(config) == ("reader_prep", "pretrain", "finetune")
+  prep, model, _ = demo.stage_configs(config, "reader_prep")
+  assert prep.init_from == "minilm" and prep.num_train_steps == 50
+  assert prep.workdir == str(tmp_path / "reader_prep")
   run, model, operative = demo.stage_configs(config, "pretrain")
-  assert (run.num_train_steps, run.freeze_retriever_steps) == (8, 4)
-  assert run.init_from == "minilm" and run.index_mode == "builder"
+  assert (run.num_train_steps, run.retriever.freeze_steps) == (8, 4)
+  # Pre-training starts from the prepared reader.
+  assert run.init_from == "checkpoint:" + str(
+      tmp_path / "reader_prep" / "checkpoints")
+  assert run.index_mode == "builder"
   assert run.reader_length == 48 + 100  # The queries' length + blocks'.
   assert model.retriever.pooling == "mean" and model.retriever.normalize
   assert "num_train_steps = 8" in operative

@@ -19,8 +19,7 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   is what moves the blocks' ranking;
 - `span_recall`: share of queries with a block that holds their masked
   span (`realm_inputs.holds_spans`) among the k candidates read: what an
-  ideal reader would reward (`PretrainConfig.retriever_signal`), with no
-  reader involved;
+  ideal reader would reward, with no reader involved;
 - `hubness`: share of queries whose top-1 block is the single most common
   top-1 block (1 / num_queries when every query retrieves another block);
 - `score_spread`: the std of f(x, z) over the corpus (trivial candidates
@@ -130,7 +129,7 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     question_length: `[CLS] question [SEP]` wordpieces.
     qa_ks: the k of `qa_recall@k`.
     trivial_candidates: the blocks a masked query may not retrieve, as in
-      training (`PretrainConfig.trivial_candidates`).
+      training (`RetrievalConfig.trivial_candidates`).
     block_emb: the blocks' embeddings by these parameters' document tower
       (e.g. a query-side run's index, which never changes); default: the
       corpus is embedded here.

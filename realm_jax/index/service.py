@@ -39,19 +39,19 @@ class StalenessMonitor:
   stops the run past `error` intervals (when set).
   """
 
-  def __init__(self, watcher: publish.IndexWatcher, *, checkpoint_every: int,
+  def __init__(self, watcher: publish.IndexWatcher, *, refresh_every: int,
                warning: float, error: float = 0.0):
-    self.watcher, self.checkpoint_every = watcher, checkpoint_every
+    self.watcher, self.refresh_every = watcher, refresh_every
     self.warning, self.error = warning, error
     self._warned_for: int | None = None
 
   def check(self, step: int, index_step: int) -> None:
     age = step - index_step
-    intervals = age / self.checkpoint_every
+    intervals = age / self.refresh_every
     if self.error and intervals > self.error:
       raise StaleIndexError(
           f"step {step}: the served index {index_step} is {age} steps old "
-          f"(> {self.error:g} x checkpoint_every={self.checkpoint_every}) "
+          f"(> {self.error:g} x refresh_every={self.refresh_every}) "
           f"and no newer index reached {self.watcher.index_root}. Check the "
           "index builder's log (is it running? can it write there?), then "
           "rerun: training resumes from the last checkpoint.")
@@ -59,7 +59,7 @@ class StalenessMonitor:
       self._warned_for = index_step
       logging.warning(
           "STALE INDEX at step %d: still serving index %d (%d steps, > %g "
-          "checkpoint intervals). Is the index builder running and able to "
+          "refresh intervals). Is the index builder running and able to "
           "write to %s? Rejected indices: %s", step, index_step, age,
           self.warning, self.watcher.index_root,
           self.watcher.rejected or "none")
@@ -71,7 +71,8 @@ class IndexService:
   def __init__(self, *, root: str, store, retriever_config, mode: str,
                expect: publish.Expectation,
                build_config: builder_lib.IndexBuildConfig,
-               wait_seconds: float, last_step: int, frozen: bool = False,
+               wait_seconds: float, last_step: int, refresh_every: int = 1,
+               frozen: bool = False,
                staleness: dict[str, Any] | None = None,
                on_serve: Callable[[publish.PublishedIndex], None] | None
                = None):
@@ -84,7 +85,8 @@ class IndexService:
                                                 build_config)
     self.wait_seconds, self.last_step, self.frozen = (wait_seconds,
                                                       last_step, frozen)
-    self._staleness_args = staleness or {}
+    self.refresh_every = refresh_every
+    self._staleness_args = dict(staleness or {}, refresh_every=refresh_every)
     self._on_serve = on_serve
     self.current: publish.PublishedIndex | None = None
     self.watcher: publish.IndexWatcher | None = None
@@ -105,17 +107,19 @@ class IndexService:
       self.staleness = StalenessMonitor(self.watcher,
                                         **self._staleness_args)
       self._serve(self.watcher.wait_for_index(timeout=self.wait_seconds))
-    elif latest == step or (self.frozen and latest is not None):
+    elif latest is not None and (
+        latest == step or self.frozen
+        or latest == step - step % self.refresh_every):  # (between refreshes)
       self._serve(publish.load_index(self.root, latest, self.expect))
     else:
       self.refresh(step, state, ckpt)
     logging.info("serving index %d at step %d", self.current.step, step)
 
   def refresh_due(self, step: int) -> bool:
-    """Inline mode rebuilds the index after checkpoint `step` (a frozen
-    service never does)."""
+    """Inline mode rebuilds the index after checkpoint `step` when it is a
+    refresh step (a frozen service never does)."""
     return (self.mode == "inline" and not self.frozen
-            and step < self.last_step)
+            and step < self.last_step and step % self.refresh_every == 0)
 
   def refresh(self, step: int, state, ckpt) -> None:
     """Inline mode: embeds the corpus with `state`'s retriever, publishes."""

@@ -214,9 +214,16 @@ def document_tower_params(retriever_params: dict) -> dict:
 def retrieval_logits(query_embeddings: jax.Array,
                      document_embeddings: jax.Array,
                      score_scale: float = 1.0) -> jax.Array:
-  """f(x, z): [batch, dim] . [batch, candidates, dim] -> [batch, candidates],
-  times `RetrieverConfig.score_scale`."""
-  logits = jnp.einsum("bd,bcd->bc", query_embeddings, document_embeddings)
+  """f(x, z) = score_scale * <query, document>: the one retrieval score of
+  every job (pre-training, ICT, QA).
+
+  `document_embeddings` are each query's own candidates [batch,
+  candidates, dim], or one set shared by every query [candidates, dim]
+  (ICT's in-batch blocks); returns [batch, candidates].
+  `RetrieverConfig.score_scale` gives the scale.
+  """
+  spec = "bd,cd->bc" if document_embeddings.ndim == 2 else "bd,bcd->bc"
+  logits = jnp.einsum(spec, query_embeddings, document_embeddings)
   return logits if score_scale == 1 else score_scale * logits
 
 

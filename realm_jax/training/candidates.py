@@ -83,20 +83,21 @@ class HostCandidates(CandidateSource):
     c, store = self.config, self.store
     # Blocks wanted per query besides its trivial ones: the candidates, or
     # the proposals that re-ranking narrows down to them.
-    self.proposals = c.rerank_candidates or c.num_candidates
+    r = c.retrieval
+    self.proposals = r.rerank_candidates or r.num_candidates
     margin = min(self.trivial.max_excluded, len(store) - 1)
     self.search_k = min(len(store), self.proposals + margin)
     if self.search_k - margin < self.proposals:
       raise ValueError(f"The block store has {len(store)} blocks; too few "
                        f"for {self.proposals} candidates besides a query's "
-                       f"trivial ones ({c.trivial_candidates!r} rule).")
-    if c.rerank_candidates:
+                       f"trivial ones ({r.trivial_candidates!r} rule).")
+    if r.rerank_candidates:
       self.embed_documents = embed.make_embed_fn(self.model.retriever,
                                                  self.mesh)
     # Query-side training: the document tower never changes, so the index
     # built at the start is exact for the whole run and its rows are the
     # candidates' embeddings.
-    self.query_side = c.retriever_training == "query_side"
+    self.query_side = c.retriever.training == "query_side"
     self.null_embedding = None  # query_side: the frozen null document's
 
   def start(self, state) -> None:
@@ -106,7 +107,7 @@ class HostCandidates(CandidateSource):
   def _null_embedding(self, params) -> np.ndarray | None:
     """The null document's embedding by the (frozen) document tower, when
     it is scored by its embedding."""
-    if not (self.config.null_document
+    if not (self.config.retrieval.null_document
             and self.model.retriever.null_score == "embedding"):
       return None
     m = self.store.manifest
@@ -129,7 +130,7 @@ class HostCandidates(CandidateSource):
     keys = self.trivial.query_keys(local)
     candidates = realm_inputs.select_candidates(
         hits, self.trivial.block_keys, keys, self.proposals)
-    if self.config.rerank_candidates:
+    if self.config.retrieval.rerank_candidates:
       candidates = self.rerank(queries, candidates, params)
     if (self.trivial.block_keys[candidates] == keys[:, None]).any():
       raise AssertionError("a trivial candidate reached a query's candidates")
@@ -147,24 +148,20 @@ class HostCandidates(CandidateSource):
         blocks["segment_ids"])).reshape(b, num_proposals, -1)
     scores = np.einsum("bd,bld->bl", queries, documents)
     order = np.argsort(-scores, axis=1, kind="stable")
-    return np.take_along_axis(proposals, order[:, :self.config.num_candidates],
-                              axis=1)
+    k = self.config.retrieval.num_candidates
+    return np.take_along_axis(proposals, order[:, :k], axis=1)
 
   def host_batch(self, local, candidates) -> dict[str, np.ndarray]:
     """This host's rows of the reader's (and retriever's) inputs."""
     c = self.config
     batch = realm_inputs.pretraining_batch(
         local, candidates, self.store, doc_len=self.store.max_block_len,
-        reader_len=c.reader_length, null_document=c.null_document,
-        answer_bearing=c.retriever_signal != "reader")
-    if c.retriever_signal == "shuffled_spans":
-      batch["answer_bearing"] = realm_inputs.shuffled_rows(
-          batch["answer_bearing"], local["query_ids"], c.seed)
+        reader_len=c.reader_length, null_document=c.retrieval.null_document)
     if self.query_side:
       embeddings = self.service.current.embeddings[candidates.reshape(-1)]
       embeddings = np.asarray(embeddings, np.float32).reshape(
           candidates.shape + (-1,))
-      if c.null_document:  # Slot 0 (unread when the null score is learned).
+      if c.retrieval.null_document:  # Slot 0 (unread if the null is learned).
         null = (np.zeros(embeddings.shape[-1], np.float32)
                 if self.null_embedding is None else self.null_embedding)
         embeddings = np.concatenate([np.broadcast_to(
@@ -246,7 +243,7 @@ class OverlappedHostCandidates(HostCandidates):
     if not (saved and saved["step"] == step):
       return
     ids = np.asarray(saved["ids"], np.int64)
-    b, k, hosts = (self.config.batch_size, self.config.num_candidates,
+    b, k, hosts = (self.config.batch_size, self.config.retrieval.num_candidates,
                    jax.process_count())
     if ids.shape != (b, k):
       logging.warning("checkpoint %d's prefetched candidates have shape %s, "
@@ -269,7 +266,7 @@ class DeviceCandidates(CandidateSource):
     if self.device_index is None:
       self.device_index = device_search.DeviceIndex.build(
           self.store, index.embeddings, self.mesh,
-          dtype=jnp.dtype(self.config.device_index_dtype),
+          dtype=jnp.dtype(self.config.retrieval.device_index_dtype),
           block_keys=self.trivial.block_keys)
     else:  # The tokens stay on the devices; only the embeddings change.
       self.device_index = self.device_index.with_embeddings(index.embeddings)
@@ -279,14 +276,15 @@ class DeviceCandidates(CandidateSource):
     local = self.queries.batch(step)
     batch, block_ids = device_search.candidate_batch(
         self.device_index, local, self.query_embeddings(local, state),
-        k=c.num_candidates, doc_len=self.store.max_block_len,
-        reader_len=c.reader_length, null_document=c.null_document,
+        k=c.retrieval.num_candidates, doc_len=self.store.max_block_len,
+        reader_len=c.reader_length, null_document=c.retrieval.null_document,
         query_keys=self.trivial.query_keys(local))
     return batch, block_ids[:, 0]
 
 
 def source_class(config) -> type[CandidateSource]:
   """The candidate source of a `pretrain.PretrainConfig`."""
-  if config.retrieval == "device":
+  if config.retrieval.search == "device":
     return DeviceCandidates
-  return OverlappedHostCandidates if config.overlap_input else HostCandidates
+  return (OverlappedHostCandidates if config.retrieval.overlap_input
+          else HostCandidates)

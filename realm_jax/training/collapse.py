@@ -2,7 +2,7 @@
 
 `CollapseGuard` counts the top-1 blocks of every batch; the trainer logs
 their hubness per log window and the guard judges a pool of at least
-`guard_min_queries` recent queries (`PretrainConfig`'s fields).
+`min_queries` recent queries (`pretrain.GuardConfig`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class CollapseGuard:
   """
 
   def __init__(self, config):
-    """`config`: a `pretrain.PretrainConfig` (its guard fields)."""
+    """`config`: the run's `pretrain.GuardConfig`."""
     self.config = config
     self._top1: list[np.ndarray] = []
     self._warned: set[str] = set()
@@ -64,7 +64,7 @@ class CollapseGuard:
     if window is None or not len(window):
       return None
     self._pool.append((window, float(null_probability)))
-    minimum = self.config.guard_min_queries
+    minimum = self.config.min_queries
     while (len(self._pool) > 1 and
            sum(len(t) for t, _ in self._pool) - len(self._pool[0][0])
            >= minimum):
@@ -86,9 +86,10 @@ class CollapseGuard:
         "COLLAPSE WARNING at step %d: %.0f%% of the last %d queries "
         "retrieve the same block (hubness > %.2f); a hub's softmax "
         "saturates and its gradient vanishes. Lower the retriever's rate "
-        "(retriever_learning_rate_multiplier), warm the reader up first "
-        "(freeze_retriever_steps) and start from an ICT-trained "
-        "retriever.", step, 100 * hubness, n, c.hubness_warning)
+        "(RetrieverScheduleConfig.learning_rate_multiplier), warm the "
+        "reader up first (RetrieverScheduleConfig.freeze_steps) and start "
+        "from an ICT-trained retriever.", step, 100 * hubness, n,
+        c.hubness_warning)
     self._warn_once(
         "null", null > c.null_probability_warning,
         "COLLAPSE WARNING at step %d: p(null|x) = %.3f > %.2f over the "

@@ -1,6 +1,6 @@
 """The retriever gate: REALM's retriever released when the reader reads.
 
-Used by `pretrain.train` with a measured `PretrainConfig.retriever_gate`
+Used by `pretrain.train` with a measured `RetrieverScheduleConfig.gate`
 ("utility" or "evidence", both defined by `gate_statistics`, which
 `eval.pretrain_eval` also reports).
 """
@@ -102,8 +102,8 @@ class RetrieverGate:
   following it destroys the warm start (a fixed warm-up tuned on one world
   released it too early on a larger one: docs/results/learning.md). So the
   retriever stays frozen until the reader, evaluated on a fixed slice of
-  `PretrainConfig.gate_queries` with the served index, passes the gate's
-  test (`retriever_gate`: "utility" or "evidence", see `gate_statistics`)
+  `RetrieverScheduleConfig.gate_queries` with the served index, passes the
+  gate's test (`gate`: "utility" or "evidence", see `gate_statistics`)
   `gate_patience` evaluations in a row. The release
   step is written into the optimiser state (so a checkpoint keeps it), the
   streak into the checkpoints' meta (so a restart decides the same), every
@@ -126,17 +126,18 @@ class RetrieverGate:
     n = len(queries["query_ids"]) // devices * devices
     if not n:
       raise ValueError(
-          f"gate_queries {config.gate_queries} gives "
+          f"gate_queries {config.retriever.gate_queries} gives "
           f"{len(queries['query_ids'])} queries, fewer than the {devices} "
           "devices; use a larger cache.")
-    if n < config.gate_num_queries:
+    if n < config.retriever.gate_num_queries:
       logging.info("retriever gate: %d queries of %s (gate_num_queries=%d; "
                    "the cache has %d, cut to a multiple of %d devices).", n,
-                   config.gate_queries, config.gate_num_queries,
+                   config.retriever.gate_queries,
+                   config.retriever.gate_num_queries,
                    len(queries["query_ids"]), devices)
     self.queries = {k: v[me * n // hosts:(me + 1) * n // hosts]
                     for k, v in queries.items()}
-    null_document = config.null_document
+    null_document = config.retrieval.null_document
 
     def evaluate(params, batch):
       retrieval_logits, mlm_logits = functional.bind(
@@ -153,7 +154,7 @@ class RetrieverGate:
     self.chunk = max(config.batch_size // hosts,
                      len(inputs.mesh.local_devices))
     self.streak, self.last = 0, {}
-    self.release = config.freeze_retriever_steps
+    self.release = config.retriever.freeze_steps
 
   def restore(self, meta: dict[str, Any], start_step: int, state) -> None:
     self.streak = int(meta.get("retriever_gate", {}).get("streak", 0))
@@ -171,8 +172,9 @@ class RetrieverGate:
       logits, token_ll = self.evaluate(state.params, batch)
       parts.append((np.asarray(parallel.local_rows(logits)),
                     np.asarray(parallel.local_rows(token_ll)),
-                    answer_bearing(chunk, candidates, self.store,
-                                   null_document=self.config.null_document)))
+                    answer_bearing(
+                        chunk, candidates, self.store,
+                        null_document=self.config.retrieval.null_document)))
     logits, token_ll, bearing = (np.concatenate(p) for p in zip(*parts))
     gather = distributed.allgather_rows
     return gate_statistics(gather(logits), gather(token_ll),
@@ -181,28 +183,29 @@ class RetrieverGate:
 
   def passes(self, stats: dict[str, float]) -> bool:
     c = self.config
-    if c.retriever_gate == "evidence":
-      return stats["evidence_z"] >= c.gate_min_evidence_z
-    return stats["utility"] >= c.gate_min_utility
+    if c.retriever.gate == "evidence":
+      return stats["evidence_z"] >= c.retriever.gate_min_evidence_z
+    return stats["utility"] >= c.retriever.gate_min_utility
 
   def update_state(self, step: int, state):
     release = self.release  # (Host copy: no device sync every step.)
-    if release is None or step >= release or step % self.config.gate_every:
+    if (release is None or step >= release
+        or step % self.config.retriever.gate_every):
       return state
     c = self.config
     stats = self.last = self.statistics(state)
     self.streak = self.streak + 1 if self.passes(stats) else 0
     opens = bool(distributed.broadcast_from_chief(
-        np.int32(self.streak >= c.gate_patience)))
-    test = (f"evidence z >= {c.gate_min_evidence_z:g}"
-            if c.retriever_gate == "evidence"
-            else f"utility >= {c.gate_min_utility:g} nats")
+        np.int32(self.streak >= c.retriever.gate_patience)))
+    test = (f"evidence z >= {c.retriever.gate_min_evidence_z:g}"
+            if c.retriever.gate == "evidence"
+            else f"utility >= {c.retriever.gate_min_utility:g} nats")
     logging.info(
         "retriever gate at step %d: utility %.4f nats, evidence %.5f (z %.2f "
         "over %d queries with an answer-bearing block); %s: %d/%d in a row "
         "-> %s", step, stats["utility"], stats["evidence"],
         stats["evidence_z"], stats["answer_bearing_queries"], test,
-        self.streak, c.gate_patience,
+        self.streak, c.retriever.gate_patience,
         "RELEASE the retriever" if opens else
         f"hold (release at step {release} at the latest)")
     if self.is_chief:
@@ -220,28 +223,32 @@ class RetrieverGate:
 
 def _gate_queries(config, query_config) -> dict[str, np.ndarray]:
   """The first `gate_num_queries` of the gate's cache; its errors say that
-  the cache at fault is `PretrainConfig.gate_queries`."""
+  the cache at fault is `RetrieverScheduleConfig.gate_queries`."""
+  schedule = config.retriever
   try:
     stream = query_cache.QueryStream(
-        config.gate_queries, seed=config.seed,
-        batch_size=max(config.gate_num_queries, 1))
+        schedule.gate_queries, seed=config.seed,
+        batch_size=max(schedule.gate_num_queries, 1))
     try:
       stream.check(query_config)
-      return stream.head(config.gate_num_queries)
+      return stream.head(schedule.gate_num_queries)
     finally:
       stream.close()
   except (OSError, ValueError) as e:
-    raise type(e)(f"PretrainConfig.gate_queries={config.gate_queries!r} (the "
-                  f"retriever gate's query cache): {e}") from e
+    raise type(e)(
+        f"RetrieverScheduleConfig.gate_queries={schedule.gate_queries!r} "
+        f"(the retriever gate's query cache): {e}") from e
 
 
 def guard_every(config) -> int:
-  """The recall guard's cadence: `gate_every`, or with full training on an
-  inline index, the first multiple of it that is also a refresh step
-  (`checkpoint_every`), so that every evaluation searches a fresh index."""
-  if config.index_mode == "inline" and config.retriever_training == "full":
-    return math.lcm(config.gate_every, config.checkpoint_every)
-  return config.gate_every
+  """The recall guard's cadence: `recall_guard.every`, or with full
+  training on an inline index, the first multiple of it that is also a
+  refresh step (`refresh_period`), so that every evaluation searches a
+  fresh index."""
+  every = config.recall_guard.every
+  if config.index_mode == "inline" and config.retriever.training == "full":
+    return math.lcm(every, config.refresh_period)
+  return every
 
 
 class RecallGuard:
@@ -253,7 +260,7 @@ class RecallGuard:
   statistic of the reader measured before the release told that run from
   one that gained, so this guard watches the retriever itself, after the
   release, on a task it must not get worse at: finding held-out
-  sentences' own blocks (ICT's task; `PretrainConfig.recall_guard_queries`,
+  sentences' own blocks (ICT's task; `RecallGuardConfig.queries`,
   sentences of articles that are in the corpus, never trained on). Every
   `gate_every` steps it searches the served index with the current query
   tower and measures recall@`recall_guard_k` of the own block. The first
@@ -289,7 +296,7 @@ class RecallGuard:
     self.initial_retriever = initial_retriever
     self.path = io_utils.join(workdir, "recall_guard.jsonl")
     probe = (_Questions(config, query_config, store)
-             if config.recall_guard_questions else
+             if config.recall_guard.questions else
              _OwnBlocks(config, query_config, store))
     devices, hosts, me = (jax.process_count() * len(inputs.mesh.local_devices),
                           jax.process_count(), jax.process_index())
@@ -324,7 +331,7 @@ class RecallGuard:
       chunk = {k: v[rows] for k, v in probe.queries.items()}
       q_emb = parallel.local_rows(host.query_embeddings(chunk, state))
       hits, _ = index.search(np.asarray(q_emb, np.float32),
-                             self.config.recall_guard_k)
+                             self.config.recall_guard.k)
       found.append(probe.found(hits, rows))
     return float(np.mean(distributed.allgather_rows(np.concatenate(found))))
 
@@ -344,22 +351,22 @@ class RecallGuard:
             f"{release}: its baseline must be the initial retriever. Turn "
             "the guard on from the start of a run.")
       self.baseline = recall
-    floor = self.baseline - c.recall_guard_max_drop
+    floor = self.baseline - c.recall_guard.max_drop
     self.streak = self.streak + 1 if training and recall < floor else 0
     trips = bool(distributed.broadcast_from_chief(
-        np.int32(self.streak >= c.recall_guard_patience)))
+        np.int32(self.streak >= c.recall_guard.patience)))
     logging.info(
         "recall guard at step %d (index %d steps stale): %s recall@%d %.4f "
         "(baseline %.4f, floor %.4f); %s", step, staleness, self.probe.name,
-        c.recall_guard_k, recall, self.baseline, floor,
+        c.recall_guard.k, recall, self.baseline, floor,
         ("retriever frozen" if not training else
-         f"below the floor {self.streak}/{c.recall_guard_patience} in a row"
+         f"below the floor {self.streak}/{c.recall_guard.patience} in a row"
          + (": ROLL BACK the retriever to the run's initial one and freeze "
             "it" if trips else "")))
     if self.is_chief:
       io_utils.append_jsonl(self.path, {
           "step": step, "probe": self.probe.name,
-          f"recall@{c.recall_guard_k}": recall,
+          f"recall@{c.recall_guard.k}": recall,
           "baseline": self.baseline, "training": training,
           "index_staleness": staleness, "streak": self.streak,
           "rolled_back": trips})
@@ -407,13 +414,13 @@ class _OwnBlocks(_Probes):
             "queries' articles are not in the corpus.")
 
   def __init__(self, config, query_config, store):
-    self.source = f"recall_guard_queries {config.recall_guard_queries}"
+    self.source = f"recall_guard_queries {config.recall_guard.queries}"
     stream = query_cache.QueryStream(
-        config.recall_guard_queries, seed=config.seed,
-        batch_size=config.recall_guard_num_queries)
+        config.recall_guard.queries, seed=config.seed,
+        batch_size=config.recall_guard.num_queries)
     try:
       stream.check(query_config)
-      queries = stream.head(config.recall_guard_num_queries)
+      queries = stream.head(config.recall_guard.num_queries)
     finally:
       stream.close()
     own = realm_inputs.TrivialCandidates(store, "block").source_blocks(
@@ -437,10 +444,10 @@ class _Questions(_Probes):
             "(ORQA JSONL), kept apart from the evaluation questions.")
 
   def __init__(self, config, query_config, store):
-    path = config.recall_guard_questions
+    path = config.recall_guard.questions
     self.source, self.store = f"recall_guard_questions {path}", store
     questions = qa.read_qa_jsonl(path, strict=True)
-    questions = questions[:config.recall_guard_num_queries]
+    questions = questions[:config.recall_guard.num_queries]
     tokens = qa_inputs.tokenize_questions(
         Tokenizer(), [q.question for q in questions],
         query_config.query_length)

@@ -35,6 +35,7 @@ from realm_jax.core import parallel
 from realm_jax.data import block_store
 from realm_jax.data import examples as examples_lib
 from realm_jax.model import functional
+from realm_jax.model import realm as realm_lib
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import loop
@@ -50,19 +51,17 @@ class IctTrainConfig(loop.TrainConfig):
     init_from: e.g. "minilm" or "tf_bert:<ckpt>"; the reader is saved as it
       comes from there.
     batch_size: the number of in-batch candidates per query.
-    query_length: wordpieces of `[CLS] sentence [SEP]` (reference: 64).
-    block_length: wordpieces of `[CLS] title [SEP] body [SEP]` (288). Capped
-      at the store's `max_block_len` (longer would only be padding); a
-      shorter length truncates the blocks.
-    remove_probability: chance the query sentence is cut from its block.
+    pairs: how the pairs are made (`examples.IctConfig`: query and block
+      lengths, the chance the sentence is cut from its block), bound as
+      `examples.IctConfig.<field>` in gin (runs/ict.gin). Its block_length
+      is capped at the store's `max_block_len` (longer would only be
+      padding); a shorter length truncates the blocks.
   """
 
   num_train_steps: int = 100_000
   batch_size: int = 4096
   learning_rate: float = 1e-4
-  query_length: int = 64
-  block_length: int = 288
-  remove_probability: float = 0.9
+  pairs: examples_lib.IctConfig = examples_lib.IctConfig()
 
   def __post_init__(self):
     for name in ("workdir", "block_store"):
@@ -73,13 +72,6 @@ class IctTrainConfig(loop.TrainConfig):
     if self.batch_size < 2:
       raise ValueError("batch_size must be >= 2: ICT needs in-batch "
                        "negatives.")
-    # Validates the lengths and the probability with their own messages.
-    self.pair_config()
-
-  def pair_config(self) -> examples_lib.IctConfig:
-    return examples_lib.IctConfig(
-        query_length=self.query_length, block_length=self.block_length,
-        remove_probability=self.remove_probability)
 
 
 # ----------------------------------------------------------------------------
@@ -207,8 +199,8 @@ def ict_loss(retriever: Retriever, batch: dict[str, jax.Array],
       dropout_rng=b_rng)  # [b, D]
   global_blocks = jax.lax.all_gather(block_embeddings, parallel.DATA_AXIS,
                                      tiled=True)  # [B, D]
-  retrieval_logits = retriever.config.score_scale * jnp.einsum(
-      "qd,bd->qb", query_embeddings, global_blocks)  # [b, B]
+  retrieval_logits = realm_lib.retrieval_logits(
+      query_embeddings, global_blocks, retriever.config.score_scale)  # [b, B]
   b = query_embeddings.shape[0]
   correct = jax.lax.axis_index(parallel.DATA_AXIS) * b + jnp.arange(b)
   log_probs = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), -1)
@@ -252,7 +244,7 @@ def _check_model(model: RealmConfig, store: block_store.BlockStore,
         f"{store.path} was tokenized with a {vocab}-word vocabulary but the "
         f"retriever embeds {bert.vocab_size}; use a model config with the "
         "store's vocabulary.")
-  longest = max(config.query_length, block_length)
+  longest = max(config.pairs.query_length, block_length)
   if longest > bert.max_position_embeddings:
     raise ValueError(
         f"ICT sequences of {longest} wordpieces exceed the retriever's "
@@ -275,14 +267,14 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
   with loop.Run(config, model, job="ict trainer",
                 operative_config=operative_config) as run:
     store = block_store.BlockStore.open(config.block_store)
-    block_length = min(config.block_length, store.max_block_len)
-    if config.block_length < store.max_block_len:
+    block_length = min(config.pairs.block_length, store.max_block_len)
+    if config.pairs.block_length < store.max_block_len:
       logging.warning("block_length=%d < the store's max_block_len=%d: ICT "
-                      "sees truncated blocks.", config.block_length,
+                      "sees truncated blocks.", config.pairs.block_length,
                       store.max_block_len)
     _check_model(model, store, config, block_length)
     examples = IctExamples(
-        store, config=dataclasses.replace(config.pair_config(),
+        store, config=dataclasses.replace(config.pairs,
                                           block_length=block_length),
         batch_size=config.batch_size // jax.process_count(),
         seed=config.seed, shard_index=jax.process_index(),

@@ -364,13 +364,21 @@ def freeze_again(opt_state):
       r, jnp.asarray(NEVER, r.dtype)))
 
 
+def _check_retriever_schedule(multiplier: float, freeze_steps: int) -> None:
+  if multiplier < 0:
+    raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
+                     f"{multiplier}.")
+  if freeze_steps < 0:
+    raise ValueError(f"freeze_retriever_steps must be >= 0, got "
+                     f"{freeze_steps}.")
+
+
 def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                     warmup_steps: int | None = None,
                     retriever_learning_rate_multiplier: float = 1.0,
                     freeze_retriever_steps: int = 0,
                     gated: bool = False,
                     frozen: Sequence[tuple[str, ...]] = (),
-                    frozen_leaves: Sequence[str] = (),
                     unused: Sequence[tuple[str, ...]] = (),
                     bias_correction: bool = False
                     ) -> optax.GradientTransformation:
@@ -396,26 +404,20 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   steps (docs/results/learning.md).
 
   `frozen`: key-path prefixes (from the root) that never change, e.g. the
-  document tower in query-side training. `frozen_leaves`: leaf names
-  under "retriever" that never change, e.g. ("bias", "scale"); `init`
-  refuses a name that matches no leaf. `warmup_steps` applies to each
+  document tower in query-side training. `warmup_steps` applies to each
   part (None: BERT's rule on its length); `unused` and `bias_correction`
   are as in `bert_optimizer` (`unused` paths from the root: each part sees
   the whole tree, the other part's leaves masked). A multiplier of 0
   freezes the retriever for the whole run.
   """
-  if retriever_learning_rate_multiplier < 0:
-    raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
-                     f"{retriever_learning_rate_multiplier}.")
-  if freeze_retriever_steps < 0:
-    raise ValueError(f"freeze_retriever_steps must be >= 0, got "
-                     f"{freeze_retriever_steps}.")
+  _check_retriever_schedule(retriever_learning_rate_multiplier,
+                            freeze_retriever_steps)
   reader = bert_optimizer(learning_rate=learning_rate,
                           num_train_steps=num_train_steps,
                           warmup_steps=warmup_steps, unused=unused,
                           bias_correction=bias_correction)
   if (retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps
-      and not gated and not frozen and not frozen_leaves):
+      and not gated and not frozen):
     return reader
   # A retriever frozen for good (multiplier 0, or a freeze as long as the
   # run) keeps the same optimiser state structure, so a run can resume
@@ -431,29 +433,18 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
       num_train_steps=num_train_steps, warmup_steps=warmup_steps)
   return optax.multi_transform({"retriever": retriever, "reader": reader,
                                 "frozen": optax.set_to_zero()},
-                               _part_labels(frozen, frozen_leaves))
+                               _part_labels(frozen))
 
 
-def _part_labels(frozen: Sequence[tuple[str, ...]],
-                 frozen_leaves: Sequence[str]):
-  """`realm_optimizer`'s labels: "frozen" under a `frozen` prefix or at a
-  retriever leaf named in `frozen_leaves`, else the top-level key."""
+def _part_labels(frozen: Sequence[tuple[str, ...]]):
+  """`realm_optimizer`'s labels: "frozen" under a `frozen` prefix, else
+  the top-level key."""
   frozen = tuple(tuple(p) for p in frozen)
-  frozen_leaves = frozenset(frozen_leaves)
 
   def label(path, _) -> str:
     keys = tuple(_key_name(k) for k in path)
-    if any(keys[:len(p)] == p for p in frozen) or (
-        keys[0] == "retriever" and keys[-1] in frozen_leaves):
+    if any(keys[:len(p)] == p for p in frozen):
       return "frozen"
     return keys[0]
 
-  def labels(params):
-    names = {_key_name(path[-1]) for path, _ in
-             jax.tree_util.tree_leaves_with_path(params.get("retriever", {}))}
-    if unknown := sorted(frozen_leaves - names):
-      raise ValueError(f"frozen_leaves {unknown} match no leaf of the "
-                       f"retriever's parameters (leaf names: {sorted(names)}).")
-    return jax.tree_util.tree_map_with_path(label, params)
-
-  return labels
+  return lambda params: jax.tree_util.tree_map_with_path(label, params)

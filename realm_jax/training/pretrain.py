@@ -26,7 +26,6 @@ shards of it (`data.query_cache.QueryStream`).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.core import checkpoints, distributed, io_utils
@@ -39,14 +38,18 @@ from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import candidates as candidates_lib
-from realm_jax.training import collapse, loop, mlm_warmup, reader_mlm
+from realm_jax.training import collapse, loop
 from realm_jax.training import realm_inputs
 from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
-# The run's settings; gin binds them as pretrain.PretrainConfig.
+# The run's settings; gin binds them as pretrain.PretrainConfig and its
+# parts as pretrain.<Part> (re-exported here for gin).
 from realm_jax.training.pretrain_config import DOCUMENT_TOWER
-from realm_jax.training.pretrain_config import MEASURED_GATES
+from realm_jax.training.pretrain_config import GuardConfig  # pylint: disable=unused-import
 from realm_jax.training.pretrain_config import PretrainConfig
+from realm_jax.training.pretrain_config import RecallGuardConfig  # pylint: disable=unused-import
+from realm_jax.training.pretrain_config import RetrievalConfig  # pylint: disable=unused-import
+from realm_jax.training.pretrain_config import RetrieverScheduleConfig  # pylint: disable=unused-import
 from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 
 # ----------------------------------------------------------------------------
@@ -54,44 +57,14 @@ from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 # ----------------------------------------------------------------------------
 
 
-def standardized_logits(logits: jax.Array, temperature: float,
-                        null_document: bool = True) -> jax.Array:
-  """`temperature * (f - mean) / std` per query, the mean and std over
-  its retrieved candidates (the null document, column 0, left out but
-  mapped alike): a posterior whose spread the loss cannot shrink."""
-  blocks = logits[:, 1:] if null_document else logits
-  mean = jnp.mean(blocks, axis=-1, keepdims=True)
-  std = jnp.std(blocks, axis=-1, keepdims=True)
-  return temperature * (logits - mean) / (std + 1e-6)
-
-
-def make_loss_fn(graphdef, null_document: bool = True,
-                 retriever_signal: str = "reader",
-                 retrieval_temperature: float = 0.0):
-  """REALM's loss; with `retriever_signal="answer_spans"` (or its
-  control, "shuffled_spans") the retriever's part is replaced by the ideal
-  reader's; a `retrieval_temperature` standardizes the retrieval logits
-  (`PretrainConfig`)."""
+def make_loss_fn(graphdef, null_document: bool = True):
+  """REALM's loss (`losses.pretraining_loss`) of the bound model."""
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(
         batch, null_document=null_document, dropout_rng=dropout_rng)
-    if retrieval_temperature:
-      retrieval_logits = standardized_logits(
-          retrieval_logits, retrieval_temperature, null_document)
-    if retriever_signal == "reader":
-      return losses.pretraining_loss(retrieval_logits, mlm_logits,
-                                     batch["mlm_targets"],
-                                     batch["mlm_weights"])
-    loss, count, metrics = losses.pretraining_loss(
-        jax.lax.stop_gradient(retrieval_logits), mlm_logits,
-        batch["mlm_targets"], batch["mlm_weights"])
-    # Every masked wordpiece of a query has the same ideal-reader loss.
-    spans = losses.retriever_marginal_loss(
-        retrieval_logits, batch["answer_bearing"]) * jnp.sum(
-            batch["mlm_weights"], -1)
-    metrics["answer_span_loss"] = jnp.sum(spans)
-    return loss + jnp.sum(spans), count, metrics
+    return losses.pretraining_loss(retrieval_logits, mlm_logits,
+                                   batch["mlm_targets"], batch["mlm_weights"])
   return loss_fn
 
 
@@ -116,7 +89,7 @@ class RetrievalInput:
   def __init__(self, config: PretrainConfig, model: RealmConfig, graphdef,
                store, queries, mesh):
     self.config, self.queries, self.mesh = config, queries, mesh
-    self.guard = collapse.CollapseGuard(config)
+    self.guard = collapse.CollapseGuard(config.guards)
     self.service = service_lib.IndexService(
         root=checkpoints.index_root(config.workdir), store=store,
         retriever_config=model.retriever, mode=config.index_mode,
@@ -125,13 +98,14 @@ class RetrievalInput:
         build_config=config.index_build,
         wait_seconds=config.index_wait_seconds,
         last_step=config.num_train_steps,
-        frozen=config.retriever_training == "query_side",
-        staleness=dict(checkpoint_every=config.checkpoint_every,
-                       warning=config.stale_index_warning,
-                       error=config.stale_index_error),
+        refresh_every=config.refresh_period,
+        frozen=config.retriever.training == "query_side",
+        staleness=dict(warning=config.guards.stale_index_warning,
+                       error=config.guards.stale_index_error),
         on_serve=lambda index: self.source.on_serve(index))
     args = (config, model, graphdef, store, queries, mesh, self.service,
-            realm_inputs.TrivialCandidates(store, config.trivial_candidates))
+            realm_inputs.TrivialCandidates(store,
+                                           config.retrieval.trivial_candidates))
     self.source = candidates_lib.source_class(config)(*args)
     # Fixed held-out queries (the retriever gate's) are searched on the host.
     self.host = (self.source
@@ -175,15 +149,12 @@ class RetrievalInput:
 
 def make_optimizer(config: PretrainConfig):
   """REALM's optimizer with the run's retriever schedule."""
+  s = config.retriever
   return optimizer_lib.realm_optimizer(
       **config.schedule(),
-      retriever_learning_rate_multiplier=(
-          config.retriever_learning_rate_multiplier),
-      freeze_retriever_steps=config.freeze_retriever_steps,
-      gated=config.retriever_gate in MEASURED_GATES,
-      frozen=((DOCUMENT_TOWER,) if config.retriever_training == "query_side"
-              else ()),
-      frozen_leaves=tuple(config.retriever_frozen_leaves),
+      retriever_learning_rate_multiplier=s.learning_rate_multiplier,
+      freeze_retriever_steps=s.freeze_steps, gated=s.measured,
+      frozen=(DOCUMENT_TOWER,) if s.training == "query_side" else (),
       unused=UNUSED_BY_PRETRAINING,
       bias_correction=config.adam_bias_correction)
 
@@ -198,63 +169,6 @@ def _check_reader_length(config: PretrainConfig,
         f"the query_length={query_length} of the query cache "
         f"{config.queries} (the reader reads [CLS] x [SEP] body [SEP]): "
         f"set reader_length to {query_length} + the block length.")
-
-
-def _initial_params(config: PretrainConfig, model: RealmConfig, graphdef,
-                    fresh, queries, store, is_chief: bool):
-  """`init_from`, then the reader's masked-LM pre-training, the MLM-head
-  warm start and the reader adaptation when the config asks."""
-  params = init_lib.initial_params(model, fresh, config.init_from)
-  if config.reader_mlm_steps:
-    # Deterministic from the seed: every host trains the same reader.
-    params, report = reader_mlm.pretrain_reader(
-        params, graphdef, store, steps=config.reader_mlm_steps,
-        query_length=queries.query_config.query_length,
-        reader_length=config.reader_length,
-        batch_size=config.reader_mlm_batch_size,
-        learning_rate=config.reader_mlm_learning_rate,
-        eval_every=config.reader_mlm_eval_every, seed=config.seed)
-    if is_chief:
-      io_utils.write_json(io_utils.join(config.workdir, "reader_mlm.json"),
-                          report)
-  if config.mlm_head_warmup_steps:
-    params = _warm_start_head(config, graphdef, params, queries, store,
-                              is_chief)
-  if config.reader_adaptation_steps:
-    # Deterministic from the seed on the same queries: every host adapts
-    # the reader identically, so the replicated parameters agree.
-    params, report = mlm_warmup.adapt_reader(
-        params, graphdef,
-        queries.head(config.reader_adaptation_max_queries), store=store,
-        sep_id=int(store.manifest["sep_id"]),
-        reader_length=config.reader_length,
-        steps=config.reader_adaptation_steps,
-        learning_rate=config.reader_adaptation_learning_rate,
-        eval_every=config.reader_adaptation_eval_every,
-        min_utility=config.reader_adaptation_min_utility,
-        trivial_candidates=config.trivial_candidates,
-        reads=config.reader_adaptation_reads,
-        max_queries=config.reader_adaptation_max_queries, seed=config.seed)
-    if is_chief:
-      io_utils.write_json(
-          io_utils.join(config.workdir, "reader_adaptation.json"), report)
-  return params
-
-
-def _warm_start_head(config: PretrainConfig, graphdef, params, queries, store,
-                     is_chief: bool):
-  """The MLM-head warm start (`mlm_warmup.warm_start_mlm_head`)."""
-  # Every host runs the same deterministic warm start on the same queries,
-  # so the replicated parameters agree.
-  params, report = mlm_warmup.warm_start_mlm_head(
-      params, graphdef, queries.head(mlm_warmup.MAX_QUERIES),
-      sep_id=int(store.manifest["sep_id"]),
-      store=store, reader_length=config.reader_length,
-      steps=config.mlm_head_warmup_steps, seed=config.seed)
-  if is_chief:
-    io_utils.write_json(io_utils.join(config.workdir, "mlm_head_warmup.json"),
-                        report)
-  return params
 
 
 def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
@@ -299,11 +213,45 @@ def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
 
 def _check_towers(config: PretrainConfig, model: RealmConfig) -> None:
   """Query-side training needs a document tower of its own."""
-  if config.retriever_training == "query_side" and model.retriever.share_towers:
+  if (config.retriever.training == "query_side"
+      and model.retriever.share_towers):
     raise ValueError(
-        "retriever_training='query_side' freezes the document tower only: "
+        "RetrieverScheduleConfig.training='query_side' freezes the document "
+        "tower only: "
         "set realm.RetrieverConfig.share_towers = False (both towers start "
         "from the same weights).")
+
+
+def _open_inputs(config: PretrainConfig):
+  """(block store, this host's query stream), checked against the
+  tokenizer's vocabulary and the reader's length."""
+  store = block_store.BlockStore.open(config.block_store)
+  tokenizer = Tokenizer()
+  store.check_vocab(tokenizer.vocab_path)
+  # Each host streams its shards of the cache; the global batch of a step
+  # is the same for any host count, and a restart replays it exactly.
+  queries = query_cache.QueryStream(
+      config.queries, batch_size=config.batch_size,
+      seed=int(distributed.broadcast_from_chief(np.int64(config.seed))),
+      process_index=jax.process_index(),
+      process_count=jax.process_count())
+  queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
+  _check_reader_length(config, queries)
+  return store, queries
+
+
+def _initial_retriever(config: PretrainConfig, model: RealmConfig, fresh,
+                       state, start_step: int):
+  """A host copy of the run's initial retriever (the recall guard's
+  rollback target), taken now (the train step donates the state's
+  buffers): the state's own until the release, else `init_from`'s again
+  (a restart after the release)."""
+  release = optimizer_lib.release_step(state.opt_state)
+  untrained = start_step == 0 or (release is not None
+                                  and start_step <= release)
+  return jax.device_get(
+      state.params["retriever"] if untrained else
+      init_lib.initial_params(model, fresh, config.init_from)["retriever"])
 
 
 def train(*, config: PretrainConfig, model: RealmConfig,
@@ -317,50 +265,29 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   with loop.Run(config, model, job="pretrain trainer",
                 operative_config=operative_config,
                 lease_paths=[index_lease] if inline else []) as run:
-    store = block_store.BlockStore.open(config.block_store)
-    tokenizer = Tokenizer()
-    store.check_vocab(tokenizer.vocab_path)
-    # Each host streams its shards of the cache; the global batch of a step
-    # is the same for any host count, and a restart replays it exactly.
-    queries = query_cache.QueryStream(
-        config.queries, batch_size=config.batch_size,
-        seed=int(distributed.broadcast_from_chief(np.int64(config.seed))),
-        process_index=jax.process_index(),
-        process_count=jax.process_count())
-    queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
-    _check_reader_length(config, queries)
+    store, queries = _open_inputs(config)
     graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                       config.seed)
     tx = make_optimizer(config)
     state, _, restored = run.init_or_restore(
-        fresh, tx, lambda: _initial_params(
-            config, model, graphdef, fresh, queries, store, run.is_chief))
+        fresh, tx, lambda: init_lib.initial_params(model, fresh,
+                                                   config.init_from))
     start_step = int(jax.device_get(state.step))
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
     inputs.source.restore(restored, start_step)
-    loss_fn = make_loss_fn(graphdef, config.null_document,
-                           config.retriever_signal,
-                           config.retrieval_temperature)
+    loss_fn = make_loss_fn(graphdef, config.retrieval.null_document)
     gate = None
-    if config.retriever_gate in MEASURED_GATES:
+    if config.retriever.measured:
       gate = gate_lib.RetrieverGate(config, queries.query_config,
                                     inputs, graphdef, store, config.workdir,
                                     run.is_chief)
       gate.restore(restored, start_step, state)
     guard = None
-    if config.recall_guard_queries or config.recall_guard_questions:
-      # A host copy of the initial retriever, taken now (the train step
-      # donates the state's buffers): the state's own until the release,
-      # else `init_from`'s again (a restart after the release).
-      release = optimizer_lib.release_step(state.opt_state)
-      untrained = start_step == 0 or (release is not None
-                                      and start_step <= release)
-      initial = jax.device_get(
-          state.params["retriever"] if untrained else
-          init_lib.initial_params(model, fresh, config.init_from)["retriever"])
+    if config.recall_guard.enabled:
       guard = gate_lib.RecallGuard(
-          config, queries.query_config, inputs, store, initial,
+          config, queries.query_config, inputs, store,
+          _initial_retriever(config, model, fresh, state, start_step),
           config.workdir, run.is_chief)
       guard.restore(restored, start_step)
 

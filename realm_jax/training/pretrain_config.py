@@ -1,7 +1,19 @@
 """The REALM pre-training run's settings (`pretrain.PretrainConfig`).
 
 Gin binds it as `pretrain.PretrainConfig` (the trainer module re-exports
-it); its checks run when it is built, before any work starts.
+it and its parts); its checks run when it is built, before any work
+starts. Its parts are configs of their own, bound as
+`pretrain.<Part>.<field>` in gin (runs/pretrain.gin binds each part to
+the run), each read by the component it configures:
+
+  RetrievalConfig          the candidates: k, null document, trivial rule,
+                           where the search runs, re-ranking
+                           (`training.candidates`)
+  RetrieverScheduleConfig  when and how the retriever learns: towers, rate,
+                           freeze bound, gate (`optimizer`, `training.gate`)
+  GuardConfig              collapse and stale-index warnings
+                           (`training.collapse`, `index.service`)
+  RecallGuardConfig        the recall guard's rollback (`gate.RecallGuard`)
 """
 
 from __future__ import annotations
@@ -10,12 +22,12 @@ import dataclasses
 
 from realm_jax.core import checks
 from realm_jax.index import builder
-from realm_jax.training import loop, mlm_warmup, realm_inputs
+from realm_jax.training import loop, realm_inputs
 
 INDEX_MODES = ("inline", "builder")
+SEARCHES = ("host", "device")
 RETRIEVER_TRAINING = ("full", "query_side")
 RETRIEVER_GATES = ("steps", "utility", "evidence")
-RETRIEVER_SIGNALS = ("reader", "answer_spans", "shuffled_spans")
 # The gates measured in the run (the others release at a step count).
 MEASURED_GATES = ("utility", "evidence")
 # The query-side mode's frozen subtree: the document tower.
@@ -23,6 +35,262 @@ DOCUMENT_TOWER = ("retriever", "document_embedder")
 # Parameters the masked-LM loss never reads (a reader built with the span
 # head for later fine-tuning): no weight decay, so they stay as initialised.
 UNUSED_BY_PRETRAINING = (("reader", "span_head"),)
+
+
+def _one_of(config, name: str, choices: tuple[str, ...]) -> None:
+  value = getattr(config, name)
+  if value not in choices:
+    raise ValueError(f"{type(config).__name__}.{name}={value!r}; use one of "
+                     f"{choices}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetrievalConfig:
+  """Each query's candidates (REALM's defaults).
+
+  Attributes:
+    num_candidates: retrieved blocks per query k (REALM: 7), plus the null
+      document when `null_document`.
+    null_document: put the empty document first among the candidates.
+    trivial_candidates: REALM's no-trivial-retrieval rule: "article" (no
+      block of the sentence's own article) or "block" (only the block that
+      holds the sentence, as REALM's reference code). See
+      `realm_inputs.TrivialCandidates`.
+    search: "host" (the served index's searcher on the host, then the
+      batch built in numpy from the memory-mapped block store) or "device":
+      the served index's embeddings and the block tokens live on the
+      devices, sharded by rows, and exact top-k search, the candidates'
+      tokens and the batch are computed there (`index/device_search.py`);
+      the query embeddings never leave the devices. For corpora that fit in
+      device memory (13.35M x 128 bf16 is 3.4 GB, plus ~7.7 GB of uint16
+      tokens at 288, over all devices).
+    device_index_dtype: "float32" or "bfloat16" block embeddings (search
+      "device").
+    overlap_input: search "host": the next step's search, candidate
+      gathering and batch assembly run on a host thread while the devices
+      compute this step. The next step's candidates are then chosen with
+      this step's retriever (one update older; the index is hundreds of
+      steps older anyway) and, so that a restart replays the run exactly,
+      the candidates of the step after a checkpoint are saved in it.
+      Search "device" overlaps by itself (asynchronous dispatch).
+    rerank_candidates: Atlas-style re-ranking (0: off): the served index
+      proposes this many blocks per query (outside its own article), the
+      current document tower re-embeds them and the `num_candidates` with
+      the highest fresh scores are kept. A stale index then only has to
+      put the right block among the proposals, not in the top k. It costs
+      a forward pass of the document tower over batch x rerank_candidates
+      blocks every step: for refresh intervals much longer than REALM's
+      ~500 steps (docs/benchmarks/refresh_cost.md). Search "host" without
+      `overlap_input` (the re-embedding needs the step's own parameters,
+      which the update step donates).
+  (The score f(x, z) and its scale are the model's:
+  `realm.RetrieverConfig.score_scale`.)
+  """
+
+  num_candidates: int = 7
+  null_document: bool = True
+  trivial_candidates: str = "article"
+  search: str = "host"
+  device_index_dtype: str = "float32"
+  overlap_input: bool = False
+  rerank_candidates: int = 0
+
+  def __post_init__(self):
+    checks.field_types(self)
+    checks.at_least(self, "num_candidates")
+    checks.at_least(self, "rerank_candidates", minimum=0)
+    _one_of(self, "search", SEARCHES)
+    _one_of(self, "device_index_dtype", ("float32", "bfloat16"))
+    _one_of(self, "trivial_candidates", realm_inputs.TRIVIAL_RULES)
+    if self.rerank_candidates and self.search == "device":
+      raise ValueError(
+          f"RetrievalConfig.rerank_candidates={self.rerank_candidates} "
+          "excludes search='device' (re-ranking re-embeds proposals on the "
+          "host side); set search='host' or rerank_candidates=0.")
+    if self.rerank_candidates and self.overlap_input:
+      raise ValueError(
+          f"RetrievalConfig.rerank_candidates={self.rerank_candidates} "
+          "excludes overlap_input=True (the re-embedding needs the step's "
+          "own parameters); set one of them off.")
+    if 0 < self.rerank_candidates < self.num_candidates:
+      raise ValueError(
+          f"RetrievalConfig.rerank_candidates={self.rerank_candidates} "
+          f"needs >= num_candidates ({self.num_candidates}) proposals; set "
+          "it to 0 to turn re-ranking off.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetrieverScheduleConfig:
+  """When and how the retriever learns (REALM: both towers, from step 0,
+  at the reader's rate).
+
+  Attributes:
+    training: "full" (REALM: both towers learn, the index is refreshed) or
+      "query_side" (Atlas's cheap variant: the document tower and so the
+      index stay fixed; only the query tower and the reader learn, the
+      index is built once and never refreshed, and the candidates'
+      embeddings come from the index instead of being recomputed). Needs
+      RetrieverConfig.share_towers=False; a source with one tower
+      initialises both.
+    learning_rate_multiplier: the retriever's peak rate relative to the
+      run's `learning_rate`, which is the reader's (REALM: 1; 0 freezes the
+      retriever).
+    freeze_steps: reader warm-up: the retriever does not move for this many
+      steps (REALM: 0). See `optimizer.realm_optimizer`. With a measured
+      `gate` it is the upper bound: the gate may release the retriever
+      earlier (set it to num_train_steps to release the retriever only on
+      the gate's evidence).
+    gate: when the retriever is released. "steps": at freeze_steps. A
+      measured gate: every `gate_every` steps the reader is evaluated on
+      the first `gate_num_queries` queries of `gate_queries` (candidates
+      from the served index), and the retriever is released after
+      `gate_patience` passing evaluations in a row:
+      - "utility": the retrieval utility, log p(y|x) - log p(y|null, x)
+        nats per mask, is >= `gate_min_utility`: the reader gains from the
+        blocks, on average (held-out queries);
+      - "evidence": the retriever's own gradient favours answer-bearing
+        blocks (those whose text holds the masked span): the posterior
+        mass p(z|x, y) - p(z|x) the reader moves onto them is positive at
+        a z-score >= `gate_min_evidence_z` over the queries that retrieved
+        one (`gate.gate_statistics`; exactly 0 while the reader ignores
+        the blocks). Measure it on the training queries
+        (`gate_queries = queries`, a slice of ~2,000): that is the signal
+        the retriever follows, and it is there before any held-out gain.
+      Every evaluation (both statistics) goes to the log and gate.jsonl.
+    gate_queries: the gate's query cache, masked like the run's queries:
+      for "utility", sentences never trained on (held-out articles of X);
+      for "evidence", the run's `queries` itself.
+    gate_every, gate_num_queries, gate_min_utility, gate_min_evidence_z,
+      gate_patience: see `gate`.
+  """
+
+  training: str = "full"
+  learning_rate_multiplier: float = 1.0
+  freeze_steps: int = 0
+  gate: str = "steps"
+  gate_queries: str = ""
+  gate_every: int = 50
+  gate_num_queries: int = 128
+  gate_min_utility: float = 0.1
+  gate_min_evidence_z: float = 3.0
+  gate_patience: int = 2
+
+  @property
+  def measured(self) -> bool:
+    """Whether a gate measured in the run releases the retriever."""
+    return self.gate in MEASURED_GATES
+
+  def __post_init__(self):
+    checks.field_types(self)
+    _one_of(self, "training", RETRIEVER_TRAINING)
+    _one_of(self, "gate", RETRIEVER_GATES)
+    if not self.measured:
+      return
+    checks.at_least(self, "gate_every", "gate_num_queries", "gate_patience",
+                    integer=True)
+    if not self.gate_queries:
+      raise ValueError(
+          f"RetrieverScheduleConfig.gate={self.gate!r} measures the reader "
+          "on gate_queries: set it to a query cache (for 'utility', built "
+          "from articles that are not in `queries` with python -m "
+          "realm_jax.data.query_cache; for 'evidence', `queries`), or use "
+          "gate='steps'.")
+    if not self.freeze_steps:
+      raise ValueError(
+          f"RetrieverScheduleConfig.gate={self.gate!r} with freeze_steps=0"
+          " releases the retriever at step 0; set freeze_steps to the "
+          "latest release (num_train_steps: only on the gate's evidence).")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+  """Warnings about a collapsing retriever or a stale index.
+
+  Attributes:
+    hubness_warning: warn once when the share of the recent queries whose
+      top-1 block is the single most common one exceeds this (judged over
+      the last `min_queries` queries or more, pooled over log windows; the
+      logged `hubness` metric is the last log window's).
+    null_probability_warning: warn once when the mean p(null|x) of the
+      logged steps covering the last `min_queries` queries exceeds this.
+    min_queries: the fewest queries the collapse guards judge: with
+      batches of 4, two equal top-1s would read as 50% hubness.
+    stale_index_warning: builder mode: warn (once per served index) when it
+      is more than this many refresh intervals older than the step (the
+      builder died, lags, or cannot write); `index_staleness` is logged as
+      a metric every `log_every` steps.
+    stale_index_error: builder mode: stop with an error past this many
+      intervals (0: never).
+  """
+
+  hubness_warning: float = 0.3
+  null_probability_warning: float = 0.9
+  min_queries: int = 64
+  stale_index_warning: float = 4.0
+  stale_index_error: float = 0.0
+
+  def __post_init__(self):
+    checks.field_types(self)
+    checks.at_least(self, "min_queries")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecallGuardConfig:
+  """The recall guard (off unless `queries` or `questions` is set).
+
+  Attributes:
+    queries: a query cache of held-out sentences (masked like the run's
+      queries) of articles that are in the block store, e.g. the utility
+      gate's: turns the recall guard on. Every `every` steps (full
+      training on an inline index: on refresh steps only,
+      `gate.guard_every`) it searches the served index with the current
+      query tower and measures the share of these sentences whose own
+      block (the block that holds the sentence) is among the top `k`:
+      ICT's task on held-out sentences, which tracks question recall on
+      real text (docs/results/learning.md). The first evaluation, while
+      the retriever is still where the run started, is the baseline. Once
+      the retriever trains, `patience` evaluations in a row more than
+      `max_drop` below the baseline roll the retriever back to the run's
+      initial one (`init_from`'s) and freeze it for the rest of the run;
+      the gate is not consulted again. Needs X and Z to overlap (REALM's
+      Wikipedia); a world whose queries are not in the block store has no
+      own blocks, and the guard refuses it.
+    questions: instead of sentences, dev questions about the block store
+      (ORQA JSONL: question and answers), kept apart from the questions a
+      run is evaluated on: turns the recall guard on with recall@`k` of a
+      block holding an answer as its measure (the first `num_queries`
+      questions). Own-block recall is the pre-training task, and REALM
+      can raise it while question recall falls (docs/results/learning.md);
+      this measures what the retriever is for. At most one of the two may
+      be set.
+    every, num_queries, k, max_drop, patience: see `queries`.
+  """
+
+  queries: str = ""
+  questions: str = ""
+  every: int = 50
+  num_queries: int = 1024
+  k: int = 5
+  max_drop: float = 0.02
+  patience: int = 2
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.queries or self.questions)
+
+  def __post_init__(self):
+    checks.field_types(self)
+    if self.queries and self.questions:
+      raise ValueError(
+          "RecallGuardConfig.queries and RecallGuardConfig.questions are "
+          f"both set ({self.queries!r}, {self.questions!r}): the recall "
+          "guard measures one of them; unset the other.")
+    if self.enabled:
+      checks.at_least(self, "every", "num_queries", "k", "patience",
+                      integer=True)
+      if not 0 <= self.max_drop < 1:
+        raise ValueError("RecallGuardConfig.max_drop must be in [0, 1), "
+                         f"got {self.max_drop!r}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,355 +304,79 @@ class PretrainConfig(loop.TrainConfig):
       cache's manifest says how its queries were made (query_length,
       max_masks, masking: `examples.RealmQueryConfig`); the run reads them
       from there.
-    learning_rate: the reader's when the retriever has its own schedule.
-    retriever_learning_rate_multiplier: the retriever's peak rate relative
-      to `learning_rate` (REALM: 1; 0 freezes the retriever).
-    freeze_retriever_steps: reader warm-up: the retriever does not move for
-      this many steps (REALM: 0). See `optimizer.realm_optimizer`. With
-      a measured `retriever_gate` it is the upper bound: the gate may
-      release the retriever earlier (set it to num_train_steps to release
-      the retriever only on the gate's evidence).
-    retriever_training: "full" (REALM: both towers learn, the index is
-      refreshed) or "query_side" (Atlas's cheap variant: the document
-      tower and so the index stay fixed; only the query tower and the
-      reader learn, the index is built once and never refreshed, and the
-      candidates' embeddings come from the index instead of being
-      recomputed). Needs RetrieverConfig.share_towers=False; a source with
-      one tower initialises both.
-    retriever_signal: what the retriever learns from. "reader": REALM,
-      the marginal likelihood's gradient through the reader's
-      p(y|x, z). "answer_spans": a diagnostic ablation, not REALM: an
-      ideal reader that fills the masks from exactly the candidates whose
-      text holds the masked span (`realm_inputs.holds_spans`), so the
-      retriever's loss is -log sum p(z|x) over those (0 where none was
-      retrieved), per masked wordpiece; the reader still learns REALM's
-      loss, without a gradient to the retriever. It bounds what a reader
-      that reads could teach the retriever from these queries in these
-      steps. "shuffled_spans": its control, the same loss with each
-      batch's answer-bearing flags permuted across its queries
-      (`realm_inputs.shuffled_rows`): what moving the retriever by such
-      gradients costs with no information in them. Both need
-      retrieval='host'.
-    retrieval_temperature: 0 (REALM): p(z|x) = softmax f(x, z) over the
-      candidates. > 0: softmax of `retrieval_temperature * (f - mean) /
-      std`, the mean and std of each query's retrieved candidates'
-      scores (`pretrain.standardized_logits`): the loss can reorder the
-      candidates but cannot flatten p(z|x) by shrinking the spread of the
-      scores. MIPS ranks by f, so the index is unchanged. An ablation:
-      on the Wikipedia slice the ideal signal shrank that spread ~12-15x
-      in 400 steps with it as without it (the blocks' shared direction
-      grew either way: the learned null's stop-gradient pushed it,
-      RetrieverConfig.null_score), and held-out recall fell further
-      (docs/results/learning.md, sessions 25-26).
-    retriever_frozen_leaves: names of the retriever's parameter leaves that
-      never change, e.g. ("bias", "scale"): every bias and LayerNorm
-      parameter, so only its kernels, embedding tables and the null score
-      learn (REALM: none). An ablation: a shared offset is a shared
-      direction of every embedding, and Adam moves the offsets most; yet
-      on the Wikipedia slice the blocks folded onto one direction as much
-      with them fixed. The cause was the learned null's stop-gradient
-      (RetrieverConfig.null_score; docs/results/learning.md, session 26).
-      A name that matches no leaf is refused.
-    retriever_gate: when the retriever is released. "steps": at
-      freeze_retriever_steps. A measured gate: every `gate_every` steps the
-      reader is evaluated on the first `gate_num_queries` queries of
-      `gate_queries` (candidates from the served index), and the retriever
-      is released after `gate_patience` passing evaluations in a row:
-      - "utility": the retrieval utility, log p(y|x) - log p(y|null, x)
-        nats per mask, is >= `gate_min_utility`: the reader gains from the
-        blocks, on average (held-out queries);
-      - "evidence": the retriever's own gradient favours answer-bearing
-        blocks (those whose text holds the masked span): the posterior
-        mass p(z|x, y) - p(z|x) the reader moves onto them is positive at
-        a z-score >= `gate_min_evidence_z` over the queries that retrieved
-        one (`gate.gate_statistics`; exactly 0 while the reader ignores
-        the blocks). Measure it on the training queries
-        (`gate_queries = queries`, a slice of ~2,000): that is the signal
-        the retriever follows, and it is there before any held-out gain.
-      Every evaluation (both statistics) goes to the log and gate.jsonl.
-    gate_queries: the gate's query cache, masked like `queries`: for
-      "utility", sentences never trained on (held-out articles of X); for
-      "evidence", `queries` itself.
-    gate_every, gate_num_queries, gate_min_utility, gate_min_evidence_z,
-      gate_patience: see
-      `retriever_gate`.
-    recall_guard_queries: a query cache of held-out sentences (masked like
-      `queries`) of articles that are in the block store, e.g. the utility
-      gate's: turns the recall guard on ("": off). Every `gate_every` steps
-      (full training on an inline index: on refresh steps only,
-      `gate.guard_every`) it searches the served index with the current
-      query tower and measures the share of these sentences whose own
-      block (the block that holds the sentence) is among the top
-      `recall_guard_k`: ICT's
-      task on held-out sentences, which tracks question recall on real
-      text (docs/results/learning.md). The first evaluation, while the
-      retriever is still where the run started, is the baseline. Once the
-      retriever trains, `recall_guard_patience` evaluations in a row more
-      than `recall_guard_max_drop` below the baseline roll the retriever
-      back to the run's initial one (`init_from`'s) and freeze it for the
-      rest of the run; the gate is not consulted again. Needs X and Z to
-      overlap (REALM's Wikipedia); a world whose queries are not in the
-      block store has no own blocks, and the guard refuses it.
-    recall_guard_questions: instead of sentences, dev questions about the
-      block store (ORQA JSONL: question and answers), kept apart from the
-      questions a run is evaluated on: turns the recall guard on with
-      recall@`recall_guard_k` of a block holding an answer as its measure
-      (the first `recall_guard_num_queries` questions). Own-block recall
-      is the pre-training task, and REALM can raise it while question
-      recall falls (docs/results/learning.md); this measures what the
-      retriever is for. At most one of the two may be set.
-    recall_guard_num_queries, recall_guard_k, recall_guard_max_drop,
-      recall_guard_patience: see `recall_guard_queries`.
+    learning_rate: the reader's (the retriever's: `retriever`).
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
       raw ones (REALM: False); see `optimizer.bert_optimizer`.
-    mlm_head_warmup_steps: a fresh run (no checkpoint yet) first fits the
-      reader's MLM head alone to the queries' masks for this many steps
-      (0: off). For checkpoints without an MLM head (MiniLM); see
-      `training.mlm_warmup`.
-    reader_mlm_steps: a fresh run first pre-trains the reader (BERT body and
-      MLM head) with BERT's masked-LM on pairs of the block store's blocks
-      for at most this many steps (0: off), for a reader from random
-      weights; it stops sooner, keeping its best reader, once the loss on
-      a tenth of the articles, held out, stops improving
-      (`reader_mlm.pretrain_reader`). Its curve goes to reader_mlm.json.
-    reader_mlm_learning_rate, reader_mlm_batch_size,
-      reader_mlm_eval_every: its peak learning rate (BERT's optimiser with
-      Adam's bias correction), pairs per step and evaluation period.
-    reader_adaptation_steps: a fresh run then trains the reader (its BERT
-      body and MLM head; the retriever does not move) on the queries' masks,
-      each read with the null document, a random block and an answer block
-      (a block holding the masked span that `trivial_candidates` allows),
-      for at most this many steps (0: off); it stops sooner once an answer
-      block helps on held-out queries (`mlm_warmup.adapt_reader`). Its
-      curve and stop reason go to reader_adaptation.json.
-    reader_adaptation_reads: what its training steps read: "all" (the three
-      documents) or "answer" (the answer block alone).
-    reader_adaptation_learning_rate: its peak learning rate (BERT's
-      optimiser with Adam's bias correction, warmup, linear decay).
-    reader_adaptation_eval_every: its held-out evaluations' period (steps).
-    reader_adaptation_max_queries: the first queries of the stream it
-      reads (a tenth of their articles held out). It stops early, keeping
-      its best reader, once its held-out loss has not improved for
-      `mlm_warmup.LOSS_PATIENCE` evaluations; more queries memorise later.
-    reader_adaptation_min_utility: its stop threshold: the answer block's
-      held-out utility (nats per mask) must exceed it at 2 evaluations in a
-      row.
-    num_candidates: retrieved blocks per query k (REALM: 7), plus the null
-      document when `null_document`.
-    null_document: put the empty document first among the candidates.
-    trivial_candidates: REALM's no-trivial-retrieval rule: "article" (no
-      block of the sentence's own article) or "block" (only the block that
-      holds the sentence, as REALM's reference code). See
-      `realm_inputs.TrivialCandidates`.
     reader_length: the reader's input, query + block (REALM: 384 = 96 +
       288); it must exceed the query cache's query_length.
-    checkpoint_every: also the inline index refresh period.
-    index_mode: "builder" (REALM: a separate job refreshes the index) or
-      "inline" (rebuilt in-process after each checkpoint: small CPU runs,
-      exactly reproducible restarts).
+    index_mode: "builder" (REALM: a separate job refreshes the index from
+      the checkpoints) or "inline" (rebuilt in-process after a checkpoint:
+      small CPU runs, exactly reproducible restarts).
+    refresh_every: the index refresh period in steps, a multiple of
+      `checkpoint_every` (None: every checkpoint). An inline-mode run
+      rebuilds its index after those checkpoints; a builder-mode run's
+      builder indexes the checkpoints it reads, and its staleness is
+      measured in these intervals.
+    index_wait_seconds: builder mode: how long to wait for the first index.
     index_build: how an inline-mode run builds each index (searcher,
       searcher_config, embedding batch, bfloat16, retention, retries): the
       builder job's `builder.IndexBuildConfig`, bound as
       `builder.IndexBuildConfig.<field>` in gin (runs/pretrain.gin), so one
       binding sets both. A builder-mode run does not read it (the builder
       job builds with its own).
-    retrieval: "host" (the served index's searcher on the host, then the
-      batch built in numpy from the memory-mapped block store) or "device":
-      the served index's embeddings and the block tokens live on the
-      devices, sharded by rows, and exact top-k search, the candidates'
-      tokens and the batch are computed there (`index/device_search.py`);
-      the query embeddings never leave the devices. For corpora that fit in
-      device memory (13.35M x 128 bf16 is 3.4 GB, plus ~7.7 GB of uint16
-      tokens at 288, over all devices).
-    device_index_dtype: "float32" or "bfloat16" block embeddings (retrieval
-      "device").
-    overlap_input: retrieval "host": the next step's search, candidate
-      gathering and batch assembly run on a host thread while the devices
-      compute this step. The next step's candidates are then chosen with
-      this step's retriever (one update older; the index is hundreds of
-      steps older anyway) and, so that a restart replays the run exactly,
-      the candidates of the step after a checkpoint are saved in it.
-      Retrieval "device" overlaps by itself (asynchronous dispatch).
-    rerank_candidates: Atlas-style re-ranking (0: off): the served index
-      proposes this many blocks per query (outside its own article), the
-      current document tower re-embeds them and the `num_candidates` with
-      the highest fresh scores are kept. A stale index then only has to
-      put the right block among the proposals, not in the top k. It costs
-      a forward pass of the document tower over batch x rerank_candidates
-      blocks every step: for refresh intervals much longer than REALM's
-      ~500 steps (docs/benchmarks/refresh_cost.md). Retrieval "host"
-      without `overlap_input` (the re-embedding needs the step's own
-      parameters, which the update step donates).
-    index_wait_seconds: builder mode: how long to wait for the first index.
-    hubness_warning: warn once when the share of the recent queries whose
-      top-1 block is the single most common one exceeds this (judged over
-      the last `guard_min_queries` queries or more, pooled over log windows;
-      the logged `hubness` metric is the last log window's).
-    null_probability_warning: warn once when the mean p(null|x) of the
-      logged steps covering the last `guard_min_queries` queries exceeds
-      this.
-    guard_min_queries: the fewest queries the collapse guards judge: with
-      batches of 4, two equal top-1s would read as 50% hubness.
-    stale_index_warning: builder mode: warn (once per served index) when it
-      is more than this many checkpoint intervals older than the step (the
-      builder died, lags, or cannot write); `index_staleness` is logged as
-      a metric every `log_every` steps.
-    stale_index_error: builder mode: stop with an error past this many
-      intervals (0: never).
+    retrieval: each query's candidates (`RetrievalConfig`).
+    retriever: the retriever's schedule and gate
+      (`RetrieverScheduleConfig`).
+    guards: collapse and staleness warnings (`GuardConfig`).
+    recall_guard: the recall guard's rollback (`RecallGuardConfig`).
+  Options of two parts that exclude each other are refused here, naming
+  both (e.g. query-side training with search "device").
   """
 
   queries: str
   num_train_steps: int = 200_000
   batch_size: int = 512
   learning_rate: float = 3e-5
-  retriever_learning_rate_multiplier: float = 1.0
-  freeze_retriever_steps: int = 0
-  retriever_training: str = "full"
-  retriever_signal: str = "reader"
-  retrieval_temperature: float = 0.0
-  retriever_frozen_leaves: tuple[str, ...] = ()
-  retriever_gate: str = "steps"
-  gate_queries: str = ""
-  gate_every: int = 50
-  gate_num_queries: int = 128
-  gate_min_utility: float = 0.1
-  gate_min_evidence_z: float = 3.0
-  gate_patience: int = 2
-  recall_guard_queries: str = ""
-  recall_guard_questions: str = ""
-  recall_guard_num_queries: int = 1024
-  recall_guard_k: int = 5
-  recall_guard_max_drop: float = 0.02
-  recall_guard_patience: int = 2
   adam_bias_correction: bool = False
-  mlm_head_warmup_steps: int = 0
-  reader_mlm_steps: int = 0
-  reader_mlm_learning_rate: float = 1e-3
-  reader_mlm_batch_size: int = 32
-  reader_mlm_eval_every: int = 250
-  reader_adaptation_steps: int = 0
-  reader_adaptation_learning_rate: float = 1e-4
-  reader_adaptation_eval_every: int = 50
-  reader_adaptation_max_queries: int = mlm_warmup.ADAPTATION_MAX_QUERIES
-  reader_adaptation_min_utility: float = mlm_warmup.MIN_UTILITY
-  reader_adaptation_reads: str = "all"
-  num_candidates: int = 7
-  null_document: bool = True
-  trivial_candidates: str = "article"
   reader_length: int = 384
   checkpoint_every: int = 500
   index_mode: str = "builder"
-  index_build: builder.IndexBuildConfig = builder.IndexBuildConfig()
-  retrieval: str = "host"
-  device_index_dtype: str = "float32"
-  overlap_input: bool = False
-  rerank_candidates: int = 0
+  refresh_every: int | None = None
   index_wait_seconds: float = 600.0
-  hubness_warning: float = 0.3
-  null_probability_warning: float = 0.9
-  guard_min_queries: int = 64
-  stale_index_warning: float = 4.0
-  stale_index_error: float = 0.0
+  index_build: builder.IndexBuildConfig = builder.IndexBuildConfig()
+  retrieval: RetrievalConfig = RetrievalConfig()
+  retriever: RetrieverScheduleConfig = RetrieverScheduleConfig()
+  guards: GuardConfig = GuardConfig()
+  recall_guard: RecallGuardConfig = RecallGuardConfig()
 
-  def _check_recall_guard(self):
-    """Raises ValueError for bad recall guard settings."""
-    if self.recall_guard_queries and self.recall_guard_questions:
-      raise ValueError(
-          "recall_guard_queries and recall_guard_questions are both set "
-          f"({self.recall_guard_queries!r}, "
-          f"{self.recall_guard_questions!r}): the recall guard measures one "
-          "of them; unset the other.")
-    if self.recall_guard_queries or self.recall_guard_questions:
-      checks.at_least(self, "gate_every", "recall_guard_num_queries",
-                      "recall_guard_k", "recall_guard_patience",
-                      integer=True)
-      if not 0 <= self.recall_guard_max_drop < 1:
-        raise ValueError("recall_guard_max_drop must be in [0, 1), got "
-                         f"{self.recall_guard_max_drop!r}.")
+  @property
+  def refresh_period(self) -> int:
+    """The index refresh period in steps."""
+    return self.refresh_every or self.checkpoint_every
 
-  def _check_retriever_training(self):
-    """The retriever's training: which towers, from which signal, with
-    which p(z|x)."""
-    if self.retriever_training not in RETRIEVER_TRAINING:
-      raise ValueError(f"retriever_training={self.retriever_training!r}; "
-                       f"use one of {RETRIEVER_TRAINING}.")
-    if self.retriever_training == "query_side" and (
-        self.rerank_candidates or self.retrieval != "host"):
+  def _check_exclusions(self):
+    """Options of two parts that exclude each other."""
+    if self.retriever.training == "query_side" and (
+        self.retrieval.search != "host" or self.retrieval.rerank_candidates):
       raise ValueError(
-          "retriever_training='query_side' keeps the index exact for the "
-          "whole run: it needs retrieval='host' and rerank_candidates=0.")
-    if not self.retrieval_temperature >= 0:
-      raise ValueError(f"retrieval_temperature must be >= 0 (0: REALM's "
-                       f"raw scores), got {self.retrieval_temperature}.")
-    if self.retriever_signal not in RETRIEVER_SIGNALS:
-      raise ValueError(f"retriever_signal={self.retriever_signal!r}; use "
-                       f"one of {RETRIEVER_SIGNALS}.")
-    if self.retriever_signal != "reader" and self.retrieval != "host":
-      raise ValueError(f"retriever_signal={self.retriever_signal!r} finds "
-                       "the answer-bearing candidates on the host: it needs "
-                       "retrieval='host'.")
+          "RetrieverScheduleConfig.training='query_side' keeps the index "
+          "exact for the whole run: it excludes RetrievalConfig.search="
+          "'device' "
+          "and RetrievalConfig.rerank_candidates > 0 (got search="
+          f"{self.retrieval.search!r}, rerank_candidates="
+          f"{self.retrieval.rerank_candidates}).")
+    if self.index_mode == "builder" and self.keep_checkpoints < 5:
+      raise ValueError("keep_checkpoints must be >= 5 when an index builder "
+                       "reads the checkpoints (index_mode='builder').")
+    if self.refresh_every is not None and (
+        self.refresh_every < 1 or self.refresh_every % self.checkpoint_every):
+      raise ValueError(
+          f"PretrainConfig.refresh_every={self.refresh_every} must be a "
+          f"positive multiple of checkpoint_every={self.checkpoint_every} "
+          "(an index is built from a checkpoint); or None: every "
+          "checkpoint.")
 
   def __post_init__(self):
     super().__post_init__()
-    checks.at_least(self, "num_candidates", "guard_min_queries")
-    checks.at_least(self, "reader_adaptation_steps", "reader_mlm_steps",
-                    minimum=0, integer=True)
-    checks.at_least(self, "reader_mlm_batch_size", "reader_mlm_eval_every",
-                    integer=True)
-    if not self.reader_mlm_learning_rate > 0:
-      raise ValueError("reader_mlm_learning_rate must be > 0, got "
-                       f"{self.reader_mlm_learning_rate!r}.")
-    checks.at_least(self, "reader_adaptation_eval_every",
-                    "reader_adaptation_max_queries", integer=True)
-    self._check_recall_guard()
-    if self.reader_adaptation_reads not in mlm_warmup.READS:
-      raise ValueError("reader_adaptation_reads="
-                       f"{self.reader_adaptation_reads!r}; use one of "
-                       f"{mlm_warmup.READS}.")
-    if not self.reader_adaptation_learning_rate > 0:
-      raise ValueError("reader_adaptation_learning_rate must be > 0, got "
-                       f"{self.reader_adaptation_learning_rate!r}.")
-    if self.index_mode not in INDEX_MODES:
-      raise ValueError(f"index_mode={self.index_mode!r}; use one of "
-                       f"{INDEX_MODES}.")
-    if self.index_mode == "builder" and self.keep_checkpoints < 5:
-      raise ValueError("keep_checkpoints must be >= 5 when an index builder "
-                       "reads the checkpoints.")
-    if self.retrieval not in ("host", "device"):
-      raise ValueError(f"retrieval={self.retrieval!r}; use 'host' or "
-                       "'device'.")
-    if self.device_index_dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"device_index_dtype={self.device_index_dtype!r}; use "
-                       "'float32' or 'bfloat16'.")
-    if self.rerank_candidates and (
-        self.rerank_candidates < self.num_candidates
-        or self.retrieval != "host" or self.overlap_input):
-      raise ValueError(
-          f"rerank_candidates={self.rerank_candidates} needs "
-          f">= num_candidates ({self.num_candidates}) proposals, "
-          "retrieval='host' and overlap_input=False; set it to 0 to turn "
-          "re-ranking off.")
-    if self.trivial_candidates not in realm_inputs.TRIVIAL_RULES:
-      raise ValueError(
-          f"trivial_candidates={self.trivial_candidates!r}; use one of "
-          f"{realm_inputs.TRIVIAL_RULES}.")
-    self._check_retriever_training()
-    if self.retriever_gate not in RETRIEVER_GATES:
-      raise ValueError(f"retriever_gate={self.retriever_gate!r}; use one of "
-                       f"{RETRIEVER_GATES}.")
-    if self.retriever_gate in MEASURED_GATES:
-      checks.at_least(self, "gate_every", "gate_num_queries", "gate_patience",
-                      integer=True)
-      if not self.gate_queries:
-        raise ValueError(
-            f"retriever_gate={self.retriever_gate!r} measures the reader "
-            "on gate_queries: set it to a query cache (for 'utility', built "
-            "from articles that are not in `queries` with python -m "
-            "realm_jax.data.query_cache; for 'evidence', `queries`), or "
-            "use retriever_gate='steps'.")
-      if not self.freeze_retriever_steps:
-        raise ValueError(
-            f"retriever_gate={self.retriever_gate!r} with "
-            "freeze_retriever_steps=0 releases "
-            "the retriever at step 0; set freeze_retriever_steps to the "
-            "latest release (num_train_steps: only on the gate's evidence).")
+    _one_of(self, "index_mode", INDEX_MODES)
+    self._check_exclusions()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 from typing import Mapping
-import zlib
 
 import numpy as np
 
@@ -238,22 +237,10 @@ def holds_spans(spans: list[np.ndarray], bodies: np.ndarray,
   return found
 
 
-def shuffled_rows(flags: np.ndarray, query_ids: np.ndarray,
-                  seed: int) -> np.ndarray:
-  """`flags`' rows permuted across the batch: each query gets another's
-  answer-bearing flags (the shuffled-label control). The permutation
-  follows `seed` and the batch's wordpieces, so a resumed run draws the
-  same one."""
-  key = zlib.crc32(np.ascontiguousarray(query_ids).tobytes())
-  rng = np.random.default_rng([int(seed), key])
-  return flags[rng.permutation(len(flags))]
-
-
 def pretraining_batch(queries: Mapping[str, np.ndarray],
                       candidate_block_ids: np.ndarray, block_store, *,
                       doc_len: int = 288, reader_len: int = 384,
-                      null_document: bool = True,
-                      answer_bearing: bool = False
+                      null_document: bool = True
                       ) -> dict[str, np.ndarray]:
   """The full model input of one REALM pre-training step.
 
@@ -266,10 +253,6 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
     null_document: put the empty document first (REALM); without it the
       candidates are the k retrieved blocks only (an ablation; the
       "retrieval utility" metric then compares against the top block).
-    answer_bearing: also give `answer_bearing`, bool [B, C]: the candidate's
-      body (first `doc_len` wordpieces) holds the query's masked span
-      (`holds_spans`; never the null document), for
-      `retriever_signal="answer_spans"`.
 
   Returns:
     The batch `Realm.pretraining_logits` and `losses.pretraining_loss`
@@ -311,7 +294,4 @@ def pretraining_batch(queries: Mapping[str, np.ndarray],
       "mlm_targets": np.asarray(queries["mlm_targets"], np.int32),
       "mlm_weights": np.asarray(queries["mlm_weights"], np.float32),
   }
-  if answer_bearing:
-    batch["answer_bearing"] = holds_spans(masked_spans(queries), bodies,
-                                          lengths)
   return batch

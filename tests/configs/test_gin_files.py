@@ -12,7 +12,7 @@ from realm_jax.eval import qa_eval
 from realm_jax.index import builder
 from realm_jax.model import cpu as model_cpu
 from realm_jax.model import realm
-from realm_jax.training import finetune, ict, pretrain, qa_inputs
+from realm_jax.training import finetune, ict, pretrain, qa_inputs, reader_prep
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
@@ -56,9 +56,16 @@ def test_gin_file_parses(path):
     elif name.startswith("ict") or "/runs/ict" in path:
       config = gin.get_configurable(ict.IctTrainConfig)()
       assert config.workdir == "/tmp/w"
+    elif "/runs/reader_prep" in path:
+      config = gin.get_configurable(reader_prep.ReaderPrepConfig)()
+      assert config.workdir == "/tmp/w"
     elif "/experiments/" in path or "/runs/pretrain" in path:
       config = gin.get_configurable(pretrain.PretrainConfig)()
       assert config.workdir == "/tmp/w"
+    if name.startswith(("pretrain_minilm_wiki", "demo_pretrain")):
+      # MiniLM recipes prepare the reader (its own job) from MiniLM.
+      prep = gin.get_configurable(reader_prep.ReaderPrepConfig)()
+      assert prep.init_from == "scratch" and prep.num_train_steps >= 50
     if "/experiments/" in path:
       gin.get_configurable(realm.RealmConfig)()
     if "/runs/index_builder" in path:

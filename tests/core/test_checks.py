@@ -157,9 +157,10 @@ def test_every_config_refuses_wrong_types(module, name):
 
 def test_float_fields_take_ints_as_gin_writes_them():
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
-  config = pretrain.PretrainConfig(workdir="w", block_store="b", queries="q",
-                                   learning_rate=1, index_wait_seconds=600,
-                                   stale_index_warning=4)
+  config = pretrain.PretrainConfig(
+      workdir="w", block_store="b", queries="q", learning_rate=1,
+      index_wait_seconds=600,
+      guards=pretrain.GuardConfig(stale_index_warning=4))
   assert config.learning_rate == 1
 
 
@@ -172,9 +173,12 @@ def test_the_issues_values_fail_before_a_run_starts(field, value, tmp_path):
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
   kwargs = dict(workdir=str(tmp_path / "w"), block_store="b", queries="q",
                 index_mode="inline")
+  cls = pretrain.PretrainConfig
+  if field == "num_candidates":  # (a field of a part, which refuses it)
+    cls, kwargs = pretrain.RetrievalConfig, {}
   with pytest.raises(checks.ConfigTypeError,
-                     match=rf"PretrainConfig\.{field} must be int"):
-    pretrain.PretrainConfig(**kwargs, **{field: value})
+                     match=rf"{cls.__name__}\.{field} must be int"):
+    cls(**kwargs, **{field: value})
   assert not os.path.exists(tmp_path / "w")
 
 

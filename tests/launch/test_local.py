@@ -48,11 +48,13 @@ def _launch(tmp_path, steps=1000, name="run"):
   queries = corpus.make_query_cache(annotated, str(tmp_path / "queries"),
                                     query_length=32)
   workdir = str(tmp_path / name)
-  bindings = [f"pretrain.PretrainConfig.{k}={v}" for k, v in (
-      ("num_train_steps", steps), ("batch_size", 8), ("num_candidates", 2),
-      ("reader_length", 64), ("checkpoint_every", 2),
-      ("log_every", 1), ("freeze_retriever_steps", 0),
-      ("index_wait_seconds", 300.0))]
+  bindings = [f"pretrain.{k}={v}" for k, v in (
+      ("PretrainConfig.num_train_steps", steps),
+      ("PretrainConfig.batch_size", 8), ("RetrievalConfig.num_candidates", 2),
+      ("PretrainConfig.reader_length", 64),
+      ("PretrainConfig.checkpoint_every", 2), ("PretrainConfig.log_every", 1),
+      ("RetrieverScheduleConfig.freeze_steps", 0),
+      ("PretrainConfig.index_wait_seconds", 300.0))]
   proc = subprocess.Popen(
       ["bash", os.path.join(ROOT, "launch", "local.sh"), workdir, store,
        queries, "models/tiny.gin", "--", *bindings],

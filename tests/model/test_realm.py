@@ -9,6 +9,7 @@ import pytest
 from realm_jax.model import bert as bert_lib
 from realm_jax.model import cpu
 from realm_jax.model import functional
+from realm_jax.model import realm as realm_lib
 from realm_jax.model.bert import Bert, BertConfig
 from realm_jax.model.realm import (Embedder, Reader, ReaderConfig, Realm,
                                    Retriever, RetrieverConfig, span_mask)
@@ -217,6 +218,11 @@ def test_retriever_scores_are_inner_products(share):
   de = model.embed_documents(d, jnp.ones_like(d), seg)
   np.testing.assert_allclose(logits, np.einsum("bd,bcd->bc", qe, de),
                              rtol=1e-5, atol=1e-5)
+  # One set of blocks for every query (ICT's in-batch blocks), scaled.
+  np.testing.assert_allclose(
+      realm_lib.retrieval_logits(qe, de[0], 2.0),
+      2.0 * np.einsum("bd,cd->bc", np.asarray(qe, np.float64),
+                      np.asarray(de[0], np.float64)), rtol=1e-5, atol=1e-5)
   # Shared towers embed a text identically as query or document.
   same = np.allclose(qe[0], model.embed_documents(q, jnp.ones_like(q))[0],
                      atol=1e-6)

@@ -52,13 +52,13 @@ def _pretrain(workdir, files, queries, ict_ckpts, bindings):
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       # A fixed warm-up (the recipe's gate is tested in
       # test_retriever_gate.py): 4 frozen steps, then the retriever moves.
-      "pretrain.PretrainConfig.retriever_gate = 'steps'",
+      "pretrain.RetrieverScheduleConfig.gate = 'steps'",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
       "pretrain.PretrainConfig.batch_size = 16",
       "pretrain.PretrainConfig.log_every = 2",
       # The target, p(null|x) <= 0.5 throughout, as the guard.
-      "pretrain.PretrainConfig.null_probability_warning = 0.5",
-      "pretrain.PretrainConfig.freeze_retriever_steps = 4"] + bindings)
+      "pretrain.GuardConfig.null_probability_warning = 0.5",
+      "pretrain.RetrieverScheduleConfig.freeze_steps = 4"] + bindings)
   try:
     return pretrain.train(
         config=gin.get_configurable(pretrain.PretrainConfig)(),
@@ -71,14 +71,13 @@ def _guard(monkeypatch):
   warnings = []
   monkeypatch.setattr(absl_logging, "warning",
                       lambda msg, *a: warnings.append(msg % a))
-  config = pretrain.PretrainConfig(workdir="", block_store="", queries="")
-  assert config.guard_min_queries == 64
+  config = pretrain.GuardConfig()
+  assert config.min_queries == 64
   return collapse.CollapseGuard(config), warnings
 
 
 def test_hubness_metric_is_per_log_window():
-  config = pretrain.PretrainConfig(workdir="", block_store="", queries="")
-  guard = collapse.CollapseGuard(config)
+  guard = collapse.CollapseGuard(pretrain.GuardConfig())
   guard.add_top1(np.array([3, 3, 3, 5]))
   guard.add_top1(np.array([3, 3, 1, 3]))
   assert guard.hubness() == pytest.approx(6 / 8)
@@ -116,7 +115,7 @@ def test_a_real_hub_and_the_null_trap_are_reported_once(monkeypatch):
   for step in range(15, 40):  # a hub: 3 of every 4 queries get block 3
     _log(guard, step, [3, 3, 3, rng.integers(10, 1000)], null=0.2)
   assert len(warnings) == 1, warnings
-  assert "step 15" in warnings[0] and "freeze_retriever_steps" in warnings[0]
+  assert "step 15" in warnings[0] and "freeze_steps" in warnings[0]
   assert "last 64 queries" in warnings[0]
   for step in range(40, 80):  # then the null trap
     _log(guard, step, rng.integers(0, 1000, 4), null=0.95)

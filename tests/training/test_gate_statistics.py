@@ -16,7 +16,6 @@ from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import losses
 from realm_jax.testing import knowledge_world
 from realm_jax.training import gate
-from realm_jax.training import realm_inputs
 
 
 def _random_batch(seed, b=12, c=4, m=3):
@@ -110,25 +109,21 @@ def test_answer_bearing_blocks_hold_the_masked_span(tmp_path):
   np.testing.assert_array_equal(
       gate.answer_bearing(queries, candidates, store, null_document=False),
       found[:, 1:])
-  # retriever_signal='answer_spans' trains on the same flags.
-  batch = realm_inputs.pretraining_batch(
-      queries, candidates, store, doc_len=store.max_block_len,
-      reader_len=32 + store.max_block_len, answer_bearing=True)
-  np.testing.assert_array_equal(batch["answer_bearing"], found)
 
 
 @pytest.mark.parametrize("broken", ["missing", "corrupt"])
 def test_the_gates_cache_errors_name_gate_queries(tmp_path, broken):
   """A missing or corrupt gate cache: the error says that the cache at
-  fault is `PretrainConfig.gate_queries` (the run has two caches)."""
+  fault is `RetrieverScheduleConfig.gate_queries` (the run has two caches)."""
   import types  # pylint: disable=g-import-not-at-top
   cache = tmp_path / "gate_cache"
   if broken == "corrupt":
     cache.mkdir()
     (cache / "manifest.json").write_text("{not json")
-  config = types.SimpleNamespace(gate_queries=str(cache), seed=0,
-                                 gate_num_queries=8)
+  config = types.SimpleNamespace(
+      seed=0, retriever=types.SimpleNamespace(gate_queries=str(cache),
+                                              gate_num_queries=8))
   with pytest.raises((OSError, ValueError), match=(
-      r"^PretrainConfig.gate_queries='.*gate_cache' \(the retriever gate's "
-      r"query cache\): .*gate_cache")):
+      r"^RetrieverScheduleConfig.gate_queries='.*gate_cache' \(the "
+      r"retriever gate's query cache\): .*gate_cache")):
     gate._gate_queries(config, None)

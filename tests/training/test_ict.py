@@ -182,9 +182,11 @@ def test_config_errors_say_what_to_change():
     ict.train(config=ict.IctTrainConfig(**dict(ok, batch_size=12)),
               model=tiny.tiny_realm())
   with pytest.raises(ValueError, match="remove_probability"):
-    ict.IctTrainConfig(**dict(ok, remove_probability=1.5))
+    ict.IctTrainConfig(**dict(ok, pairs=examples.IctConfig(
+        remove_probability=1.5)))
   with pytest.raises(ValueError, match="query_length"):
-    ict.IctTrainConfig(**dict(ok, query_length=2))
+    ict.IctTrainConfig(**dict(ok, pairs=examples.IctConfig(
+        query_length=2)))
   with pytest.raises(ValueError, match="learning_rate"):
     ict.IctTrainConfig(**dict(ok, learning_rate=0.0))
   with pytest.raises(ValueError, match="WORKDIR"):

@@ -36,14 +36,25 @@ def tiny_corpus(tmp_path_factory):
       annotated, os.path.join(directory, "queries"), query_length=32)
 
 
+# PretrainConfig's parts, by field name (`_bindings`' `part__field`).
+PARTS = {"retrieval": "RetrievalConfig", "retriever": "RetrieverScheduleConfig",
+         "guards": "GuardConfig", "recall_guard": "RecallGuardConfig"}
+
+
 def _bindings(workdir, tiny_corpus, **overrides):
+  """The run's bindings; `part__field=v` binds a part's field."""
   store, queries = tiny_corpus
   values = {"num_train_steps": STEPS, "checkpoint_every": 2,
             "reader_length": 64, **overrides}
+
+  def binding(key, value):
+    part, _, field = key.rpartition("__")
+    scope = PARTS[part] if part else "PretrainConfig"
+    return f"pretrain.{scope}.{field} = {value!r}"
+
   return [f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
           f"QUERIES = '{queries}'"] + [
-              f"pretrain.PretrainConfig.{k} = {v!r}" for k, v in
-              values.items()]
+              binding(k, v) for k, v in values.items()]
 
 
 def _configs(bindings):
@@ -233,7 +244,7 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
   config, model = _configs(_bindings(
       workdir, tiny_corpus, num_train_steps=20, checkpoint_every=1,
       index_mode="builder", keep_checkpoints=5, index_wait_seconds=300.0,
-      stale_index_warning=2.0, stale_index_error=4.0))
+      guards__stale_index_warning=2.0, guards__stale_index_error=4.0))
   gin.clear_config()
   published = []
 
@@ -263,8 +274,9 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
 
 def test_retrieval_on_device_trains_like_retrieval_on_host(
     tmp_path, tiny_corpus, reference_run, monkeypatch):
-  """retrieval="device": search, candidate gathering and batch assembly on
-  the 8 devices give the host path's candidates, so the same losses."""
+  """RetrievalConfig.search="device": search, candidate gathering and batch
+  assembly on the 8 devices give the host path's candidates, so the same
+  losses."""
   reference, _ = reference_run
   calls = []
   real = candidates_lib.device_search.candidate_batch
@@ -272,7 +284,7 @@ def test_retrieval_on_device_trains_like_retrieval_on_host(
                       lambda *a, **kw: calls.append(1) or real(*a, **kw))
   workdir = str(tmp_path / "device")
   config, model = _configs(_bindings(workdir, tiny_corpus,
-                                     retrieval="device"))
+                                     retrieval__search="device"))
   history = pretrain.train(config=config, model=model)
   gin.clear_config()
   want = _losses(reference)
@@ -308,7 +320,7 @@ def test_overlapped_input_searches_ahead_and_restarts_exactly(
 
   def run(workdir, stop_after=None):
     config, model = _configs(_bindings(workdir, tiny_corpus,
-                                       overlap_input=True))
+                                       retrieval__overlap_input=True))
     history = pretrain.train(config=config, model=model,
                              stop_after=stop_after)
     gin.clear_config()
@@ -330,7 +342,7 @@ def test_overlapped_input_searches_ahead_and_restarts_exactly(
   config, _ = _configs(_bindings(restarted, tiny_corpus))
   gin.clear_config()
   assert np.asarray(saved["ids"]).shape == (config.batch_size,
-                                            config.num_candidates)
+                                            config.retrieval.num_candidates)
   searches.clear()
   run(restarted)
   # Step 4 came from the checkpoint; steps 5..8 (and the look-ahead) were
@@ -354,8 +366,8 @@ def test_reranking_a_stale_index_trains_like_a_fresh_index(
   store, _ = corpus.make_tiny_corpus(str(tmp_path / "corpus64"),
                                      max_block_len=64)
   _, queries = tiny_corpus
-  moving = {"num_candidates": 3, "freeze_retriever_steps": 0,
-            "retriever_learning_rate_multiplier": 1.0,
+  moving = {"retrieval__num_candidates": 3, "retriever__freeze_steps": 0,
+            "retriever__learning_rate_multiplier": 1.0,
             "learning_rate": 3e-2}
   reordered = []
   real_rerank = candidates_lib.HostCandidates.rerank
@@ -376,7 +388,8 @@ def test_reranking_a_stale_index_trains_like_a_fresh_index(
     return {h["step"]: h for h in history}
 
   fresh = run("fresh", checkpoint_every=1)
-  reranked = run("reranked", checkpoint_every=STEPS, rerank_candidates=7)
+  reranked = run("reranked", checkpoint_every=STEPS,
+                 retrieval__rerank_candidates=7)
   assert len(reordered) == STEPS
   # The retriever moved away from the stale index's order.
   assert any(reordered), "the test needs a retriever that moves"
@@ -403,23 +416,37 @@ def test_the_query_settings_come_from_the_cache(tmp_path, tiny_corpus):
 
 
 def test_rerank_configuration_is_checked(tiny_corpus):
-  for bad in ({"rerank_candidates": 2, "num_candidates": 3},
-              {"rerank_candidates": 8, "overlap_input": True},
-              {"rerank_candidates": 8, "retrieval": "device"}):
-    with pytest.raises(ValueError, match="rerank_candidates"):
-      pretrain.PretrainConfig(workdir="w", block_store="b", queries="q",
-                              **bad)
+  """Options that exclude each other are refused, naming both."""
+  for bad, other in (({"rerank_candidates": 2, "num_candidates": 3},
+                      "num_candidates"),
+                     ({"rerank_candidates": 8, "overlap_input": True},
+                      "overlap_input"),
+                     ({"rerank_candidates": 8, "search": "device"},
+                      "search")):
+    with pytest.raises(ValueError, match=rf"rerank_candidates.*{other}"):
+      pretrain.RetrievalConfig(**bad)
+  for retrieval in (pretrain.RetrievalConfig(search="device"),
+                    pretrain.RetrievalConfig(rerank_candidates=8)):
+    with pytest.raises(ValueError, match=r"training='query_side'.*"
+                       r"search='device'.*rerank_candidates"):
+      pretrain.PretrainConfig(
+          workdir="w", block_store="b", queries="q", retrieval=retrieval,
+          retriever=pretrain.RetrieverScheduleConfig(training="query_side"))
+  with pytest.raises(ValueError, match=r"refresh_every=15 must be a positive "
+                     r"multiple of checkpoint_every=10"):
+    pretrain.PretrainConfig(workdir="w", block_store="b", queries="q",
+                            checkpoint_every=10, refresh_every=15)
 
 
 def test_query_side_mode_never_changes_the_document_tower_or_the_index(
     tmp_path, tiny_corpus):
-  """retriever_training='query_side': one index (step 0) for the whole
-  run, a document tower equal to its start, a query tower and reader that
-  learn; a shared-tower model is refused."""
+  """RetrieverScheduleConfig.training='query_side': one index (step 0) for
+  the whole run, a document tower equal to its start, a query tower and
+  reader that learn; a shared-tower model is refused."""
   workdir = str(tmp_path / "query_side")
   config, model = _configs(_bindings(
-      workdir, tiny_corpus, retriever_training="query_side",
-      freeze_retriever_steps=0, retriever_learning_rate_multiplier=1.0,
+      workdir, tiny_corpus, retriever__training="query_side",
+      retriever__freeze_steps=0, retriever__learning_rate_multiplier=1.0,
       learning_rate=3e-2) + [
           "realm.RetrieverConfig.share_towers = False"])
   history = pretrain.train(config=config, model=model)
@@ -453,36 +480,10 @@ def test_query_side_mode_never_changes_the_document_tower_or_the_index(
   np.testing.assert_allclose(fresh, index.embeddings, rtol=1e-4, atol=1e-5)
 
   shared, model = _configs(_bindings(str(tmp_path / "shared"), tiny_corpus,
-                                     retriever_training="query_side"))
+                                     retriever__training="query_side"))
   gin.clear_config()
   with pytest.raises(ValueError, match="share_towers"):
     pretrain.train(config=shared, model=model)
-
-
-
-@pytest.mark.parametrize("signal", ["answer_spans", "shuffled_spans"])
-def test_the_answer_span_signal_needs_host_retrieval(tmp_path, tiny_corpus,
-                                                     signal):
-  with pytest.raises(ValueError, match="retrieval='host'"):
-    _configs(_bindings(str(tmp_path), tiny_corpus,
-                       retriever_signal=signal, retrieval="device"))
-  gin.clear_config()
-
-
-def test_a_negative_retrieval_temperature_is_refused(tmp_path, tiny_corpus):
-  with pytest.raises(ValueError, match="retrieval_temperature must be >= 0"):
-    _configs(_bindings(str(tmp_path), tiny_corpus,
-                       retrieval_temperature=-0.5))
-  gin.clear_config()
-
-
-def test_retriever_frozen_leaves_must_be_a_tuple_of_names(tmp_path,
-                                                          tiny_corpus):
-  with pytest.raises(ValueError, match=r"retriever_frozen_leaves must be "
-                     r"tuple\[str, \.\.\.\], got 'bias'"):
-    _configs(_bindings(str(tmp_path), tiny_corpus,
-                       retriever_frozen_leaves="bias"))
-  gin.clear_config()
 
 
 def test_a_torn_gate_record_does_not_block_the_resume(tmp_path, tiny_corpus,
@@ -491,8 +492,10 @@ def test_a_torn_gate_record_does_not_block_the_resume(tmp_path, tiny_corpus,
   checkpoint of step 4) resumes: the torn record is dropped with a warning
   naming the file, and the resumed run's decisions are whole lines."""
   workdir = str(tmp_path / "run")
-  gate = dict(retriever_gate="evidence", gate_queries=tiny_corpus[1],
-              gate_every=2, gate_num_queries=8, freeze_retriever_steps=STEPS)
+  gate = dict(retriever__gate="evidence",
+              retriever__gate_queries=tiny_corpus[1],
+              retriever__gate_every=2, retriever__gate_num_queries=8,
+              retriever__freeze_steps=STEPS)
   config, model = _configs(_bindings(workdir, tiny_corpus, **gate))
   pretrain.train(config=config, model=model)
   path = os.path.join(workdir, "gate.jsonl")

@@ -187,18 +187,3 @@ def test_pretraining_batch_layout(store):
       np.testing.assert_array_equal(
           batch["reader_ids"][i, c][queries["mlm_positions"][i]],
           query_ids[i][queries["mlm_positions"][i]])
-
-
-def test_shuffled_rows_give_each_query_another_querys_flags():
-  flags = np.eye(16, 5, dtype=bool)[np.arange(16) % 5]  # 5 kinds of row
-  flags[:, 0] = False  # (the null document holds nothing)
-  ids = np.arange(16 * 8, dtype=np.int32).reshape(16, 8)
-  got = realm_inputs.shuffled_rows(flags, ids, seed=0)
-  # The same rows, in another order: the batch's positives, moved.
-  assert sorted(map(bytes, got)) == sorted(map(bytes, flags))
-  assert not np.array_equal(got, flags)
-  # Drawn from the seed and the batch: a resumed run draws the same.
-  np.testing.assert_array_equal(
-      realm_inputs.shuffled_rows(flags, ids.copy(), seed=0), got)
-  assert not np.array_equal(
-      realm_inputs.shuffled_rows(flags, ids, seed=1), got)

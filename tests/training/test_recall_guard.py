@@ -51,21 +51,29 @@ def tiny_corpus(tmp_path_factory):
   return store, queries, checkpoints.checkpoint_dir(workdir), questions
 
 
+def _binding(key, value):
+  """`pretrain.PretrainConfig.key = value`; `part__field`: its part's."""
+  part, _, field = key.rpartition("__")
+  scope = {"": "PretrainConfig", "retriever": "RetrieverScheduleConfig",
+           "recall_guard": "RecallGuardConfig"}[part]
+  return f"pretrain.{scope}.{field} = {value!r}"
+
+
 def _run(workdir, tiny_corpus, extra=(), **overrides):
   store, queries, ict_checkpoints, _ = tiny_corpus
   values = {"num_train_steps": STEPS, "checkpoint_every": 2,
-            "keep_checkpoints": 100, "reader_length": 64, "gate_every": 2,
-            "recall_guard_queries": queries, "recall_guard_k": 1,
-            "recall_guard_max_drop": 0.0, "recall_guard_patience": 1,
-            "freeze_retriever_steps": 2, "learning_rate": 3e-2,
-            "retriever_learning_rate_multiplier": 1.0, **overrides}
+            "keep_checkpoints": 100, "reader_length": 64,
+            "recall_guard__every": 2, "recall_guard__queries": queries,
+            "recall_guard__k": 1, "recall_guard__max_drop": 0.0,
+            "recall_guard__patience": 1, "retriever__freeze_steps": 2,
+            "learning_rate": 3e-2, "retriever__learning_rate_multiplier": 1.0,
+            **overrides}
   gin.clear_config()
   gin_cli.parse(["experiments/pretrain_tiny_cpu.gin"], [
       f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
       f"QUERIES = '{queries}'", f"INIT_FROM = 'checkpoint:{ict_checkpoints}'"
   ] + [
-          f"pretrain.PretrainConfig.{k} = {v!r}" for k, v in values.items()]
-                + list(extra))
+          _binding(k, v) for k, v in values.items()] + list(extra))
   try:
     pretrain.train(config=gin.get_configurable(pretrain.PretrainConfig)(),
                    model=gin.get_configurable(pretrain.RealmConfig)())
@@ -86,14 +94,14 @@ def _equal(a, b):
       jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
-QUERY_SIDE = ("pretrain.PretrainConfig.retriever_training = 'query_side'",
+QUERY_SIDE = ("pretrain.RetrieverScheduleConfig.training = 'query_side'",
               "realm.RetrieverConfig.share_towers = False")
 
 
 def _questions(tiny_corpus):
   """The guard on the corpus's questions instead of its sentences."""
-  return {"recall_guard_queries": "",
-          "recall_guard_questions": tiny_corpus[3]}
+  return {"recall_guard__queries": "",
+          "recall_guard__questions": tiny_corpus[3]}
 
 
 @pytest.mark.parametrize("extra, probe", [
@@ -127,18 +135,16 @@ def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus,
 
 
 @pytest.mark.parametrize("field, value", [
-    ("recall_guard_max_drop", 1.0), ("recall_guard_max_drop", -0.1),
-    ("recall_guard_k", 0), ("recall_guard_patience", 0)])
+    ("max_drop", 1.0), ("max_drop", -0.1), ("k", 0), ("patience", 0),
+    ("every", 0)])
 def test_bad_guard_settings_are_refused(field, value):
-  with pytest.raises(ValueError, match=field):
-    pretrain.PretrainConfig(workdir="unused", queries="unused",
-                            block_store="unused",
-                            recall_guard_queries="unused", **{field: value})
+  with pytest.raises(ValueError, match=f"RecallGuardConfig.{field}"):
+    pretrain.RecallGuardConfig(queries="unused", **{field: value})
 
 
 def test_a_frozen_retriever_is_never_rolled_back(tmp_path, tiny_corpus):
   log = _run(str(tmp_path / "run"), tiny_corpus,
-             freeze_retriever_steps=STEPS)
+             retriever__freeze_steps=STEPS)
   assert [e["step"] for e in log] == list(range(0, STEPS, 2))
   assert not any(e["training"] or e["rolled_back"] or e["streak"]
                  for e in log)
@@ -150,17 +156,19 @@ def test_full_training_on_an_inline_index_is_guarded_on_fresh_indices():
   """The search mixes the current query tower with the index's document
   tower: the guard waits for a refresh step, unless the index is exact
   (query-side) or a builder's."""
-  def every(**kw):
+  def every(guard_every, training="full", **kw):
     return gate.guard_every(pretrain.PretrainConfig(
         workdir="unused", queries="unused", block_store="unused",
-        index_mode=kw.pop("index_mode", "inline"), **kw))
-  assert every(gate_every=50, checkpoint_every=20) == 100
-  assert every(gate_every=50, checkpoint_every=25) == 50
-  assert every(gate_every=25, checkpoint_every=250) == 250
-  assert every(gate_every=50, checkpoint_every=20,
-               retriever_training="query_side") == 50
-  assert every(gate_every=50, checkpoint_every=20,
-               index_mode="builder") == 50
+        index_mode=kw.pop("index_mode", "inline"),
+        recall_guard=pretrain.RecallGuardConfig(queries="q",
+                                                every=guard_every),
+        retriever=pretrain.RetrieverScheduleConfig(training=training), **kw))
+  assert every(50, checkpoint_every=20) == 100
+  assert every(50, checkpoint_every=25) == 50
+  assert every(25, checkpoint_every=250) == 250
+  assert every(50, checkpoint_every=10, refresh_every=20) == 100
+  assert every(50, checkpoint_every=20, training="query_side") == 50
+  assert every(50, checkpoint_every=20, index_mode="builder") == 50
 
 
 def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
@@ -168,7 +176,7 @@ def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
   evaluation's `qa_recall@1` counts, by exact search over a fresh
   embedding of every block."""
   workdir = str(tmp_path / "run")
-  log = _run(workdir, tiny_corpus, freeze_retriever_steps=STEPS,
+  log = _run(workdir, tiny_corpus, retriever__freeze_steps=STEPS,
              num_train_steps=2, **_questions(tiny_corpus))
   params = checkpoints.restore_items(checkpoints.checkpoint_dir(workdir), 0,
                                      checkpoints.PARAM_ITEMS)
@@ -191,11 +199,8 @@ def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
 
 
 def test_sentences_and_questions_together_are_refused():
-  with pytest.raises(ValueError, match="recall_guard_questions"):
-    pretrain.PretrainConfig(workdir="unused", queries="unused",
-                            block_store="unused",
-                            recall_guard_queries="unused",
-                            recall_guard_questions="unused")
+  with pytest.raises(ValueError, match="RecallGuardConfig.questions"):
+    pretrain.RecallGuardConfig(queries="unused", questions="unused")
 
 
 def test_too_few_questions_are_refused(tmp_path, tiny_corpus):
@@ -203,5 +208,5 @@ def test_too_few_questions_are_refused(tmp_path, tiny_corpus):
   with open(tiny_corpus[3], encoding="utf-8") as f:
     few.write_text("".join(f.readlines()[:5]), encoding="utf-8")
   with pytest.raises(ValueError, match=r"few\.jsonl: 5 question probes"):
-    _run(str(tmp_path / "run"), tiny_corpus, recall_guard_queries="",
-         recall_guard_questions=str(few))
+    _run(str(tmp_path / "run"), tiny_corpus, recall_guard__queries="",
+         recall_guard__questions=str(few))

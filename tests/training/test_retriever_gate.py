@@ -7,9 +7,7 @@ and its posterior moves mass onto the blocks that hold them; in the other
 (`shuffle_facts`) every biography states another person's facts, so
 reading never helps. The same gated recipe
 (`experiments/pretrain_world_cpu.gin`) must release the retriever in the
-first, and in the second keep it exactly where ICT left it. And the
-limit of a reader that reads: an ideal one (`retriever_signal=
-'answer_spans'`) teaches the retriever on the readable world.
+first, and in the second keep it exactly where ICT left it.
 """
 
 import json
@@ -22,9 +20,6 @@ import pytest
 
 from realm_jax import gin_cli
 from realm_jax.core import checkpoints
-from realm_jax.data import block_store, examples
-from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.eval import pretrain_eval
 from realm_jax.model.realm import RealmConfig
 from realm_jax.testing import corpus, knowledge_world
 from realm_jax.training import ict, pretrain
@@ -34,7 +29,6 @@ from realm_jax.training import ict, pretrain
 # moved onto answer-bearing blocks), so the gate opens at 100; on the
 # shuffled world |z| <= 1.6 throughout.
 STEPS = 160
-IDEAL_STEPS = 60
 
 
 def _world(root, shuffle_facts):
@@ -65,11 +59,11 @@ def _gated_run(root, shuffle_facts):
       f"QUERIES = '{queries}'",
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
-      f"pretrain.PretrainConfig.freeze_retriever_steps = {STEPS}",
+      f"pretrain.RetrieverScheduleConfig.freeze_steps = {STEPS}",
       "pretrain.PretrainConfig.learning_rate = 1e-2",
       "pretrain.PretrainConfig.checkpoint_every = 20",
       "pretrain.PretrainConfig.keep_checkpoints = 100",
-      "pretrain.PretrainConfig.gate_every = 20",
+      "pretrain.RetrieverScheduleConfig.gate_every = 20",
       "pretrain.PretrainConfig.log_every = 20"])
   try:
     pretrain.train(config=gin.get_configurable(pretrain.PretrainConfig)(),
@@ -110,54 +104,3 @@ def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
     assert opened["evidence"] > 0 and opened["utility"] > 0, opened
     assert all(d["step"] <= opened["step"] for d in decisions)
     assert _moved(first, last)
-
-
-
-@pytest.mark.parametrize("signal", ["answer_spans", "shuffled_spans"])
-def test_an_ideal_reader_teaches_the_retriever(tmp_path, signal):
-  """retriever_signal='answer_spans' (the benchmark's `ideal_reader`
-  diagnostic) on the readable world, released at step 0: the retriever
-  learns to retrieve the blocks that hold the masked span, and finds the
-  biographies of the held-out people better than ICT left it. Its
-  control, 'shuffled_spans' (the same flags given to the wrong queries),
-  moves it by the same loss with no information: it loses what ICT
-  knew."""
-  files, queries, ict_ckpts = _world(tmp_path, shuffle_facts=False)
-  workdir = str(tmp_path / "ideal")
-  gin.clear_config()
-  gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
-      f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      f"QUERIES = '{queries}'", f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
-      f"pretrain.PretrainConfig.num_train_steps = {IDEAL_STEPS}",
-      f"pretrain.PretrainConfig.retriever_signal = '{signal}'",
-      "pretrain.PretrainConfig.retriever_gate = 'steps'",
-      "pretrain.PretrainConfig.freeze_retriever_steps = 0",
-      "pretrain.PretrainConfig.retriever_learning_rate_multiplier = 1.0",
-      "pretrain.PretrainConfig.checkpoint_every = 20",
-      "pretrain.PretrainConfig.keep_checkpoints = 100"])
-  try:
-    model = gin.get_configurable(RealmConfig)()
-    history = pretrain.train(
-        config=gin.get_configurable(pretrain.PretrainConfig)(), model=model)
-  finally:
-    gin.clear_config()
-  spans = [h["answer_span_loss"] for h in history]
-  assert np.isfinite(spans).all(), spans
-  store = block_store.BlockStore.open(files.block_store)
-  heldout = examples.read_realm_queries(
-      files.heldout, Tokenizer(),
-      config=examples.RealmQueryConfig(query_length=32, max_masks=2))
-  gold_of = knowledge_world.gold_blocks(
-      store, knowledge_world.load_people(files.people))
-  gold = np.asarray([gold_of[int(h)] for h in heldout["source_doc_hash"]])
-  directory = checkpoints.checkpoint_dir(workdir)
-  recall = [pretrain_eval.evaluate(
-      checkpoints.restore_items(directory, step, checkpoints.PARAM_ITEMS),
-      model, store, heldout, gold, num_candidates=3,
-      reader_length=96)["recall@1"] for step in (0, IDEAL_STEPS)]
-  # Measured: 0.893 -> 1.000 (56 held-out sentences; +0.05 is 3 of them);
-  # the control 0.893 -> 0.161.
-  if signal == "answer_spans":
-    assert recall[1] >= recall[0] + 0.05, recall
-  else:
-    assert recall[1] <= recall[0] - 0.05, recall
