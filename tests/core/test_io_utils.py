@@ -13,6 +13,7 @@ from etils import epath
 import numpy as np
 import pytest
 
+import helpers
 from realm_jax.core import io_utils
 from realm_jax.data import block_store, blocks, corpus_job, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
@@ -155,7 +156,7 @@ def test_remote_publish_load_round_trip(tmp_path):
                                  loader=lambda r, s, e: publish.load_index(
                                      r, s, e, cache_dir=cache))
   try:
-    assert watcher.wait_for_index(timeout=30).step == 3
+    assert watcher.wait_for_index(timeout=helpers.HANG_SECONDS).step == 3
   finally:
     watcher.close()
   # Re-publishing the live step rewrites it behind a LATEST moved back.
