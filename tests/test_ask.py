@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from realm_jax import ask as ask_lib
 from realm_jax.core import checkpoints
 from realm_jax.data import block_store
@@ -202,7 +203,7 @@ def test_cli_refuses_an_empty_question(setup):
        "--gin_file=runs/eval.gin", *_cli_bindings(setup),
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'", QUESTIONS[0], "  "],
-      capture_output=True, text=True, timeout=120,
+      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode != 0
   assert "Question 2 of 2 is empty ('  '); ask something" in proc.stderr
@@ -217,7 +218,7 @@ def test_cli_json(setup):
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'", "--json", "--top_k=2",
        QUESTIONS[0], QUESTIONS[4], LONG_QUESTION],
-      capture_output=True, text=True, timeout=120,
+      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines()
@@ -232,7 +233,7 @@ def test_cli_json(setup):
       [sys.executable, "-m", "realm_jax.ask", "--dry_run",
        "--gin.BLOCK_STORE='/nonexistent'", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *bindings],
-      capture_output=True, text=True, timeout=120,
+      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert dry.returncode == 0, dry.stderr[-3000:]
   assert "RealmConfig(" in dry.stdout and "QAConfig(" in dry.stdout

@@ -22,6 +22,8 @@ import tomllib
 
 import pytest
 
+import helpers
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "realm_jax"
 _MAIN = re.compile(r"^if __name__ == [\"']__main__[\"']:", re.M)
@@ -72,7 +74,7 @@ def _results() -> dict[str, subprocess.CompletedProcess]:
 
   def help_of(command):
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=300, check=False)
+                          env=env, timeout=helpers.HANG_SECONDS, check=False)
 
   commands = _commands()
   with concurrent.futures.ThreadPoolExecutor(

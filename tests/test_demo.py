@@ -9,6 +9,8 @@ articles so that a broken hand-off between jobs fails CI.
 import json
 import os
 
+import pytest
+
 from realm_jax import demo
 
 
@@ -34,6 +36,7 @@ def _what_ask_answers_with(ask_gin: str):
   return workdir, qa
 
 
+@pytest.mark.slow  # ~11 min on 2 busy cores: CI runs it after the suite.
 def test_demo_runs_every_stage(tmp_path, capsys):
   config = demo.DemoConfig(
       workdir=str(tmp_path), num_documents=3, max_block_len=48,

@@ -65,7 +65,8 @@ import tomllib
 
 import pytest
 
-# The neighbouring tests (pytest puts tests/ on sys.path).
+# The neighbouring tests and their helpers (pytest puts tests/ on sys.path).
+import helpers
 import test_cli_help
 import test_cli_hints
 import test_gin_examples
@@ -544,7 +545,7 @@ class _ForkServer:
 
   def close(self):
     self.process.stdin.close()
-    self.process.wait(timeout=60)
+    self.process.wait(timeout=helpers.HANG_SECONDS)
     self.log.close()
 
 
@@ -561,9 +562,10 @@ class _Runner:
 
   def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
     if self.server and argv[0] == sys.executable and argv[1] in {"-m", "-c"}:
-      return self.server.run(argv, timeout=300)
+      return self.server.run(argv, timeout=helpers.HANG_SECONDS)
     return subprocess.run(argv, capture_output=True, text=True, cwd=self.tmp,
-                          env=self.env, timeout=300, check=False)
+                          env=self.env, timeout=helpers.HANG_SECONDS,
+                          check=False)
 
   def run(self, argv: list[str]) -> subprocess.CompletedProcess:
     with self.lock:

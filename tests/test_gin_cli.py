@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import helpers
 from realm_jax import gin_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,8 @@ _JOB = (
 def _run(args, **env):
   return subprocess.run(
       [sys.executable, *args], capture_output=True, text=True, cwd=REPO,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env), timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env),
+      timeout=helpers.HANG_SECONDS,
       check=False)
 
 

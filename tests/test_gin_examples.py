@@ -32,6 +32,7 @@ import sys
 
 import pytest
 
+import helpers
 from realm_jax import gin_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -179,7 +180,8 @@ def results(tmp_path_factory):
     _, module, flags, refined = example
     command = _as_run(module, flags, refined, tmp)
     return command, subprocess.run(command, capture_output=True, text=True,
-                                   cwd=tmp, env=env, timeout=300, check=False)
+                                   cwd=tmp, env=env,
+                                   timeout=helpers.HANG_SECONDS, check=False)
 
   with concurrent.futures.ThreadPoolExecutor(
       max_workers=max(2, os.cpu_count() or 2)) as pool:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import zipfile
 
+import helpers
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("realm-demo", "realm-corpus", "realm-annotate", "realm-query-cache",
            "realm-ict", "realm-reader-prep", "realm-pretrain",
@@ -74,6 +76,7 @@ def test_wheel_holds_configs_data_and_console_scripts(tmp_path):
        "--gin_file=experiments/pretrain_tiny_cpu.gin",
        "--gin.WORKDIR='/nonexistent/w'", "--gin.BLOCK_STORE='/nonexistent/b'",
        "--gin.QUERIES='/nonexistent/q'", "--dry_run"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+      cwd=tmp_path, env=env, capture_output=True, text=True,
+      timeout=helpers.HANG_SECONDS)
   assert job.returncode == 0, job.stderr[-3000:]
   assert "/nonexistent/q" in job.stdout + job.stderr

@@ -7,6 +7,7 @@ import os
 import gin
 import pytest
 
+import helpers
 from realm_jax import gin_cli
 from realm_jax.eval import qa_eval
 from realm_jax.index import builder
@@ -199,7 +200,8 @@ def test_run_sets_the_gin_xla_flag_before_jax_starts(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", code, f"--gin_file={name}",
          f"--gin.WORKDIR='{tmp_path}'", "--gin.BLOCK_STORE='/tmp/b'"],
-        env=env, check=True, capture_output=True, text=True, timeout=300)
+        env=env, check=True, capture_output=True, text=True,
+        timeout=helpers.HANG_SECONDS)
     flags[name] = [line for line in out.stdout.splitlines()
                    if line.startswith("XLA_FLAGS=")][0]
   assert gin_cli.CPU_XLA_FLAG in flags["experiments/ict_tiny_cpu.gin"]
@@ -219,7 +221,8 @@ def test_importing_the_jobs_does_not_start_jax():
       "import os; print(os.environ['XLA_FLAGS'])\n")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True,
+                       timeout=helpers.HANG_SECONDS)
   assert gin_cli.CPU_XLA_FLAG in out.stdout  # realm_jax.demo sets it.
 
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from realm_jax.core import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +43,7 @@ def _run_python(code: str, env_updates: dict[str, str]) -> str:
   env.update(env_updates, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
                           env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=helpers.HANG_SECONDS, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core, importers
 from realm_jax.core import checkpoints, dataclass_json
@@ -148,7 +149,7 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
   checkpoints.write_done_marker(ckpt_dir, 4)
   published = builder.run_builder(workdir=epath.Path(workdir), store=store,
                                   retriever_config=CONFIG.retriever,
-                                  config=config, timeout=120)
+                                  config=config, timeout=helpers.HANG_SECONDS)
   assert published == [4]
   assert publish.read_latest(root) == 4
   assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
@@ -157,7 +158,7 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
   assert builder.run_builder(
       workdir=workdir, store=store, retriever_config=CONFIG.retriever,
       config=dataclasses.replace(config, done_grace_seconds=0.0),
-      timeout=120) == []
+      timeout=helpers.HANG_SECONDS) == []
 
 
 def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
@@ -414,7 +415,8 @@ def _finished_run(store, tmp_path):
                                  done_grace_seconds=0.0)
   assert builder.run_builder(workdir=workdir, store=store,
                              retriever_config=CONFIG.retriever,
-                             config=config, timeout=60) == [12]
+                             config=config,
+                             timeout=helpers.HANG_SECONDS) == [12]
   return workdir, ckpt
 
 
@@ -443,11 +445,11 @@ def test_a_leftover_done_does_not_end_an_extended_run(store, tmp_path, first):
   trainer = threading.Thread(target=_extend, args=(workdir, ckpt, leased))
   if first == "trainer":  # No grace: the trainer's lease alone keeps it.
     trainer.start()
-    assert leased.wait(30)
+    assert leased.wait(helpers.HANG_SECONDS)
     config = dataclasses.replace(config, done_grace_seconds=0.0)
   job = threading.Thread(target=lambda: published.extend(builder.run_builder(
       workdir=workdir, store=store, retriever_config=CONFIG.retriever,
-      config=config, timeout=60)))
+      config=config, timeout=helpers.HANG_SECONDS)))
   job.start()
   if first == "builder":
     time.sleep(0.5)  # The builder has seen the old DONE by now.
@@ -487,7 +489,7 @@ def test_the_final_index_is_built_when_done_lands_after_the_listing(
                                  done_grace_seconds=0.0)
   published = builder.run_builder(workdir=workdir, store=store,
                                   retriever_config=CONFIG.retriever,
-                                  config=config, timeout=60)
+                                  config=config, timeout=helpers.HANG_SECONDS)
   assert finished  # the race happened
   assert published == [1, 2]
   assert publish.read_latest(root) == 2
@@ -508,7 +510,7 @@ def test_a_damaged_checkpoint_is_skipped_not_fatal(store, tmp_path, caplog):
     assert builder.run_builder(workdir=workdir, store=store,
                                retriever_config=CONFIG.retriever,
                                config=config, max_indices=1,
-                               timeout=60) == [1]
+                               timeout=helpers.HANG_SECONDS) == [1]
   assert re.search(r"checkpoints/2 does not restore", caplog.text)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 from realm_jax import gin_cli
 
 from realm_jax.core import io_utils
@@ -292,8 +293,8 @@ def test_main_dry_run_prints_the_config(tmp_path, store_dir):
       [sys.executable, "-m", "realm_jax.training.ict",
        "--gin_file=experiments/ict_tiny_cpu.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store_dir}'",
-       "--dry_run"], capture_output=True, text=True, timeout=120,
-      check=False)
+       "--dry_run"], capture_output=True, text=True,
+      timeout=helpers.HANG_SECONDS, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   assert f"IctTrainConfig(workdir='{workdir}'" in out.stdout
   assert "realm.RetrieverConfig.pooling = 'mean'" in out.stdout

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from realm_jax import gin_cli
 from realm_jax.testing import corpus
 from realm_jax.training import candidates as candidates_lib
@@ -139,7 +140,8 @@ def test_kill_9_then_restart_reproduces_the_loss_trajectory(
                           stderr=subprocess.DEVNULL)
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
   try:
-    assert _wait_for(lambda: os.path.isdir(os.path.join(ckpt_dir, "4")), 300,
+    assert _wait_for(lambda: os.path.isdir(os.path.join(ckpt_dir, "4")),
+                     helpers.HANG_SECONDS,
                      proc), "the trainer never checkpointed step 4"
   finally:
     proc.send_signal(signal.SIGKILL)
@@ -148,7 +150,7 @@ def test_kill_9_then_restart_reproduces_the_loss_trajectory(
   killed_at = max(_losses(workdir))
   assert killed_at < STEPS
   subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
-                 stderr=subprocess.DEVNULL, timeout=600)
+                 stderr=subprocess.DEVNULL, timeout=helpers.HANG_SECONDS)
   assert checkpoints.is_done(ckpt_dir)
   got = _losses(workdir)
   assert sorted(got) == list(range(1, STEPS + 1))
@@ -201,7 +203,7 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
   store, _ = tiny_corpus
   bindings = _bindings(workdir, tiny_corpus, num_train_steps=24,
                        index_mode="builder", keep_checkpoints=5,
-                       index_wait_seconds=300.0, log_every=1)
+                       index_wait_seconds=helpers.HANG_SECONDS, log_every=1)
   trainer = subprocess.Popen(_pretrain_cmd(bindings),
                              stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
@@ -211,11 +213,11 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
        "--gin.builder.IndexBuildConfig.searcher='exact'",
        "--gin.builder.BuilderConfig.poll_seconds=0.2",
-       "--gin.builder.BuilderConfig.timeout_seconds=600"],
+       f"--gin.builder.BuilderConfig.timeout_seconds={helpers.HANG_SECONDS}"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
-    _, trainer_log = trainer.communicate(timeout=600)
-    _, builder_log = builder.communicate(timeout=120)
+    _, trainer_log = trainer.communicate(timeout=helpers.HANG_SECONDS)
+    _, builder_log = builder.communicate(timeout=helpers.HANG_SECONDS)
   finally:
     for p in (trainer, builder):
       if p.poll() is None:
@@ -255,7 +257,7 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
         config=builder.BuilderConfig(
             index_build=builder.IndexBuildConfig(searcher="exact"),
             poll_seconds=0.1),
-        max_indices=1, timeout=300))
+        max_indices=1, timeout=helpers.HANG_SECONDS))
 
   import threading  # pylint: disable=g-import-not-at-top
   thread = threading.Thread(target=one_index)
