@@ -81,9 +81,11 @@ def _jobs() -> dict[str, str]:
     if "gin_cli.run" not in source:
       continue
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    # Its own config classes, and the one its `training_job` names (which
-    # may live in another module, e.g. pretrain_config.PretrainConfig).
+    # Its own config classes, those it imports by name (e.g. the parts of
+    # pretrain_config.PretrainConfig that pretrain re-exports), and the one
+    # its `training_job` names (which may live in another module).
     names = re.findall(r"^class (\w+Config)\b", source, re.M)
+    names += re.findall(r"^from [\w.]+ import (\w+Config)\b", source, re.M)
     names += re.findall(r"training_job\(\s*\"[\w.]+\",\s*\"(\w+)\"", source)
     for name in names:
       jobs.setdefault(name, module)
