@@ -19,12 +19,6 @@ os.environ["XLA_FLAGS"] = " ".join(
     f for f in os.environ.get("XLA_FLAGS", "").split()
     if not f.startswith("--xla_force_host_platform_device_count")
 ) + " --xla_force_host_platform_device_count=8"
-# LLVM's optimisation level 0 (unless set already): it halves the time XLA
-# spends compiling the tests' small programs (measured 7.9 -> 4.1 CPU-s for
-# tests/core/test_parallel.py's step) and leaves their results as they are
-# (no fast-math either way; XLA, not LLVM, orders the reductions).
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # TensorFlow (tokenizer, TFRecords, checkpoint reading) must not grab a GPU or
