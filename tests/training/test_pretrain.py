@@ -119,6 +119,7 @@ def _wait_for(predicate, timeout, proc=None):
   return False
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_kill_9_then_restart_reproduces_the_loss_trajectory(
     tmp_path, tiny_corpus, reference_run):
   ref_losses = _losses(reference_run[0])
@@ -262,6 +263,7 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
   assert checkpoints.index_root(workdir) in stale[0]
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_retrieval_on_device_trains_like_retrieval_on_host(
     tmp_path, tiny_corpus, reference_run, monkeypatch):
   """retrieval="device": search, candidate gathering and batch assembly on
@@ -285,6 +287,7 @@ def test_retrieval_on_device_trains_like_retrieval_on_host(
   assert len(calls) == STEPS  # every batch came from the device path
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_overlapped_input_searches_ahead_and_restarts_exactly(
     tmp_path, tiny_corpus, monkeypatch):
   """overlap_input: step s+1's search and batch run on a host thread while

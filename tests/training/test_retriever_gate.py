@@ -90,6 +90,7 @@ def _moved(a, b):
                                                       jax.tree.leaves(b)))
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 @pytest.mark.parametrize("shuffle_facts", [False, True])
 def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
   decisions, first, last = _gated_run(tmp_path, shuffle_facts)
@@ -113,6 +114,7 @@ def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
 
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 @pytest.mark.parametrize("signal", ["answer_spans", "shuffled_spans"])
 def test_an_ideal_reader_teaches_the_retriever(tmp_path, signal):
   """retriever_signal='answer_spans' (the benchmark's `ideal_reader`
