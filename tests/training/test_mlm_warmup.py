@@ -70,6 +70,7 @@ def test_a_reader_without_mlm_head_is_refused(world):
                                    sep_id=102, steps=1)
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_the_pretraining_job_warms_the_head_on_a_fresh_start(world, tmp_path):
   bert = tiny.tiny_bert(30522, max_position_embeddings=128)
   model = RealmConfig(retriever=RetrieverConfig(bert=bert, pooling="mean"),

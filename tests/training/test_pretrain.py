@@ -187,6 +187,7 @@ def test_an_inline_run_builds_its_index_as_index_build_says(
   assert [s.kind for s in index.searcher.shards] == ["scann", "scann"]
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
   workdir = str(tmp_path / "run")
   store, _ = tiny_corpus
@@ -347,6 +348,7 @@ def test_overlapped_input_searches_ahead_and_restarts_exactly(
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_reranking_a_stale_index_trains_like_a_fresh_index(
     tmp_path, tiny_corpus, monkeypatch):
   """rerank_candidates (Atlas-style): with every block outside the query's
