@@ -36,7 +36,7 @@ def _what_ask_answers_with(ask_gin: str):
   return workdir, qa
 
 
-@pytest.mark.slow  # ~11 min on 2 busy cores: CI runs it after the suite.
+@pytest.mark.slow  # Minutes (every job): CI runs it after the suite.
 def test_demo_runs_every_stage(tmp_path, capsys):
   config = demo.DemoConfig(
       workdir=str(tmp_path), num_documents=3, max_block_len=48,

@@ -40,7 +40,7 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-@pytest.mark.slow  # ~11 min on 2 busy cores: CI runs it after the suite.
+@pytest.mark.slow  # Minutes (two processes): CI runs it after the suite.
 def test_two_processes_match_one(tmp_path):
   store, annotated = corpus.make_tiny_corpus(str(tmp_path / "corpus"))
   # Two shards: each process streams its own one.

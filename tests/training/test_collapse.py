@@ -125,6 +125,7 @@ def test_a_real_hub_and_the_null_trap_are_reported_once(monkeypatch):
   assert int(warnings[1].split("step ")[1].split(":")[0]) >= 40 + 14
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_the_recipe_does_not_collapse(tmp_path, world_and_ict, monkeypatch):
   files, queries, ict_ckpts = world_and_ict
   warnings = []

@@ -131,6 +131,7 @@ def _wait_for(predicate, timeout, proc=None):
   return False
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_kill_9_then_restart_reproduces_the_loss_trajectory(
     tmp_path, tiny_corpus, reference_run):
   ref_losses = _losses(reference_run[0])
@@ -198,6 +199,7 @@ def test_an_inline_run_builds_its_index_as_index_build_says(
   assert [s.kind for s in index.searcher.shards] == ["scann", "scann"]
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
   workdir = str(tmp_path / "run")
   store, _ = tiny_corpus
@@ -274,6 +276,7 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
   assert checkpoints.index_root(workdir) in stale[0]
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_retrieval_on_device_trains_like_retrieval_on_host(
     tmp_path, tiny_corpus, reference_run, monkeypatch):
   """RetrievalConfig.search="device": search, candidate gathering and batch
@@ -298,6 +301,7 @@ def test_retrieval_on_device_trains_like_retrieval_on_host(
   assert len(calls) == STEPS  # every batch came from the device path
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_overlapped_input_searches_ahead_and_restarts_exactly(
     tmp_path, tiny_corpus, monkeypatch):
   """overlap_input: step s+1's search and batch run on a host thread while
@@ -357,6 +361,7 @@ def test_overlapped_input_searches_ahead_and_restarts_exactly(
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_reranking_a_stale_index_trains_like_a_fresh_index(
     tmp_path, tiny_corpus, monkeypatch):
   """rerank_candidates (Atlas-style): with every block outside the query's

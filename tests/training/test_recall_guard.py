@@ -104,6 +104,7 @@ def _questions(tiny_corpus):
           "recall_guard__questions": tiny_corpus[3]}
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 @pytest.mark.parametrize("extra, probe", [
     ((), "own-block"), (QUERY_SIDE, "own-block"), ((), "question")],
                          ids=["full", "query_side", "questions"])
@@ -142,6 +143,7 @@ def test_bad_guard_settings_are_refused(field, value):
     pretrain.RecallGuardConfig(queries="unused", **{field: value})
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_a_frozen_retriever_is_never_rolled_back(tmp_path, tiny_corpus):
   log = _run(str(tmp_path / "run"), tiny_corpus,
              retriever__freeze_steps=STEPS)

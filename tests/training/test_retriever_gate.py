@@ -84,6 +84,7 @@ def _moved(a, b):
                                                       jax.tree.leaves(b)))
 
 
+@pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 @pytest.mark.parametrize("shuffle_facts", [False, True])
 def test_the_gate_follows_the_reader(tmp_path, shuffle_facts):
   decisions, first, last = _gated_run(tmp_path, shuffle_facts)
