@@ -80,6 +80,21 @@ Two starts:
     python benchmarks/learning.py --world=wiki --start=random \
         --workdir=/tmp/lw_random \
         --output=docs/results/learning_wiki_random.jsonl
+`--world=vital` runs it on public text (issue 47): Z = the leads of
+Wikipedia's Vital Articles (`--num_documents`: the first N), X = their
+sentences split by article as for wiki; from random weights (ICT, then
+the gated recipe of `experiments/pretrain_wiki_small_cpu.gin`). Every
+checkpoint is evaluated over Z plus the SQuAD v1.1 dev paragraphs (added
+after training, never trained on) on the SQuAD dev questions
+(`qa_recall@1/5/20/100`, zero-shot: no question is trained on) and on the
+cloze probe: the qa_wikidata prompts about a lead, masked
+(`cloze_mlm_accuracy_*` with the top k, the null document alone, the gold
+lead block). `--data_dir` is the output of
+`benchmarks/data/fetch_public.py`; `--pretrain_seed` trains more REALM
+seeds from the same ICT (docs/results/real_text.md).
+
+    python benchmarks/learning.py --world=vital --data_dir=/tmp/public \
+        --workdir=/tmp/lw_vital --eval_every=300 --output=/tmp/vital.jsonl
 """
 
 from __future__ import annotations
@@ -92,6 +107,7 @@ import os
 import shutil
 import sys
 import time
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
@@ -144,38 +160,191 @@ def _bindings(name: str, args) -> list[str]:
   }[name]
 
 
-def _wiki_world(directory: str, num_documents: int | None):
-  """The enwiki slice: block store, and X split by article into train,
-  held-out (every 4th article: the masked-token metrics) and dev (every
-  8th of the rest: the gate's queries); returns (block_store, train,
-  heldout, dev)."""
-  store_dir = os.path.join(directory, "blocks")
+@dataclasses.dataclass
+class World:
+  """What one benchmark run trains on and is evaluated on.
+
+  Attributes:
+    store_dir: Z, the block store pre-training retrieves from.
+    train_x / heldout_x / dev_x: annotated X, split by article (dev: the
+      gate's and the recall guard's queries; None: no dev split).
+    eval_store_dir: the corpus a checkpoint is evaluated over: Z, or Z with
+      blocks added after training (the vital world's SQuAD paragraphs).
+    questions: open-domain questions, never trained on (`qa_recall@k`).
+    questions_path: their file (its hash names the kept wordpieces).
+    gold_blocks: the held-out queries -> each one's evidence block (the
+      synthetic worlds), or None (real text).
+    cloze: (queries, gold blocks) of the cloze probe, or None.
+  """
+  store_dir: str
+  train_x: str
+  heldout_x: str
+  dev_x: str | None
+  eval_store_dir: str
+  questions: tuple = ()
+  questions_path: str | None = None
+  gold_blocks: Callable[[dict], Any] | None = None
+  cloze: tuple | None = None
+
+
+def _people_world(args) -> World:
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
+  world = knowledge_world.write_world(
+      os.path.join(args.workdir, "world"), seed=args.seed,
+      num_people=args.people, num_heldout=args.heldout, num_dev=args.dev,
+      templates=args.templates, shuffle_facts=args.shuffle_facts)
+
+  def gold_blocks(heldout):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    gold_of = knowledge_world.gold_blocks(
+        block_store.BlockStore.open(world.block_store),
+        knowledge_world.load_people(world.people))
+    return np.asarray([gold_of[int(h)] for h in heldout["source_doc_hash"]])
+
+  return World(world.block_store, world.train, world.heldout, world.dev,
+               eval_store_dir=world.block_store, gold_blocks=gold_blocks)
+
+
+def _split_by_article(annotated: str, directory: str) -> dict[str, str]:
+  """An annotated corpus split by article into train, held-out (every 4th
+  article: the masked-token metrics) and dev (every 8th of the rest: the
+  gate's and the guard's queries), each file written once."""
   splits = {n: os.path.join(directory, f"{n}.tfr.gz")
             for n in ("train", "heldout", "dev")}
-  if os.path.exists(os.path.join(store_dir, "manifest.json")) and all(
-      map(os.path.exists, splits.values())):  # (built: no Beam, no spaCy)
-    return store_dir, splits["train"], splits["heldout"], splits["dev"]
-  from realm_jax.data import annotate_job, corpus_job, salient_spans, wikipedia  # pylint: disable=g-import-not-at-top
-  if not os.path.exists(os.path.join(store_dir, "manifest.json")):
-    corpus_job.build_corpus(output_dir=store_dir, max_block_len=128,
-                            max_documents=num_documents)
-  annotated = os.path.join(directory, "annotated")
-  if not os.path.exists(annotated):  # (the job's output appears whole)
-    annotate_job.annotate_corpus(
-        input_path=wikipedia.default_wikipedia_dump(), output_dir=annotated,
-        num_shards=1, max_documents=num_documents)
 
   def split(i):
     return "heldout" if i % 4 == 3 else "dev" if i % 8 == 1 else "train"
 
   if not os.path.exists(splits["dev"]):
+    from realm_jax.data import salient_spans  # pylint: disable=g-import-not-at-top
     docs = list(salient_spans.read_annotated(
         [salient_spans.shard_path(annotated, 0, 1)]))
     for name, path in splits.items():
       _write_whole(path, [d for i, d in enumerate(docs) if split(i) == name])
-  return store_dir, splits["train"], splits["heldout"], splits["dev"]
+  return splits
 
 
+def _annotated(input_path: str | None, directory: str,
+               num_documents: int | None) -> str:
+  """The salient-span annotation of the first `num_documents` of a corpus
+  (one shard; the job's output appears whole)."""
+  annotated = os.path.join(directory, "annotated")
+  if not os.path.exists(annotated):
+    from realm_jax.data import annotate_job  # pylint: disable=g-import-not-at-top
+    annotate_job.annotate_corpus(input_path=input_path, output_dir=annotated,
+                                 num_shards=1, max_documents=num_documents)
+  return annotated
+
+
+def _corpus(input_path: str | None, store_dir: str,
+            num_documents: int | None = None) -> str:
+  """A block store of 128-wordpiece blocks, built once."""
+  if not os.path.exists(os.path.join(store_dir, "manifest.json")):
+    from realm_jax.data import corpus_job  # pylint: disable=g-import-not-at-top
+    corpus_job.build_corpus(input_path=input_path, output_dir=store_dir,
+                            max_block_len=128, max_documents=num_documents)
+  return store_dir
+
+
+def _wiki_world(args) -> World:
+  """The enwiki slice: Z = its blocks, X = its sentences by article;
+  questions: the 255 held-out ones written about it."""
+  from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(args.workdir, "wiki")
+  num_documents = args.num_documents or None
+  store_dir = _corpus(None, os.path.join(directory, "blocks"), num_documents)
+  splits = _split_by_article(_annotated(None, directory, num_documents),
+                             directory)
+  return World(store_dir, _every_nth_article(
+      splits["train"], args.train_articles_every), splits["heldout"],
+               splits["dev"], eval_store_dir=store_dir,
+               questions=tuple(qa.read_qa_jsonl(WIKI_QUESTIONS, strict=True)),
+               questions_path=WIKI_QUESTIONS)
+
+
+def _vital_world(args) -> World:
+  """The Vital Articles' leads (`benchmarks/data/fetch_public.py`'s
+  output in --data_dir): Z = the first --num_documents leads (all: 0), X =
+  their sentences by article. Evaluated over Z + the SQuAD dev paragraphs
+  (added after training, never trained on) on the SQuAD dev questions, and
+  on the cloze probe."""
+  from realm_jax.data import block_store, squad  # pylint: disable=g-import-not-at-top
+  n = args.num_documents or None
+  directory = os.path.join(args.workdir, f"vital{n or ''}")
+  os.makedirs(directory, exist_ok=True)
+  leads = os.path.join(args.data_dir, "vital_leads.jsonl")
+  if n:  # the first n leads, in their file's order
+    with open(leads, encoding="utf-8") as f:
+      first = [line for _, line in zip(range(n), f)]
+    leads = os.path.join(directory, "leads.jsonl")
+    _write_text(leads, "".join(first))
+  store_dir = _corpus(leads, os.path.join(directory, "blocks"))
+  union_jsonl = os.path.join(directory, "union.jsonl")
+  if not os.path.exists(union_jsonl):
+    with open(leads, encoding="utf-8") as a, open(os.path.join(
+        args.data_dir, "squad_dev_paragraphs.jsonl"), encoding="utf-8") as b:
+      _write_text(union_jsonl, a.read() + b.read())
+  union_dir = _corpus(union_jsonl, os.path.join(directory, "union"))
+  block_store.check_extends(block_store.BlockStore.open(store_dir),
+                            block_store.BlockStore.open(union_dir))
+  splits = _split_by_article(_annotated(leads, directory, None), directory)
+  questions_path = os.path.join(args.data_dir, "squad_dev_questions.jsonl")
+  questions = [q.example for q in squad.read_questions_jsonl(questions_path)]
+  return World(store_dir, splits["train"], splits["heldout"], splits["dev"],
+               eval_store_dir=union_dir,
+               questions=tuple(questions[:args.max_questions or None]),
+               questions_path=questions_path,
+               cloze=_cloze_probe(args, directory, leads, store_dir))
+
+
+def _cloze_probe(args, directory: str, leads: str, store_dir: str):
+  """The qa_wikidata prompts about a lead of Z as masked queries
+  ("The capital of X is [MASK]."; evaluation only): (queries, gold), gold
+  = the subject's first lead block holding the answer: (the prompts as
+  annotated documents, {their title hash: gold block}). The queries are
+  made with the recipe's `RealmQueryConfig` (`Bench.cloze_queries`)."""
+  from realm_jax.data import block_store, qa, salient_spans  # pylint: disable=g-import-not-at-top
+  store = block_store.BlockStore.open(store_dir)
+  first_block = {}
+  for d in range(store.num_documents):
+    b = int(store.doc_block_offsets[d])
+    first_block[store.title(b)] = (b, int(store.doc_block_offsets[d + 1]))
+  docs, gold = [], []
+  with open(os.path.join(args.data_dir, "wikidata_cloze.jsonl"),
+            encoding="utf-8") as f:
+    for i, line in enumerate(f):
+      prompt = json.loads(line)
+      if prompt["subject"] not in first_block:
+        continue
+      lo, hi = first_block[prompt["subject"]]
+      found = [(b, a) for b in range(lo, hi) for a in prompt["answers"]
+               if qa.has_answer(store.text(b), (a,))]
+      if not found:
+        continue
+      block, answer = found[0]
+      text = f"{prompt['prompt']} {answer}."
+      start = len(prompt["prompt"].encode()) + 1
+      docs.append(salient_spans.AnnotatedDocument(
+          title=f"cloze probe {i}", text=text,
+          sentence_byte_starts=(0,), sentence_byte_limits=(len(text.encode()),),
+          span_byte_starts=(start,),
+          span_byte_limits=(start + len(answer.encode()),),
+          span_types=("CLOZE",)))
+      gold.append(block)
+  path = os.path.join(directory, "cloze.tfr.gz")
+  _write_whole(path, docs)
+  from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
+  gold_of = {blocks.title_hash(d.title): g for d, g in zip(docs, gold)}
+  if set(gold_of) & set(map(int, store.doc_hash)):
+    raise ValueError("a cloze probe's title hashes like an article of Z.")
+  return path, gold_of
+
+
+def _write_text(path: str, text: str) -> None:
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
 def _every_nth_article(train_x: str, n: int) -> str:
   """`train_x` thinned to every `n`th article (the data-scale probe),
   written once beside it; `train_x` itself when n is 1."""
@@ -204,42 +373,73 @@ def _configs(gin_files, bindings):
   return gin, gin.get_configurable(RealmConfig)()
 
 
-def main(argv=None) -> None:
+def _kept(path: str, make):
+  """`make()`'s arrays, kept at `path` (.npz, no pickles): a run there
+  needs no tensorflow_text, e.g. on an accelerator host."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if os.path.exists(path):
+    with np.load(path, allow_pickle=False) as f:
+      return {k: f[k] for k in f.files}
+  arrays = make()
+  np.savez(path + ".tmp.npz", **arrays)
+  os.replace(path + ".tmp.npz", path)
+  return arrays
+
+
+def _sha(path: str, *settings) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read() + repr(settings).encode()).hexdigest()[:12]
+
+
+def parse_args(argv=None):
+  """The flags, with each world's defaults filled in."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--world", choices=("people", "wiki"),
+  parser.add_argument("--world", choices=("people", "wiki", "vital"),
                       default="people")
   parser.add_argument("--num_documents", type=int, default=0,
-                      help="wiki: articles of the enwiki slice (0: all).")
+                      help="wiki: articles of the enwiki slice; vital: the "
+                      "first N leads (0: all).")
+  parser.add_argument("--data_dir", default=None,
+                      help="vital: benchmarks/data/fetch_public.py's output.")
+  parser.add_argument("--max_questions", type=int, default=0,
+                      help="vital: the first N SQuAD dev questions (0: all).")
   parser.add_argument("--start", choices=("minilm", "random"),
                       default="minilm",
                       help="wiki: MiniLM in both towers (no ICT), or a "
-                      "small model from random weights with ICT first.")
+                      "small model from random weights with ICT first "
+                      "(vital: random).")
   parser.add_argument("--trivial", choices=("article", "block"),
                       default=None,
                       help="No-trivial-retrieval rule (default: article for "
-                      "people, block for wiki).")
+                      "people, block for real text).")
   parser.add_argument("--train_articles_every", type=int, default=1,
                       help="wiki: train on every n-th training article only "
                       "(the data-scale probe; held-out, dev and Z unchanged).")
   parser.add_argument("--max_heldout", type=int, default=0,
-                      help="Held-out queries evaluated (0: all).")
+                      help="Held-out queries evaluated (0: all; real text "
+                      "256).")
   parser.add_argument("--workdir", default="/tmp/realm_learning")
   parser.add_argument("--output", default=None, help="JSON lines file.")
   parser.add_argument("--plot", default=None, help="PNG of the curves.")
   parser.add_argument("--conditions", default=None,
                       help=f"Default: {','.join(CONDITIONS)}; wiki: "
-                      "realm,frozen.")
+                      "ict,realm,query_side (MiniLM: query_side); vital: "
+                      "ict,realm.")
   parser.add_argument("--ict_steps", type=int, default=None,
-                      help="Default 100; wiki 600.")
+                      help="Default 100; real text 600.")
   parser.add_argument("--steps", type=int, default=None,
-                      help="Default 800; wiki 40.")
+                      help="Default 800; real text 1200 (MiniLM 200).")
   parser.add_argument("--refresh_every", type=int, default=None,
-                      help="Default 10; wiki 20.")
+                      help="Default 10; real text 20 (MiniLM 25).")
   parser.add_argument("--eval_every", type=int, default=None,
-                      help="Default 100; wiki 20.")
+                      help="Default 100.")
   parser.add_argument("--rerank", type=int, default=32,
                       help="stale30_rerank: blocks the stale index proposes.")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--pretrain_seed", type=int, default=None,
+                      help="The REALM runs' seed (default --seed); when it "
+                      "differs, they start from --seed's ICT and their "
+                      "conditions are named <condition>_seed<N>.")
   parser.add_argument("--people", type=int, default=300)
   parser.add_argument("--heldout", type=int, default=100)
   parser.add_argument("--dev", type=int, default=20,
@@ -263,225 +463,262 @@ def main(argv=None) -> None:
   parser.add_argument("--gin", action="append", default=[],
                       help="Extra binding for every pre-training run.")
   args = parser.parse_args(argv)
-  wiki = args.world == "wiki"
-  scratch = not wiki or args.start == "random"  # ICT from random weights
-  args.trivial = args.trivial or ("block" if wiki else "article")
+  real = args.world != "people"
+  if args.world == "vital":
+    args.start = "random"
+    if not args.data_dir:
+      parser.error("--world=vital reads --data_dir (the output of "
+                   "benchmarks/data/fetch_public.py).")
+  args.scratch = not real or args.start == "random"  # ICT from random
+  args.trivial = args.trivial or ("block" if real else "article")
   for name, people, minilm, random in (
       ("steps", 800, 200, 1200), ("ict_steps", 100, 0, 600),
-      ("refresh_every", 10, 25, 20),
-      ("eval_every", 100, 100, 100)):
+      ("refresh_every", 10, 25, 20), ("eval_every", 100, 100, 100)):
     if getattr(args, name) is None:
-      setattr(args, name, people if not wiki else random if scratch
+      setattr(args, name, people if not real else random if args.scratch
               else minilm)
-  args.conditions = args.conditions or (
-      "query_side" if not scratch else "ict,realm,query_side" if wiki
-      else ",".join(CONDITIONS))
-  if wiki and not args.max_heldout:
+  args.conditions = [c for c in (args.conditions or (
+      ",".join(CONDITIONS) if not real else "ict,realm" if args.world ==
+      "vital" else "ict,realm,query_side" if args.scratch
+      else "query_side")).split(",") if c]
+  if real and not args.max_heldout:
     args.max_heldout = 256
-  gin_files = args.gin_file or [
-      "experiments/pretrain_world_cpu.gin" if not wiki
-      else "experiments/pretrain_wiki_small_cpu.gin" if scratch
+  args.gin_file = args.gin_file or [
+      "experiments/pretrain_world_cpu.gin" if not real
+      else "experiments/pretrain_wiki_small_cpu.gin" if args.scratch
       else "experiments/pretrain_minilm_wiki_gated.gin"]
-  if args.table_from:
-    with open(args.table_from, encoding="utf-8") as f:
-      rows = [json.loads(line) for line in f if line.strip()]
-    print("\n\n".join(filter(None, (table(rows), paired_table(rows)))))
-    if args.plot:
-      plot(rows, args.plot)
-    return
-
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import block_store, examples, query_cache  # pylint: disable=g-import-not-at-top
-  from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
-  from realm_jax.eval import pretrain_eval  # pylint: disable=g-import-not-at-top
-  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
-  from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
-  from realm_jax.testing import knowledge_world  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import ict, pretrain, reader_prep  # pylint: disable=g-import-not-at-top
-  from realm_jax.core import checkpoints, gin_config  # pylint: disable=g-import-not-at-top
-  from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
-
-  conditions = [c for c in args.conditions.split(",") if c]
-  unknown = set(conditions) - set(CONDITIONS + EXTRA_CONDITIONS)
+  if args.pretrain_seed is None:
+    args.pretrain_seed = args.seed
+  unknown = set(args.conditions) - set(CONDITIONS + EXTRA_CONDITIONS)
   if unknown:
     parser.error(f"unknown conditions {sorted(unknown)}; use "
                  f"{CONDITIONS + EXTRA_CONDITIONS}")
-  if not scratch and {"init", "ict", "realm_original"} & set(conditions):
+  if not args.scratch and {"init", "ict", "realm_original"} & set(
+      args.conditions):
     parser.error("--start=minilm starts from MiniLM (no ICT): use realm, "
                  "frozen, query_side, stale30, stale30_rerank, "
                  "random_masks, realm_repeat, realm_slow.")
   if args.train_articles_every < 1 or (args.train_articles_every > 1
-                                       and not wiki):
+                                       and args.world != "wiki"):
     parser.error("--train_articles_every is a positive step over the wiki "
                  "slice's training articles (--world=wiki).")
-  os.makedirs(args.workdir, exist_ok=True)
-  # A thinned run has its own query cache and run directories (the inputs
-  # and ICT of the workdir are shared).
-  thinned = (f"_every{args.train_articles_every}"
-             if args.train_articles_every > 1 else "")
-  questions = ()
-  if wiki:
-    from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
-    store_dir, train_x, heldout_x, dev_x = _wiki_world(
-        os.path.join(args.workdir, "wiki"), args.num_documents or None)
-    train_x = _every_nth_article(train_x, args.train_articles_every)
-    questions = qa.read_qa_jsonl(WIKI_QUESTIONS, strict=True)
-  else:
-    world = knowledge_world.write_world(
-        os.path.join(args.workdir, "world"), seed=args.seed,
-        num_people=args.people, num_heldout=args.heldout, num_dev=args.dev,
-        templates=args.templates, shuffle_facts=args.shuffle_facts)
-    store_dir, train_x, heldout_x, dev_x = (world.block_store, world.train,
-                                            world.heldout, world.dev)
-  store = block_store.BlockStore.open(store_dir)
-  base = [f"WORKDIR = '{args.workdir}'",
-          f"BLOCK_STORE = '{store_dir}'",
-          f"QUERIES = '{os.path.join(args.workdir, 'queries_salient')}'",
-          f"GATE_QUERIES = '{os.path.join(args.workdir, 'queries_dev')}'",
-          f"pretrain.PretrainConfig.num_train_steps = {args.steps}",
-          f"pretrain.PretrainConfig.checkpoint_every = {args.refresh_every}",
-          f"pretrain.PretrainConfig.seed = {args.seed}",
-          f"pretrain.RetrievalConfig.trivial_candidates = '{args.trivial}'"
-          ] + list(args.gin)
-  gin, model = _configs(gin_files, [b for b in base
-                                    if ".num_train_steps" not in b])
-  recipe = gin.get_configurable(pretrain.PretrainConfig)()
-  recipe_queries = gin_config.configured(examples.RealmQueryConfig)
-  if wiki and recipe.recall_guard.questions and os.path.samefile(
-      recipe.recall_guard.questions, WIKI_QUESTIONS):
-    parser.error("RecallGuardConfig.questions is the evaluation's question set "
-                 f"({WIKI_QUESTIONS}): guard on dev questions, e.g. "
-                 f"{WIKI_DEV_QUESTIONS}.")
-  if recipe.retriever.measured and (
-      recipe.retriever.freeze_steps >= recipe.num_train_steps):
-    # The recipe's bound is its whole run: keep it the whole run.
-    base.append(f"pretrain.RetrieverScheduleConfig.freeze_steps = "
-                f"{args.steps}")
-  if ((recipe.retriever.measured
-       and recipe.retriever.gate_queries != recipe.queries)
-      or recipe.recall_guard.queries not in ("", recipe.queries)):
-    # (A dev split's: the gate's or the recall guard's.)
-    if not dev_x:
-      parser.error("the recipe's gate or recall guard needs --dev people.")
-    dev_cache = os.path.join(args.workdir, "queries_dev")
-    if not os.path.exists(dev_cache):
-      query_cache.build_query_cache(
-          dev_x, dev_cache, query_config=recipe_queries, seed=args.seed,
-          num_shards=1)
+  return args
 
-  def kept(name, make):
-    """`make()`'s arrays, kept in the workdir as .npz (no pickles): a run
-    there needs no tensorflow_text, e.g. on an accelerator host."""
-    path = os.path.join(args.workdir, name + ".npz")
-    if os.path.exists(path):
-      with np.load(path, allow_pickle=False) as f:
-        return {k: f[k] for k in f.files}
-    arrays = make()
-    np.savez(path + ".tmp.npz", **arrays)
-    os.replace(path + ".tmp.npz", path)
-    return arrays
 
-  def read_heldout():
-    queries = examples.read_realm_queries(
-        heldout_x, Tokenizer(),
-        config=dataclasses.replace(recipe_queries, masking="salient"),
-        seed=args.seed)
-    if args.max_heldout:
-      keep = np.sort(np.random.default_rng(args.seed).permutation(
-          len(queries["query_ids"]))[:args.max_heldout])
+class Bench:
+  """One benchmark run: the world, the recipe, and the rows it writes.
+
+  `__init__` builds the inputs (query caches, the held-out queries and the
+  questions' wordpieces, kept in the workdir); `train_ict` and
+  `pretrain(condition)` run the real jobs; `report` evaluates one set of
+  parameters and writes its row.
+  """
+
+  def __init__(self, args, world: World):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import block_store, examples, query_cache  # pylint: disable=g-import-not-at-top
+    from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+    self.args, self.world = args, world
+    # A thinned run or another pre-training seed has its own run
+    # directories (the inputs and ICT of the workdir are shared).
+    self.suffix = (f"_every{args.train_articles_every}"
+                   if args.train_articles_every > 1 else "") + (
+                       f"_seed{args.pretrain_seed}"
+                       if args.pretrain_seed != args.seed else "")
+    self.store = block_store.BlockStore.open(world.store_dir)
+    self.eval_store = block_store.BlockStore.open(world.eval_store_dir)
+    self.base = [
+        f"WORKDIR = '{args.workdir}'",
+        f"BLOCK_STORE = '{world.store_dir}'",
+        f"QUERIES = '{os.path.join(args.workdir, 'queries_salient')}'",
+        f"GATE_QUERIES = '{os.path.join(args.workdir, 'queries_dev')}'",
+        f"pretrain.PretrainConfig.num_train_steps = {args.steps}",
+        f"pretrain.PretrainConfig.checkpoint_every = {args.refresh_every}",
+        f"pretrain.PretrainConfig.seed = {args.pretrain_seed}",
+        f"pretrain.RetrievalConfig.trivial_candidates = '{args.trivial}'"
+    ] + list(args.gin)
+    gin, self.model = _configs(args.gin_file, [
+        b for b in self.base if ".num_train_steps" not in b])
+    self.recipe = gin.get_configurable(pretrain.PretrainConfig)()
+    self.query_config = gin_config.configured(examples.RealmQueryConfig)
+    self._check_recipe()
+    self.warmup = (self.recipe.retriever.freeze_steps
+                   if self.recipe.retriever.gate == "steps" else 0)
+    if self._needs_dev():
+      dev_cache = os.path.join(args.workdir, "queries_dev")
+      if not os.path.exists(dev_cache):
+        query_cache.build_query_cache(
+            world.dev_x, dev_cache, query_config=self.query_config,
+            seed=args.seed, num_shards=1)
+    salient = dataclasses.replace(self.query_config, masking="salient")
+    self.heldout = _kept(os.path.join(args.workdir, "heldout_queries_" + _sha(
+        world.heldout_x, salient, args.seed, args.max_heldout) + ".npz"),
+                         self._read_heldout)
+    self.gold = (None if world.gold_blocks is None
+                 else world.gold_blocks(self.heldout))
+    self.question_inputs = None
+    if world.questions:
+      self.question_inputs = _kept(os.path.join(
+          args.workdir, "question_inputs_" + _sha(
+              world.questions_path, self.query_config.query_length,
+              len(world.questions)) + ".npz"), self._tokenize_questions)
+    self.cloze = None
+    if world.cloze:
+      path, gold_of = world.cloze
+      queries = _kept(os.path.join(args.workdir, "cloze_queries_" + _sha(
+          path, salient) + ".npz"), lambda: self._read_queries(path, salient))
+      self.cloze = queries, np.asarray(
+          [gold_of[int(h)] for h in queries["source_doc_hash"]])
+      print(f"cloze probe: {len(self.cloze[1])} prompts (answers of at most "
+            f"{salient.max_masks} wordpieces)", flush=True)
+    self.out = (open(args.output, "w", encoding="utf-8") if args.output
+                else None)
+    self.rows = []
+
+  def _needs_dev(self) -> bool:
+    """Whether the gate or the recall guard reads a dev split's queries."""
+    recipe = self.recipe
+    return ((recipe.retriever.measured
+             and recipe.retriever.gate_queries != recipe.queries)
+            or recipe.recall_guard.queries not in ("", recipe.queries))
+
+  def _check_recipe(self):
+    if self.world.questions_path and self.recipe.recall_guard.questions and (
+        os.path.samefile(self.recipe.recall_guard.questions,
+                         self.world.questions_path)):
+      raise SystemExit(
+          "RecallGuardConfig.questions is the evaluation's question set "
+          f"({self.world.questions_path}): guard on dev questions, e.g. "
+          f"{WIKI_DEV_QUESTIONS}.")
+    if self.recipe.retriever.measured and (
+        self.recipe.retriever.freeze_steps >= self.recipe.num_train_steps):
+      # The recipe's bound is its whole run: keep it the whole run.
+      self.base.append(f"pretrain.RetrieverScheduleConfig.freeze_steps = "
+                       f"{self.args.steps}")
+    if self._needs_dev() and not self.world.dev_x:
+      raise SystemExit("the recipe's gate or recall guard needs --dev "
+                       "people.")
+
+  def _read_queries(self, path, config, max_queries=0):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import examples  # pylint: disable=g-import-not-at-top
+    from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+    queries = examples.read_realm_queries(path, Tokenizer(), config=config,
+                                          seed=self.args.seed)
+    if max_queries:
+      keep = np.sort(np.random.default_rng(self.args.seed).permutation(
+          len(queries["query_ids"]))[:max_queries])
       queries = {k: v[keep] for k, v in queries.items()}
     return queries
 
-  def tokenize_questions():
+  def _read_heldout(self):
+    return self._read_queries(
+        self.world.heldout_x,
+        dataclasses.replace(self.query_config, masking="salient"),
+        self.args.max_heldout)
+
+  def _tokenize_questions(self):
+    from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
     from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
     return qa_inputs.tokenize_questions(
-        Tokenizer(), [e.question for e in questions],
-        recipe_queries.query_length)
+        Tokenizer(), [e.question for e in self.world.questions],
+        self.query_config.query_length)
 
-  with open(heldout_x, "rb") as f:  # (the world's held-out articles)
-    settings = hashlib.sha256(f.read() + repr((
-        dataclasses.replace(recipe_queries, masking="salient"), args.seed,
-        args.max_heldout)).encode()).hexdigest()[:12]
-  heldout = kept(f"heldout_queries_{settings}", read_heldout)
-  question_inputs = None
-  if questions:
-    with open(WIKI_QUESTIONS, "rb") as f:
-      asked = hashlib.sha256(f.read() + repr(
-          recipe_queries.query_length).encode()).hexdigest()[:12]
-    question_inputs = kept(f"question_inputs_{asked}", tokenize_questions)
-  if wiki:
-    gold = None
-  else:
-    gold_of = knowledge_world.gold_blocks(
-        store, knowledge_world.load_people(world.people))
-    gold = np.asarray([gold_of[int(h)]
-                       for h in heldout["source_doc_hash"]])
-
-  def queries_for(config):
+  def queries_for(self, config) -> str:
     """The training sentences masked the condition's way (built once)."""
-    path = os.path.join(args.workdir, f"queries_{config.masking}{thinned}")
+    from realm_jax.data import query_cache  # pylint: disable=g-import-not-at-top
+    thinned = (f"_every{self.args.train_articles_every}"
+               if self.args.train_articles_every > 1 else "")
+    path = os.path.join(self.args.workdir,
+                        f"queries_{config.masking}{thinned}")
     if not os.path.exists(path):
       query_cache.build_query_cache(
-          train_x, path, query_config=config,
-          seed=args.seed, num_shards=1)
+          self.world.train_x, path, query_config=config,
+          seed=self.args.seed, num_shards=1)
     return path
 
-  if args.prepare_only:
-    for condition in conditions:
+  def prepare(self):
+    """Every condition's query cache; nothing trained."""
+    from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import examples  # pylint: disable=g-import-not-at-top
+    for condition in self.args.conditions:
       if condition not in ("init", "ict"):
-        _configs(gin_files, base + _bindings(condition, args))
-        queries_for(gin_config.configured(examples.RealmQueryConfig))
-    print(f"{args.workdir}: inputs prepared; run again without "
-          "--prepare_only to train (tensorflow is no longer needed).")
-    return
-  out = open(args.output, "w", encoding="utf-8") if args.output else None
-  rows = []
+        _configs(self.args.gin_file,
+                 self.base + _bindings(condition, self.args))
+        self.queries_for(gin_config.configured(examples.RealmQueryConfig))
 
-  def report(condition, step, params, model, seconds=None, block_emb=None,
-             **extra):
+  def _write(self, row):
+    self.rows.append(row)
+    if self.out:
+      self.out.write(json.dumps(row) + "\n")
+      self.out.flush()
+
+  def report(self, condition, step, params, model, seconds=None,
+             block_emb=None):
+    """One checkpoint's row: held-out masked queries, the questions and
+    (vital) the cloze probe, over the evaluation corpus."""
+    from realm_jax.eval import pretrain_eval  # pylint: disable=g-import-not-at-top
+    from realm_jax.index import embed  # pylint: disable=g-import-not-at-top
+    if block_emb is None or len(block_emb) != len(self.eval_store):
+      block_emb, _ = embed.embed_block_store(
+          params["retriever"], model.retriever, self.eval_store,
+          log_every_seconds=1e9)
+    common = dict(num_candidates=self.recipe.retrieval.num_candidates,
+                  reader_length=self.recipe.reader_length,
+                  trivial_candidates=self.args.trivial, block_emb=block_emb)
     row = {"condition": condition, "step": step, **pretrain_eval.evaluate(
-        params, model, store, heldout, gold,
-        num_candidates=recipe.retrieval.num_candidates,
-        reader_length=recipe.reader_length, questions=questions,
-        question_length=recipe_queries.query_length,
-        trivial_candidates=args.trivial, block_emb=block_emb,
-        question_inputs=question_inputs), **extra}
+        params, model, self.eval_store, self.heldout, self.gold,
+        questions=self.world.questions,
+        question_length=self.query_config.query_length,
+        question_inputs=self.question_inputs,
+        qa_ks=(1, 5, 20, 100) if self.cloze else (1, 5, 20), **common)}
+    if self.cloze:
+      cloze = pretrain_eval.evaluate(params, model, self.eval_store,
+                                     *self.cloze, **common)
+      row.update({f"cloze_{k}": cloze[k] for k in (
+          "recall@1", "recall@5", "mlm_accuracy_marginal",
+          "mlm_accuracy_null", "mlm_accuracy_gold")})
     if seconds is not None:
       row["train_seconds"] = round(seconds, 1)
-    rows.append(row)
     line = {k: round(v, 4) if isinstance(v, float) else v
             for k, v in row.items()}
     print(json.dumps({k: v for k, v in line.items()
                       if k != "qa_answer_rank"}), flush=True)
-    if out:
-      out.write(json.dumps(line) + "\n")
-      out.flush()
+    self._write(line)
 
-  def evaluate_run(condition, model, ckpt_dir, seconds, every, first=0,
-                   block_emb=None):
+  def evaluate_run(self, condition, model, ckpt_dir, seconds, every,
+                   first=0, block_emb=None):
+    from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
     ckpt = checkpoints.TrainCheckpointer(ckpt_dir, async_save=False)
     try:
       for step in ckpt.all_steps():
-        if step < first:
-          continue
-        if step % every == 0 or step == ckpt.latest_step():
-          report(condition, step, ckpt.restore_params(step), model,
-                 seconds if step == ckpt.latest_step() else None,
-                 block_emb=block_emb)
+        if step >= first and (step % every == 0
+                              or step == ckpt.latest_step()):
+          self.report(condition, step, ckpt.restore_params(step), model,
+                      seconds if step == ckpt.latest_step() else None,
+                      block_emb=block_emb)
     finally:
       ckpt.close()
 
-  if "init" in conditions:
-    _, fresh = functional.init(lambda r: Realm(model, rngs=r), args.seed)
-    report("init", 0, fresh, model)
+  def report_init(self):
+    from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+    from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
+    _, fresh = functional.init(lambda r: Realm(self.model, rngs=r),
+                               self.args.seed)
+    self.report("init", 0, fresh, self.model)
 
-  # ICT warm start, shared by every REALM condition (MiniLM instead).
-  ict_dir = os.path.join(args.workdir, "ict")
-  ict_ckpts = checkpoints.checkpoint_dir(ict_dir)
-  t0 = time.time()
-  if scratch:
-    gin, model = _configs(gin_files, base + [
+  @property
+  def ict_checkpoints(self) -> str:
+    from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+    return checkpoints.checkpoint_dir(os.path.join(self.args.workdir, "ict"))
+
+  def train_ict(self, evaluate: bool):
+    """The ICT warm start every REALM condition shares (--seed's)."""
+    from realm_jax.training import ict  # pylint: disable=g-import-not-at-top
+    args, ict_dir = self.args, os.path.join(self.args.workdir, "ict")
+    t0 = time.time()
+    gin, model = _configs(args.gin_file, self.base + [
         f"ict.IctTrainConfig.workdir = '{ict_dir}'",
         f"ict.IctTrainConfig.num_train_steps = {args.ict_steps}",
         f"ict.IctTrainConfig.checkpoint_every = {args.ict_steps // 4}",
@@ -491,46 +728,46 @@ def main(argv=None) -> None:
         "realm.RetrieverConfig.null_score = 'embedding'",
         f"ict.IctTrainConfig.seed = {args.seed}"])
     ict.train(config=gin.get_configurable(ict.IctTrainConfig)(), model=model)
-    if "ict" in conditions:
-      evaluate_run("ict", model, ict_ckpts, time.time() - t0,
-                   args.ict_steps // 4)
-  start_from = [] if not scratch else [
-      f"pretrain.PretrainConfig.init_from = 'checkpoint:{ict_ckpts}'"]
+    if evaluate:
+      self.evaluate_run("ict", model, self.ict_checkpoints, time.time() - t0,
+                        args.ict_steps // 4)
 
-  # REALM conditions. The recipe's reader warm-up (the first
-  # `freeze_retriever_steps`, retriever frozen) is the same for every
-  # condition but `realm_original`: it runs once, in `realm`'s workdir, and
-  # the other conditions resume from its checkpoint at the end of the
-  # warm-up with their own settings (same optimiser state, same step).
-  # (A gated recipe releases the retriever when its run says so: no
-  # warm-up is shared then.)
-  warmup = (recipe.retriever.freeze_steps
-            if recipe.retriever.gate == "steps" else 0)
-
-  def prepared_reader(condition, queries):
+  def prepared_reader(self, condition, queries) -> list[str]:
     """MiniLM's reader prepared on the condition's queries (its own job,
     `reader_prep`: MiniLM has no MLM head); pre-training starts from it."""
-    prep_dir = os.path.join(args.workdir, condition + thinned + "_reader")
-    gin, model = _configs(gin_files, base + _bindings(condition, args) + [
-        f"reader_prep.ReaderPrepConfig.workdir = '{prep_dir}'",
-        f"reader_prep.ReaderPrepConfig.queries = '{queries}'",
-        f"reader_prep.ReaderPrepConfig.seed = {args.seed}"])
+    from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+    from realm_jax.training import reader_prep  # pylint: disable=g-import-not-at-top
+    prep_dir = os.path.join(self.args.workdir,
+                            condition + self.suffix + "_reader")
+    gin, model = _configs(
+        self.args.gin_file, self.base + _bindings(condition, self.args) + [
+            f"reader_prep.ReaderPrepConfig.workdir = '{prep_dir}'",
+            f"reader_prep.ReaderPrepConfig.queries = '{queries}'",
+            f"reader_prep.ReaderPrepConfig.seed = {self.args.seed}"])
     reader_prep.train(
         config=gin.get_configurable(reader_prep.ReaderPrepConfig)(),
         model=model)
     return [f"pretrain.PretrainConfig.init_from = "
             f"'checkpoint:{checkpoints.checkpoint_dir(prep_dir)}'"]
 
-  def run(condition):
-    workdir = os.path.join(args.workdir, condition + thinned)
+  def pretrain(self, condition):
+    """Pre-trains one condition, evaluates its checkpoints and writes its
+    summary row (worst guard values, gate and guard decisions)."""
+    from realm_jax.core import checkpoints, gin_config  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import examples  # pylint: disable=g-import-not-at-top
+    from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
+    from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+    args, name = self.args, condition + self.suffix
+    workdir = os.path.join(args.workdir, name)
     bindings = _bindings(condition, args)
-    _configs(gin_files, base + bindings)
-    queries = queries_for(gin_config.configured(examples.RealmQueryConfig))
-    gin, model = _configs(gin_files, base + [
+    _configs(args.gin_file, self.base + bindings)
+    queries = self.queries_for(gin_config.configured(examples.RealmQueryConfig))
+    start = ([f"pretrain.PretrainConfig.init_from = "
+              f"'checkpoint:{self.ict_checkpoints}'"] if args.scratch
+             else self.prepared_reader(condition, queries))
+    gin, model = _configs(args.gin_file, self.base + [
         f"pretrain.PretrainConfig.workdir = '{workdir}'",
-        "pretrain.PretrainConfig.keep_checkpoints = 1000"]
-        + (start_from if scratch else prepared_reader(condition, queries))
-        + bindings)
+        "pretrain.PretrainConfig.keep_checkpoints = 1000"] + start + bindings)
     config = gin.get_configurable(pretrain.PretrainConfig)()
     # A gate on the training queries follows the condition's masking.
     config = dataclasses.replace(
@@ -539,65 +776,99 @@ def main(argv=None) -> None:
                 queries if config.retriever.gate_queries == config.queries
                 else config.retriever.gate_queries)))
     ckpt_dir = checkpoints.checkpoint_dir(workdir)
-    shared = condition not in ("realm", "realm_original") and warmup
+    # The fixed warm-up (gate "steps") is the same for every condition but
+    # `realm_original`: it runs once, in `realm`'s workdir, and the others
+    # resume from its last checkpoint with their own settings.
+    shared = condition not in ("realm", "realm_original") and self.warmup
     if shared and not os.path.exists(ckpt_dir):
       source = os.path.join(checkpoints.checkpoint_dir(
-          os.path.join(args.workdir, "realm" + thinned)), str(warmup))
-      shutil.copytree(source, os.path.join(ckpt_dir, str(warmup)))
+          os.path.join(args.workdir, "realm" + self.suffix)), str(self.warmup))
+      shutil.copytree(source, os.path.join(ckpt_dir, str(self.warmup)))
     t0 = time.time()
-    history = pretrain.train(config=config, model=model)
+    pretrain.train(config=config, model=model)
     seconds = time.time() - t0
-    # A shared warm-up's last checkpoint is `realm`'s: evaluated there.
     # Query-side: the document tower never moves, so every checkpoint's
     # blocks are the run's one index (not embedded again per checkpoint).
     block_emb = (publish.load_index(checkpoints.index_root(workdir)).embeddings
                  if config.retriever.training == "query_side" else None)
-    evaluate_run(condition, model, ckpt_dir, seconds, args.eval_every,
-                 first=warmup + 1 if shared else 0, block_emb=block_emb)
-    # The training-time guards, for the doc: worst logged values (from the
-    # run's metrics.jsonl, so that a resumed run reports them too).
-    del history
+    self.evaluate_run(name, model, ckpt_dir, seconds, args.eval_every,
+                      first=self.warmup + 1 if shared else 0,
+                      block_emb=block_emb)
+    self._write(self._summary(name, workdir, seconds))
+    print(json.dumps(self.rows[-1]), flush=True)
+
+  def _summary(self, name, workdir, seconds) -> dict:
+    """The training-time guards, for the doc: worst logged values (from
+    the run's metrics.jsonl, so that a resumed run reports them too)."""
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
       logged = [json.loads(line) for line in f]
-    worst = {"condition": condition, "summary": True,
+    worst = {"condition": name, "summary": True,
              "train_max_hubness": max(h["hubness"] for h in logged),
              "train_max_null_probability": max(h["null_probability"]
                                                for h in logged),
              "train_seconds": round(seconds, 1)}
     if "retriever_release_step" in logged[-1]:
       release = int(logged[-1]["retriever_release_step"])
-      worst["retriever_release_step"] = (release if release < args.steps
-                                         else None)  # None: never released
-    for key, name in (("gate", "gate.jsonl"),
+      worst["retriever_release_step"] = (
+          release if release < self.args.steps else None)  # None: never
+    for key, file in (("gate", "gate.jsonl"),
                       ("recall_guard", "recall_guard.jsonl")):
-      decisions = os.path.join(workdir, name)
+      decisions = os.path.join(workdir, file)
       if os.path.exists(decisions):
         with open(decisions, encoding="utf-8") as f:
           worst[key] = [json.loads(line) for line in f]
-    print(json.dumps(worst), flush=True)
-    rows.append(worst)
-    if out:
-      out.write(json.dumps(worst) + "\n")
+    return worst
 
+  def close(self):
+    if self.out:
+      self.out.close()
+
+
+WORLDS = {"people": _people_world, "wiki": _wiki_world,
+          "vital": _vital_world}
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  if args.table_from:
+    with open(args.table_from, encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+    print("\n\n".join(filter(None, (table(rows), paired_table(rows)))))
+    if args.plot:
+      plot(rows, args.plot)
+    return
+  os.makedirs(args.workdir, exist_ok=True)
+  bench = Bench(args, WORLDS[args.world](args))
+  if args.prepare_only:
+    bench.prepare()
+    print(f"{args.workdir}: inputs prepared; run again without "
+          "--prepare_only to train (tensorflow is no longer needed).")
+    return
+  conditions = args.conditions
+  if "init" in conditions:
+    bench.report_init()
+  if args.scratch:  # ICT warm start, shared by every REALM condition
+    bench.train_ict(evaluate="ict" in conditions)
   pretraining = [c for c in conditions if c not in ("init", "ict")]
-  if warmup and "realm" not in pretraining and len(pretraining) > 1:
+  if bench.warmup and "realm" not in pretraining and len(pretraining) > 1:
     pretraining.insert(0, "realm")  # the shared warm-up lives there
   for condition in pretraining:
-    run(condition)
-  if out:
-    out.close()
-  print("\n\n".join(filter(None, (table(rows), paired_table(rows)))))
+    bench.pretrain(condition)
+  bench.close()
+  print("\n\n".join(filter(None, (table(bench.rows),
+                                  paired_table(bench.rows)))))
   if args.plot:
-    plot(rows, args.plot)
-  del jax
+    plot(bench.rows, args.plot)
 
 
 def table(rows) -> str:
   """Markdown table of every evaluated checkpoint, condition by condition."""
   rows = [r for r in rows if "summary" not in r]
   keys = [k for k in ("recall@1", "recall@5", "qa_recall@1", "qa_recall@5",
-                      "qa_recall@20", "span_recall", "mlm_accuracy_marginal",
-                      "mlm_accuracy_null", "mlm_accuracy_gold",
+                      "qa_recall@20", "qa_recall@100", "span_recall",
+                      "mlm_accuracy_marginal", "mlm_accuracy_null",
+                      "mlm_accuracy_gold", "cloze_mlm_accuracy_marginal",
+                      "cloze_mlm_accuracy_null", "cloze_mlm_accuracy_gold",
                       "retrieval_utility", "null_probability", "hubness",
                       "score_spread")
           if any(k in r for r in rows)]

@@ -3,6 +3,7 @@ TensorFlow (the held-out queries and the questions kept as .npz)."""
 
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ def _learning(monkeypatch):
   spec = importlib.util.spec_from_file_location(
       "learning", os.path.join(_ROOT, "benchmarks", "learning.py"))
   module = importlib.util.module_from_spec(spec)
+  # (Registered while it runs: its dataclasses look their module up.)
+  monkeypatch.setitem(sys.modules, "learning", module)
   spec.loader.exec_module(module)
   return module
 
