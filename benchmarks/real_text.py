@@ -20,6 +20,11 @@ questions is asked (none is ever trained on), with these retrievers:
           (`builder.build_and_publish`), then the SQuAD paragraphs are
           added without re-embedding the leads (`index.extend`), and the
           questions are searched in the merged index (exact MIPS).
+  --checkpoints=name=<dir>[@step]
+          a trained retriever (e.g. ICT or REALM from
+          `benchmarks/learning.py --world=vital`), of the model
+          `--gin_file` configures, indexed the same way: its leads' index
+          extended with the paragraphs, which it never saw in training.
 
 For each: recall@k (an answer string in the text of a top-k block: the QA
 eval's `aggregate_metrics` over its predictions, written to
@@ -103,23 +108,17 @@ def bm25_ranker(stores, workdir):
   return lambda questions: index.search(questions, max(KS))
 
 
-def minilm_ranker(stores, workdir):
-  """MiniLM: leads indexed, SQuAD paragraphs added; questions -> top 100."""
-  from realm_jax.checkpoint_import import init_from  # pylint: disable=g-import-not-at-top
+def _dense_ranker(params, model, tag: str, stores, workdir,
+                  question_length: int = 32):
+  """A dense retriever: the leads indexed (one-shot builder, exact MIPS),
+  the SQuAD paragraphs added without re-embedding the leads
+  (`index.extend`); questions -> the top 100 of the merged index."""
   from realm_jax.eval import retrieval_eval  # pylint: disable=g-import-not-at-top
   from realm_jax.index import builder, extend, publish  # pylint: disable=g-import-not-at-top
-  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
-  from realm_jax.model.realm import Realm, RealmConfig  # pylint: disable=g-import-not-at-top
-  import gin  # pylint: disable=g-import-not-at-top
-  gin.clear_config()
-  gin_cli.parse(["models/minilm_l6.gin"], [])
-  model = gin.get_configurable(RealmConfig)()
-  _, fresh = functional.init(lambda r: Realm(model, rngs=r), 0)
-  params = init_from.initial_params(model, fresh, "minilm")
   config = builder.IndexBuildConfig(searcher="exact")
   vital, union = stores
-  leads_root = os.path.join(workdir, "index_minilm_vital")
-  union_root = os.path.join(workdir, "index_minilm_union")
+  leads_root = os.path.join(workdir, f"index_{tag}_vital")
+  union_root = os.path.join(workdir, f"index_{tag}_union")
   if publish.read_latest(leads_root) is None:
     builder.build_and_publish(retriever_params=params["retriever"],
                               retriever_config=model.retriever, store=vital,
@@ -132,7 +131,50 @@ def minilm_ranker(stores, workdir):
                         output_root=union_root, config=config)
   index = publish.load_frozen_index(union_root, union, model)
   return lambda questions: retrieval_eval.dense_ranking(
-      params, model, index, questions, max(KS))
+      params, model, index, questions, max(KS),
+      question_length=question_length)
+
+
+def _model(gin_file: str):
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_cli.parse([gin_file], [])
+  return gin.get_configurable(RealmConfig)()
+
+
+def minilm_ranker(stores, workdir):
+  """MiniLM-L6 in both towers, as the demo starts."""
+  from realm_jax.checkpoint_import import init_from  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
+  model = _model("models/minilm_l6.gin")
+  _, fresh = functional.init(lambda r: Realm(model, rngs=r), 0)
+  params = init_from.initial_params(model, fresh, "minilm")
+  return _dense_ranker(params, model, "minilm", stores, workdir)
+
+
+def checkpoint_ranker(name: str, spec: str, gin_file: str,
+                      question_length: int):
+  """A trained retriever, `spec` = <checkpoints dir>[@<step>] (default its
+  last step), of the model `gin_file` configures, as a ranker named
+  `name` (e.g. a benchmarks/learning.py --world=vital run's ict or realm
+  checkpoints)."""
+  def ranker(stores, workdir):
+    from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+    path, _, step = spec.partition("@")
+    ckpt = checkpoints.TrainCheckpointer(path, async_save=False)
+    try:
+      step = int(step) if step else ckpt.latest_step()
+      if step not in ckpt.all_steps():
+        raise SystemExit(f"--checkpoints: {path} has no step {step} "
+                         f"(it has {ckpt.all_steps()}).")
+      params = ckpt.restore_params(step)
+    finally:
+      ckpt.close()
+    return _dense_ranker(params, _model(gin_file), f"{name}_{step}", stores,
+                         workdir, question_length)
+  return ranker
 
 
 RANKERS = {"bm25": bm25_ranker, "minilm": minilm_ranker}
@@ -212,13 +254,25 @@ def main(argv=None) -> None:
                       "lines file.")
   parser.add_argument("--paired", default=None,
                       help="With --table_from and --workdir: also print "
-                      "this retriever's (e.g. minilm) recall@k minus "
-                      "BM25's on the same questions, +- standard error.")
+                      "these retrievers' (e.g. minilm,realm) recall@k "
+                      "minus the baseline's on the same questions, +- "
+                      "standard error.")
+  parser.add_argument("--baseline", default="bm25",
+                      help="--paired: against this retriever.")
   parser.add_argument("--data_dir", help="fetch_public.py's --output_dir.")
   parser.add_argument("--workdir")
   parser.add_argument("--output", default=None,
                       help="Append the JSON lines here too.")
   parser.add_argument("--retrievers", default=",".join(RETRIEVERS))
+  parser.add_argument("--checkpoints", default="",
+                      help="Trained retrievers too: name=<checkpoints "
+                      "dir>[@step],... (e.g. ict=/w/ict/checkpoints@600).")
+  parser.add_argument("--gin_file",
+                      default="experiments/pretrain_wiki_small_cpu.gin",
+                      help="The model of --checkpoints.")
+  parser.add_argument("--question_length", type=int, default=48,
+                      help="--checkpoints: [CLS] question [SEP] wordpieces "
+                      "(the recipe's query length).")
   parser.add_argument("--max_block_len", type=int, default=128)
   parser.add_argument("--max_questions", type=int, default=0,
                       help="Only the first N questions (0: all).")
@@ -230,8 +284,8 @@ def main(argv=None) -> None:
   if args.table_from:
     with open(args.table_from, encoding="utf-8") as f:
       print(table([json.loads(line) for line in f if line.strip()]))
-    if args.paired:
-      print(paired(args.workdir, args.paired))
+    for name in filter(None, (args.paired or "").split(",")):
+      print(paired(args.workdir, name, args.baseline))
     return
   if not (args.data_dir and args.workdir):
     parser.error("--data_dir and --workdir are required")
@@ -243,11 +297,21 @@ def main(argv=None) -> None:
       parser.error(f"--tasks: {task!r} is not squad or cloze")
     tasks[task] = (squad_task(args.data_dir, stores[1], args.max_questions)
                    if task == "squad" else cloze_task(args.data_dir, stores))
-  for name in args.retrievers.split(","):
+  rankers = {}
+  for name in filter(None, args.retrievers.split(",")):
     if name not in RANKERS:
       parser.error(f"--retrievers: {name!r} is not one of {RETRIEVERS}")
+    rankers[name] = RANKERS[name]
+  for item in filter(None, args.checkpoints.split(",")):
+    name, _, spec = item.partition("=")
+    if not spec or "_" in name or name in RANKERS:
+      parser.error(f"--checkpoints: {item!r} is not name=<dir>[@step] with "
+                   f"a new name without '_'.")
+    rankers[name] = checkpoint_ranker(name, spec, args.gin_file,
+                                      args.question_length)
+  for name, make_ranker in rankers.items():
     start = time.time()
-    rank = RANKERS[name](stores, args.workdir)
+    rank = make_ranker(stores, args.workdir)
     setup = time.time() - start
     for task, (examples, gold) in tasks.items():
       start = time.time()

@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from realm_jax.data import squad
 
@@ -88,3 +89,44 @@ def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
   assert manifest["new_rows"] > 0
   assert np.isclose(rows[0]["recall@1"], np.mean([
       p["retrieved_has_answer"][0] for p in predictions]))
+
+
+def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
+    tmp_path, monkeypatch, capsys):
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
+  from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
+  real_text = _module(monkeypatch)
+  _data_dir(tmp_path / "data")
+  model = real_text._model("models/tiny.gin")  # pylint: disable=protected-access
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ckpts"),
+                                       async_save=False)
+  for step, seed in ((3, 0), (7, 1)):
+    _, params = functional.init(lambda r: Realm(model, rngs=r), seed)
+    ckpt.save(step, params, {"count": np.zeros((), np.int32)},
+              {"index_step": 0}, force=True)
+  ckpt.close()
+  output = tmp_path / "rows.jsonl"
+  common = [f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'w'}",
+            f"--output={output}", "--max_block_len=24",
+            "--gin_file=models/tiny.gin", "--retrievers=bm25"]
+  real_text.main(common + [f"--checkpoints=last={tmp_path / 'ckpts'},"
+                           f"first={tmp_path / 'ckpts'}@3"])
+  rows = [json.loads(x) for x in output.read_text().splitlines()]
+  assert [r["retriever"] for r in rows] == ["bm25", "last", "first"]
+  # Each checkpoint's own index (its last step by default), extended.
+  for name in ("last_7", "first_3"):
+    manifest = json.loads((tmp_path / "w" / f"index_{name}_union" / "0" /
+                           "manifest.json").read_text())
+    assert manifest["new_rows"] > 0
+  assert rows[1]["recall@100"] == 1.0  # (all 9 blocks retrieved)
+  capsys.readouterr()
+  real_text.main([f"--table_from={output}", f"--workdir={tmp_path / 'w'}",
+                  "--paired=last,first", "--baseline=bm25"])
+  out = capsys.readouterr().out.splitlines()
+  assert out[-2].startswith("last - bm25: @1 ")
+  assert out[-1].startswith("first - bm25: @1 ")
+  with pytest.raises(SystemExit):  # no such step
+    real_text.main(common + [f"--checkpoints=x={tmp_path / 'ckpts'}@5"])
+  with pytest.raises(SystemExit):  # names are one word
+    real_text.main(common + [f"--checkpoints=a_b={tmp_path / 'ckpts'}"])
