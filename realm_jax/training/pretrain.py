@@ -10,8 +10,9 @@ One step:
 
 The index is either refreshed by a separate index builder process that
 polls this job's checkpoints (`index_mode="builder"`, the paper's set-up), or
-rebuilt in-process right after a checkpoint every `checkpoint_every` steps
-(`index_mode="inline"`, for small CPU runs and exactly reproducible restarts).
+rebuilt in-process right after a checkpoint, every `refresh_every` steps
+(default: every `checkpoint_every`; `index_mode="inline"`, for small CPU
+runs and exactly reproducible restarts).
 
     python -m realm_jax.training.pretrain \\
         --gin_file=experiments/pretrain_tiny_cpu.gin \\
