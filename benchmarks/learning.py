@@ -333,7 +333,8 @@ def _cloze_probe(args, directory: str, leads: str, store_dir: str):
           span_types=("CLOZE",)))
       gold.append(block)
   path = os.path.join(directory, "cloze.tfr.gz")
-  _write_whole(path, docs)
+  if not os.path.exists(path):  # (gzip stamps the time: written once)
+    _write_whole(path, docs)
   from realm_jax.data import blocks  # pylint: disable=g-import-not-at-top
   gold_of = {blocks.title_hash(d.title): g for d, g in zip(docs, gold)}
   if set(gold_of) & set(map(int, store.doc_hash)):
@@ -404,10 +405,10 @@ def parse_args(argv=None):
   parser.add_argument("--max_questions", type=int, default=0,
                       help="vital: the first N SQuAD dev questions (0: all).")
   parser.add_argument("--start", choices=("minilm", "random"),
-                      default="minilm",
-                      help="wiki: MiniLM in both towers (no ICT), or a "
+                      default=None,
+                      help="Real text: MiniLM in both towers (no ICT), or a "
                       "small model from random weights with ICT first "
-                      "(vital: random).")
+                      "(default: wiki minilm, vital random).")
   parser.add_argument("--trivial", choices=("article", "block"),
                       default=None,
                       help="No-trivial-retrieval rule (default: article for "
@@ -464,8 +465,9 @@ def parse_args(argv=None):
                       help="Extra binding for every pre-training run.")
   args = parser.parse_args(argv)
   real = args.world != "people"
+  args.start = args.start or ("random" if args.world == "vital"
+                              else "minilm")
   if args.world == "vital":
-    args.start = "random"
     if not args.data_dir:
       parser.error("--world=vital reads --data_dir (the output of "
                    "benchmarks/data/fetch_public.py).")
@@ -478,9 +480,9 @@ def parse_args(argv=None):
       setattr(args, name, people if not real else random if args.scratch
               else minilm)
   args.conditions = [c for c in (args.conditions or (
-      ",".join(CONDITIONS) if not real else "ict,realm" if args.world ==
-      "vital" else "ict,realm,query_side" if args.scratch
-      else "query_side")).split(",") if c]
+      ",".join(CONDITIONS) if not real else "query_side" if not args.scratch
+      else "ict,realm" if args.world == "vital" else "ict,realm,query_side"
+  )).split(",") if c]
   if real and not args.max_heldout:
     args.max_heldout = 256
   args.gin_file = args.gin_file or [

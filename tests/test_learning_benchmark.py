@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+import helpers
+
 from realm_jax.data import examples
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,3 +133,49 @@ def test_paired_table_compares_each_condition_on_the_same_questions(
   assert learning.paired_table(
       [{k: v for k, v in r.items() if k != "qa_answer_rank"}
        for r in rows]) == ""
+
+
+# Eight leads: the towns 0 (dev), 1 and 5 (held out) split by article.
+_TOWNS = [
+    {"title": f"Town of {place}", "text": f"The town of {place} was founded "
+     f"in {1700 + 13 * i} by Ines Marlow. It lies in France near Paris.",
+     "description": "", "topic": "Geography"}
+    for i, place in enumerate(("Kessar", "Orrin", "Port Vell", "Amber",
+                               "Tarn", "Esk"))]
+VITAL_LEADS = [helpers.LEADS[0], _TOWNS[0], helpers.LEADS[1]] + _TOWNS[1:]
+
+
+def test_the_vital_world_is_prepared_from_the_public_data(
+    tmp_path, capsys, monkeypatch):
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  learning = _learning(monkeypatch)
+  data = helpers.write_public_data(tmp_path / "data", VITAL_LEADS)
+  workdir = tmp_path / "w"
+  learning.main(["--world=vital", f"--data_dir={tmp_path / 'data'}",
+                 f"--workdir={workdir}", "--prepare_only"])
+  out = capsys.readouterr().out
+  assert "cloze probe: 1 prompts" in out and "inputs prepared" in out
+  vital = workdir / "vital"
+  leads = block_store.BlockStore.open(str(vital / "blocks"))
+  union = block_store.BlockStore.open(str(vital / "union"))
+  # Z is the leads; the evaluation corpus adds the SQuAD paragraphs after.
+  assert leads.num_documents == len(VITAL_LEADS)
+  block_store.check_extends(leads, union)
+  assert union.num_documents == len(VITAL_LEADS) + len(data.paragraphs)
+  names = set(os.listdir(workdir))
+  assert {"queries_salient", "queries_dev"} <= names
+  assert not {"ict", "realm"} & names  # nothing trained
+  kept = {n.split("_")[0]: n for n in names if n.endswith(".npz")}
+  assert set(kept) == {"heldout", "question", "cloze"}
+  with np.load(workdir / kept["question"], allow_pickle=False) as f:
+    assert len(f["question_ids"]) == len(data.questions)
+  with np.load(workdir / kept["cloze"], allow_pickle=False) as f:
+    # "The occupation of Ines Marlow is [MASK]." from no article of Z.
+    assert f["mlm_weights"].sum() == 1
+    assert int(f["source_doc_hash"][0]) not in set(map(int, leads.doc_hash))
+  with np.load(workdir / kept["heldout"], allow_pickle=False) as f:
+    # Held out: leads 3 and 7, by the article split.
+    assert 1 <= len(f["query_ids"]) <= 4
+  with pytest.raises(SystemExit):
+    learning.main(["--world=vital", f"--workdir={workdir}",
+                   "--prepare_only"])  # no --data_dir

@@ -8,18 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from realm_jax.data import squad
+import helpers
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-LEADS = [
-    {"title": "Ines Marlow", "text": "Ines Marlow was a surveyor of the "
-     "north. She mapped the Kessar Hills and their lakes.",
-     "description": "", "topic": "People"},
-    {"title": "Opal (river)", "text": "The Opal is a cold river that flows "
-     "north from the Kessar Hills to the sea.", "description": "river",
-     "topic": "Geography"},
-]
 
 
 def _module(monkeypatch):
@@ -29,25 +20,9 @@ def _module(monkeypatch):
   return importlib.import_module("real_text")
 
 
-def _data_dir(path):
-  data = squad.read_squad(os.path.join(_ROOT, "tests", "fixtures", "squad",
-                                       "tiny_v1.json"))
-  os.makedirs(path)
-  (path / "vital_leads.jsonl").write_text("".join(
-      json.dumps(x) + "\n" for x in LEADS))
-  (path / "squad_dev_paragraphs.jsonl").write_text(
-      squad.corpus_lines(data.paragraphs))
-  (path / "squad_dev_questions.jsonl").write_text(
-      squad.question_lines(data.questions))
-  (path / "wikidata_cloze.jsonl").write_text(json.dumps(
-      {"prompt": "The occupation of Ines Marlow is",
-       "answers": ["surveyor"], "subject": "Ines Marlow"}) + "\n")
-  return data
-
-
 def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
   real_text = _module(monkeypatch)
-  data = _data_dir(tmp_path / "data")
+  data = helpers.write_public_data(tmp_path / "data")
   output = tmp_path / "rows.jsonl"
   real_text.main([f"--data_dir={tmp_path / 'data'}",
                   f"--workdir={tmp_path / 'w'}", f"--output={output}",
@@ -97,7 +72,7 @@ def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   real_text = _module(monkeypatch)
-  _data_dir(tmp_path / "data")
+  helpers.write_public_data(tmp_path / "data")
   model = real_text._model("models/tiny.gin")  # pylint: disable=protected-access
   ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ckpts"),
                                        async_save=False)
