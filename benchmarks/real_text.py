@@ -227,6 +227,30 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
+def plot(rows, path: str) -> None:
+  """Answer recall@k against k, one line per retriever, one panel per
+  task (a PNG at `path`)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  tasks = list(dict.fromkeys(r.get("task", "squad") for r in rows))
+  fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4),
+                           squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    for r in rows:
+      if r.get("task", "squad") == task:
+        ax.plot(KS, [100 * r[f"recall@{k}"] for k in KS], marker="o",
+                label=r["retriever"])
+    ax.set_xscale("log")
+    ax.set_xticks(KS, [str(k) for k in KS])
+    ax.set_xlabel("k")
+    ax.set_ylabel("answer recall@k (%)")
+    ax.set_title(f"{task}: {rows[0]['blocks']} blocks")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+
+
 def paired(workdir: str, name: str, baseline: str = "bm25") -> str:
   """`name` - `baseline` on the same questions: the difference of recall@k
   (from their predictions in `<workdir>/predictions/`) +- its standard
@@ -257,6 +281,9 @@ def main(argv=None) -> None:
                       "these retrievers' (e.g. minilm,realm) recall@k "
                       "minus the baseline's on the same questions, +- "
                       "standard error.")
+  parser.add_argument("--plot", default=None,
+                      help="With --table_from: a PNG of recall@k per "
+                      "retriever.")
   parser.add_argument("--baseline", default="bm25",
                       help="--paired: against this retriever.")
   parser.add_argument("--data_dir", help="fetch_public.py's --output_dir.")
@@ -283,7 +310,10 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.table_from:
     with open(args.table_from, encoding="utf-8") as f:
-      print(table([json.loads(line) for line in f if line.strip()]))
+      rows = [json.loads(line) for line in f if line.strip()]
+    print(table(rows))
+    if args.plot:
+      plot(rows, args.plot)
     for name in filter(None, (args.paired or "").split(",")):
       print(paired(args.workdir, name, args.baseline))
     return

@@ -97,7 +97,9 @@ def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
   assert rows[1]["recall@100"] == 1.0  # (all 9 blocks retrieved)
   capsys.readouterr()
   real_text.main([f"--table_from={output}", f"--workdir={tmp_path / 'w'}",
-                  "--paired=last,first", "--baseline=bm25"])
+                  "--paired=last,first", "--baseline=bm25",
+                  f"--plot={tmp_path / 'recall.png'}"])
+  assert (tmp_path / "recall.png").read_bytes()[:4] == b"\x89PNG"
   out = capsys.readouterr().out.splitlines()
   assert out[-2].startswith("last - bm25: @1 ")
   assert out[-1].startswith("first - bm25: @1 ")
