@@ -327,10 +327,7 @@ class Run:
 
   # -- The loop ---------------------------------------------------------------
 
-  # Over 60 lines with its docstring (its code is ~35): the step loop reads
-  # top to bottom in one place, and its state (step, timers, history) stays
-  # local; the per-step work it calls is split out (`_log_step`,
-  # `_checkpoint`, `_begin_steps`, `_end_steps`).
+  # Over 60 lines: half docstring; the step loop and its state read as one.
   def loop(self, state: TrainState, train_step, make_batch: Callable[
       [int, TrainState], Mapping[str, jax.Array]], *,
            meta: Mapping[str, Any],
