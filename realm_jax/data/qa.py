@@ -504,10 +504,11 @@ def _check_batch(ids: np.ndarray,
     raise ValueError(
         f"block_token_ids must be [num_blocks, seq_len], got shape {ids.shape}"
         "; use gold_spans() for one block.")
-  if len(answer_token_ids) != len(ids):
+  num_blocks = len(ids)
+  if len(answer_token_ids) != num_blocks:
     raise ValueError(
         f"answer_token_ids has {len(answer_token_ids)} rows but there are "
-        f"{len(ids)} blocks; pass one answer list per block row "
+        f"{num_blocks} blocks; pass one answer list per block row "
         "([answer_ids] * num_blocks for blocks of one question).")
   if max_span_width < 1:
     raise ValueError(f"max_span_width must be >= 1, got {max_span_width}.")
