@@ -88,6 +88,7 @@ _FINETUNE_FIELDS = {
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class DemoConfig:
   """What the demo's command line sets; the rest is in the gin files.
 
@@ -114,7 +115,6 @@ class DemoConfig:
   finetune_bindings: tuple[str, ...] = ()
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.model not in ("minilm", "tiny"):
       raise ValueError(f"DemoConfig.model={self.model!r}; use 'minilm' or "
                        "'tiny'.")

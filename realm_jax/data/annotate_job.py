@@ -130,6 +130,7 @@ def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class AnnotateConfig:
   """What `annotate_corpus` makes (runs/annotate.gin binds the paths).
 
@@ -153,7 +154,6 @@ class AnnotateConfig:
   overwrite: bool = False
 
   def __post_init__(self):
-    checks.field_types(self)
     for name in ("num_shards", "max_documents"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")

@@ -56,6 +56,7 @@ _KEEP = ("keep_lists", "keep_disambiguation", "keep_tables", "keep_captions")
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class CorpusConfig:
   """What `build_corpus` makes (runs/corpus.gin binds the paths).
 
@@ -106,7 +107,6 @@ class CorpusConfig:
   overwrite: bool = False
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.max_block_len < blocks_lib.NUM_SPECIAL_TOKENS + 2:
       raise ValueError(
           f"max_block_len={self.max_block_len} leaves no room for a title "

@@ -707,6 +707,7 @@ class _Register:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class QueryCacheConfig:
   """The command line's `build_query_cache` (runs/query_cache.gin binds the
   paths).
@@ -736,7 +737,6 @@ class QueryCacheConfig:
   overwrite: bool = False
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.num_shards < 1:
       raise ValueError(f"QueryCacheConfig.num_shards={self.num_shards} must "
                        "be >= 1.")

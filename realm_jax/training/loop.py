@@ -45,6 +45,7 @@ from realm_jax.training import optimizer as optimizer_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks.type_checked
 class TrainConfig:
   """What every trainer's config has (each trainer sets its own defaults).
 
@@ -76,7 +77,6 @@ class TrainConfig:
   seed: int = 0
 
   def __post_init__(self):
-    checks.field_types(self)  # Every subclass's fields too.
     checks.at_least(self, "num_train_steps", optional=True)
     checks.at_least(self, "batch_size", "checkpoint_every",
                     "keep_checkpoints", "log_every")
