@@ -6,6 +6,22 @@ from __future__ import annotations
 
 import runpy
 
+# pyproject.toml's `realm_jax.cli:<name>` -> the module it runs.
+SCRIPTS = {
+    "demo": "realm_jax.demo",
+    "corpus": "realm_jax.data.corpus_job",
+    "annotate": "realm_jax.data.annotate_job",
+    "query_cache": "realm_jax.data.query_cache",
+    "ict": "realm_jax.training.ict",
+    "reader_prep": "realm_jax.training.reader_prep",
+    "pretrain": "realm_jax.training.pretrain",
+    "finetune": "realm_jax.training.finetune",
+    "index_builder": "realm_jax.index.builder",
+    "qa_eval": "realm_jax.eval.qa_eval",
+    "ask": "realm_jax.ask",
+    "export": "realm_jax.export",
+}
+
 
 def _entry(module: str):
   def run() -> None:
@@ -16,15 +32,5 @@ def _entry(module: str):
   return run
 
 
-demo = _entry("realm_jax.demo")
-corpus = _entry("realm_jax.data.corpus_job")
-annotate = _entry("realm_jax.data.annotate_job")
-query_cache = _entry("realm_jax.data.query_cache")
-ict = _entry("realm_jax.training.ict")
-reader_prep = _entry("realm_jax.training.reader_prep")
-pretrain = _entry("realm_jax.training.pretrain")
-finetune = _entry("realm_jax.training.finetune")
-index_builder = _entry("realm_jax.index.builder")
-qa_eval = _entry("realm_jax.eval.qa_eval")
-ask = _entry("realm_jax.ask")
-export = _entry("realm_jax.export")
+# The entry points: `demo = _entry("realm_jax.demo")`, and so on.
+globals().update({name: _entry(module) for name, module in SCRIPTS.items()})

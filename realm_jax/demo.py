@@ -88,6 +88,7 @@ _FINETUNE_FIELDS = {
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class DemoConfig:
   """What the demo's command line sets; the rest is in the gin files.
 
@@ -114,7 +115,6 @@ class DemoConfig:
   finetune_bindings: tuple[str, ...] = ()
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.model not in ("minilm", "tiny"):
       raise ValueError(f"DemoConfig.model={self.model!r}; use 'minilm' or "
                        "'tiny'.")
@@ -444,6 +444,37 @@ Go on from here:
 """, flush=True)
 
 
+def _log_retrieval_change(config: DemoConfig, store, paths: dict[str, str]
+                          ) -> dict[str, dict[str, float]]:
+  """`retrieval_change` of the pre-training run, logged."""
+  _, pretrain_model, _ = stage_configs(config, "pretrain")
+  query_length = query_cache.read_manifest(
+      paths["queries"])["query_config"]["query_length"]
+  change = retrieval_change(store, paths, pretrain_model, query_length)
+  _log("retrieval_change", **{f"{when}_{k}": v for when, r in change.items()
+                              for k, v in _round(r).items()})
+  return change
+
+
+def _evaluate(store, paths: dict[str, str], run, model
+              ) -> tuple[qa_model_lib.QAModel, dict[str, dict[str, float]]]:
+  """The fine-tuned model and its QA metrics on the dev and train splits
+  (logged; predictions written to `paths["eval"]`)."""
+  qa_model = qa_model_lib.load_qa_model(
+      model_config=model, store=store, workdir=run.workdir,
+      index_dir=checkpoints.index_root(paths["pretrain"]),
+      batch_size=run.batch_size)  # The run's QA sizes: its checkpoint's.
+  results = {}
+  for split in ("dev", "train"):
+    examples = qa_lib.read_qa_jsonl(demo_qa.path(split), strict=True)
+    results[split] = _round(qa_eval.evaluate(
+        qa_model, examples, recall_ks=(1, 5, 20),
+        predictions_path=os.path.join(paths["eval"],
+                                      f"predictions_{split}.jsonl")))
+    _log("eval", split=split, step=qa_model.params_step, **results[split])
+  return qa_model, results
+
+
 def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   """Runs the stages; returns the final summary."""
   t0 = time.time()
@@ -462,12 +493,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   pretrain_seconds = time.time() - t
   _log("pretrain_done", seconds=round(pretrain_seconds, 1),
        indices_published=published)
-  _, pretrain_model, _ = stage_configs(config, "pretrain")
-  query_length = query_cache.read_manifest(
-      paths["queries"])["query_config"]["query_length"]
-  change = retrieval_change(store, paths, pretrain_model, query_length)
-  _log("retrieval_change", **{f"{when}_{k}": v for when, r in change.items()
-                              for k, v in _round(r).items()})
+  change = _log_retrieval_change(config, store, paths)
 
   t = time.time()
   run, model, operative = stage_configs(config, "finetune")
@@ -477,18 +503,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   write_ask_gin(config, paths)
 
   t = time.time()
-  qa_model = qa_model_lib.load_qa_model(
-      model_config=model, store=store, workdir=run.workdir,
-      index_dir=checkpoints.index_root(paths["pretrain"]),
-      batch_size=run.batch_size)  # The run's QA sizes: its checkpoint's.
-  results = {}
-  for split in ("dev", "train"):
-    examples = qa_lib.read_qa_jsonl(demo_qa.path(split), strict=True)
-    results[split] = _round(qa_eval.evaluate(
-        qa_model, examples, recall_ks=(1, 5, 20),
-        predictions_path=os.path.join(paths["eval"],
-                                      f"predictions_{split}.jsonl")))
-    _log("eval", split=split, step=qa_model.params_step, **results[split])
+  qa_model, results = _evaluate(store, paths, run, model)
   eval_seconds = time.time() - t
   print(flush=True)
   right = _showcase(qa_model)

@@ -186,6 +186,7 @@ def export_model(params: dict[str, Any], config: RealmConfig,
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class ExportConfig:
   """What `python -m realm_jax.export` writes (runs/export.gin binds it).
 
@@ -200,9 +201,6 @@ class ExportConfig:
   output_dir: str
   step: int | None = None
   vocab_path: str | None = None
-
-  def __post_init__(self):
-    checks.field_types(self)
 
 
 def export_checkpoint(config: ExportConfig) -> str:

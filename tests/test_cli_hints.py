@@ -23,6 +23,7 @@ import tomllib
 
 import pytest
 
+from realm_jax import cli
 from realm_jax import gin_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,14 +81,9 @@ def _hint_sources() -> list[tuple[str, str]]:
 @functools.lru_cache(maxsize=None)
 def _scripts() -> dict[str, str]:
   """Console script -> module (pyproject.toml -> realm_jax/cli.py)."""
-  entries = {}
-  for node in ast.parse((PACKAGE / "cli.py").read_text()).body:
-    if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-        and getattr(node.value.func, "id", "") == "_entry"):
-      entries[node.targets[0].id] = node.value.args[0].value
   scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())[
       "project"]["scripts"]
-  return {name: entries[target.split(":")[1]]
+  return {name: cli.SCRIPTS[target.split(":")[1]]
           for name, target in scripts.items()}
 
 

@@ -10,9 +10,11 @@ import numbers
 import os
 import types
 import typing
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+_T = TypeVar("_T")
 
 
 def at_least(config: Any, *names: str, minimum: float = 1,
@@ -135,15 +137,34 @@ def _matches(value: Any, hint: Any) -> bool:
   return True  # A form this check does not model (e.g. a Protocol).
 
 
+def type_checked(cls: type[_T]) -> type[_T]:
+  """Class decorator of a config dataclass: `field_types` runs first.
+
+  Put it under `@dataclasses.dataclass`: building an instance runs
+  `field_types` and then the class's own `__post_init__`, if it has one.
+  Subclasses inherit it, and their fields are checked too.
+  """
+  after = getattr(cls, "__post_init__", None)
+
+  def __post_init__(self) -> None:
+    field_types(self)
+    if after is not None:
+      after(self)
+
+  __post_init__.__qualname__ = f"{cls.__qualname__}.__post_init__"
+  cls.__post_init__ = __post_init__
+  return cls
+
+
 def field_types(config: Any) -> None:
   """Raises ConfigTypeError unless each field of `config` has its type.
 
-  The one type check of every config dataclass: call it first in
-  `__post_init__`, before any comparison, so that `checkpoint_every=2.5`
-  or `batch_size=8.0` fail when the config is built, not steps later after
-  outputs were written. Numbers must be finite (inf or nan, also inside
-  containers, only where the field's metadata has `ALLOW_NONFINITE`).
-  Types come from the class's annotations (a
+  The one type check of every config dataclass (`type_checked` runs it
+  first in `__post_init__`), before any comparison, so that
+  `checkpoint_every=2.5` or `batch_size=8.0` fail when the config is built,
+  not steps later after outputs were written. Numbers must be finite (inf
+  or nan, also inside containers, only where the field's metadata has
+  `ALLOW_NONFINITE`). Types come from the class's annotations (a
   subclass's fields included): `int` takes no float and no bool, `float`
   takes an int, `Optional[...]`, unions, `Literal`, tuples (of fixed or
   any length), lists and dicts are checked with their items.

@@ -80,6 +80,42 @@ def _env_device_ids() -> list[int] | None:
                      "comma-separated list of device ids, e.g. 0,1.") from None
 
 
+def _asks_for_distributed(coordinator_address: str | None,
+                          num_processes: int | None,
+                          process_id: int | None,
+                          local_device_ids: int | Sequence[int] | None, *,
+                          auto: bool) -> bool:
+  """Whether `maybe_initialize` should initialise, checking the topology.
+
+  Raises:
+    ValueError: as `maybe_initialize` documents.
+  """
+  explicit = {"coordinator_address": coordinator_address,
+              "num_processes": num_processes, "process_id": process_id}
+  given = [k for k, v in explicit.items() if v is not None]
+  if not auto and not given:
+    if local_device_ids is not None:
+      raise ValueError("local_device_ids is set but nothing asks for a "
+                       "multi-process run; also pass coordinator_address, "
+                       "num_processes and process_id, or drop it.")
+    return False
+  if not auto and len(given) < len(explicit):
+    missing = sorted(set(explicit) - set(given))
+    raise ValueError(
+        f"Got {', '.join(given)} but not {', '.join(missing)}: pass "
+        "coordinator_address, num_processes and process_id together (or the "
+        f"{ENV_COORDINATOR_ADDRESS}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
+        f"environment variables), or set {ENV_DISTRIBUTED}=1 (or force=True) "
+        "to let JAX detect the rest on a Cloud TPU pod.")
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"num_processes={num_processes}; it must be >= 1.")
+  if (process_id is not None and num_processes is not None
+      and not 0 <= process_id < num_processes):
+    raise ValueError(f"process_id={process_id} is not in [0, "
+                     f"{num_processes}); number processes from 0.")
+  return True
+
+
 def maybe_initialize(*, coordinator_address: str | None = None,
                      num_processes: int | None = None,
                      process_id: int | None = None,
@@ -122,30 +158,10 @@ def maybe_initialize(*, coordinator_address: str | None = None,
     process_id = _env_int(ENV_PROCESS_ID)
   if local_device_ids is None:
     local_device_ids = _env_device_ids()
-  explicit = {"coordinator_address": coordinator_address,
-              "num_processes": num_processes, "process_id": process_id}
-  given = [k for k, v in explicit.items() if v is not None]
-  auto = force or _env_flag(ENV_DISTRIBUTED)
-  if not auto and not given:
-    if local_device_ids is not None:
-      raise ValueError("local_device_ids is set but nothing asks for a "
-                       "multi-process run; also pass coordinator_address, "
-                       "num_processes and process_id, or drop it.")
+  if not _asks_for_distributed(
+      coordinator_address, num_processes, process_id, local_device_ids,
+      auto=force or _env_flag(ENV_DISTRIBUTED)):
     return False
-  if not auto and len(given) < len(explicit):
-    missing = sorted(set(explicit) - set(given))
-    raise ValueError(
-        f"Got {', '.join(given)} but not {', '.join(missing)}: pass "
-        "coordinator_address, num_processes and process_id together (or the "
-        f"{ENV_COORDINATOR_ADDRESS}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
-        f"environment variables), or set {ENV_DISTRIBUTED}=1 (or force=True) "
-        "to let JAX detect the rest on a Cloud TPU pod.")
-  if num_processes is not None and num_processes < 1:
-    raise ValueError(f"num_processes={num_processes}; it must be >= 1.")
-  if (process_id is not None and num_processes is not None
-      and not 0 <= process_id < num_processes):
-    raise ValueError(f"process_id={process_id} is not in [0, "
-                     f"{num_processes}); number processes from 0.")
   logging.info("jax.distributed.initialize(coordinator_address=%s, "
                "num_processes=%s, process_id=%s, local_device_ids=%s)",
                coordinator_address, num_processes, process_id,

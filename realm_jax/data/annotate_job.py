@@ -130,6 +130,7 @@ def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class AnnotateConfig:
   """What `annotate_corpus` makes (runs/annotate.gin binds the paths).
 
@@ -153,7 +154,6 @@ class AnnotateConfig:
   overwrite: bool = False
 
   def __post_init__(self):
-    checks.field_types(self)
     for name in ("num_shards", "max_documents"):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
@@ -188,20 +188,7 @@ def annotate_corpus(input_path: str | None, output_dir: str, *,
                  num_shards, out.output_dir, runner)
     start = time.time()
     with pipeline:
-      _ = (
-          pipeline
-          | "Input" >> beam.Create([input_path])
-          | "Read" >> beam.FlatMap(beam_utils.read_documents,
-                                   max_documents=config.max_documents,
-                                   stats_path=reader_stats)
-          | "Reshuffle" >> beam.Reshuffle()
-          | "Annotate" >> beam.ParDo(AnnotateFn(
-              spacy_model=config.spacy_model, num_shards=num_shards,
-              wikitext=wikipedia.is_wikipedia_dump(input_path),
-              input_path=input_path))
-          | "Write" >> out.write_shards(functools.partial(
-              write_shard, tmp_dir=out.tmp_dir, num_shards=num_shards),
-                                        "annotate", num_shards))
+      _add_steps(pipeline, config, input_path, out, reader_stats)
     report = _finish(out.tmp_dir, num_shards, out.load(out.stats, []),
                      out.load(reader_stats))
     seconds = time.time() - start
@@ -222,6 +209,27 @@ def annotate_corpus(input_path: str | None, output_dir: str, *,
                out.output_dir, report["documents"], report["sentences"],
                report["spans"], seconds)
   return report
+
+
+def _add_steps(pipeline: beam.Pipeline, config: AnnotateConfig,
+               input_path: str, out: beam_utils.ShardedOutput,
+               reader_stats: str) -> None:
+  """Adds the read, annotate and write steps to `pipeline`."""
+  num_shards = config.num_shards
+  _ = (
+      pipeline
+      | "Input" >> beam.Create([input_path])
+      | "Read" >> beam.FlatMap(beam_utils.read_documents,
+                               max_documents=config.max_documents,
+                               stats_path=reader_stats)
+      | "Reshuffle" >> beam.Reshuffle()
+      | "Annotate" >> beam.ParDo(AnnotateFn(
+          spacy_model=config.spacy_model, num_shards=num_shards,
+          wikitext=wikipedia.is_wikipedia_dump(input_path),
+          input_path=input_path))
+      | "Write" >> out.write_shards(
+          functools.partial(write_shard, tmp_dir=out.tmp_dir,
+                            num_shards=num_shards), "annotate", num_shards))
 
 
 def _finish(tmp_dir: str, num_shards: int, stats: list[dict[str, Any]],

@@ -141,7 +141,7 @@ def write_block_store(
     extra_manifest: dict[str, Any] | None = None,
     options: dict[str, Any] | None = None,
 ) -> BlockStore:
-  """Streams blocks into a block store directory.
+  """Streams blocks into a block store directory; returns the opened store.
 
   Nothing is held in memory but the current block. The store is written to
   `out_dir + ".tmp-<pid>"` and renamed to `out_dir` only when complete, so a
@@ -156,8 +156,7 @@ def write_block_store(
   Args:
     blocks: blocks in corpus order, `doc_index` 0, 1, 2, ... (consecutive).
     out_dir: the store directory to create.
-    tokenizer_vocab_path: the vocab.txt the ids come from (its sha256 goes
-      into the manifest).
+    tokenizer_vocab_path: the ids' vocab.txt (its sha256 is in the manifest).
     source: what the corpus was built from (a path), for the manifest.
     max_block_len: the length bound every block must satisfy.
     overwrite: replace an existing store at `out_dir`.
@@ -168,9 +167,6 @@ def write_block_store(
     options: how the blocks were made beyond what they hold (the corpus
       job's filters), for the manifest; part of the fingerprint, so stores
       built with other options never share one.
-
-  Returns:
-    The opened store.
   """
   if not io_utils.is_local(out_dir):
     return _write_remote_store(
@@ -179,6 +175,32 @@ def write_block_store(
         report=report, extra_manifest=extra_manifest, options=options)
   out_dir = os.path.abspath(out_dir)
   tmp_dir = _local_tmp_dir(out_dir, overwrite)
+  try:
+    manifest = _write_store_files(
+        blocks, tmp_dir, out_dir, max_block_len=max_block_len, report=report,
+        tokenizer_vocab_path=tokenizer_vocab_path, source=source,
+        extra_manifest=extra_manifest, options=options)
+    BlockStore.open(tmp_dir)  # refuse to publish what cannot be read back
+    io_utils.replace_local_dir(tmp_dir, out_dir)
+  except BaseException:
+    io_utils.discard_output_tmp(tmp_dir)
+    raise
+  logging.info("wrote block store %s: %d blocks of %d articles, fingerprint "
+               "%s", out_dir, manifest["num_blocks"],
+               manifest["num_documents"], manifest["fingerprint"][:16])
+  return BlockStore.open(out_dir)
+
+
+def _write_store_files(blocks: Iterable[blocks_lib.Block], tmp_dir: str,
+                       out_dir: str, *, max_block_len: int,
+                       report: wikipedia.Report | None,
+                       **manifest_fields) -> dict[str, Any]:
+  """Writes a store's arrays, manifest and report into `tmp_dir`.
+
+  Returns:
+    The manifest. On failure the array writers are closed; discarding
+    `tmp_dir` is left to the caller.
+  """
   writers = _Writers(tmp_dir)
   try:
     num_blocks, num_documents = _write_blocks(blocks, writers, max_block_len)
@@ -188,24 +210,16 @@ def write_block_store(
           "article (see the report's skip counts).")
     writers["doc_block_offsets"].append([num_blocks])
     files = {name: writer.close() for name, writer in writers.items()}
-    manifest = _write_manifest(
-        tmp_dir, files, num_blocks=num_blocks, num_documents=num_documents,
-        max_block_len=max_block_len,
-        tokenizer_vocab_path=tokenizer_vocab_path, source=source,
-        extra_manifest=extra_manifest, options=options)
-    if report is not None:
-      _write_report(tmp_dir, report)
-    BlockStore.open(tmp_dir)  # refuse to publish what cannot be read back
-    io_utils.replace_local_dir(tmp_dir, out_dir)
   except BaseException:
     for writer in writers.values():
       writer.abort()
-    io_utils.discard_output_tmp(tmp_dir)
     raise
-  logging.info("wrote block store %s: %d blocks of %d articles, fingerprint "
-               "%s", out_dir, num_blocks, num_documents,
-               manifest["fingerprint"][:16])
-  return BlockStore.open(out_dir)
+  manifest = _write_manifest(
+      tmp_dir, files, num_blocks=num_blocks, num_documents=num_documents,
+      max_block_len=max_block_len, **manifest_fields)
+  if report is not None:
+    _write_report(tmp_dir, report)
+  return manifest
 
 
 def _local_tmp_dir(out_dir: str, overwrite: bool) -> str:
@@ -391,28 +405,7 @@ class BlockStore:
     files = manifest["files"]
     num_blocks = int(manifest["num_blocks"])
     num_documents = int(manifest["num_documents"])
-    arrays = {}
-    for name, dtype in _ARRAYS + tuple(
-        (name, dtype) for name, dtype in _ID_ARRAYS if name in files):
-      file_path = os.path.join(path, name + ".npy")
-      if not os.path.exists(file_path):
-        raise FileNotFoundError(f"{file_path} is missing; rebuild the store.")
-      try:
-        array = np.load(file_path, mmap_mode="r")
-      except (ValueError, OSError) as e:
-        raise ValueError(f"{file_path} is corrupt ({e}); rebuild the "
-                         "store.") from e
-      expected = files.get(name, {})
-      if (array.dtype != np.dtype(dtype) or array.ndim != 1 or
-          list(array.shape) != expected.get("shape")):
-        raise ValueError(
-            f"{file_path} holds {array.dtype}{list(array.shape)}, the "
-            f"manifest says {expected.get('dtype')}{expected.get('shape')}: "
-            "the store is corrupt; rebuild it.")
-      if verify and _sha256_file_data(file_path) != expected.get("sha256"):
-        raise ValueError(f"{file_path}: sha256 differs from the manifest; "
-                         "the store is corrupt; rebuild it.")
-      arrays[name] = array
+    arrays = _map_arrays(path, files, verify)
     store = cls(source, manifest, arrays, local_path=path)
     store._check_consistency(num_blocks, num_documents)
     return store
@@ -746,6 +739,35 @@ def _read_manifest(path: str) -> dict[str, Any]:
       fields=("files", "fingerprint"), check=check,
       build="build it with `python -m realm_jax.data.corpus_job "
       "--gin_file=runs/corpus.gin --gin.OUTPUT_DIR=\"'...'\"`")
+
+
+def _map_arrays(path: str, files: dict[str, dict[str, Any]],
+                verify: bool) -> dict[str, np.ndarray]:
+  """Memory-maps the store's arrays at `path`, checked against the
+  manifest's `files` (see `BlockStore.open`)."""
+  arrays = {}
+  for name, dtype in _ARRAYS + tuple(
+      (name, dtype) for name, dtype in _ID_ARRAYS if name in files):
+    file_path = os.path.join(path, name + ".npy")
+    if not os.path.exists(file_path):
+      raise FileNotFoundError(f"{file_path} is missing; rebuild the store.")
+    try:
+      array = np.load(file_path, mmap_mode="r")
+    except (ValueError, OSError) as e:
+      raise ValueError(f"{file_path} is corrupt ({e}); rebuild the "
+                       "store.") from e
+    expected = files.get(name, {})
+    if (array.dtype != np.dtype(dtype) or array.ndim != 1 or
+        list(array.shape) != expected.get("shape")):
+      raise ValueError(
+          f"{file_path} holds {array.dtype}{list(array.shape)}, the "
+          f"manifest says {expected.get('dtype')}{expected.get('shape')}: "
+          "the store is corrupt; rebuild it.")
+    if verify and _sha256_file_data(file_path) != expected.get("sha256"):
+      raise ValueError(f"{file_path}: sha256 differs from the manifest; "
+                       "the store is corrupt; rebuild it.")
+    arrays[name] = array
+  return arrays
 
 
 def _cache_key(manifest: dict[str, Any]) -> str:

@@ -56,6 +56,7 @@ _KEEP = ("keep_lists", "keep_disambiguation", "keep_tables", "keep_captions")
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class CorpusConfig:
   """What `build_corpus` makes (runs/corpus.gin binds the paths).
 
@@ -106,7 +107,6 @@ class CorpusConfig:
   overwrite: bool = False
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.max_block_len < blocks_lib.NUM_SPECIAL_TOKENS + 2:
       raise ValueError(
           f"max_block_len={self.max_block_len} leaves no room for a title "
@@ -220,6 +220,21 @@ def _merged_blocks(out: beam_utils.ShardedOutput, stats: list[dict[str, Any]],
     progress.add()
 
 
+def _reader_options(config: CorpusConfig, input_format: str,
+                    orqa: tuple[str, str] | None) -> dict[str, Any]:
+  """The keyword arguments of `_read_chunks` that depend on the format."""
+  reader = dict(orqa_titles=orqa[1]) if orqa else dict(
+      input_format=input_format)
+  if input_format in ("wikipedia_xml", "jsonl"):
+    reader.update(max_article_chars=config.max_article_chars,
+                  max_title_chars=config.max_title_chars)
+  if input_format == "wikipedia_xml":
+    reader.update(allow_truncated=config.allow_truncated,
+                  keep_lists=config.keep_lists,
+                  keep_disambiguation=config.keep_disambiguation)
+  return reader
+
+
 def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
                  ) -> tuple[block_store.BlockStore, wikipedia.Report]:
   """Builds a block store: `CorpusConfig(**fields)` with the Beam options
@@ -241,15 +256,7 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
   input_format = "orqa" if orqa else beam_utils.check_input(
       input_path, config.input_format)
   keep = {name: getattr(config, name) for name in _KEEP}
-  reader = dict(orqa_titles=orqa[1]) if orqa else dict(
-      input_format=input_format)
-  if input_format in ("wikipedia_xml", "jsonl"):
-    reader.update(max_article_chars=config.max_article_chars,
-                  max_title_chars=config.max_title_chars)
-  if input_format == "wikipedia_xml":
-    reader.update(allow_truncated=config.allow_truncated,
-                  keep_lists=config.keep_lists,
-                  keep_disambiguation=config.keep_disambiguation)
+  reader = _reader_options(config, input_format, orqa)
   vocab_path = config.vocab_path or tokenizer_lib.default_vocab_path()
   report = wikipedia.Report()
   with beam_utils.ShardedOutput(config.output_dir, marker="manifest.json",

@@ -58,6 +58,7 @@ class SpecialIds:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class RealmQueryConfig:
   """How REALM masked-language-model queries are made.
 
@@ -79,7 +80,6 @@ class RealmQueryConfig:
   span_length_p: float = 0.2
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.mask_limit is None:
       object.__setattr__(self, "mask_limit", self.query_length - 2)
     if self.masking not in MASKING_MODES:
@@ -111,6 +111,7 @@ class RealmQueryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class IctConfig:
   """How Inverse Cloze Task pairs are made (ORQA's settings by default).
 
@@ -125,7 +126,6 @@ class IctConfig:
   remove_probability: float = 0.9
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.query_length < 3:
       raise ValueError(f"query_length={self.query_length} must be >= 3 "
                        "([CLS] sentence [SEP]).")

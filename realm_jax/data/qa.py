@@ -171,6 +171,30 @@ def _open_binary(path: str):
   return open(path, "rb")
 
 
+def _decode_line(raw: bytes, line_number: int) -> tuple[str | None,
+                                                       str | None]:
+  """(the line's text, None), or (None, why) if it is not UTF-8."""
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    return None, f"invalid UTF-8 at byte {e.start}"
+  if line_number == 1:
+    # Files saved by some editors start with a byte-order mark.
+    text = text.removeprefix("\ufeff")
+  return text, None
+
+
+def _note_malformed(report: QAReadReport, path: str, line_number: int,
+                    reason: str, *, log: bool) -> None:
+  """Counts a skipped line in `report` (and logs it if `log`)."""
+  report.malformed += 1
+  if len(report.malformed_lines) < _MAX_REPORTED_MALFORMED:
+    report.malformed_lines.append((path, line_number, reason))
+  if log:
+    logging.warning("%s:%d: skipping malformed QA line: %s", path,
+                    line_number, reason)
+
+
 def read_qa_jsonl(
     path: str,
     report: QAReadReport | None = None,
@@ -203,13 +227,7 @@ def read_qa_jsonl(
   examples, malformed_here = [], 0
   with _open_binary(path) as f:
     for line_number, raw in enumerate(f, start=1):
-      try:
-        text = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        text, reason = None, f"invalid UTF-8 at byte {e.start}"
-      if line_number == 1 and text:
-        # Files saved by some editors start with a byte-order mark.
-        text = text.removeprefix("\ufeff")
+      text, reason = _decode_line(raw, line_number)
       if text is not None and not text.strip():
         report.blank_lines += 1
         continue
@@ -227,13 +245,9 @@ def read_qa_jsonl(
         raise QADataError(
             f"{path}:{line_number}: {reason}. Fix or delete the line, or read "
             "with strict=False to skip malformed lines.")
-      report.malformed += 1
       malformed_here += 1
-      if len(report.malformed_lines) < _MAX_REPORTED_MALFORMED:
-        report.malformed_lines.append((path, line_number, reason))
-      if malformed_here <= _MAX_LOGGED_MALFORMED:
-        logging.warning("%s:%d: skipping malformed QA line: %s", path,
-                        line_number, reason)
+      _note_malformed(report, path, line_number, reason,
+                      log=malformed_here <= _MAX_LOGGED_MALFORMED)
   if malformed_here:
     logging.warning("%s: skipped %d malformed line(s); see the returned "
                     "QAReadReport for their line numbers.", path,
@@ -471,18 +485,8 @@ def gold_spans_batch(
     ValueError: on mismatched shapes.
   """
   ids = np.asarray(block_token_ids)
-  if ids.ndim != 2:
-    raise ValueError(
-        f"block_token_ids must be [num_blocks, seq_len], got shape {ids.shape}"
-        "; use gold_spans() for one block.")
+  _check_batch(ids, answer_token_ids, max_span_width)
   num_blocks, seq_len = ids.shape
-  if len(answer_token_ids) != num_blocks:
-    raise ValueError(
-        f"answer_token_ids has {len(answer_token_ids)} rows but there are "
-        f"{num_blocks} blocks; pass one answer list per block row "
-        "([answer_ids] * num_blocks for blocks of one question).")
-  if max_span_width < 1:
-    raise ValueError(f"max_span_width must be >= 1, got {max_span_width}.")
   mask_cumsum, followed_by_piece = _span_filters(ids, token_mask,
                                                  continuation_mask)
   by_length = _answers_by_length(answer_token_ids,
@@ -490,6 +494,24 @@ def gold_spans_batch(
   rows, starts, widths = _match_spans(ids, by_length, mask_cumsum,
                                       followed_by_piece, max_span_width)
   return _padded_spans(rows, starts, widths, num_blocks, max_spans)
+
+
+def _check_batch(ids: np.ndarray,
+                 answer_token_ids: Sequence[Sequence[np.ndarray]],
+                 max_span_width: int) -> None:
+  """Raises the ValueError of `gold_spans_batch` for mismatched shapes."""
+  if ids.ndim != 2:
+    raise ValueError(
+        f"block_token_ids must be [num_blocks, seq_len], got shape {ids.shape}"
+        "; use gold_spans() for one block.")
+  num_blocks = len(ids)
+  if len(answer_token_ids) != num_blocks:
+    raise ValueError(
+        f"answer_token_ids has {len(answer_token_ids)} rows but there are "
+        f"{num_blocks} blocks; pass one answer list per block row "
+        "([answer_ids] * num_blocks for blocks of one question).")
+  if max_span_width < 1:
+    raise ValueError(f"max_span_width must be >= 1, got {max_span_width}.")
 
 
 def _span_filters(

@@ -469,8 +469,12 @@ class QueryStream:
 # -----------------------------------------------------------------------------
 
 
-def _expand(patterns: Sequence[str]) -> list[str]:
+def _expand(annotated: str | Sequence[str]) -> list[str]:
+  """The files `annotated`'s glob patterns match (a string may hold several,
+  comma-separated), sorted within each pattern."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  patterns = ([p for p in annotated.split(",") if p]
+              if isinstance(annotated, str) else list(annotated))
   files = []
   for pattern in patterns:
     found = sorted(tf.io.gfile.glob(pattern))
@@ -535,16 +539,20 @@ def _to_record(example: dict[str, Any], num_shards: int):
           (source, index, encode_query(example)))
 
 
-def _task_registration(files: Sequence[str], vocab_path: str,
-                       vocab_sha256: str, lower_case: bool,
+def _task_registration(files: Sequence[str], vocab_path: str | None,
+                       lower_case: bool,
                        query_config: examples_lib.RealmQueryConfig
-                       ) -> dict[str, Any]:
-  """`tasks.register_pretrain_task`'s arguments for the cache's seqio task.
+                       ) -> tuple[dict[str, Any], str]:
+  """`tasks.register_pretrain_task`'s arguments for the cache's seqio task,
+  and the sha256 of its vocabulary (default `tokenizer.default_vocab_path()`).
 
   seqio seeds each input file's masks from the task name, so the name
   holds no path: the same files and settings give the same masks wherever
   they (and the vocabulary) are stored.
   """
+  from realm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
+  vocab_sha256 = io_utils.sha256_file(vocab_path)
   spec = json.dumps([[os.path.basename(f) for f in files], vocab_sha256,
                      lower_case, dataclasses.asdict(query_config)],
                     sort_keys=True)
@@ -552,7 +560,7 @@ def _task_registration(files: Sequence[str], vocab_path: str,
                hashlib.sha256(spec.encode()).hexdigest()[:16])
   return dict(annotated_pattern=tuple(files), name=task_name,
               vocab_path=vocab_path, lower_case=lower_case,
-              query_config=query_config, overwrite=True)
+              query_config=query_config, overwrite=True), vocab_sha256
 
 
 def build_query_cache(
@@ -588,49 +596,54 @@ def build_query_cache(
   ValueError (a malformed input file, named; no query at all; an empty
   shard: use fewer shards).
   """
-  import apache_beam as beam  # pylint: disable=g-import-not-at-top
   from realm_jax.data import beam_utils  # pylint: disable=g-import-not-at-top
   from realm_jax.data import tasks  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 
   if num_shards < 1:
     raise ValueError(f"num_shards={num_shards} must be >= 1.")
-  patterns = ([p for p in annotated.split(",") if p]
-              if isinstance(annotated, str) else list(annotated))
   output = beam_utils.ShardedOutput(output_dir, marker=MANIFEST,
                                     overwrite=overwrite)
-  files = _expand(patterns)
-  vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
-  vocab_sha256 = io_utils.sha256_file(vocab_path)
-  register = _task_registration(files, vocab_path, vocab_sha256, lower_case,
-                                query_config)
-  task_name = register["name"]
+  files = _expand(annotated)
+  register, vocab_sha256 = _task_registration(files, vocab_path, lower_case,
+                                              query_config)
   task = tasks.register_pretrain_task(**register)
   start = time.time()
   with output as out:
-    pipeline, runner = beam_utils.pipeline(pipeline_args)
-    logging.info("query cache: %d annotated files -> %d shards in %s "
-                 "(runner %s)", len(files), num_shards, out.output_dir, runner)
-    with pipeline:
-      _ = (
-          pipeline
-          | "Queries" >> _preprocess_transform()(
-              task, "train", preprocessors_seed=seed, add_provenance=True,
-              setup_fn=_Register(register))
-          | "Encode" >> beam.Map(_to_record, num_shards)
-          | "Write" >> out.write_shards(functools.partial(
-              write_shard, tmp_dir=out.tmp_dir, num_shards=num_shards),
-                                        "query_cache", num_shards))
+    _run_pipeline(pipeline_args, out, task, register, num_files=len(files),
+                  num_shards=num_shards, seed=seed)
     manifest = finish_cache(
         out.tmp_dir, out.output_dir, out.load(out.stats, []),
         num_shards=num_shards, query_config=query_config, seed=seed,
         vocab_sha256=vocab_sha256, source_files=files,
-        extra={"lower_case": lower_case, "seqio_task": task_name,
+        extra={"lower_case": lower_case, "seqio_task": register["name"],
                "build_seconds": round(time.time() - start, 1)})
   logging.info("query cache %s: %d queries in %d shards (%.0f s)",
                out.output_dir, manifest["num_queries"], num_shards,
                time.time() - start)
   return manifest
+
+
+def _run_pipeline(pipeline_args: Sequence[str], out, task,
+                  register: dict[str, Any], *, num_files: int,
+                  num_shards: int, seed: int) -> None:
+  """Runs the Beam pipeline that writes the cache's shards into `out`."""
+  import apache_beam as beam  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import beam_utils  # pylint: disable=g-import-not-at-top
+
+  pipeline, runner = beam_utils.pipeline(pipeline_args)
+  logging.info("query cache: %d annotated files -> %d shards in %s "
+               "(runner %s)", num_files, num_shards, out.output_dir, runner)
+  with pipeline:
+    _ = (
+        pipeline
+        | "Queries" >> _preprocess_transform()(
+            task, "train", preprocessors_seed=seed, add_provenance=True,
+            setup_fn=_Register(register))
+        | "Encode" >> beam.Map(_to_record, num_shards)
+        | "Write" >> out.write_shards(
+            functools.partial(write_shard, tmp_dir=out.tmp_dir,
+                              num_shards=num_shards),
+            "query_cache", num_shards))
 
 
 def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
@@ -694,6 +707,7 @@ class _Register:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class QueryCacheConfig:
   """The command line's `build_query_cache` (runs/query_cache.gin binds the
   paths).
@@ -723,7 +737,6 @@ class QueryCacheConfig:
   overwrite: bool = False
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.num_shards < 1:
       raise ValueError(f"QueryCacheConfig.num_shards={self.num_shards} must "
                        "be >= 1.")

@@ -268,19 +268,8 @@ def iter_wikipedia_pages(
     raise FileNotFoundError(f"Wikipedia dump {path} does not exist.")
   last_title = None
   with _open_binary(path) as stream:
-    context = ET.iterparse(stream, events=("start", "end"))
-    root = None
     try:
-      for event, element in context:
-        if root is None:
-          root = element
-        if event != "end" or _local(element.tag) != "page":
-          continue
-        page = _read_page(element)
-        # Drop the finished page from the tree: without this the root keeps
-        # every page and memory grows with the dump.
-        element.clear()
-        root.clear()
+      for page in _pages(stream):
         title = page.get("title")
         where = f"{path}: page '{title}'" if title else (
             f"{path}: page after '{last_title}'")
@@ -297,6 +286,22 @@ def iter_wikipedia_pages(
     except (ET.ParseError, EOFError, OSError) as e:
       _damaged_dump(e, path, last_title, report,
                     allow_truncated=allow_truncated)
+
+
+def _pages(stream: IO[bytes]) -> Iterator[dict[str, Any]]:
+  """The `_read_page`s of a dump's <page> elements, in dump order."""
+  root = None
+  for event, element in ET.iterparse(stream, events=("start", "end")):
+    if root is None:
+      root = element
+    if event != "end" or _local(element.tag) != "page":
+      continue
+    page = _read_page(element)
+    # Drop the finished page from the tree: without this the root keeps
+    # every page and memory grows with the dump.
+    element.clear()
+    root.clear()
+    yield page
 
 
 def _page_document(page: dict[str, Any], where: str, report: Report, *,
@@ -487,8 +492,9 @@ def iter_jsonl_documents(
   and counted (`invalid_utf8`, `bad_json`, `bad_record`, `empty_title`) with
   their line number; so are byte-identical repeats of an earlier line
   (`duplicate_article`, naming that line) and empty, enormous and
-  too-long-titled documents (see `iter_wikipedia_pages`). The text is used as is: blank lines separate
-  paragraphs. `path` may be compressed (`.gz`, `.bz2`).
+  too-long-titled documents (see `iter_wikipedia_pages`). The text is used
+  as is: blank lines separate paragraphs. `path` may be compressed (`.gz`,
+  `.bz2`).
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"JSONL corpus {path} does not exist.")
@@ -498,32 +504,9 @@ def iter_jsonl_documents(
       where = f"{path}:{line_number}"
       if not raw.strip():
         continue
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        report.skip("invalid_utf8", where, str(e))
+      if (record := _jsonl_record(raw, where, report)) is None:
         continue
-      try:
-        record = json.loads(line)  # Input corpus, not job output.
-      except json.JSONDecodeError as e:
-        report.skip("bad_json", where, str(e))
-        continue
-      if not (isinstance(record, dict) and isinstance(record.get("title"), str)
-              and isinstance(record.get("text"), str)):
-        report.skip("bad_record", where,
-                    'expected {"title": str, "text": str}')
-        continue
-      title, text = record["title"].strip(), record["text"]
-      try:
-        # JSON escapes can encode lone surrogates, which are not text.
-        title.encode("utf-8")
-        text.encode("utf-8")
-      except UnicodeEncodeError as e:
-        report.skip("invalid_utf8", where, str(e))
-        continue
-      if not title:
-        report.skip("empty_title", where)
-        continue
+      title, text = record
       first = seen.setdefault(hashlib.blake2b(raw.strip(),
                                               digest_size=8).digest(),
                               line_number)
@@ -537,6 +520,38 @@ def iter_jsonl_documents(
           max_article_chars=max_article_chars, max_title_chars=max_title_chars):
         report.keep("articles_read")
         yield document
+
+
+def _jsonl_record(raw: bytes, where: str,
+                  report: Report) -> tuple[str, str] | None:
+  """(title, text) of a JSONL line, or None if it is skipped (and counted in
+  `report`); see `iter_jsonl_documents`."""
+  try:
+    line = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    report.skip("invalid_utf8", where, str(e))
+    return None
+  try:
+    record = json.loads(line)  # Input corpus, not job output.
+  except json.JSONDecodeError as e:
+    report.skip("bad_json", where, str(e))
+    return None
+  if not (isinstance(record, dict) and isinstance(record.get("title"), str)
+          and isinstance(record.get("text"), str)):
+    report.skip("bad_record", where, 'expected {"title": str, "text": str}')
+    return None
+  title, text = record["title"].strip(), record["text"]
+  try:
+    # JSON escapes can encode lone surrogates, which are not text.
+    title.encode("utf-8")
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    report.skip("invalid_utf8", where, str(e))
+    return None
+  if not title:
+    report.skip("empty_title", where)
+    return None
+  return title, text
 
 
 DPR_HEADER = ("id", "text", "title")

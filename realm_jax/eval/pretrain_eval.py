@@ -122,8 +122,7 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     gold_block_ids: int [num_queries], each query's evidence block, or
       None (real text: no recall@k, no gold-document accuracy).
     num_candidates: k retrieved blocks read beside the null document.
-    reader_length: reader input length (default query length + block
-      length).
+    reader_length: reader input length (default: query + block length).
     batch_size: queries per reader call.
     questions: open-domain questions with answers, for `qa_recall@k`.
     question_length: `[CLS] question [SEP]` wordpieces.
@@ -144,28 +143,10 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   Raises:
     ValueError: on mismatched sizes or too small a corpus.
   """
-  n = len(queries["query_ids"])
-  gold = None if gold_block_ids is None else np.asarray(gold_block_ids,
-                                                        np.int64)
-  if gold is not None and gold.shape != (n,):
-    raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
-                     f"({n},), one evidence block per query.")
-  if len(store) <= num_candidates:
-    raise ValueError(f"{store.path}: {len(store)} blocks, too few for "
-                     f"{num_candidates} candidates.")
-  reader_length = reader_length or (queries["query_ids"].shape[1]
-                                    + store.max_block_len)
-  # Mask slots are filled from the front: drop the slots no query uses (the
-  # reader's logits over the vocabulary are the cost here).
-  used = max(1, int((queries["mlm_weights"] > 0).sum(1).max()))
-  queries = {k: v[:, :used] if k.startswith("mlm_") else v
-             for k, v in queries.items()}
-  if block_emb is None:
-    block_emb, _ = embed_lib.embed_block_store(
-        params["retriever"], model.retriever, store, log_every_seconds=1e9)
-  elif np.shape(block_emb)[0] != len(store):
-    raise ValueError(f"block_emb has {np.shape(block_emb)[0]} rows; the "
-                     f"store {store.path} has {len(store)} blocks.")
+  gold = _checked_gold(gold_block_ids, len(queries["query_ids"]), store,
+                       num_candidates)
+  queries = _used_mask_slots(queries)
+  block_emb = _block_embeddings(params, model, store, block_emb)
   ranking, spread = _ranking(params, model, store, queries, block_emb,
                              trivial_candidates, batch_size)
   metrics = _reading_metrics(params, model, store, queries, ranking,
@@ -180,11 +161,52 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   return metrics
 
 
+def _checked_gold(gold_block_ids: np.ndarray | None, num_queries: int,
+                  store, num_candidates: int) -> np.ndarray | None:
+  """`gold_block_ids` as int64, checked with the store's size (see
+  `evaluate`)."""
+  gold = None if gold_block_ids is None else np.asarray(gold_block_ids,
+                                                        np.int64)
+  if gold is not None and gold.shape != (num_queries,):
+    raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
+                     f"({num_queries},), one evidence block per query.")
+  if len(store) <= num_candidates:
+    raise ValueError(f"{store.path}: {len(store)} blocks, too few for "
+                     f"{num_candidates} candidates.")
+  return gold
+
+
+def _used_mask_slots(queries: dict[str, np.ndarray]
+                     ) -> dict[str, np.ndarray]:
+  """`queries` without the mask slots no query uses.
+
+  Mask slots are filled from the front; the reader's logits over the
+  vocabulary are the cost of each slot kept.
+  """
+  used = max(1, int((queries["mlm_weights"] > 0).sum(1).max()))
+  return {k: v[:, :used] if k.startswith("mlm_") else v
+          for k, v in queries.items()}
+
+
+def _block_embeddings(params: dict[str, Any], model: RealmConfig, store,
+                      block_emb: np.ndarray | None) -> np.ndarray:
+  """`block_emb`, checked against the store, or the store embedded."""
+  if block_emb is None:
+    block_emb, _ = embed_lib.embed_block_store(
+        params["retriever"], model.retriever, store, log_every_seconds=1e9)
+  elif np.shape(block_emb)[0] != len(store):
+    raise ValueError(f"block_emb has {np.shape(block_emb)[0]} rows; the "
+                     f"store {store.path} has {len(store)} blocks.")
+  return block_emb
+
+
 def _reading_metrics(params, model, store, queries, ranking, num_candidates,
                      gold, reader_length, batch_size) -> dict[str, float]:
   """What the reader makes of the top `num_candidates` blocks (and of the
   gold block, when known), per mask; recall and hubness of `ranking`."""
   n = len(ranking)
+  reader_length = reader_length or (queries["query_ids"].shape[1]
+                                    + store.max_block_len)
   top1, candidates = ranking[:, 0], ranking[:, :num_candidates]
   read = _reader_fn(model)
 

@@ -57,6 +57,7 @@ from realm_jax.model.realm import Realm, RealmConfig, RetrieverConfig
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class IndexBuildConfig:
   """How an index is built and published, by the builder job
   (`BuilderConfig.index_build`) and by an inline-mode trainer
@@ -87,7 +88,6 @@ class IndexBuildConfig:
   retry_seconds: float = 2.0
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.searcher not in search_base.SHARD_CONFIGS:
       raise ValueError(f"IndexBuildConfig.searcher={self.searcher!r}; use "
                        "'scann' or 'exact'.")
@@ -102,6 +102,7 @@ class IndexBuildConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class BuilderConfig:
   """The index builder job (runs/index_builder.gin).
 
@@ -139,7 +140,6 @@ class BuilderConfig:
   index_build: IndexBuildConfig = IndexBuildConfig()
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.poll_seconds <= 0:
       raise ValueError("BuilderConfig.poll_seconds must be > 0.")
     if self.init_from == "scratch":

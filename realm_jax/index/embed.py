@@ -107,6 +107,26 @@ def _embed_rows(embed, params, mesh, store, ids: np.ndarray, batch: int,
   return np.asarray(emb)[:len(ids)]
 
 
+def _host_rows(num_blocks: int, rows: tuple[int, int] | None,
+               process_index: int, process_count: int) -> tuple[int, int]:
+  """This host's share [lo, hi) of the blocks `rows` (default: all)."""
+  first_row, end_row = rows if rows is not None else (0, num_blocks)
+  if not 0 <= first_row <= end_row <= num_blocks:
+    raise ValueError(f"rows={rows} is not a range of the {num_blocks} "
+                     "blocks of the store.")
+  lo, hi = host_row_range(end_row - first_row, process_index, process_count)
+  return first_row + lo, first_row + hi
+
+
+def _progress_bar(total: int, process_index: int,
+                  log_every_seconds: float) -> tqdm.tqdm:
+  """Host 0's bar of embedded blocks on stderr."""
+  # disable=None: no bar unless stderr is a terminal (logs, tests).
+  return tqdm.tqdm(total=total, desc="embedding blocks", unit="block",
+                   file=sys.stderr, mininterval=log_every_seconds,
+                   disable=None if process_index == 0 else True)
+
+
 def embed_block_store(
     retriever_params: Any,
     retriever_config: RetrieverConfig,
@@ -149,29 +169,19 @@ def embed_block_store(
   mesh, embed, params = _embedder(retriever_params, retriever_config,
                                   bfloat16, devices)
   seq_len = seq_len or store.max_block_len
-  first_row, end_row = rows if rows is not None else (0, len(store))
-  if not 0 <= first_row <= end_row <= len(store):
-    raise ValueError(f"rows={rows} is not a range of the {len(store)} "
-                     "blocks of the store.")
-  lo, hi = (first_row + x for x in host_row_range(
-      end_row - first_row, process_index, process_count))
+  lo, hi = _host_rows(len(store), rows, process_index, process_count)
   batch = batch_size_per_device * mesh.size
   out = np.zeros([hi - lo, retriever_config.embedding_size], np.float32)
   start = time.time()
-  # disable=None: no bar unless stderr is a terminal (logs, tests).
-  bar = tqdm.tqdm(total=hi - lo, desc="embedding blocks", unit="block",
-                  file=sys.stderr, mininterval=log_every_seconds,
-                  disable=None if process_index == 0 else True)
-  if on_progress:
-    on_progress(0, hi - lo)
-  for first in range(lo, hi, batch):
-    ids = np.arange(first, min(hi, first + batch))
-    out[first - lo:first - lo + len(ids)] = _embed_rows(
-        embed, params, mesh, store, ids, batch, seq_len)
-    bar.update(len(ids))
-    if on_progress:
+  on_progress = on_progress or (lambda done, total: None)
+  on_progress(0, hi - lo)
+  with _progress_bar(hi - lo, process_index, log_every_seconds) as bar:
+    for first in range(lo, hi, batch):
+      ids = np.arange(first, min(hi, first + batch))
+      out[first - lo:first - lo + len(ids)] = _embed_rows(
+          embed, params, mesh, store, ids, batch, seq_len)
+      bar.update(len(ids))
       on_progress(first - lo + len(ids), hi - lo)
-  bar.close()
   stats = EmbedStats(rows=hi - lo, seconds=time.time() - start)
   logging.info("embedded %d blocks (host %d/%d) in %.1f s, %.1f blocks/s",
                stats.rows, process_index, process_count, stats.seconds,

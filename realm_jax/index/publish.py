@@ -292,15 +292,7 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
     raise ValueError(f"keep={keep} must be >= 1.")
   root = io_utils.as_path(index_root)
   root.mkdir(parents=True, exist_ok=True)
-  final = io_utils.as_path(step_dir(root, step))
-  # Writes through a planted link would land outside the index root.
-  io_utils.check_no_links(final, root)
-  if read_latest(root) == int(step):
-    # Re-publishing the live step: unpublish it before touching its files.
-    older = [s for s in published_steps(root) if s < int(step)]
-    _write_latest(root, older[-1] if older else None)
-  if final.exists():  # Leftovers of an attempt that never reached LATEST.
-    _remove_index_dir(final)
+  final = _fresh_step_dir(root, step)
   local = io_utils.is_local(final)
   # ScaNN serializes to local files: a remote index is staged locally,
   # checked there, and uploaded.
@@ -335,6 +327,21 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
   _write_latest(root, step)
   _remove_old_indices(root, step, keep)
   return os.fspath(final)
+
+
+def _fresh_step_dir(root: PathLike, step: int):
+  """The `io_utils.as_path` of `step`'s directory under `root`, unpublished
+  and removed, ready for `publish_index` to write."""
+  final = io_utils.as_path(step_dir(root, step))
+  # Writes through a planted link would land outside the index root.
+  io_utils.check_no_links(final, root)
+  if read_latest(root) == int(step):
+    # Re-publishing the live step: unpublish it before touching its files.
+    older = [s for s in published_steps(root) if s < int(step)]
+    _write_latest(root, older[-1] if older else None)
+  if final.exists():  # Leftovers of an attempt that never reached LATEST.
+    _remove_index_dir(final)
+  return final
 
 
 def _index_manifest(stage: str, step: int, embeddings: np.ndarray, searcher,

@@ -55,6 +55,7 @@ class SearcherConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class ExactConfig(SearcherConfig):
   """Brute-force search.
 
@@ -72,7 +73,6 @@ class ExactConfig(SearcherConfig):
   queries_per_block: int = 256
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.backend not in ("numpy", "jax"):
       raise ValueError(
           f"ExactConfig.backend must be 'numpy' or 'jax', got "
@@ -85,6 +85,7 @@ REORDERING_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class ScannConfig(SearcherConfig):
   """ScaNN tree + asymmetric hashing (AH) + exact re-ordering.
 
@@ -162,7 +163,6 @@ class ScannConfig(SearcherConfig):
   search_batch_size: int = 256
 
   def __post_init__(self):
-    checks.field_types(self)
     checks.at_least(self, "num_leaves", "num_leaves_to_search",
                     "min_partition_size", "training_sample_size",
                     integer=True, optional=True)
@@ -255,6 +255,7 @@ ShardConfig = Union[ExactConfig, ScannConfig]
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class ShardedConfig(SearcherConfig):
   """Several searchers over contiguous row ranges.
 
@@ -269,7 +270,6 @@ class ShardedConfig(SearcherConfig):
   shard_config: ShardConfig | Mapping[str, Any] | None = None
 
   def __post_init__(self):
-    checks.field_types(self)
     checks.at_least(self, "num_shards", integer=True)
     if self.shard_kind not in SHARD_CONFIGS:
       raise ValueError(

@@ -30,6 +30,7 @@ DROPOUT_MASK_BITS = (32, 16)
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class BertConfig:
   """Sizes and numerics of a BERT encoder.
 
@@ -91,7 +92,6 @@ class BertConfig:
   dropout_mask_bits: int = 32
 
   def __post_init__(self):
-    checks.field_types(self)
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                  "intermediate_size", "max_position_embeddings",
                  "type_vocab_size"):

@@ -32,6 +32,7 @@ SPAN_HEAD_BATCHINGS = ("whole_batch", "per_row")
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class RetrieverConfig:
   """The dual encoder.
 
@@ -85,7 +86,6 @@ class RetrieverConfig:
   score_scale: float = 1.0
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.pooling not in POOLINGS:
       raise ValueError(f"RetrieverConfig.pooling must be one of {POOLINGS}, "
                        f"got {self.pooling!r}.")
@@ -112,6 +112,7 @@ class RetrieverConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class ReaderConfig:
   """The knowledge-augmented encoder.
 
@@ -140,7 +141,6 @@ class ReaderConfig:
   span_head_batching: str = "whole_batch"
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.span_head_batching not in SPAN_HEAD_BATCHINGS:
       raise ValueError("ReaderConfig.span_head_batching must be one of "
                        f"{SPAN_HEAD_BATCHINGS}, got "
@@ -154,12 +154,10 @@ class ReaderConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class RealmConfig:
   retriever: RetrieverConfig = RetrieverConfig()
   reader: ReaderConfig = ReaderConfig()
-
-  def __post_init__(self):
-    checks.field_types(self)
 
 
 # ----------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from realm_jax.training import optimizer as optimizer_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks.type_checked
 class TrainConfig:
   """What every trainer's config has (each trainer sets its own defaults).
 
@@ -76,7 +77,6 @@ class TrainConfig:
   seed: int = 0
 
   def __post_init__(self):
-    checks.field_types(self)  # Every subclass's fields too.
     checks.at_least(self, "num_train_steps", optional=True)
     checks.at_least(self, "batch_size", "checkpoint_every",
                     "keep_checkpoints", "log_every")
@@ -327,10 +327,7 @@ class Run:
 
   # -- The loop ---------------------------------------------------------------
 
-  # Over 60 lines with its docstring (its code is ~35): the step loop reads
-  # top to bottom in one place, and its state (step, timers, history) stays
-  # local; the per-step work it calls is split out (`_log_step`,
-  # `_checkpoint`, `_begin_steps`, `_end_steps`).
+  # Over 60 lines: half docstring; the step loop and its state read as one.
   def loop(self, state: TrainState, train_step, make_batch: Callable[
       [int, TrainState], Mapping[str, jax.Array]], *,
            meta: Mapping[str, Any],

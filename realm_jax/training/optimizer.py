@@ -419,21 +419,35 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   if (retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps
       and not gated and not frozen):
     return reader
-  # A retriever frozen for good (multiplier 0, or a freeze as long as the
-  # run) keeps the same optimiser state structure, so a run can resume
-  # from another's checkpoint with a different freeze or multiplier.
-  release = (num_train_steps if retriever_learning_rate_multiplier == 0
-             else min(freeze_retriever_steps, num_train_steps))
-  retriever = delayed(
-      bert_optimizer(learning_rate=1.0, num_train_steps=1, warmup_steps=0,
-                     unused=unused, bias_correction=bias_correction,
-                     _unit_rate=True),
-      release,
-      learning_rate=learning_rate * retriever_learning_rate_multiplier,
-      num_train_steps=num_train_steps, warmup_steps=warmup_steps)
+  retriever = _delayed_retriever(
+      learning_rate, retriever_learning_rate_multiplier,
+      num_train_steps=num_train_steps, warmup_steps=warmup_steps,
+      freeze_steps=freeze_retriever_steps, unused=unused,
+      bias_correction=bias_correction)
   return optax.multi_transform({"retriever": retriever, "reader": reader,
                                 "frozen": optax.set_to_zero()},
                                _part_labels(frozen))
+
+
+def _delayed_retriever(learning_rate: float, multiplier: float, *,
+                       num_train_steps: int, warmup_steps: int | None,
+                       freeze_steps: int, unused: Sequence[tuple[str, ...]],
+                       bias_correction: bool
+                       ) -> optax.GradientTransformation:
+  """`realm_optimizer`'s retriever part: BERT's optimiser at peak
+  `learning_rate * multiplier` (multiplier 0: frozen for the whole run),
+  released at update `freeze_steps` (or earlier by `release_frozen`)."""
+  # A retriever frozen for good (multiplier 0, or a freeze as long as the
+  # run) keeps the same optimiser state structure, so a run can resume
+  # from another's checkpoint with a different freeze or multiplier.
+  release = (num_train_steps if multiplier == 0
+             else min(freeze_steps, num_train_steps))
+  return delayed(
+      bert_optimizer(learning_rate=1.0, num_train_steps=1, warmup_steps=0,
+                     unused=unused, bias_correction=bias_correction,
+                     _unit_rate=True),
+      release, learning_rate=learning_rate * multiplier,
+      num_train_steps=num_train_steps, warmup_steps=warmup_steps)
 
 
 def _part_labels(frozen: Sequence[tuple[str, ...]]):

@@ -45,6 +45,7 @@ def _one_of(config, name: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks.type_checked
 class RetrievalConfig:
   """Each query's candidates (REALM's defaults).
 
@@ -96,7 +97,6 @@ class RetrievalConfig:
   rerank_candidates: int = 0
 
   def __post_init__(self):
-    checks.field_types(self)
     checks.at_least(self, "num_candidates")
     checks.at_least(self, "rerank_candidates", minimum=0)
     _one_of(self, "search", SEARCHES)
@@ -120,6 +120,7 @@ class RetrievalConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks.type_checked
 class RetrieverScheduleConfig:
   """When and how the retriever learns (REALM: both towers, from step 0,
   at the reader's rate).
@@ -181,7 +182,6 @@ class RetrieverScheduleConfig:
     return self.gate in MEASURED_GATES
 
   def __post_init__(self):
-    checks.field_types(self)
     _one_of(self, "training", RETRIEVER_TRAINING)
     _one_of(self, "gate", RETRIEVER_GATES)
     if not self.measured:
@@ -203,6 +203,7 @@ class RetrieverScheduleConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks.type_checked
 class GuardConfig:
   """Warnings about a collapsing retriever or a stale index.
 
@@ -230,11 +231,11 @@ class GuardConfig:
   stale_index_error: float = 0.0
 
   def __post_init__(self):
-    checks.field_types(self)
     checks.at_least(self, "min_queries")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@checks.type_checked
 class RecallGuardConfig:
   """The recall guard (off unless `queries` or `questions` is set).
 
@@ -279,7 +280,6 @@ class RecallGuardConfig:
     return bool(self.queries or self.questions)
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.queries and self.questions:
       raise ValueError(
           "RecallGuardConfig.queries and RecallGuardConfig.questions are "

@@ -38,6 +38,7 @@ MODEL_FEATURES = ("question_ids", "question_mask", "retrieved_embeddings",
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class QAConfig:
   """Sizes of the open-QA pipeline (ORQA's values by default).
 
@@ -59,7 +60,6 @@ class QAConfig:
   reader_length: int = 320
 
   def __post_init__(self):
-    checks.field_types(self)
     if self.num_reader_blocks > self.num_retrieved:
       raise ValueError(
           f"num_reader_blocks={self.num_reader_blocks} exceeds num_retrieved="

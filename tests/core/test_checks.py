@@ -226,3 +226,38 @@ def test_score_scale_must_be_positive_and_finite():
   for scale in (float("inf"), 1e309, 0.0, -1.0, float("nan")):
     with pytest.raises(ValueError, match="score_scale must be"):
       realm.RetrieverConfig(bert=bert, score_scale=scale)
+
+
+def test_type_checked_runs_the_types_first_then_the_own_checks():
+  calls = []
+
+  @dataclasses.dataclass(frozen=True)
+  @checks.type_checked
+  class Sized:
+    size: int = 1
+
+    def __post_init__(self):
+      calls.append(self.size)
+      checks.at_least(self, "size")
+
+  @dataclasses.dataclass(frozen=True)
+  class Bigger(Sized):  # Inherits both checks; its own field is typed too.
+    extra: float = 0.0
+
+  @dataclasses.dataclass(frozen=True)
+  @checks.type_checked
+  class Plain:  # No __post_init__ of its own.
+    name: str = "x"
+
+  with pytest.raises(checks.ConfigTypeError, match=r"Sized\.size must be int"):
+    Sized(size=2.5)
+  assert not calls  # The own check never saw the wrong type.
+  with pytest.raises(ValueError, match=r"Sized\.size must be >= 1"):
+    Sized(size=0)
+  with pytest.raises(checks.ConfigTypeError, match=r"Bigger\.extra must be"):
+    Bigger(extra="1")
+  with pytest.raises(ValueError, match=r"Bigger\.size must be >= 1"):
+    Bigger(size=0)
+  with pytest.raises(checks.ConfigTypeError, match=r"Plain\.name must be"):
+    Plain(name=3)
+  assert Bigger(size=3, extra=1).extra == 1 and Plain().name == "x"
