@@ -135,11 +135,16 @@ def _dense_ranker(params, model, tag: str, stores, workdir,
       question_length=question_length)
 
 
+# A training recipe's paths, never read here (only its model is).
+_UNUSED_PATHS = ("WORKDIR", "BLOCK_STORE", "QUERIES", "GATE_QUERIES")
+
+
 def _model(gin_file: str):
+  """The `RealmConfig` a model or training gin file configures."""
   import gin  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
   gin.clear_config()
-  gin_cli.parse([gin_file], [])
+  gin_cli.parse([gin_file], [f"{m} = ''" for m in _UNUSED_PATHS])
   return gin.get_configurable(RealmConfig)()
 
 

@@ -73,7 +73,9 @@ def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   real_text = _module(monkeypatch)
   helpers.write_public_data(tmp_path / "data")
-  model = real_text._model("models/tiny.gin")  # pylint: disable=protected-access
+  # The default --gin_file: the vital world's recipe (its paths unset).
+  model = real_text._model(  # pylint: disable=protected-access
+      "experiments/pretrain_wiki_small_cpu.gin")
   ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ckpts"),
                                        async_save=False)
   for step, seed in ((3, 0), (7, 1)):
@@ -83,8 +85,7 @@ def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
   ckpt.close()
   output = tmp_path / "rows.jsonl"
   common = [f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'w'}",
-            f"--output={output}", "--max_block_len=24",
-            "--gin_file=models/tiny.gin", "--retrievers=bm25"]
+            f"--output={output}", "--max_block_len=24", "--retrievers=bm25"]
   real_text.main(common + [f"--checkpoints=last={tmp_path / 'ckpts'},"
                            f"first={tmp_path / 'ckpts'}@3"])
   rows = [json.loads(x) for x in output.read_text().splitlines()]
