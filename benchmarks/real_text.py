@@ -43,6 +43,7 @@ masked-span accuracy is not measured here).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -177,8 +178,16 @@ def checkpoint_ranker(name: str, spec: str, gin_file: str,
       params = ckpt.restore_params(step)
     finally:
       ckpt.close()
-    return _dense_ranker(params, _model(gin_file), f"{name}_{step}", stores,
-                         workdir, question_length)
+    # Retrieval reads no null score: an ICT checkpoint has none, a REALM
+    # one may have a learned one (`realm.document_tower_params`).
+    from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
+    model = _model(gin_file)
+    model = dataclasses.replace(model, retriever=dataclasses.replace(
+        model.retriever, null_score="embedding"))
+    params = {**params, "retriever": realm.document_tower_params(
+        params["retriever"])}
+    return _dense_ranker(params, model, f"{name}_{step}", stores, workdir,
+                         question_length)
   return ranker
 
 

@@ -1,6 +1,7 @@
 """benchmarks/real_text.py end to end on a tiny data directory in
 fetch_public.py's format (hand-written leads + the SQuAD fixture)."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -78,8 +79,12 @@ def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
       "experiments/pretrain_wiki_small_cpu.gin")
   ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "ckpts"),
                                        async_save=False)
-  for step, seed in ((3, 0), (7, 1)):
-    _, params = functional.init(lambda r: Realm(model, rngs=r), seed)
+  # Step 3 as ICT saves it (no null score), step 7 as REALM does (a
+  # learned one, the recipe's "learned_mean").
+  ict_model = dataclasses.replace(model, retriever=dataclasses.replace(
+      model.retriever, null_score="embedding"))
+  for step, seed, made in ((3, 0, ict_model), (7, 1, model)):
+    _, params = functional.init(lambda r, m=made: Realm(m, rngs=r), seed)
     ckpt.save(step, params, {"count": np.zeros((), np.int32)},
               {"index_step": 0}, force=True)
   ckpt.close()
