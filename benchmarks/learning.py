@@ -299,11 +299,11 @@ def _vital_world(args) -> World:
 
 
 def _cloze_probe(args, directory: str, leads: str, store_dir: str):
-  """The qa_wikidata prompts about a lead of Z as masked queries
-  ("The capital of X is [MASK]."; evaluation only): (queries, gold), gold
-  = the subject's first lead block holding the answer: (the prompts as
-  annotated documents, {their title hash: gold block}). The queries are
-  made with the recipe's `RealmQueryConfig` (`Bench.cloze_queries`)."""
+  """The qa_wikidata prompts about a lead of Z, written as annotated
+  documents ("The capital of X is Y." with Y the salient span; evaluation
+  only) to `directory/cloze.tfr.gz`. Returns (that path, {a prompt's title
+  hash: its gold block, the subject's first lead block holding the
+  answer}); `Bench` masks them with the recipe's `RealmQueryConfig`."""
   from realm_jax.data import block_store, qa, salient_spans  # pylint: disable=g-import-not-at-top
   store = block_store.BlockStore.open(store_dir)
   first_block = {}
