@@ -295,10 +295,10 @@ def _vital_world(args) -> World:
                eval_store_dir=union_dir,
                questions=tuple(questions[:args.max_questions or None]),
                questions_path=questions_path,
-               cloze=_cloze_probe(args, directory, leads, store_dir))
+               cloze=_cloze_probe(args, directory, store_dir))
 
 
-def _cloze_probe(args, directory: str, leads: str, store_dir: str):
+def _cloze_probe(args, directory: str, store_dir: str):
   """The qa_wikidata prompts about a lead of Z, written as annotated
   documents ("The capital of X is Y." with Y the salient span; evaluation
   only) to `directory/cloze.tfr.gz`. Returns (that path, {a prompt's title
