@@ -179,3 +179,23 @@ def test_the_vital_world_is_prepared_from_the_public_data(
   with pytest.raises(SystemExit):
     learning.main(["--world=vital", f"--workdir={workdir}",
                    "--prepare_only"])  # no --data_dir
+
+
+def test_the_vital_world_prepares_for_minilm_plus_realm(
+    tmp_path, capsys, monkeypatch):
+  # Target (a)'s path: MiniLM in both towers, no ICT; prepared on this
+  # machine, trained on an accelerator host.
+  learning = _learning(monkeypatch)
+  helpers.write_public_data(tmp_path / "data", VITAL_LEADS)
+  workdir = tmp_path / "w"
+  learning.main(["--world=vital", "--start=minilm", "--conditions=query_side",
+                 f"--data_dir={tmp_path / 'data'}", f"--workdir={workdir}",
+                 "--prepare_only"])
+  assert "inputs prepared" in capsys.readouterr().out
+  names = set(os.listdir(workdir))
+  assert {"queries_salient", "queries_dev"} <= names
+  assert not {"ict", "query_side"} & names
+  with pytest.raises(SystemExit):  # MiniLM has no ICT warm start
+    learning.main(["--world=vital", "--start=minilm", "--conditions=ict",
+                   f"--data_dir={tmp_path / 'data'}", f"--workdir={workdir}",
+                   "--prepare_only"])
