@@ -63,17 +63,32 @@ KS = (1, 5, 20, 100)
 RETRIEVERS = ("bm25", "minilm")
 
 
-def build_stores(data_dir: str, workdir: str, max_block_len: int):
-  """(leads store, union store), built once by the corpus job."""
+def _first_lines(source: str, target: str, n: int | None) -> None:
+  """Appends the first `n` lines (all: None) of `source` to `target`."""
+  with open(source, "rb") as f, open(target, "ab") as out:
+    for i, line in enumerate(f):
+      if n is not None and i >= n:
+        break
+      out.write(line)
+
+
+def build_stores(data_dir: str, workdir: str, max_block_len: int,
+                 num_documents: int = 0):
+  """(leads store, union store), built once by the corpus job: Z is the
+  first `num_documents` leads (all: 0), the union Z + the paragraphs."""
   from realm_jax.data import block_store, corpus_job  # pylint: disable=g-import-not-at-top
-  leads = os.path.join(data_dir, "vital_leads.jsonl")
+  n = num_documents or None
+  leads = os.path.join(workdir, "leads.jsonl")
   union_jsonl = os.path.join(workdir, "union.jsonl")
-  if not os.path.exists(union_jsonl):
-    with open(union_jsonl + ".tmp", "wb") as out:
-      for name in ("vital_leads.jsonl", "squad_dev_paragraphs.jsonl"):
-        with open(os.path.join(data_dir, name), "rb") as f:
-          out.write(f.read())
-    os.replace(union_jsonl + ".tmp", union_jsonl)
+  for path, sources in ((leads, ("vital_leads.jsonl",)), (union_jsonl, (
+      "vital_leads.jsonl", "squad_dev_paragraphs.jsonl"))):
+    if not os.path.exists(path):
+      with open(path + ".tmp", "wb"):
+        pass
+      for name in sources:
+        _first_lines(os.path.join(data_dir, name), path + ".tmp",
+                     n if name == "vital_leads.jsonl" else None)
+      os.replace(path + ".tmp", path)
   stores = []
   for name, source in (("vital", leads), ("union", union_jsonl)):
     path = os.path.join(workdir, name)
@@ -82,6 +97,10 @@ def build_stores(data_dir: str, workdir: str, max_block_len: int):
                               max_block_len=max_block_len)
     stores.append(block_store.BlockStore.open(path))
   block_store.check_extends(*stores)
+  if num_documents and stores[0].num_documents != num_documents:
+    raise ValueError(
+        f"{workdir} holds the stores of {stores[0].num_documents} leads, "
+        f"not --num_documents={num_documents}: use another --workdir.")
   return stores
 
 
@@ -222,9 +241,13 @@ def cloze_task(data_dir: str, stores):
             encoding="utf-8") as f:
     for line in f:
       prompt = json.loads(line)
-      examples.append(qa.QAExample(prompt["prompt"],
-                                   tuple(prompt["answers"])))
-      gold.append(leads[prompt["subject"]])
+      if prompt["subject"] in leads:  # (not with --num_documents)
+        examples.append(qa.QAExample(prompt["prompt"],
+                                     tuple(prompt["answers"])))
+        gold.append(leads[prompt["subject"]])
+  if not examples:
+    raise ValueError(f"{data_dir}/wikidata_cloze.jsonl: no prompt is about "
+                     f"one of the first {vital.num_documents} leads.")
   return examples, gold
 
 
@@ -315,6 +338,10 @@ def main(argv=None) -> None:
                       help="--checkpoints: [CLS] question [SEP] wordpieces "
                       "(the recipe's query length).")
   parser.add_argument("--max_block_len", type=int, default=128)
+  parser.add_argument("--num_documents", type=int, default=0,
+                      help="Z = the first N leads only (0: all), as "
+                      "learning.py --num_documents (the scale curve); "
+                      "the cloze prompts about other leads are left out.")
   parser.add_argument("--max_questions", type=int, default=0,
                       help="Only the first N questions (0: all).")
   parser.add_argument("--tasks", default="squad",
@@ -334,7 +361,8 @@ def main(argv=None) -> None:
   if not (args.data_dir and args.workdir):
     parser.error("--data_dir and --workdir are required")
   os.makedirs(args.workdir, exist_ok=True)
-  stores = build_stores(args.data_dir, args.workdir, args.max_block_len)
+  stores = build_stores(args.data_dir, args.workdir, args.max_block_len,
+                        args.num_documents)
   tasks = {}
   for task in args.tasks.split(","):
     if task not in ("squad", "cloze"):

@@ -113,3 +113,38 @@ def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
     real_text.main(common + [f"--checkpoints=x={tmp_path / 'ckpts'}@5"])
   with pytest.raises(SystemExit):  # names are one word
     real_text.main(common + [f"--checkpoints=a_b={tmp_path / 'ckpts'}"])
+
+
+def test_the_first_n_leads_make_a_smaller_corpus(tmp_path, monkeypatch):
+  # The scale curve's BM25 rows: Z = the first --num_documents leads.
+  real_text = _module(monkeypatch)
+  data = helpers.write_public_data(tmp_path / "data")
+  output = tmp_path / "rows.jsonl"
+  args = [f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'w'}",
+          f"--output={output}", "--max_block_len=24", "--retrievers=bm25",
+          "--tasks=squad,cloze"]
+  real_text.main(args + ["--num_documents=1"])
+  full = tmp_path / "full.jsonl"
+  real_text.main(args[:1] + [f"--workdir={tmp_path / 'w2'}",
+                             f"--output={full}"] + args[3:])
+  rows = [json.loads(x) for x in output.read_text().splitlines()]
+  rows_full = [json.loads(x) for x in full.read_text().splitlines()]
+  # Ines Marlow's lead is first: the cloze prompt about her stays.
+  assert [r["questions"] for r in rows] == [len(data.questions), 1]
+  leads = [json.loads(x) for x in (tmp_path / "w" / "leads.jsonl")
+           .read_text().splitlines()]
+  assert [x["title"] for x in leads] == ["Ines Marlow"]
+  assert 0 < rows_full[0]["blocks"] - rows[0]["blocks"] < rows[0]["blocks"]
+  with pytest.raises(ValueError, match="not --num_documents=2"):
+    real_text.main(args + ["--num_documents=2"])  # another Z: another workdir
+  # No prompt is about the first lead once the order changes.
+  (tmp_path / "data2").mkdir()
+  for name in os.listdir(tmp_path / "data"):
+    text = (tmp_path / "data" / name).read_text()
+    if name == "vital_leads.jsonl":
+      text = "".join(reversed(text.splitlines(keepends=True)))
+    (tmp_path / "data2" / name).write_text(text)
+  with pytest.raises(ValueError, match="no prompt is about"):
+    real_text.main([f"--data_dir={tmp_path / 'data2'}",
+                    f"--workdir={tmp_path / 'w3'}", "--max_block_len=24",
+                    "--retrievers=bm25", "--tasks=cloze", "--num_documents=1"])
