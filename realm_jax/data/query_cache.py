@@ -444,15 +444,33 @@ class QueryStream:
     return self._decode(records)
 
   def head(self, n: int) -> dict[str, np.ndarray]:
-    """The first n queries of the cache (shard 0 first; every host gets the
-    same ones; shards are hash-assigned, so shard 0 samples the corpus)."""
+    """The first n queries of the cache in storage order (shard 0 first;
+    every host gets the same ones). Each shard is sorted by (annotated
+    file, index), so these are the first files' queries: for a sample of
+    the corpus, use `sample`."""
+    return self._read_per_shard(n, lambda k, take: (0, take))
+
+  def sample(self, n: int) -> dict[str, np.ndarray]:
+    """n distinct queries, a seeded sample of the cache (every host with
+    the same seed gets the same ones): shard 0's first n elements of the
+    stream's first epoch (`permute` of its rows), then shard 1's, ...
+    Shards are hash-assigned over the annotated files, so shard 0 alone
+    samples the whole corpus. For a one-shard cache these are exactly the
+    first n queries the stream serves at this seed."""
+    return self._read_per_shard(n, lambda k, take: (permute(
+        np.arange(take), int(self.shard_rows[k]),
+        self._key(k, 0)).tolist(),))
+
+  def _read_per_shard(self, n: int, rows) -> dict[str, np.ndarray]:
+    """min(n, len(self)) queries, `rows(k, take)`'s (the reader's `read`
+    arguments) from shard k = 0, 1, ... until there are enough."""
     n = min(int(n), len(self))
     records: list[bytes] = []
     k = 0
     while len(records) < n:
       reader = self._readers.get(k) or self._open(k)
       take = min(n - len(records), int(self.shard_rows[k]))
-      records += reader.read(0, take)
+      records += reader.read(*rows(k, take))
       if k not in self._readers:
         reader.close()
       k += 1

@@ -57,7 +57,8 @@ from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.training import loop, realm_inputs
 
 
-# Queries the warm start reads (the first ones of the run's query stream).
+# Queries the warm start reads (a seeded sample of the query cache:
+# `QueryStream.sample`).
 MAX_QUERIES = 1024
 
 def _reader_inputs(queries: Mapping[str, np.ndarray], sep_id: int, store,
@@ -284,8 +285,9 @@ class ReaderPrepConfig(loop.TrainConfig):
   """A reader preparation run (`loop.TrainConfig`): the MLM head's fit.
 
   Attributes:
-    queries: the pre-training query cache (the masks the head learns); the
-      first `max_queries` queries are read, a tenth of them held out.
+    queries: the pre-training query cache (the masks the head learns); a
+      seeded sample of `max_queries` queries of it is read
+      (`QueryStream.sample`), a tenth of them held out.
     init_from: the weights to prepare, e.g. "minilm" (see
       `realm_jax.checkpoint_import.init_from`).
     num_train_steps: the head's Adam steps over the masks' features.
@@ -314,18 +316,20 @@ class ReaderPrepConfig(loop.TrainConfig):
 
 
 def _inputs(config: ReaderPrepConfig):
-  """(block store, the first queries of the cache, reader length)."""
+  """(block store, a sample of the cache's queries, reader length)."""
   store = block_store.BlockStore.open(config.block_store)
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
-  # Every host reads the same first queries (`QueryStream.head`).
+  # Every host reads the same sample, from every article (the cache's own
+  # order, `QueryStream.head`, is by file: its first queries are the first
+  # few articles', whose names a head fit to them learns to guess).
   queries = query_cache.QueryStream(
       config.queries, seed=config.seed, batch_size=int(
           query_cache.read_manifest(config.queries)["num_shards"]))
   try:
     queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
     query_length = queries.query_config.query_length
-    head = queries.head(config.max_queries)
+    head = queries.sample(config.max_queries)
   finally:
     queries.close()
   reader_length = config.reader_length or (query_length

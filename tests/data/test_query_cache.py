@@ -102,6 +102,30 @@ def test_batch_shapes_dtypes_and_head(fake_cache):
     stream.check(query_config=ex.RealmQueryConfig(masking="random_spans"))
 
 
+def test_sample_is_the_streams_first_epoch_not_the_storage_order(
+    fake_cache, tmp_path):
+  """`sample` draws shard by shard in the stream's epoch-0 order (a seeded
+  sample of every file), where `head` reads each shard from its start."""
+  stream = qc.QueryStream(fake_cache, seed=3, batch_size=8)
+  key = qc._epoch_key(3, 0, 0)  # Shard 0 holds ids 0-12, shard 1 13-23.
+  expected = qc.permute(np.arange(13), 13, key).tolist() + (
+      13 + qc.permute(np.arange(7), 11, qc._epoch_key(3, 1, 0))).tolist()
+  assert _ids(stream.sample(20)) == expected
+  assert _ids(stream.sample(20)) != list(range(20))
+  assert sorted(_ids(stream.sample(100))) == list(range(45))
+  assert _ids(qc.QueryStream(fake_cache, seed=4, batch_size=8).sample(5)) != (
+      expected[:5])
+  # One shard: the first n queries the run streams at that seed.
+  one = str(tmp_path / "one")
+  write_fake_cache(one, [40])
+  stream = qc.QueryStream(one, seed=7, batch_size=1)
+  streamed = [_ids(stream.batch(s))[0] for s in range(25)]
+  assert _ids(stream.sample(25)) == streamed
+  for name, value in stream.sample(25).items():
+    np.testing.assert_array_equal(
+        value, np.concatenate([stream.batch(s)[name] for s in range(25)]))
+
+
 def test_deterministic_by_step_and_resume(fake_cache):
   a = qc.QueryStream(fake_cache, seed=1, batch_size=8)
   steps = [_ids(a.batch(s)) for s in range(12)]

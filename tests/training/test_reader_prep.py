@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.data import examples
+from realm_jax.data import examples, query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder
 from realm_jax.model import functional
@@ -115,6 +115,26 @@ def test_pretraining_starts_from_the_prepared_reader(world, tmp_path):
                   jax.tree_util.tree_leaves(prepared)):
     np.testing.assert_array_equal(a, b)
   assert not os.path.exists(os.path.join(workdir, "mlm_head_warmup.json"))
+
+
+def test_the_head_is_fit_to_a_sample_of_every_article(world, tmp_path):
+  """The cache stores queries by file, article after article: the job reads
+  the queries pre-training streams first (a seeded sample), not the first
+  articles' (whose entity names a head fit to them would learn to guess)."""
+  prep = _prep_config(world, tmp_path, max_queries=16)
+  _, queries, _ = reader_prep._inputs(prep)
+  stream = query_cache.QueryStream(prep.queries, seed=prep.seed,
+                                   batch_size=8)
+  try:
+    streamed = [stream.batch(step) for step in (0, 1)]
+    stored = stream.head(16)["source_doc_hash"]
+  finally:
+    stream.close()
+  for name, value in queries.items():
+    np.testing.assert_array_equal(
+        value, np.concatenate([b[name] for b in streamed]), err_msg=name)
+  assert len(set(queries["source_doc_hash"].tolist())) > len(
+      set(stored.tolist())), (queries["source_doc_hash"], stored)
 
 
 def test_the_config_names_what_to_set(world, tmp_path):
