@@ -1,9 +1,8 @@
 r"""The scale curve of issue 47 (item 6): ICT vs ICT + REALM as Z grows.
 
-    python benchmarks/scale_curve.py \
-        --runs=1000=/tmp/n1000.jsonl,3000=/tmp/n3000.jsonl,10033=docs/results/real_text_vital.jsonl \
-        --baselines=1000=/tmp/bm25_1000.jsonl,3000=/tmp/bm25_3000.jsonl,10033=docs/results/real_text.jsonl \
-        --plot=docs/results/real_text_scale.png
+    python benchmarks/scale_curve.py --runs=1000=$D/n1k.jsonl,10033=$D/n.jsonl \
+        --baselines=1000=$D/bm25_1000.jsonl,10033=$D/bm25.jsonl \
+        --plot=$D/scale.png
 
 `--runs`: for each number of leads, the JSON lines of one
 `benchmarks/learning.py --world=vital --num_documents=N` run (its "ict"

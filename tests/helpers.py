@@ -44,3 +44,16 @@ def write_public_data(path, leads=LEADS):
       {"prompt": "The occupation of Ines Marlow is",
        "answers": ["surveyor"], "subject": "Ines Marlow"}) + "\n")
   return data
+
+
+def benchmark_module(monkeypatch, name: str):
+  """benchmarks/<name>.py imported as a module. Importing a benchmark adds
+  to $XLA_FLAGS and sets $TF_CPP_MIN_LOG_LEVEL: both are restored after
+  the test (monkeypatch)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  for var in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
+    monkeypatch.setenv(var, os.environ.get(var, ""))
+  monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "benchmarks"))
+  return importlib.import_module(name)

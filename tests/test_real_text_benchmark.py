@@ -2,7 +2,6 @@
 fetch_public.py's format (hand-written leads + the SQuAD fixture)."""
 
 import dataclasses
-import importlib
 import json
 import os
 
@@ -11,14 +10,9 @@ import pytest
 
 import helpers
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _module(monkeypatch):
-  for name in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
-    monkeypatch.setenv(name, os.environ.get(name, ""))
-  monkeypatch.syspath_prepend(os.path.join(_ROOT, "benchmarks"))
-  return importlib.import_module("real_text")
+  return helpers.benchmark_module(monkeypatch, "real_text")
 
 
 def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):

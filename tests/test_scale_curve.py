@@ -1,21 +1,16 @@
 """benchmarks/scale_curve.py: the scale curve's table from learning.py's
 and real_text.py's JSON lines."""
 
-import importlib
 import json
-import os
 
 import numpy as np
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import helpers
 
 
 def _module(monkeypatch):
-  for name in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
-    monkeypatch.setenv(name, os.environ.get(name, ""))
-  monkeypatch.syspath_prepend(os.path.join(_ROOT, "benchmarks"))
-  return importlib.import_module("scale_curve")
+  return helpers.benchmark_module(monkeypatch, "scale_curve")
 
 
 def _row(condition, step, ranks):
