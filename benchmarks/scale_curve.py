@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import numpy as np
 
@@ -118,6 +119,11 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _kind(retriever: str) -> str:
+  """A line of the plot: a retriever, its seeds together ("realm_seed1")."""
+  return re.sub(r"_seed\d+$", "", retriever)
+
+
 def plot(rows: list[dict], path: str) -> None:
   """recall@5 against the number of leads (left); each REALM run minus its
   ICT at @5 and @20, +- 2 standard errors (right)."""
@@ -127,23 +133,27 @@ def plot(rows: list[dict], path: str) -> None:
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
   kinds = {}
   for r in rows:
-    kind = "realm" if r["retriever"].startswith("realm") else r["retriever"]
-    kinds.setdefault(kind, {}).setdefault(r["leads"], []).append(
-        100 * r["recall@5"])
+    kinds.setdefault(_kind(r["retriever"]), {}).setdefault(
+        r["leads"], []).append(r)
   for kind, by_leads in kinds.items():
     xs = sorted(by_leads)
-    left.plot(xs, [np.mean(by_leads[x]) for x in xs], marker="o",
-              label=kind + (" (mean of seeds)" if kind == "realm" else ""))
-  left.set(xscale="log", xlabel="leads in Z", ylabel="answer recall@5 (%)",
+    left.plot(xs, [np.mean([100 * r["recall@5"] for r in by_leads[x]])
+                   for x in xs], marker="o", label=kind,
+              ls="--" if kind == "ict" else "-")  # (REALM may hide ICT)
+  left.set(xscale="log", yscale="log", xlabel="leads in Z",
+           ylabel="answer recall@5 (%), mean of seeds",
            title="SQuAD-open, 10,565 questions")
   left.legend(fontsize=8)
-  for i, k in enumerate(PAIRED_KS):
-    points = [(r["leads"] * (1 + 0.04 * (2 * i - 1)), *r[f"paired@{k}"])
-              for r in rows if f"paired@{k}" in r]
-    if points:
-      x, d, se = map(np.array, zip(*points))
-      right.errorbar(x, 100 * d, yerr=200 * se, fmt="o", capsize=3,
-                     label=f"@{k}")
+  paired_kinds = [k for k, v in kinds.items()
+                  if any(f"paired@{PAIRED_KS[0]}" in r
+                         for rs in v.values() for r in rs)]
+  for i, (kind, k) in enumerate((kind, k) for kind in paired_kinds
+                                for k in PAIRED_KS):
+    points = [(r["leads"] * (1 + 0.05 * (i - 1)), *r[f"paired@{k}"])
+              for rs in kinds[kind].values() for r in rs]
+    x, d, se = map(np.array, zip(*points))
+    right.errorbar(x, 100 * d, yerr=200 * se, fmt="os^v"[i % 4],
+                   capsize=3, label=f"{kind} @{k}")
   right.axhline(0, color="grey", lw=0.8)
   right.axhline(5, color="red", lw=0.8, ls="--", label="target (b): +5 @5")
   right.set(xscale="log", xlabel="leads in Z",
