@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -63,13 +64,10 @@ KS = (1, 5, 20, 100)
 RETRIEVERS = ("bm25", "minilm")
 
 
-def _first_lines(source: str, target: str, n: int | None) -> None:
-  """Appends the first `n` lines (all: None) of `source` to `target`."""
-  with open(source, "rb") as f, open(target, "ab") as out:
-    for i, line in enumerate(f):
-      if n is not None and i >= n:
-        break
-      out.write(line)
+def _first_lines(source: str, out, n: int | None) -> None:
+  """Writes the first `n` lines (all: None) of `source` to the file `out`."""
+  with open(source, "rb") as f:
+    out.writelines(itertools.islice(f, n))
 
 
 def build_stores(data_dir: str, workdir: str, max_block_len: int,
@@ -83,11 +81,10 @@ def build_stores(data_dir: str, workdir: str, max_block_len: int,
   for path, sources in ((leads, ("vital_leads.jsonl",)), (union_jsonl, (
       "vital_leads.jsonl", "squad_dev_paragraphs.jsonl"))):
     if not os.path.exists(path):
-      with open(path + ".tmp", "wb"):
-        pass
-      for name in sources:
-        _first_lines(os.path.join(data_dir, name), path + ".tmp",
-                     n if name == "vital_leads.jsonl" else None)
+      with open(path + ".tmp", "wb") as out:
+        for name in sources:
+          _first_lines(os.path.join(data_dir, name), out,
+                       n if name == "vital_leads.jsonl" else None)
       os.replace(path + ".tmp", path)
   stores = []
   for name, source in (("vital", leads), ("union", union_jsonl)):
