@@ -28,6 +28,7 @@ import sys
 from typing import Callable, Sequence
 
 from realm_jax.core import logs
+from realm_jax.core import progress
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # A source checkout keeps the gin files beside the package; a wheel carries
@@ -234,7 +235,9 @@ def _help_epilog(runs_file: str, config_class: str,
       "    --gin.OUTPUT_DIR=\"'/data/x'\")",
       "  --gin_bindings: 'A.b = V' bindings (repeatable)",
       "  --dry_run: parse the flags and gin files, build and check the",
-      "    config, print it and exit without doing the work"]
+      "    config, print it and exit without doing the work",
+      "  --progress_seconds: seconds between the progress lines (done/total,",
+      "    rate, ETA) of long loops when stderr is not a terminal (30)"]
   if runs_file:
     lines += ["", f"This job's own gin file: {runs_file}, parsed before the",
               "--gin_file's (which override it) unless one of them "
@@ -501,12 +504,17 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
   flags.DEFINE_multi_string("gin_file", [], "Gin config files.")
   flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings.")
   flags.DEFINE_bool("dry_run", False, "Print the resolved config and exit.")
+  flags.DEFINE_float(
+      "progress_seconds", progress.DEFAULT_EVERY_SECONDS,
+      "Seconds between the progress lines (done/total, rate, ETA) that long "
+      "loops log when stderr is not a terminal (core.progress).")
   define_help_flags(_help_epilog(runs_file, config_class, pipeline_args))
   argv, extra = split_gin_flags(sys.argv)
 
   def main(args):
     f = flags.FLAGS
     logs.quiet_libraries(f.verbosity)
+    progress.set_default_every_seconds(f.progress_seconds)
     if pipeline_args:
       refuse_unknown_args(args[1:], runs_file, config_class)
     _parse_or_exit(job_gin_files(f.gin_file, runs_file, config_class),

@@ -168,11 +168,14 @@ class Progress:
     self._log(self.line(now))
 
   def last_line(self, now: float) -> str:
-    """The last line: the count, the total time and the mean rate."""
+    """The last line: the count, the total time and the mean rate (a loop
+    closed short of `total`, e.g. by an error, says it stopped)."""
     elapsed = now - self.start
     rate = self.done / elapsed if elapsed > 0 else math.inf
-    return (f"{self.what}: {self._counts()} in {elapsed:.1f} s, "
-            f"{rate:.1f} {self.unit}/s{self._host}")
+    stopped = self.total is not None and self.done < self.total
+    return (f"{self.what}: {'stopped at ' if stopped else ''}"
+            f"{self._counts()} {'after' if stopped else 'in'} "
+            f"{elapsed:.1f} s, {rate:.1f} {self.unit}/s{self._host}")
 
   def close(self) -> None:
     """Writes the last line (once) and closes the bar."""

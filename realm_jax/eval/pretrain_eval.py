@@ -193,7 +193,7 @@ def _block_embeddings(params: dict[str, Any], model: RealmConfig, store,
   """`block_emb`, checked against the store, or the store embedded."""
   if block_emb is None:
     block_emb, _ = embed_lib.embed_block_store(
-        params["retriever"], model.retriever, store, log_every_seconds=1e9)
+        params["retriever"], model.retriever, store)
   elif np.shape(block_emb)[0] != len(store):
     raise ValueError(f"block_emb has {np.shape(block_emb)[0]} rows; the "
                      f"store {store.path} has {len(store)} blocks.")

@@ -457,9 +457,12 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
       raise SystemExit(str(e)) from e
     retriever_config = checkpoint_retriever_config(
         ckpt_dir, step, gin_config.configured(RealmConfig).retriever)
+  # The record a watcher reads, as the polling mode writes it.
   build_and_publish(retriever_params=params,
                     retriever_config=retriever_config, store=store,
-                    root=root, step=step, config=config.index_build)
+                    root=root, step=step, config=config.index_build,
+                    progress=(publish.BuildProgress(root, step)
+                              if jax.process_index() == 0 else None))
 
 
 if __name__ == "__main__":

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from typing import Any, Callable
 
-from absl import logging
 import jax
 import numpy as np
-import tqdm
 
 from realm_jax.core import parallel
+from realm_jax.core import progress as progress_lib
 from realm_jax.model import functional
 from realm_jax.model.realm import Retriever, RetrieverConfig
 from realm_jax.model.realm import document_tower_params
@@ -118,15 +116,6 @@ def _host_rows(num_blocks: int, rows: tuple[int, int] | None,
   return first_row + lo, first_row + hi
 
 
-def _progress_bar(total: int, process_index: int,
-                  log_every_seconds: float) -> tqdm.tqdm:
-  """Host 0's bar of embedded blocks on stderr."""
-  # disable=None: no bar unless stderr is a terminal (logs, tests).
-  return tqdm.tqdm(total=total, desc="embedding blocks", unit="block",
-                   file=sys.stderr, mininterval=log_every_seconds,
-                   disable=None if process_index == 0 else True)
-
-
 def embed_block_store(
     retriever_params: Any,
     retriever_config: RetrieverConfig,
@@ -138,7 +127,8 @@ def embed_block_store(
     devices=None,
     process_index: int = 0,
     process_count: int = 1,
-    log_every_seconds: float = 0.5,
+    log_every_seconds: float | None = None,
+    what: str = "embedding blocks",
     on_progress: Callable[[int, int], None] | None = None,
     rows: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, EmbedStats]:
@@ -151,10 +141,13 @@ def embed_block_store(
     seq_len: document length (default: the store's max_block_len).
     bfloat16: compute in bfloat16 (parameters stay float32).
     devices: devices to use (default: this process's local devices).
-    process_index, process_count: this host's share of the rows; host 0
-      shows a progress bar (blocks done / total, blocks/s, ETA) on stderr
-      when that is a terminal, and every host logs its rate at the end.
-    log_every_seconds: the bar's refresh period.
+    process_index, process_count: this host's share of the rows. Progress
+      (`core.progress`: blocks done / total, blocks/s, ETA): host 0 draws a
+      bar when stderr is a terminal; otherwise every host logs a line every
+      `log_every_seconds`; every host logs its total time at the end.
+    log_every_seconds: the period of the progress lines (default: the
+      jobs' `--progress_seconds`, 30 s).
+    what: what the progress lines call the work.
     on_progress: called with (rows embedded, rows of this host) after each
       batch (the builder's `publish.BuildProgress`).
     rows: embed only the blocks [first, end) (e.g. the blocks added to an
@@ -175,7 +168,9 @@ def embed_block_store(
   start = time.time()
   on_progress = on_progress or (lambda done, total: None)
   on_progress(0, hi - lo)
-  with _progress_bar(hi - lo, process_index, log_every_seconds) as bar:
+  with progress_lib.Progress(
+      what, hi - lo, unit="blocks", every_seconds=log_every_seconds,
+      host=(process_index, process_count)) as bar:
     for first in range(lo, hi, batch):
       ids = np.arange(first, min(hi, first + batch))
       out[first - lo:first - lo + len(ids)] = _embed_rows(
@@ -183,7 +178,4 @@ def embed_block_store(
       bar.update(len(ids))
       on_progress(first - lo + len(ids), hi - lo)
   stats = EmbedStats(rows=hi - lo, seconds=time.time() - start)
-  logging.info("embedded %d blocks (host %d/%d) in %.1f s, %.1f blocks/s",
-               stats.rows, process_index, process_count, stats.seconds,
-               stats.blocks_per_second)
   return out, stats

@@ -95,7 +95,8 @@ def extend_index(*, index_root: str, base_store, union_store,
       retriever_params, retriever_config, union_store,
       batch_size_per_device=config.batch_size_per_device,
       bfloat16=config.bfloat16, devices=devices,
-      rows=(len(base_store), len(union_store)))
+      rows=(len(base_store), len(union_store)),
+      what=f"extending index {base.step}: embedding new blocks")
   embeddings = np.concatenate([np.asarray(base.embeddings, np.float32),
                                new])
   logging.info("extending index %d: %d blocks + %d new ones", base.step,

@@ -115,3 +115,14 @@ def test_a_bar_on_the_chiefs_terminal_only():
     assert lines[-1] == ("embedding blocks: 20/20 blocks in 10.0 s, 2.0 "
                          f"blocks/s (host {host[0]}/2)")
     assert (len(lines) > 1) == timed
+
+
+def test_a_loop_closed_short_of_its_total_says_it_stopped():
+  clock, lines = _Clock(), []
+  with pytest.raises(RuntimeError):
+    with _progress(clock, lines, total=50, every_seconds=30) as bar:
+      clock.now += 4
+      bar.update(10)
+      raise RuntimeError("a batch failed")
+  assert lines == ["embedding blocks: stopped at 10/50 blocks after 4.0 s, "
+                   "2.5 blocks/s"]

@@ -5,6 +5,7 @@ import io
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -86,8 +87,8 @@ class _Terminal(io.StringIO):
 def test_embedding_progress_bar_on_a_terminal_chief_only(store, monkeypatch,
                                                          caplog):
   """Host 0 shows done/total, blocks/s and ETA on a terminal's stderr; other
-  hosts and non-terminals (logs, pytest) show nothing; one INFO line with
-  the rate ends it."""
+  hosts and non-terminals (logs, pytest) draw no bar; one INFO line with
+  the total time and rate ends it (`core.progress`)."""
   params = _params(0)["retriever"]
   for index, terminal in ((0, True), (1, True), (0, False)):
     err = _Terminal() if terminal else io.StringIO()
@@ -97,15 +98,17 @@ def test_embedding_progress_bar_on_a_terminal_chief_only(store, monkeypatch,
       embed.embed_block_store(params, CONFIG.retriever, store,
                               batch_size_per_device=1, process_index=index,
                               process_count=2)
+    lo, hi = embed.host_row_range(len(store), index, 2)
+    share = hi - lo
     if index == 0 and terminal:
       bar = err.getvalue()
-      share = -(-len(store) // 2)
-      assert "embedding blocks: 100%" in bar and "block/s]" in bar
+      assert "embedding blocks: 100%" in bar and "blocks/s]" in bar
       assert f" {share}/{share} " in bar and "<00:00" in bar  # The ETA.
     else:
       assert not err.getvalue()
-    assert re.search(r"embedded \d+ blocks \(host %d/2\) in .* s, .* "
-                     r"blocks/s" % index, caplog.text)
+    assert re.search(r"embedding blocks: %d/%d blocks in .* s, .* "
+                     r"blocks/s \(host %d/2\)" % (share, share, index),
+                     caplog.text)
 
 
 def _save(ckpt, step, seed):
@@ -320,6 +323,52 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
   np.testing.assert_array_equal(index.embeddings, emb)
   with pytest.raises(ValueError, match="random weights"):
     builder.BuilderConfig(init_from="scratch")
+
+
+def test_one_shot_job_logs_progress_to_a_file_and_records_it(tmp_path):
+  """Issue 58: `python -m realm_jax.index.builder` in one-shot mode with
+  stderr sent to a file (as on a pod or under nohup) logs progress lines
+  with done/total, rate and ETA every `--progress_seconds`, then the total
+  time, and writes `index/.progress.json` as the polling mode does."""
+  tok = Tokenizer()
+  docs = [wikipedia.Document(f"{t} {i}", x) for i in range(12)
+          for t, x in TEXTS]
+  big = block_store.write_block_store(
+      blocks.pack_blocks(docs, tok, max_block_len=16),
+      str(tmp_path / "store"), tokenizer_vocab_path=tok.vocab_path,
+      source="test", max_block_len=16)
+  n = len(big)
+  workdir = str(tmp_path / "run")
+  ckpt = checkpoints.TrainCheckpointer(checkpoints.checkpoint_dir(workdir),
+                                       keep=5, async_save=False)
+  ckpt.save(4, _params(4), {"count": np.zeros(())},
+            {"model_config": dataclass_json.to_dict(CONFIG)}, force=True)
+  ckpt.wait_until_finished()
+  log = tmp_path / "builder.log"
+  with open(log, "w") as err:
+    # A short period, rather than a big store: the lines of a few batches.
+    subprocess.run(
+        [sys.executable, "-m", "realm_jax.index.builder",
+         "--gin_file=models/tiny.gin", f"--gin.WORKDIR='{workdir}'",
+         f"--gin.BLOCK_STORE='{big.path}'",
+         "--gin.builder.BuilderConfig.one_shot=True",
+         "--gin.builder.IndexBuildConfig.searcher='exact'",
+         "--gin.builder.IndexBuildConfig.batch_size_per_device=1",
+         "--progress_seconds=0.001"], stdout=subprocess.DEVNULL,
+        stderr=err, check=True, timeout=helpers.HANG_SECONDS)
+  text = log.read_text()
+  batches = -(-n // (8 * 1))  # 8 devices (conftest), one block each.
+  lines = re.findall(
+      r"embedding blocks: (\d+)/(\d+) blocks \((\d+)%\), [\d.]+ blocks/s, "
+      r"ETA (\S+( s)?) \(host 0/1\)$", text, re.M)
+  assert len(lines) >= 2 and batches > 2, text
+  done = [int(d) for d, *_ in lines]
+  assert all(int(t) == n for _, t, *_ in lines) and done == sorted(done)
+  assert re.search(rf"embedding blocks: {n}/{n} blocks in [\d.]+ s, "
+                   r"[\d.]+ blocks/s \(host 0/1\)$", text, re.M), text
+  record = publish.read_progress(checkpoints.index_root(workdir))
+  assert (record["step"], record["stage"]) == (4, "publishing")
+  assert publish.read_latest(checkpoints.index_root(workdir)) == 4
 
 
 @pytest.mark.parametrize("bad, message", [
