@@ -67,6 +67,14 @@ def format_duration(seconds: float) -> str:
   return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def jax_host() -> tuple[int, int] | None:
+  """`host` for a loop of a JAX job: (process_index, process_count) on a
+  pod, None on one host (its lines then name none)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  count = jax.process_count()
+  return (jax.process_index(), count) if count > 1 else None
+
+
 def _is_terminal(stream) -> bool:
   try:
     return bool(stream.isatty())

@@ -59,6 +59,7 @@ import jax
 
 from realm_jax.core import checkpoints, checks, follow, gin_config, io_utils
 from realm_jax.core import parallel, records
+from realm_jax.core import progress as progress_lib
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
@@ -163,7 +164,7 @@ def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
              recall_ks: Sequence[int] = DEFAULT_RECALL_KS,
              predictions_path: str | None = None,
              dpr_path: str | None = None,
-             log_every_batches: int = 10) -> dict[str, float]:
+             log_every_seconds: float | None = None) -> dict[str, float]:
   """Scores a QA model on examples.
 
   Args:
@@ -172,7 +173,9 @@ def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
     recall_ks: the k of recall@k (retrieval is run max(recall_ks) deep).
     predictions_path: if given, the predictions JSONL (atomic).
     dpr_path: if given, the retrieval in DPR's JSON (`write_dpr_retrieval`).
-    log_every_batches: progress log period.
+    log_every_seconds: the period of the progress lines (done/total, rate,
+      ETA; `core.progress`) when stderr is not a terminal (default: the
+      jobs' `--progress_seconds`, 30 s).
 
   Returns:
     `aggregate_metrics` plus questions_per_second.
@@ -184,16 +187,17 @@ def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
     raise ValueError("evaluate needs at least one example.")
   if not recall_ks or min(recall_ks) < 1:
     raise ValueError(f"recall_ks={recall_ks} must be positive integers.")
-  chunk = qa_model.batch_size * max(1, log_every_batches)
+  chunk = qa_model.batch_size  # What `predict` runs at once.
   results, start = [], time.time()
-  for lo in range(0, len(examples), chunk):
-    part = examples[lo:lo + chunk]
-    results += qa_model.predict(
-        [e.question for e in part], answers=[e.answers for e in part],
-        is_regex=[e.is_regex for e in part], recall_depth=max(recall_ks))
-    elapsed = time.time() - start
-    logging.info("evaluated %d/%d questions, %.1f questions/s",
-                 len(results), len(examples), len(results) / elapsed)
+  with progress_lib.Progress("evaluating", len(examples), unit="questions",
+                             every_seconds=log_every_seconds,
+                             host=progress_lib.jax_host()) as bar:
+    for lo in range(0, len(examples), chunk):
+      part = examples[lo:lo + chunk]
+      results += qa_model.predict(
+          [e.question for e in part], answers=[e.answers for e in part],
+          is_regex=[e.is_regex for e in part], recall_depth=max(recall_ks))
+      bar.update(len(part))
   metrics = aggregate_metrics(results, recall_ks=recall_ks)
   metrics["questions_per_second"] = len(results) / (time.time() - start)
   if predictions_path:

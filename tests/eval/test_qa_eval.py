@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import string
@@ -123,7 +124,8 @@ def test_aggregate_metrics_on_a_hand_written_table():
     qa_eval.aggregate_metrics([])
 
 
-def test_evaluate_against_an_independent_computation(setup, tmp_path):
+def test_evaluate_against_an_independent_computation(setup, tmp_path,
+                                                     caplog):
   model, store = setup["model"], setup["store"]
   questions = [q for q, _ in QUESTIONS]
   first = model.predict(questions)
@@ -141,8 +143,15 @@ def test_evaluate_against_an_independent_computation(setup, tmp_path):
   examples = [qa_lib.QAExample(q, tuple(a), x)
               for q, a, x in zip(questions, answers, regex)]
   path = str(tmp_path / "pred.jsonl")
-  metrics = qa_eval.evaluate(model, examples, recall_ks=RECALL_KS,
-                             predictions_path=path)
+  with caplog.at_level(logging.INFO):
+    metrics = qa_eval.evaluate(model, examples, recall_ks=RECALL_KS,
+                               predictions_path=path, log_every_seconds=1e-9)
+  # Progress in the log (issue 58): after the first batch of 4, done/total,
+  # rate and ETA; then the total time.
+  assert re.search(r"evaluating: 4/6 questions \(66%\), [\d.]+ "
+                   r"questions/s, ETA \S+", caplog.text), caplog.text
+  assert re.search(r"evaluating: 6/6 questions in [\d.]+ s, [\d.]+ "
+                   r"questions/s$", caplog.text, re.M), caplog.text
 
   expect_correct = [True, True, True, False] + [
       any(_normalize(preds[i]) == _normalize(a) for a in answers[i])
