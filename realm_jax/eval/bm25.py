@@ -30,8 +30,11 @@ from typing import Sequence
 
 import numpy as np
 
+from realm_jax.core import progress as progress_lib
+
 _WORD = re.compile(r"\w+")
 K1, B = 0.9, 0.4
+_ANALYZE_CHUNK = 1024  # Texts analysed between two looks at the clock.
 
 
 def _libraries():
@@ -75,14 +78,24 @@ class BM25Index:
     num_rows: texts indexed.
   """
 
-  def __init__(self, texts: Sequence[str], *, k1: float = K1, b: float = B):
+  def __init__(self, texts: Sequence[str], *, k1: float = K1, b: float = B,
+               progress_seconds: float | None = None):
+    """Indexes `texts`; analysing them is logged as progress
+    (`core.progress`) every `progress_seconds` (default: the jobs'
+    `--progress_seconds`)."""
     bm25s, _ = _libraries()
     if not texts:
       raise ValueError("BM25Index needs at least one text.")
     self.k1, self.b, self.num_rows = k1, b, len(texts)
     self.analyzer = Analyzer()
     self._bm25 = bm25s.BM25(k1=k1, b=b, method="lucene")
-    self._bm25.index(self.analyzer(texts), show_progress=False)
+    terms = []
+    with progress_lib.Progress("BM25 indexing", len(texts), unit="texts",
+                               every_seconds=progress_seconds) as bar:
+      for lo in range(0, len(texts), _ANALYZE_CHUNK):
+        terms += self.analyzer(texts[lo:lo + _ANALYZE_CHUNK])
+        bar.update(len(terms) - bar.done)
+    self._bm25.index(terms, show_progress=False)
 
   @classmethod
   def from_store(cls, store, **kwargs) -> BM25Index:

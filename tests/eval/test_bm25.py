@@ -3,7 +3,9 @@ as the QA eval's predictions (recall@k, gold recall)."""
 
 import collections
 import json
+import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -60,9 +62,17 @@ def numpy_bm25(docs, query, k1=0.9, b=0.4):
   return scores
 
 
-def test_scores_and_ranks_match_numpy_bm25(store):
+def test_scores_and_ranks_match_numpy_bm25(store, monkeypatch, caplog):
   assert len(store) > len(TEXTS)  # 24 wordpieces: several blocks an article
-  index = bm25.BM25Index.from_store(store)
+  monkeypatch.setattr(bm25, "_ANALYZE_CHUNK", 2)
+  with caplog.at_level(logging.INFO):
+    index = bm25.BM25Index.from_store(store, progress_seconds=1e-9)
+  # Progress in the log (issue 58): a line per chunk of 2, then the total.
+  n = len(store)
+  assert re.search(rf"BM25 indexing: 2/{n} texts \(\d+%\), [\d.]+ texts/s, "
+                   r"ETA \S+", caplog.text), caplog.text
+  assert re.search(rf"BM25 indexing: {n}/{n} texts in [\d.]+ s",
+                   caplog.text), caplog.text
   docs = index.analyzer(bm25.block_texts(store))
   assert bm25.block_texts(store)[0].startswith("Lake Vostrel\nLake Vostrel")
   ids, scores = index.search(QUERIES, k=len(store) + 3)
