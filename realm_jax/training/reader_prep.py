@@ -50,6 +50,7 @@ import optax
 
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.core import checkpoints, checks, io_utils
+from realm_jax.core import progress as progress_lib
 from realm_jax.data import block_store, query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional
@@ -82,13 +83,15 @@ def mask_features(params: dict[str, Any], graphdef,
                   queries: Mapping[str, np.ndarray], *, sep_id: int,
                   store=None, block_ids: np.ndarray | None = None,
                   reader_length: int = 0,
-                  batch_size: int = 64) -> dict[str, np.ndarray]:
+                  batch_size: int = 64,
+                  progress: progress_lib.Progress | None = None
+                  ) -> dict[str, np.ndarray]:
   """Reader hidden states at every real mask of stacked REALM `queries`.
 
   Each query is read with block `block_ids[i]` of `store` in a reader input
   of `reader_length`; without `block_ids`, with the null document. Returns
   {"hidden": float32 [N, H], "targets": int32 [N]} over the N masks with
-  weight > 0.
+  weight > 0. `progress` counts the queries encoded.
   """
 
   @jax.jit
@@ -106,6 +109,8 @@ def mask_features(params: dict[str, Any], graphdef,
     hidden.append(np.asarray(encode(
         params, inputs["token_ids"][s], inputs["input_mask"][s],
         inputs["segment_ids"][s], queries["mlm_positions"][s])))
+    if progress:
+      progress.update(s.stop - s.start)
   hidden = np.concatenate(hidden)                                # [n, M, H]
   real = np.asarray(queries["mlm_weights"]) > 0
   return {"hidden": hidden[real],
@@ -113,24 +118,25 @@ def mask_features(params: dict[str, Any], graphdef,
 
 
 def _features(params, graphdef, queries, rows, *, sep_id, store,
-              reader_length, rng) -> dict[str, np.ndarray]:
+              reader_length, rng, progress) -> dict[str, np.ndarray]:
   """Features of `rows`: the first half with the null document, the rest
   each with a random block of another article (as pre-training reads both:
   a head fit on the null document alone is miscalibrated with documents)."""
   subset = {k: np.asarray(v)[rows] for k, v in queries.items()}
   if store is None:
-    return mask_features(params, graphdef, subset, sep_id=sep_id)
+    return mask_features(params, graphdef, subset, sep_id=sep_id,
+                         progress=progress)
   half = len(rows) // 2
   blocks = rng.integers(0, len(store), len(rows) - half)
   own = store.doc_hash[blocks] == subset["source_doc_hash"][half:]
   blocks[own] = (blocks[own] + 1) % len(store)  # Rarely the own article.
   parts = [mask_features(params, graphdef,
                          {k: v[:half] for k, v in subset.items()},
-                         sep_id=sep_id),
+                         sep_id=sep_id, progress=progress),
            mask_features(params, graphdef,
                          {k: v[half:] for k, v in subset.items()},
                          sep_id=sep_id, store=store, block_ids=blocks,
-                         reader_length=reader_length)]
+                         reader_length=reader_length, progress=progress)]
   return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -144,10 +150,14 @@ def _head_features(params, graphdef, queries, *, sep_id, store,
   chosen = np.sort(rng.permutation(n)[:max_queries])
   held = np.zeros(len(chosen), bool)
   held[rng.permutation(len(chosen))[:max(1, len(chosen) // 10)]] = True
-  return {name: _features(params, graphdef, queries, chosen[rows],
-                          sep_id=sep_id, store=store,
-                          reader_length=reader_length, rng=rng)
-          for name, rows in (("train", ~held), ("heldout", held))}
+  with progress_lib.Progress(
+      "reader preparation: encoding queries", len(chosen), unit="queries",
+      host=progress_lib.jax_host()) as bar:
+    return {name: _features(params, graphdef, queries, chosen[rows],
+                            sep_id=sep_id, store=store,
+                            reader_length=reader_length, rng=rng,
+                            progress=bar)
+            for name, rows in (("train", ~held), ("heldout", held))}
 
 
 def _head_fns(params, graphdef, tx):
@@ -192,13 +202,18 @@ def _fit_head(step, opt_state, head, train, *, steps, batch_size, seed):
   """`steps` head steps on seeded random batches of the `train` masks
   (logging the loss four times); returns (head, Adam's state)."""
   m = len(train["targets"])
-  for i in range(steps):
-    rows = np.random.default_rng([seed, i]).integers(0, m, min(batch_size, m))
-    head, opt_state, loss = step(head, opt_state, train["hidden"][rows],
-                                 train["targets"][rows])
-    if (i + 1) % max(1, steps // 4) == 0:
-      logging.info("MLM head warm start: step %d/%d, loss %.3f", i + 1,
-                   steps, float(loss))
+  with progress_lib.Progress(
+      "reader preparation: fitting the MLM head", steps, unit="steps",
+      host=progress_lib.jax_host()) as bar:
+    for i in range(steps):
+      rows = np.random.default_rng([seed, i]).integers(0, m,
+                                                       min(batch_size, m))
+      head, opt_state, loss = step(head, opt_state, train["hidden"][rows],
+                                   train["targets"][rows])
+      if (i + 1) % max(1, steps // 4) == 0:
+        logging.info("MLM head warm start: step %d/%d, loss %.3f", i + 1,
+                     steps, float(loss))
+      bar.update()
   return head, opt_state
 
 

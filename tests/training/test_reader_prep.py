@@ -3,7 +3,9 @@ masks of queries it never saw; the job writes a checkpoint that
 pre-training starts from, and records what it did."""
 
 import json
+import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
                                    RetrieverConfig)
 from realm_jax.testing import corpus, knowledge_world, tiny
 from realm_jax.training import pretrain, reader_prep
-from realm_jax.core import checkpoints
+from realm_jax.core import checkpoints, progress
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +34,25 @@ def _queries(files, query_length=32):
           query_length=query_length, max_masks=2))
 
 
-def test_only_the_head_moves_and_heldout_accuracy_rises(world):
+def test_only_the_head_moves_and_heldout_accuracy_rises(world, monkeypatch,
+                                                       caplog):
   model = tiny.tiny_realm(vocab_size=30522)
   graphdef, params = functional.init(lambda r: Realm(model, rngs=r), 0)
   queries = _queries(world)
-  new, _, report = reader_prep.warm_start_mlm_head(
-      params, graphdef, queries, sep_id=Tokenizer().sep_id, steps=60,
-      batch_size=128, learning_rate=5e-2, seed=0)
+  monkeypatch.setattr(progress, "_every_seconds", [1e-9])  # Every batch.
+  with caplog.at_level(logging.INFO):
+    new, _, report = reader_prep.warm_start_mlm_head(
+        params, graphdef, queries, sep_id=Tokenizer().sep_id, steps=60,
+        batch_size=128, learning_rate=5e-2, seed=0)
+  # Progress in the log (issue 58): both loops, with ETA and total time.
+  for what, unit, total in (("encoding queries", "queries",
+                             min(len(queries["query_ids"]),
+                                 reader_prep.MAX_QUERIES)),
+                            ("fitting the MLM head", "steps", 60)):
+    assert re.search(rf"reader preparation: {what}: \d+/{total} {unit} "
+                     rf"\(\d+%\), [\d.]+ {unit}/s, ETA", caplog.text), what
+    assert re.search(rf"reader preparation: {what}: {total}/{total} {unit} "
+                     r"in [\d.]+ s", caplog.text), caplog.text
   # A random head spreads its mass over 30k wordpieces (loss ~ln 30522 =
   # 10.3); the targets are ~250 city and year wordpieces, so even their
   # distribution alone brings the loss on held-out queries to ~5.4.
