@@ -72,9 +72,12 @@ class AnnotateFn(beam.DoFn):
 
   def setup(self):
     self._nlp = salient_spans.load_nlp(self._spacy_model)
-    self._progress = beam_utils.Progress(
-        "annotate: documents annotated by this worker")
+    self._progress = beam_utils.worker_progress(
+        "annotate: annotating documents (this worker)", unit="documents")
     self._skipped = beam.metrics.Metrics.counter("annotate", "skipped")
+
+  def teardown(self):
+    self._progress.close()  # This worker's total and rate.
 
   def _skip(self, index: int, reason: str):
     self._skipped.inc()
@@ -98,7 +101,7 @@ class AnnotateFn(beam.DoFn):
     if not doc.sentence_byte_starts:
       yield self._skip(index, "document_without_sentences")
       return
-    self._progress.add()
+    self._progress.update()
     yield index % self._num_shards, (
         index, salient_spans.to_tf_example(doc).SerializeToString(), {
             "sentences": len(doc.sentence_byte_starts),

@@ -13,15 +13,14 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from typing import Any, Callable, Iterator, Sequence
 import uuid
 
-from absl import logging
 import apache_beam as beam
 from apache_beam.options import pipeline_options
 
 from realm_jax.core import io_utils
+from realm_jax.core import progress as progress_lib
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import wikipedia
 
@@ -36,22 +35,11 @@ def pipeline(pipeline_args: Sequence[str]) -> tuple[beam.Pipeline, str]:
   return beam.Pipeline(options=options), standard.runner
 
 
-class Progress:
-  """Logs a count every 30 s and at `total`, with its rate and ETA."""
-
-  def __init__(self, what: str, total: int | None = None):
-    self.what, self.total, self.done = what, total, 0
-    self.start = self._last = time.time()
-
-  def add(self, n: int = 1) -> None:
-    self.done, now = self.done + n, time.time()
-    if now - self._last < 30 and self.done != self.total:
-      return
-    self._last, rate = now, self.done / max(now - self.start, 1e-9)
-    of = f" of {self.total}" if self.total else ""
-    eta = (f", ETA {(self.total - self.done) / max(rate, 1e-9):.0f} s"
-           if self.total else "")
-    logging.info("%s: %d%s (%.1f/s%s)", self.what, self.done, of, rate, eta)
+def worker_progress(what: str, total: int | None = None, *,
+                    unit: str) -> progress_lib.Progress:
+  """A Beam worker's count (`core.progress`), as log lines even on a
+  terminal: several workers' bars would overwrite each other."""
+  return progress_lib.Progress(what, total, unit=unit, bar=False)
 
 
 INPUT_FORMATS = ("wikipedia_xml", "jsonl", "dpr_tsv")
@@ -120,11 +108,12 @@ def read_documents(input_path: str, *, max_documents: int | None,
     documents = ((None, d.title, d.text) for d in (
         wikipedia.iter_wikipedia_pages if input_format == "wikipedia_xml"
         else wikipedia.iter_jsonl_documents)(path, report, **reader_kwargs))
-  progress = Progress(f"read {input_path}: documents", max_documents)
+  progress = progress_lib.Progress(f"reading {input_path}", max_documents,
+                                   unit="documents")
   try:
     for doc_id, title, text in documents:
       yield (progress.done, title, text) + ((doc_id,) if with_ids else ())
-      progress.add()
+      progress.update()
       if progress.done == max_documents:
         break
   except (OSError, EOFError, ValueError) as e:
@@ -135,12 +124,11 @@ def read_documents(input_path: str, *, max_documents: int | None,
         f"documents ({type(e).__name__}: {e}); the file is corrupt or not in "
         "the format its name says.") from e
   finally:
+    progress.close()  # The last line: documents read, time, rate.
     if local_dir:
       shutil.rmtree(local_dir, ignore_errors=True)  # Own mkdtemp.
   io_utils.atomic_write_text(stats_path, json.dumps(
       dict(report.summary(list_dropped), documents=progress.done)))
-  logging.info("read all %d documents of %s in %.1fs", progress.done,
-               input_path, time.time() - progress.start)
 
 
 class ShardedOutput:
@@ -186,10 +174,10 @@ class ShardedOutput:
 
     def counted(item):
       if not progress:
-        progress.append(Progress(f"{job}: shards written by this worker",
-                                 total))
+        progress.append(worker_progress(
+            f"{job}: writing shards (this worker)", total, unit="shards"))
       result = write(item)
-      progress[0].add()
+      progress[0].update()
       return result
 
     @beam.ptransform_fn

@@ -44,6 +44,7 @@ import apache_beam as beam
 import numpy as np
 
 from realm_jax.core import checks, io_utils
+from realm_jax.core import progress as progress_lib
 from realm_jax.data import beam_utils
 from realm_jax.data import block_store
 from realm_jax.data import blocks as blocks_lib
@@ -208,7 +209,8 @@ def _read_block(line: str) -> blocks_lib.Block:
 def _merged_blocks(out: beam_utils.ShardedOutput, stats: list[dict[str, Any]],
                    report: wikipedia.Report) -> Iterator[blocks_lib.Block]:
   """The chunks' blocks in corpus order, `doc_index` counted over all."""
-  progress = beam_utils.Progress("corpus: chunks stored", len(stats))
+  progress = progress_lib.Progress("corpus: storing chunks", len(stats),
+                                   unit="chunks")
   first_doc = 0
   for s in stats:
     report.merge(s["report"])
@@ -217,7 +219,7 @@ def _merged_blocks(out: beam_utils.ShardedOutput, stats: list[dict[str, Any]],
       block = _read_block(line)
       yield dataclasses.replace(block, doc_index=first_doc + block.doc_index)
     first_doc += s["documents"]
-    progress.add()
+    progress.update()
 
 
 def _reader_options(config: CorpusConfig, input_format: str,

@@ -4,6 +4,7 @@ import bz2
 import csv
 import itertools
 import json
+import logging
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ from xml.sax import saxutils
 import numpy as np
 import pytest
 
+from realm_jax.core import progress
 from realm_jax.data import block_store
 from realm_jax.data import corpus_job
 from realm_jax.data import tokenizer as tokenizer_lib
@@ -40,11 +42,23 @@ _RECORDS = [
 ]
 
 
-def test_build_from_jsonl_writes_store_and_report(tmp_path):
+def test_build_from_jsonl_writes_store_and_report(tmp_path, monkeypatch,
+                                                  caplog):
   path = _write_jsonl(tmp_path / "docs.jsonl", _RECORDS,
                       [b"{broken", b'{"title": "X", "text": "\xff"}'])
-  store, report = corpus_job.build_corpus(
-      input_path=path, output_dir=str(tmp_path / "store"), max_block_len=64)
+  monkeypatch.setattr(progress, "_every_seconds", [1e-9])  # Every item.
+  with caplog.at_level(logging.INFO):
+    store, report = corpus_job.build_corpus(
+        input_path=path, output_dir=str(tmp_path / "store"),
+        max_block_len=64)
+  # Progress in the log (issue 58, `core.progress`): the reader, the Beam
+  # workers' shard writes and the store's chunks, each with a last line.
+  for line in (rf"reading {re.escape(path)}: 1 documents, [\d.]+ "
+               r"documents/s$",
+               rf"reading {re.escape(path)}: 3 documents in [\d.]+ s",
+               r"corpus: writing shards \(this worker\): \d+ shards, [\d.]+ shards/s",
+               r"corpus: storing chunks: (\d+)/\1 chunks in [\d.]+ s"):
+    assert re.search(line, caplog.text, re.M), (line, caplog.text)
   assert store.num_documents == 3
   assert [store.title(i) for i in store.document_blocks(0)] == [
       "Ada Lovelace"]
