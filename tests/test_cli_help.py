@@ -101,6 +101,7 @@ def test_help_exits_0(name):
   if "gin_cli.run" in source:  # A gin job: its help names the gin flags.
     assert "--gin_file" in result.stdout and "--gin.A.b=V" in result.stdout
     assert "--dry_run" in result.stdout
+    assert "--progress_seconds" in result.stdout  # core.progress's period.
     if "run_data_job" in source:
       assert "Apache Beam pipeline options" in result.stdout
       assert "This job's own gin file: runs/" in result.stdout
