@@ -416,6 +416,12 @@ def _job(dry_run: bool) -> None:
     _publish(config, store, root)
 
 
+def _chief_progress(root: str, step: int) -> publish.BuildProgress | None:
+  """Process 0's `index/.progress.json` record in the one-shot modes, as
+  the polling mode writes it (a watcher reads the same numbers)."""
+  return publish.BuildProgress(root, step) if jax.process_index() == 0 else None
+
+
 def _publish(config: BuilderConfig, store, root: str) -> None:
   """The job's modes (under its lease)."""
   kind, _, source = (config.init_from or "").partition(":")
@@ -429,7 +435,8 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
     publish_embeddings(embeddings=importers.load_block_emb(source),
                        store=store, root=root, step=step,
                        config=config.index_build,
-                       params_sha256="imported:" + source)
+                       params_sha256="imported:" + source,
+                       progress=_chief_progress(root, step))
     return
   if kind == "realm":
     retriever_config, params = importers.load_realm_embedder(
@@ -457,12 +464,10 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
       raise SystemExit(str(e)) from e
     retriever_config = checkpoint_retriever_config(
         ckpt_dir, step, gin_config.configured(RealmConfig).retriever)
-  # The record a watcher reads, as the polling mode writes it.
   build_and_publish(retriever_params=params,
                     retriever_config=retriever_config, store=store,
                     root=root, step=step, config=config.index_build,
-                    progress=(publish.BuildProgress(root, step)
-                              if jax.process_index() == 0 else None))
+                    progress=_chief_progress(root, step))
 
 
 if __name__ == "__main__":

@@ -321,6 +321,9 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
                                                         "imported")))
   assert index.step == 0
   np.testing.assert_array_equal(index.embeddings, emb)
+  # Issue 58: the one-shot modes record their progress too.
+  assert publish.read_progress(checkpoints.index_root(
+      str(tmp_path / "imported")))["stage"] == "publishing"
   with pytest.raises(ValueError, match="random weights"):
     builder.BuilderConfig(init_from="scratch")
 

@@ -1,9 +1,13 @@
 """realm_jax.index.extend: new blocks added to a published index without
 retraining return what a full rebuild on the union returns."""
 
+import logging
+import re
+
 import numpy as np
 import pytest
 
+from realm_jax.core import progress
 from realm_jax.data import wikipedia
 from realm_jax.index import builder, extend, publish
 from realm_jax.model import functional
@@ -117,3 +121,27 @@ def test_refuses_other_parameters_stores_and_the_same_root(stores,
     extend.extend_index(union_store=union, retriever_params=params,
                         **dict(common, base_store=other))
   assert not (tmp_path / "out").exists()
+
+
+def test_extension_logs_its_progress(stores, tmp_path, monkeypatch, caplog):
+  """Issue 58: embedding the new blocks logs done/total, rate and ETA
+  (`core.progress`, here every batch), then the total time."""
+  base, union, _ = stores
+  config, params = SEARCHERS["exact"], _retriever()
+  builder.build_and_publish(retriever_params=params,
+                            retriever_config=CONFIG.retriever, store=base,
+                            root=str(tmp_path / "base"), step=3,
+                            config=config)
+  monkeypatch.setattr(progress, "_every_seconds", [1e-9])
+  with caplog.at_level(logging.INFO):
+    extend.extend_index(
+        index_root=str(tmp_path / "base"), base_store=base,
+        union_store=union, retriever_params=params,
+        retriever_config=CONFIG.retriever,
+        output_root=str(tmp_path / "merged"), config=config)
+  new = len(union) - len(base)
+  what = "extending index 3: embedding new blocks"
+  assert re.search(rf"{what}: \d+/{new} blocks \(\d+%\), [\d.]+ blocks/s, "
+                   r"ETA \S+", caplog.text), caplog.text
+  assert re.search(rf"{what}: {new}/{new} blocks in [\d.]+ s",
+                   caplog.text), caplog.text
