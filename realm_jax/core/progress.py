@@ -175,28 +175,28 @@ class Progress:
     self._next = now + self.every_seconds
     self._log(self.line(now))
 
-  def last_line(self, now: float) -> str:
-    """The last line: the count, the total time and the mean rate (a loop
-    closed short of `total`, e.g. by an error, says it stopped)."""
+  def last_line(self, now: float, stopped: bool = False) -> str:
+    """The last line: the count, the total time and the mean rate; of a
+    loop `stopped` by an error, saying so."""
     elapsed = now - self.start
     rate = self.done / elapsed if elapsed > 0 else math.inf
-    stopped = self.total is not None and self.done < self.total
     return (f"{self.what}: {'stopped at ' if stopped else ''}"
             f"{self._counts()} {'after' if stopped else 'in'} "
             f"{elapsed:.1f} s, {rate:.1f} {self.unit}/s{self._host}")
 
-  def close(self) -> None:
-    """Writes the last line (once) and closes the bar."""
+  def close(self, stopped: bool = False) -> None:
+    """Writes the last line (once; `stopped`: the loop ended on an error)
+    and closes the bar."""
     if self.closed:
       return
     self.closed = True
     if self._bar is not None:
       self._bar.update(self.done - self._bar.n)
       self._bar.close()
-    self._log(self.last_line(self._clock()))
+    self._log(self.last_line(self._clock(), stopped))
 
   def __enter__(self) -> Progress:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    self.close(stopped=exc_type is not None)

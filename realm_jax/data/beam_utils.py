@@ -116,6 +116,7 @@ def read_documents(input_path: str, *, max_documents: int | None,
       progress.update()
       if progress.done == max_documents:
         break
+    progress.close()  # The last line: documents read, time, rate.
   except (OSError, EOFError, ValueError) as e:
     if input_path in str(e) or path in str(e):
       raise
@@ -124,7 +125,7 @@ def read_documents(input_path: str, *, max_documents: int | None,
         f"documents ({type(e).__name__}: {e}); the file is corrupt or not in "
         "the format its name says.") from e
   finally:
-    progress.close()  # The last line: documents read, time, rate.
+    progress.close(stopped=True)  # No-op unless it ended on an error.
     if local_dir:
       shutil.rmtree(local_dir, ignore_errors=True)  # Own mkdtemp.
   io_utils.atomic_write_text(stats_path, json.dumps(

@@ -126,3 +126,11 @@ def test_a_loop_closed_short_of_its_total_says_it_stopped():
       raise RuntimeError("a batch failed")
   assert lines == ["embedding blocks: stopped at 10/50 blocks after 4.0 s, "
                    "2.5 blocks/s"]
+  # Ended short of `total` without an error (fewer documents than a cap):
+  # the plain last line.
+  lines.clear()
+  bar = _progress(clock, lines, total=50, every_seconds=30)
+  clock.now += 2
+  bar.update(3)
+  bar.close()
+  assert lines == ["embedding blocks: 3/50 blocks in 2.0 s, 1.5 blocks/s"]
