@@ -34,7 +34,6 @@ from realm_jax.core import progress as progress_lib
 
 _WORD = re.compile(r"\w+")
 K1, B = 0.9, 0.4
-_ANALYZE_CHUNK = 1024  # Texts analysed between two looks at the clock.
 
 
 def _libraries():
@@ -64,6 +63,18 @@ class Analyzer:
           [w for w in words if w not in self._stop]))
     return out
 
+  def corpus_terms(self, texts: Sequence[str], chunk: int = 1024
+                   ) -> list[list[str]]:
+    """`self(texts)` for a corpus, logged as "BM25 indexing" progress
+    (`core.progress`), the clock read once per `chunk` texts."""
+    out = []
+    with progress_lib.Progress("BM25 indexing", len(texts),
+                               unit="texts") as bar:
+      for lo in range(0, len(texts), chunk):
+        out += self(texts[lo:lo + chunk])
+        bar.update(len(out) - bar.done)
+    return out
+
 
 def block_texts(store) -> list[str]:
   """Each block as BM25 indexes it: title, newline, text."""
@@ -78,24 +89,14 @@ class BM25Index:
     num_rows: texts indexed.
   """
 
-  def __init__(self, texts: Sequence[str], *, k1: float = K1, b: float = B,
-               progress_seconds: float | None = None):
-    """Indexes `texts`; analysing them is logged as progress
-    (`core.progress`) every `progress_seconds` (default: the jobs'
-    `--progress_seconds`)."""
+  def __init__(self, texts: Sequence[str], *, k1: float = K1, b: float = B):
     bm25s, _ = _libraries()
     if not texts:
       raise ValueError("BM25Index needs at least one text.")
     self.k1, self.b, self.num_rows = k1, b, len(texts)
     self.analyzer = Analyzer()
     self._bm25 = bm25s.BM25(k1=k1, b=b, method="lucene")
-    terms = []
-    with progress_lib.Progress("BM25 indexing", len(texts), unit="texts",
-                               every_seconds=progress_seconds) as bar:
-      for lo in range(0, len(texts), _ANALYZE_CHUNK):
-        terms += self.analyzer(texts[lo:lo + _ANALYZE_CHUNK])
-        bar.update(len(terms) - bar.done)
-    self._bm25.index(terms, show_progress=False)
+    self._bm25.index(self.analyzer.corpus_terms(texts), show_progress=False)
 
   @classmethod
   def from_store(cls, store, **kwargs) -> BM25Index:

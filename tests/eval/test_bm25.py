@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from realm_jax.core import progress
 from realm_jax.data import qa, wikipedia
 from realm_jax.eval import bm25, qa_eval, retrieval_eval
 from realm_jax.testing import corpus
@@ -62,17 +63,9 @@ def numpy_bm25(docs, query, k1=0.9, b=0.4):
   return scores
 
 
-def test_scores_and_ranks_match_numpy_bm25(store, monkeypatch, caplog):
+def test_scores_and_ranks_match_numpy_bm25(store):
   assert len(store) > len(TEXTS)  # 24 wordpieces: several blocks an article
-  monkeypatch.setattr(bm25, "_ANALYZE_CHUNK", 2)
-  with caplog.at_level(logging.INFO):
-    index = bm25.BM25Index.from_store(store, progress_seconds=1e-9)
-  # Progress in the log (issue 58): a line per chunk of 2, then the total.
-  n = len(store)
-  assert re.search(rf"BM25 indexing: 2/{n} texts \(\d+%\), [\d.]+ texts/s, "
-                   r"ETA \S+", caplog.text), caplog.text
-  assert re.search(rf"BM25 indexing: {n}/{n} texts in [\d.]+ s",
-                   caplog.text), caplog.text
+  index = bm25.BM25Index.from_store(store)
   docs = index.analyzer(bm25.block_texts(store))
   assert bm25.block_texts(store)[0].startswith("Lake Vostrel\nLake Vostrel")
   ids, scores = index.search(QUERIES, k=len(store) + 3)
@@ -127,3 +120,22 @@ def test_results_are_qa_eval_predictions_with_recall(store, tmp_path):
   assert recall == {"gold_recall@1": np.mean([w[0] for w in want_gold]),
                     "gold_recall@3": np.mean([w.any() for w in want_gold])}
   assert recall["gold_recall@1"] >= 2 / 3
+
+
+def test_indexing_logs_its_progress(store, monkeypatch, caplog):
+  """Issue 58: analysing the corpus logs done/total, rate and ETA
+  (`core.progress`, here every chunk of 2 texts), then the total time."""
+  monkeypatch.setattr(progress, "_every_seconds", [1e-9])
+  with caplog.at_level(logging.INFO):
+    terms = bm25.Analyzer().corpus_terms(bm25.block_texts(store), chunk=2)
+  n = len(store)
+  assert terms == bm25.Analyzer()(bm25.block_texts(store))
+  assert re.search(rf"BM25 indexing: 2/{n} texts \(\d+%\), [\d.]+ texts/s, "
+                   r"ETA \S+", caplog.text), caplog.text
+  assert re.search(rf"BM25 indexing: {n}/{n} texts in [\d.]+ s",
+                   caplog.text), caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    bm25.BM25Index.from_store(store)  # Indexing goes through it.
+  assert re.search(rf"BM25 indexing: {n}/{n} texts in", caplog.text)
+
