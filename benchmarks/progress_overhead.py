@@ -13,7 +13,7 @@ benchmark times, in one process, `--updates` iterations of:
               once per period by a real job;
   tqdm_bar    `update()` drawing a tqdm bar (a terminal), into a string.
 
-Each is the median of `--repeats` runs; a `overhead` line per kind gives
+Each is the median of `--repeats` runs; an `overhead` line per kind gives
 nanoseconds per update above the bare loop.
 
     python benchmarks/progress_overhead.py [--updates=200000] [--repeats=5]

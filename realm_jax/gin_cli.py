@@ -508,6 +508,8 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
       "progress_seconds", progress.DEFAULT_EVERY_SECONDS,
       "Seconds between the progress lines (done/total, rate, ETA) that long "
       "loops log when stderr is not a terminal (core.progress).")
+  flags.register_validator("progress_seconds", lambda seconds: seconds > 0,
+                           "--progress_seconds must be > 0")
   define_help_flags(_help_epilog(runs_file, config_class, pipeline_args))
   argv, extra = split_gin_flags(sys.argv)
 

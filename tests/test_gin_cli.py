@@ -44,6 +44,21 @@ def test_data_jobs_keep_beam_options_and_do_not_join_jax():
           "'--direct_num_workers', '2'] True 2 False") in result.stdout
 
 
+def test_progress_seconds_sets_the_period_of_every_progress():
+  """`--progress_seconds` (every job) is the default period of
+  `core.progress`; a period <= 0 is refused by the flag parser."""
+  job = _JOB.replace(
+      "  import gin\n",
+      "  import gin\n  from realm_jax.core import progress\n"
+      "  print('PERIOD', progress.Progress('x').every_seconds)\n")
+  result = _run(["-c", job, "--progress_seconds=0.25", "--dry_run"])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "PERIOD 0.25" in result.stdout
+  result = _run(["-c", job, "--progress_seconds=0", "--dry_run"])
+  assert result.returncode != 0
+  assert "--progress_seconds must be > 0" in result.stderr
+
+
 def test_a_job_finds_its_own_gin_file():
   """The binding runs/corpus.gin advertises works without --gin_file."""
   for files in ([], ["--gin_file=runs/corpus.gin"]):
