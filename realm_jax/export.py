@@ -67,6 +67,8 @@ def _save(path: str, arrays: dict[str, np.ndarray]) -> None:
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   os.makedirs(os.path.dirname(path), exist_ok=True)
   save_file(arrays, path, metadata={"format": "pt"})
+  # safetensors writes its files owner-only (0600) whatever the umask.
+  io_utils.honour_umask(path, directory=False)
 
 
 def _write_json(path: str, value: Any) -> None:

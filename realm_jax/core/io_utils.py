@@ -98,6 +98,51 @@ def check_no_links(path: PathLike, root: PathLike) -> None:
           "it with a copy).")
 
 
+def current_umask() -> int:
+  """The process umask, read without changing it where the OS allows.
+
+  Linux reports it in /proc/self/status; elsewhere it is read by setting
+  and restoring it (os.umask has no read-only form).
+  """
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError):
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def honour_umask(path: str, *, directory: bool, fd: int | None = None
+                 ) -> None:
+  """Gives a fresh `mkstemp`/`mkdtemp` entry the mode `open`/`mkdir` would.
+
+  `tempfile` creates its entries owner-only (0600 files, 0700
+  directories) whatever the umask. A job's outputs are renamed into
+  place from such temporaries, so without this every index, store,
+  export and marker would be unreadable by a serving account or a
+  teammate on a shared workdir.
+  """
+  mode = (0o777 if directory else 0o666) & ~current_umask()
+  if fd is not None:
+    os.fchmod(fd, mode)
+  else:
+    os.chmod(path, mode)
+
+
+def mkdtemp(*, prefix: str, dir: str | None = None) -> str:  # pylint: disable=redefined-builtin
+  """`tempfile.mkdtemp` whose directory honours the umask as `mkdir` does.
+
+  Still created exclusively (never an existing directory or a link).
+  """
+  path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+  honour_umask(path, directory=True)
+  return path
+
+
 def makedirs(path: PathLike) -> None:
   as_path(path).mkdir(parents=True, exist_ok=True)
 
@@ -123,6 +168,7 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
                              dir=os.path.dirname(os.fspath(target)))
   try:
     with os.fdopen(fd, "wb") as f:
+      honour_umask(tmp, directory=False, fd=f.fileno())
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
@@ -257,8 +303,8 @@ def replace_local_dir(tmp_dir: str, directory: str) -> None:
   if not os.path.exists(directory):
     os.rename(tmp_dir, directory)
     return
-  aside = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-",
-                           dir=os.path.dirname(os.path.abspath(directory)))
+  aside = mkdtemp(prefix=f".{os.path.basename(directory)}.old-",
+                  dir=os.path.dirname(os.path.abspath(directory)))
   os.rename(directory, os.path.join(aside, "old"))
   os.rename(tmp_dir, directory)
   shutil.rmtree(aside)  # Made above; holds the replaced output only.
@@ -285,8 +331,7 @@ def new_output_tmp(directory: PathLike, *, overwrite: bool = False,
   parent = os.path.dirname(directory)
   os.makedirs(parent, exist_ok=True)
   # mkdtemp makes a new directory (never an existing one or a link).
-  return tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-",
-                          dir=parent)
+  return mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
 
 
 def discard_output_tmp(tmp_dir: str) -> None:
