@@ -51,6 +51,8 @@ def load(path: str, *, block_store: str | None = None,
   """
   if os.path.exists(os.path.join(path, exported.CONFIG_FILE)):
     model_config, params = exported.load_exported(path)
+    if exported.span_head_trained(path) is False:
+      params = qa_model_lib.without_span_head(params)
     if not (block_store and index_dir):
       raise ValueError(f"{path} is an export, which holds no corpus: give "
                        "block_store= and index_dir= (an index of that store "

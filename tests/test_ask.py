@@ -395,6 +395,51 @@ def test_a_checkpoint_says_whether_its_span_head_was_trained(
     assert ("span head is not trained" in caplog.text) is not trained
 
 
+@pytest.mark.parametrize("task_class,trained", [
+    ("PretrainConfig", False), ("FinetuneConfig", True)])
+def test_an_export_says_whether_its_span_head_was_trained(
+    setup, tmp_path, caplog, task_class, trained):
+  """An export of a pre-training checkpoint (which carries an untrained
+  span head) answers with the notice, as the checkpoint does: through
+  `realm_jax.load` and through `init_from="export:..."`."""
+  import realm_jax  # pylint: disable=g-import-not-at-top
+  from realm_jax import export  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "run" / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(3, setup["params"], {"count": np.zeros((), np.int32)}, {
+      "index_step": 0, "task_class": task_class, "task_config": {},
+      "model_config": dataclass_json.to_dict(setup["config"])}, force=True)
+  ckpt.close()
+  out = export.export_checkpoint(export.ExportConfig(
+      workdir=str(tmp_path / "run"), output_dir=str(tmp_path / "export")))
+  with open(os.path.join(out, "realm_config.json")) as f:
+    assert json.load(f)["span_head_trained"] is trained
+  index_dir = str(setup["workdir"] / "index")
+  for load in (
+      lambda: realm_jax.load(out, block_store=setup["store"].path,
+                             index_dir=index_dir, qa_config=QA_CONFIG,
+                             batch_size=4),
+      lambda: qa_model.load_qa_model(
+          init_from=f"export:{out}", model_config=setup["config"],
+          store=setup["store"], qa_config=QA_CONFIG, batch_size=4,
+          index_dir=index_dir)):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      model = load()
+    assert model.span_head_trained is trained
+    assert ("span head is not trained" in caplog.text) is not trained
+  # An export inside the run's checkpoints (by any name) would look like
+  # a step: refused.
+  os.symlink(tmp_path / "run", tmp_path / "alias")
+  from realm_jax.core import io_utils  # pylint: disable=g-import-not-at-top
+  with pytest.raises(io_utils.SamePlaceError, match="output_dir="):
+    export.export_checkpoint(export.ExportConfig(
+        workdir=str(tmp_path / "run"),
+        output_dir=str(tmp_path / "alias" / "checkpoints" / "9")))
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["3"]
+
+
 @pytest.mark.parametrize("questions,error,match", [
     ("Where was Mozart born?", TypeError, "list of questions, got one str"),
     (b"Where was Mozart born?", TypeError, "got one bytes"),

@@ -143,6 +143,73 @@ def mkdtemp(*, prefix: str, dir: str | None = None) -> str:  # pylint: disable=r
   return path
 
 
+class SamePlaceError(ValueError):
+  """A job's output is one of its inputs under another name (a link, a
+  `..`, a bind mount), or lies inside it."""
+
+
+def real_place(path: PathLike) -> str:
+  """Where local `path` is on the filesystem: links and `..` resolved, as
+  far as it exists (`os.path.realpath`); a remote path as it is."""
+  return (os.path.realpath(os.fspath(path)) if is_local(path)
+          else absolute(path))
+
+
+def same_place(a: PathLike, b: PathLike) -> bool:
+  """True when `a` and `b` name the same file or directory: the same real
+  path, or (both existing) the same inode (`os.path.samefile`)."""
+  if real_place(a) == real_place(b):
+    return True
+  if is_local(a) and is_local(b):
+    try:
+      return os.path.samefile(a, b)
+    except OSError:  # One of them does not exist (yet).
+      return False
+  return False
+
+
+def _inside(path: PathLike, directory: PathLike) -> bool:
+  """True when `path` is `directory` or below it, by real path."""
+  path, directory = real_place(path), real_place(directory)
+  return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def check_apart(output: PathLike, output_name: str,
+                inputs: dict[str, PathLike | None], *,
+                either_way: tuple[str, ...] = ()) -> None:
+  """Refuses an output that is one of a job's inputs by another name.
+
+  The one notion of "the same place" for every input/output pair of a
+  job (extend, export, the index builder): real paths (links and `..`
+  resolved) and, for existing paths, `os.path.samefile`. A plain
+  comparison of absolute paths lets a link or an alias through, and the
+  job then replaces its own input.
+
+  Args:
+    output: the directory the job writes.
+    output_name: how the user sets it, for the message
+      ("output_root", "--gin.OUTPUT_DIR").
+    inputs: {how the user sets it: path}; None entries are skipped.
+    either_way: names of `inputs` that may not hold `output` nor lie
+      inside it (others: may not be it nor hold it).
+
+  Raises:
+    SamePlaceError: naming both settings and the real place.
+  """
+  for name, path in inputs.items():
+    if path is None or path == "":
+      continue
+    clash = same_place(output, path) or _inside(output, path) or (
+        name in either_way and _inside(path, output))
+    if clash:
+      raise SamePlaceError(
+          f"{output_name}={os.fspath(output)!r} and {name}="
+          f"{os.fspath(path)!r} are the same place, or one holds the other "
+          f"(real paths {real_place(output)!r} and {real_place(path)!r}); "
+          f"the job would write over its own input. Choose another "
+          f"{output_name}, apart from it.")
+
+
 def makedirs(path: PathLike) -> None:
   as_path(path).mkdir(parents=True, exist_ok=True)
 

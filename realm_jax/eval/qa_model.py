@@ -31,7 +31,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from realm_jax.checkpoint_import import core
+from realm_jax.checkpoint_import import core, exported
 from realm_jax.core import checkpoints, dataclass_json, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
@@ -238,7 +238,7 @@ def run_index_dir(checkpoint_dir: str, step: int | None = None) -> str:
       os.path.dirname(os.fspath(checkpoint_dir).rstrip("/")))
 
 
-def _without_span_head(params: dict[str, Any]) -> dict[str, Any]:
+def without_span_head(params: dict[str, Any]) -> dict[str, Any]:
   """`params` less the reader's span head: an untrained one is dropped, so
   that `_fit_params` announces it (and initialises it) like a missing one."""
   return dict(params, reader={k: v for k, v in params["reader"].items()
@@ -246,9 +246,12 @@ def _without_span_head(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _init_checkpoint_untrained(init_from: str) -> bool:
-  """Whether `init_from` is `checkpoint:<dir>[@step]` whose meta says its
-  span head was not trained."""
+  """Whether `init_from` is `checkpoint:<dir>[@step]` whose meta, or
+  `export:<dir>` whose realm_config.json, says its span head was not
+  trained."""
   kind, _, rest = init_from.partition(":")
+  if kind == "export":
+    return exported.span_head_trained(rest) is False
   if kind != "checkpoint":
     return False
   directory, _, step = rest.partition("@")
@@ -388,7 +391,7 @@ class QAModel:
             "step={older}); realm-ask and the eval job: "
             "--gin.qa_eval.EvalConfig.step={older})"))
     if span_head_trained(checkpoints.read_meta(checkpoint_dir, step)) is False:
-      params = _without_span_head(params)
+      params = without_span_head(params)
     return cls(model_config, params, index, store, step=step, **kwargs)
 
   @classmethod
@@ -412,7 +415,7 @@ class QAModel:
         _init_checkpoint_untrained(init_from)):
       # Left fresh by `initial_params` (MiniLM, BERT, REALM pre-training
       # have none), or a realm_jax checkpoint that says it was not trained.
-      params = _without_span_head(params)
+      params = without_span_head(params)
     return cls(model_config, params, index, store, **kwargs)
 
   def with_params(self, params: dict[str, Any],
