@@ -20,11 +20,13 @@ What differs between the two kinds of storage, and how it is handled:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import stat
 import tempfile
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -261,7 +263,26 @@ def append_text(path: PathLike, text: str) -> None:
   target = as_path(path)
   if is_local(target):
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "a", encoding="utf-8") as f:
+    # O_NOFOLLOW: a log planted as a link would grow a file anywhere; an
+    # existing file must be a plain one with one name (not a hard link).
+    try:
+      fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                   | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      raise LinkRefusedError(
+          f"{target} is a symbolic link (to {os.readlink(target)!r}); a job "
+          "never appends through a link, since it could lead outside its "
+          "directory. Remove the link (or replace it with a copy).") from None
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+      info = os.fstat(fd)
+      if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        raise LinkRefusedError(
+            f"{target} is not a plain file with one name (it has "
+            f"{info.st_nlink} hard links); a job never appends to a file "
+            "that other names share. Remove it (or replace it with a "
+            "copy).")
       f.write(text)
     return
   old = target.read_bytes() if target.exists() else b""
