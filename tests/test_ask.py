@@ -454,6 +454,21 @@ def test_predict_refuses_a_bare_string_and_non_questions(setup, questions,
     setup["model"].predict(questions)
 
 
+@pytest.mark.parametrize("answers,match", [
+    (["Paris"], r"predict's answers\[0\] takes a list of reference "
+     r"answers, got one str \('Paris'\); each question takes a list of "
+     r"answers: answers\[0\]=\['Paris'\]"),
+    ("Paris", r"got one str \('Paris'\); pass answers=\[\['Paris'\]\]"),
+    ([["Paris", 3]], r"answers\[0\] item 1 is '3' \(int\)")])
+def test_predict_refuses_a_bare_string_as_answers(setup, answers, match):
+  """`answers=["Salzburg"]` would be read as the answers S, a, l, ... and
+  a one-letter prediction scored as correct."""
+  with pytest.raises(TypeError, match=match):
+    setup["model"].predict([QUESTIONS[0]], answers=answers)
+  result = setup["model"].predict([QUESTIONS[0]], answers=[("Salzburg",)])
+  assert result[0].answers == ["Salzburg"]
+
+
 def test_a_damaged_checkpoint_behind_load_names_it_and_the_way_out(
     setup, tmp_path):
   """A truncated array file of the newest checkpoint: `load` says which

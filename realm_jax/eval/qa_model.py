@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from realm_jax.checkpoint_import import core, exported
-from realm_jax.core import checkpoints, dataclass_json, parallel
+from realm_jax.core import checkpoints, checks, dataclass_json, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import embed, publish
@@ -477,13 +477,14 @@ class QAModel:
 
     Raises:
       TypeError: `questions` is one string (not a list of them), or holds
-        something other than strings.
+        something other than strings; an item of `answers` is one string
+        (not a list of them).
       ValueError: an empty or whitespace question.
     """
     questions = _question_list(questions)
     n = len(questions)
-    if answers is not None and len(answers) != n:
-      raise ValueError(f"{len(answers)} answer lists for {n} questions.")
+    if answers is not None:
+      answers = _answer_lists(answers, n)
     regex = ([bool(is_regex)] * n if isinstance(is_regex, (bool, np.bool_))
              else [bool(x) for x in is_regex])
     if len(regex) != n:
@@ -600,16 +601,31 @@ def _question_list(questions: Sequence[str]) -> list[str]:
   """`questions` as a list, refusing what `predict` would answer wrongly:
   one string (each character would become a question), a non-string
   item, an empty question."""
-  if isinstance(questions, (str, bytes)):
-    kind = type(questions).__name__
-    raise TypeError(
-        f"predict takes a list of questions, got one {kind} "
-        f"({_short(questions)!r}); use ask(question) or "
-        "predict([question]).")
-  questions = list(questions)
+  questions = checks.string_list(
+      questions, "predict", what="questions", item="Question",
+      hint="use ask(question) or predict([question])")
   for i, question in enumerate(questions):
     _refuse_non_question(question, f"Question {i}")
   return questions
+
+
+def _answer_lists(answers: Sequence[Sequence[str]], n: int
+                  ) -> list[list[str]]:
+  """`predict`'s reference answers: one list of strings per question (a
+  bare string would be read as its characters: "Paris" -> P, a, r...)."""
+  if isinstance(answers, (str, bytes)):
+    raise TypeError(
+        f"predict's answers takes one list of answers per question, got "
+        f"one {type(answers).__name__} ({_short(answers)!r}); pass "
+        f"answers=[[{_short(answers)!r}]].")
+  answers = list(answers)
+  if len(answers) != n:
+    raise ValueError(f"{len(answers)} answer lists for {n} questions.")
+  return [checks.string_list(
+      a, f"predict's answers[{i}]", what="reference answers",
+      item=f"answers[{i}] item",
+      hint=f"each question takes a list of answers: answers[{i}]="
+      f"[{_short(a)!r}]") for i, a in enumerate(answers)]
 
 
 def _refuse_non_question(question: Any, name: str) -> None:
