@@ -214,7 +214,8 @@ def string_list(value: Any, name: str, *, what: str = "strings",
 
   Raises:
     TypeError: `value` is one string or bytes, is not iterable, or holds
-      something other than a str (the message names its position).
+      something other than a str (the message names its position,
+      counted from 1 as the command line counts questions).
   """
   if isinstance(value, (str, bytes)):
     raise TypeError(
@@ -226,7 +227,7 @@ def string_list(value: Any, name: str, *, what: str = "strings",
   out = list(value)
   for i, x in enumerate(out):
     if not isinstance(x, str):
-      raise TypeError(f"{item} {i} is {_shorten(x)!r} "
+      raise TypeError(f"{item} {i + 1} of {len(out)} is {_shorten(x)!r} "
                       f"({type(x).__name__}); {name} takes a list of "
                       f"{what}, each a str.")
   return out

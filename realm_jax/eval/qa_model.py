@@ -254,8 +254,9 @@ def _init_checkpoint_untrained(init_from: str) -> bool:
     return exported.span_head_trained(rest) is False
   if kind != "checkpoint":
     return False
-  directory, _, step = rest.partition("@")
-  step = int(step) if step else checkpoints.newest_step(directory)
+  what = f"init_from='checkpoint:{rest}'"
+  directory, step = checkpoints.parse_step_suffix(rest, what)
+  step = checkpoints.existing_step(directory, step, name=what)
   return span_head_trained(checkpoints.read_meta(directory, step)) is False
 
 
@@ -277,7 +278,9 @@ def span_head_trained(meta: dict[str, Any]) -> bool | None:
 
 def configs_of(directory: str, step: int) -> dict[str, Any]:
   """The meta of checkpoint `step` of `directory`, which must carry the
-  model config (ValueError otherwise)."""
+  model config (ValueError otherwise; FileNotFoundError or TypeError for
+  a step that is not there)."""
+  step = checkpoints.existing_step(directory, step)
   meta = checkpoints.read_meta(directory, step)
   if "model_config" not in meta:
     raise ValueError(
@@ -489,7 +492,8 @@ class QAModel:
              else [bool(x) for x in is_regex])
     if len(regex) != n:
       raise ValueError(f"{len(regex)} is_regex flags for {n} questions.")
-    num_evidence = num_evidence or self.num_evidence
+    num_evidence = (self.num_evidence if num_evidence is None else
+                    _evidence_count(num_evidence))
     out = []
     for lo in range(0, n, self.batch_size):
       hi = min(n, lo + self.batch_size)
@@ -605,8 +609,20 @@ def _question_list(questions: Sequence[str]) -> list[str]:
       questions, "predict", what="questions", item="Question",
       hint="use ask(question) or predict([question])")
   for i, question in enumerate(questions):
-    _refuse_non_question(question, f"Question {i}")
+    _refuse_non_question(question, f"Question {i + 1} of {len(questions)}")
   return questions
+
+
+def _evidence_count(value: Any) -> int:
+  """`num_evidence` / `top_k`, an int >= 1 (0 or -1 would otherwise give
+  the default or one block without a word)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"top_k (num_evidence)={value!r} "
+                    f"({type(value).__name__}) must be an int >= 1.")
+  if value < 1:
+    raise ValueError(f"top_k (num_evidence)={value} must be >= 1: how many "
+                     "evidence blocks to return with the answer.")
+  return int(value)
 
 
 def _answer_lists(answers: Sequence[Sequence[str]], n: int
@@ -623,7 +639,7 @@ def _answer_lists(answers: Sequence[Sequence[str]], n: int
     raise ValueError(f"{len(answers)} answer lists for {n} questions.")
   return [checks.string_list(
       a, f"predict's answers[{i}]", what="reference answers",
-      item=f"answers[{i}] item",
+      item=f"answers[{i}]: answer",
       hint=f"each question takes a list of answers: answers[{i}]="
       f"[{_short(a)!r}]") for i, a in enumerate(answers)]
 
