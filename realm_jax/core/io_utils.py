@@ -418,8 +418,33 @@ def new_output_tmp(directory: PathLike, *, overwrite: bool = False,
                           "output directory.")
   parent = os.path.dirname(directory)
   os.makedirs(parent, exist_ok=True)
-  # mkdtemp makes a new directory (never an existing one or a link).
-  return mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+  prefix = f".{os.path.basename(directory)}.tmp-"
+  _remove_dead_output_tmps(parent, prefix)
+  # mkdtemp makes a new directory (never an existing one or a link); the
+  # pid in its name lets a later job remove it if this one is killed.
+  return mkdtemp(prefix=f"{prefix}{_host_tag()}.{os.getpid()}-",
+                 dir=parent)
+
+
+def _host_tag() -> str:
+  """A short tag of this host, so that a temporary's pid is only judged
+  on the host that made it (a shared disk has others)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _remove_dead_output_tmps(parent: str, prefix: str) -> None:
+  """Removes `<prefix><host>.<pid>-*` temporaries of jobs that died (kill
+  -9) before they could delete their own: made on this host by a pid that
+  no longer runs. A link of such a name is left alone."""
+  mine = f"{prefix}{_host_tag()}."
+  for name in os.listdir(parent):
+    pid = name[len(mine):].split("-", 1)[0]
+    path = os.path.join(parent, name)
+    if (name.startswith(mine) and pid.isascii() and pid.isdigit()
+        and not _pid_alive(int(pid)) and not os.path.islink(path)
+        and os.path.isdir(path)):
+      shutil.rmtree(path, ignore_errors=True)  # A dead job's own mkdtemp.
 
 
 def discard_output_tmp(tmp_dir: str) -> None:
