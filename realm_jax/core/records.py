@@ -20,6 +20,7 @@ read goes through `read_records`, under one rule:
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -100,7 +101,15 @@ def read_records(path: io_utils.PathLike, *,
   """
   if not io_utils.as_path(path).exists():
     return []
-  return _scan(path, io_utils.as_path(path).read_bytes(), required)[0]
+  return _scan(path, _read(path), required)[0]
+
+
+def _read(path: io_utils.PathLike) -> bytes:
+  """The bytes of a record file, never read through a link (a job reads
+  and rewrites only its own records)."""
+  if io_utils.is_local(path):
+    io_utils.refuse_output_link(os.fspath(path))
+  return io_utils.as_path(path).read_bytes()
 
 
 def keep_records(path: io_utils.PathLike,
@@ -117,10 +126,11 @@ def keep_records(path: io_utils.PathLike,
 
   Raises:
     RecordError: as `read_records`.
+    io_utils.LinkRefusedError: `path` is a symbolic link.
   """
   if not io_utils.as_path(path).exists():
     return []
-  data = io_utils.as_path(path).read_bytes()
+  data = _read(path)
   records, torn = _scan(path, data, required)
   kept = [r for r in records if keep(r)]
   if len(kept) < len(records):

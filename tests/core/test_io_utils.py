@@ -446,6 +446,9 @@ def test_appends_and_summaries_never_go_through_a_link(tmp_path):
   os.symlink(outside, workdir / "metrics.jsonl")
   with pytest.raises(io_utils.LinkRefusedError, match="symbolic link"):
     io_utils.append_jsonl(str(workdir / "metrics.jsonl"), {"step": 1})
+  from realm_jax.core import records  # pylint: disable=g-import-not-at-top
+  with pytest.raises(io_utils.LinkRefusedError, match="symbolic link"):
+    records.keep_records(str(workdir / "metrics.jsonl"))  # On resume.
   os.remove(workdir / "metrics.jsonl")
   os.link(outside, workdir / "metrics.jsonl")
   with pytest.raises(io_utils.LinkRefusedError, match="2 hard links"):
