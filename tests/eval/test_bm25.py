@@ -128,7 +128,7 @@ def test_one_string_no_terms_and_bad_k_are_refused():
   with pytest.raises(TypeError, match=r"BM25Index.search takes a list of "
                      r"queries, got one str \('capital'\); pass \[query\]"):
     index.search("capital", 2)
-  with pytest.raises(TypeError, match=r"Query 1 is 'None'"):
+  with pytest.raises(TypeError, match=r"Query 2 of 2 is 'None'"):
     index.search(["capital", None], 2)
   for k, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError),
                    ("3", TypeError)):
