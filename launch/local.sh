@@ -108,7 +108,9 @@ wait "$builder_pid" && builder_status=0 || builder_status=$?
 # The newest checkpoint step, and the step of the published index.
 newest=$(ls "$workdir/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' |
          sort -n | tail -n 1 || true)
-latest=$(tr -cd '0-9' < "$workdir/index/LATEST" 2>/dev/null || true)
+# (LATEST names `<step>` or a re-publication `<step>.<n>`.)
+latest=$(cut -d. -f1 2>/dev/null < "$workdir/index/LATEST" | tr -cd '0-9' ||
+         true)
 if [ "$status" -eq 0 ] && [ "$builder_status" -ne 0 ] &&
     [ -n "$newest" ] && [ "$latest" = "$newest" ]; then
   # Stopped while exiting, after its work was done: the run is complete.

@@ -51,6 +51,8 @@ def load(path: str, *, block_store: str | None = None,
   """
   if os.path.exists(os.path.join(path, exported.CONFIG_FILE)):
     model_config, params = exported.load_exported(path)
+    if exported.span_head_trained(path) is False:
+      params = qa_model_lib.without_span_head(params)
     if not (block_store and index_dir):
       raise ValueError(f"{path} is an export, which holds no corpus: give "
                        "block_store= and index_dir= (an index of that store "
@@ -60,7 +62,7 @@ def load(path: str, *, block_store: str | None = None,
     return QAModel(model_config, params, index, store,
                    qa_config or qa_inputs.QAConfig(), **kwargs)
   directory = checkpoint_directory(path)
-  step = checkpoints.newest_step(directory) if step is None else step
+  step = checkpoints.existing_step(directory, step)
   model_config, _, task = qa_model_lib.run_configs(directory, step)
   where = f"{directory}/{step}/meta"
   block_store = block_store or task.get("block_store")
@@ -77,7 +79,7 @@ def config_of(path: str, step: int | None = None) -> dict[str, Any]:
   """The configs a checkpoint carries: {"model_config", "task_class",
   "task_config", "operative_config"} (JSON; nothing is executed)."""
   directory = checkpoint_directory(path)
-  step = checkpoints.newest_step(directory) if step is None else step
+  step = checkpoints.existing_step(directory, step)
   meta = qa_model_lib.configs_of(directory, step)
   return {k: meta[k] for k in ("model_config", "task_class", "task_config",
                                "operative_config") if k in meta}

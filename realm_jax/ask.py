@@ -116,6 +116,9 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
       raise SystemExit(f"Question {i + 1} of {len(questions)} is empty "
                        f"({question!r}); ask something: python -m "
                        'realm_jax.ask ... "Where was Mozart born?"')
+  if f.top_k < 1:
+    raise SystemExit(f"--top_k={f.top_k}: give how many evidence blocks to "
+                     "show with each answer, at least 1.")
   qa_eval.require(config, block_store="BLOCK_STORE")
   checkpoint_dir = config.checkpoint_dir or (
       checkpoints.checkpoint_dir(config.workdir) if config.workdir else None)

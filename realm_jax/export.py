@@ -67,6 +67,8 @@ def _save(path: str, arrays: dict[str, np.ndarray]) -> None:
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   os.makedirs(os.path.dirname(path), exist_ok=True)
   save_file(arrays, path, metadata={"format": "pt"})
+  # safetensors writes its files owner-only (0600) whatever the umask.
+  io_utils.honour_umask(path, directory=False)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -207,16 +209,25 @@ def export_checkpoint(config: ExportConfig) -> str:
   """Exports checkpoint `step` of `workdir` with the configs it carries."""
   from realm_jax import api  # pylint: disable=g-import-not-at-top
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import qa_model  # pylint: disable=g-import-not-at-top
   saved = api.config_of(config.workdir, config.step)
   directory = api.checkpoint_directory(config.workdir)
+  # Inside the checkpoints (by any name) an export would look like a step.
+  io_utils.check_apart(config.output_dir, "output_dir",
+                       {"the checkpoints of workdir": directory})
   step = (checkpoints.newest_step(directory) if config.step is None
           else config.step)
   model = dataclass_json.from_dict(RealmConfig, saved["model_config"],
                                    f"{directory}/{step}/meta:model_config")
   params = checkpoints.restore_items(directory, step, checkpoints.PARAM_ITEMS)
+  # A pre-training checkpoint carries an untrained span head: the export
+  # says so, and whatever loads it answers with the notice.
+  trained = qa_model.span_head_trained(checkpoints.read_meta(directory, step))
   out = export_model(params, model, config.output_dir,
                      vocab_path=config.vocab_path, run_configs=dict(
-                         saved, source=f"{directory}/{step}"))
+                         saved, source=f"{directory}/{step}",
+                         **({} if trained is None else
+                            {"span_head_trained": trained})))
   print(f"exported step {step} of {directory} to {out}")
   return out
 

@@ -395,18 +395,117 @@ def test_a_checkpoint_says_whether_its_span_head_was_trained(
     assert ("span head is not trained" in caplog.text) is not trained
 
 
+@pytest.mark.parametrize("task_class,trained", [
+    ("PretrainConfig", False), ("FinetuneConfig", True)])
+def test_an_export_says_whether_its_span_head_was_trained(
+    setup, tmp_path, caplog, task_class, trained):
+  """An export of a pre-training checkpoint (which carries an untrained
+  span head) answers with the notice, as the checkpoint does: through
+  `realm_jax.load` and through `init_from="export:..."`."""
+  import realm_jax  # pylint: disable=g-import-not-at-top
+  from realm_jax import export  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
+  ckpt = checkpoints.TrainCheckpointer(str(tmp_path / "run" / "checkpoints"),
+                                       async_save=False)
+  ckpt.save(3, setup["params"], {"count": np.zeros((), np.int32)}, {
+      "index_step": 0, "task_class": task_class, "task_config": {},
+      "model_config": dataclass_json.to_dict(setup["config"])}, force=True)
+  ckpt.close()
+  out = export.export_checkpoint(export.ExportConfig(
+      workdir=str(tmp_path / "run"), output_dir=str(tmp_path / "export")))
+  with open(os.path.join(out, "realm_config.json")) as f:
+    assert json.load(f)["span_head_trained"] is trained
+  index_dir = str(setup["workdir"] / "index")
+  for load in (
+      lambda: realm_jax.load(out, block_store=setup["store"].path,
+                             index_dir=index_dir, qa_config=QA_CONFIG,
+                             batch_size=4),
+      lambda: qa_model.load_qa_model(
+          init_from=f"export:{out}", model_config=setup["config"],
+          store=setup["store"], qa_config=QA_CONFIG, batch_size=4,
+          index_dir=index_dir)):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      model = load()
+    assert model.span_head_trained is trained
+    assert ("span head is not trained" in caplog.text) is not trained
+  # An export inside the run's checkpoints (by any name) would look like
+  # a step: refused.
+  os.symlink(tmp_path / "run", tmp_path / "alias")
+  from realm_jax.core import io_utils  # pylint: disable=g-import-not-at-top
+  with pytest.raises(io_utils.SamePlaceError, match="output_dir="):
+    export.export_checkpoint(export.ExportConfig(
+        workdir=str(tmp_path / "run"),
+        output_dir=str(tmp_path / "alias" / "checkpoints" / "9")))
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["3"]
+
+
 @pytest.mark.parametrize("questions,error,match", [
     ("Where was Mozart born?", TypeError, "list of questions, got one str"),
     (b"Where was Mozart born?", TypeError, "got one bytes"),
-    (["Where was Mozart born?", 7], TypeError, "Question 1 is '7' \\(int\\)"),
-    ([None], TypeError, "Question 0 is 'None'"),
-    (["Where was Mozart born?", "  "], ValueError, "Question 1 .* is empty")])
+    (["Where was Mozart born?", 7], TypeError,
+     "Question 2 of 2 is '7' \\(int\\)"),
+    ([None], TypeError, "Question 1 of 1 is 'None'"),
+    (["Where was Mozart born?", "  "], ValueError,
+     "Question 2 of 2 .* is empty")])
 def test_predict_refuses_a_bare_string_and_non_questions(setup, questions,
                                                          error, match):
   """A string is not a list of questions: predict would answer each of
   its characters."""
   with pytest.raises(error, match=match):
     setup["model"].predict(questions)
+
+
+@pytest.mark.parametrize("answers,match", [
+    (["Paris"], r"predict's answers\[0\] takes a list of reference "
+     r"answers, got one str \('Paris'\); each question takes a list of "
+     r"answers: answers\[0\]=\['Paris'\]"),
+    ("Paris", r"got one str \('Paris'\); pass answers=\[\['Paris'\]\]"),
+    ([["Paris", 3]], r"answers\[0\]: answer 2 of 2 is '3' \(int\)")])
+def test_predict_refuses_a_bare_string_as_answers(setup, answers, match):
+  """`answers=["Salzburg"]` would be read as the answers S, a, l, ... and
+  a one-letter prediction scored as correct."""
+  with pytest.raises(TypeError, match=match):
+    setup["model"].predict([QUESTIONS[0]], answers=answers)
+  result = setup["model"].predict([QUESTIONS[0]], answers=[("Salzburg",)])
+  assert result[0].answers == ["Salzburg"]
+
+
+def test_steps_and_top_k_that_are_not_there_say_so(setup, tmp_path):
+  """`load(step=99)` of a run without step 99, `step=4.0`, a checkpoint
+  `@abc`, and `top_k` below 1 or not an int each get a sentence (not
+  "carries no model config", a bare int() error, or a silent default)."""
+  import realm_jax  # pylint: disable=g-import-not-at-top
+  from realm_jax.checkpoint_import import init_from as init_lib  # pylint: disable=g-import-not-at-top
+  from realm_jax.core import dataclass_json  # pylint: disable=g-import-not-at-top
+  ckpt_dir = str(tmp_path / "run" / "checkpoints")
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, async_save=False)
+  ckpt.save(2, setup["params"], {"count": np.zeros((), np.int32)}, {
+      "index_step": 0, "model_config": dataclass_json.to_dict(
+          setup["config"])}, force=True)
+  ckpt.close()
+  with pytest.raises(FileNotFoundError, match=rf"step=99: checkpoint "
+                     rf"{ckpt_dir}/99 does not exist; the steps there are "
+                     r"\[2\]"):
+    realm_jax.load(str(tmp_path / "run"), step=99)
+  with pytest.raises(TypeError, match=r"step=4.0 \(float\) is not a "
+                     "checkpoint step"):
+    realm_jax.config_of(str(tmp_path / "run"), step=4.0)
+  _, fresh = functional.init(lambda r: Realm(setup["config"], rngs=r), 0)
+  with pytest.raises(ValueError, match=r"init_from='checkpoint:.*@abc': "
+                     r"'abc' after '@' is not a checkpoint step"):
+    init_lib.initial_params(setup["config"], fresh,
+                            f"checkpoint:{ckpt_dir}@abc")
+  with pytest.raises(FileNotFoundError, match=r"init_from='checkpoint:"
+                     r".*@7': checkpoint .*/7 does not exist"):
+    init_lib.initial_params(setup["config"], fresh,
+                            f"checkpoint:{ckpt_dir}@7")
+  model = setup["model"]
+  for top_k, error in ((0, ValueError), (-1, ValueError), ("3", TypeError),
+                       (2.0, TypeError)):
+    with pytest.raises(error, match=r"top_k \(num_evidence\)="):
+      model.ask(QUESTIONS[0], top_k=top_k)
+  assert len(model.ask(QUESTIONS[0], top_k=2).evidence) == 2
 
 
 def test_a_damaged_checkpoint_behind_load_names_it_and_the_way_out(
@@ -427,11 +526,17 @@ def test_a_damaged_checkpoint_behind_load_names_it_and_the_way_out(
   with pytest.raises(checkpoints.CheckpointRestoreError, match=(
       rf"(?s)^checkpoint {ckpt_dir}/4 does not restore \(.*\); its files "
       r"are "
-      r"damaged: answer with an older step: step=2 ")):
+      r"damaged: answer with an older step: step=2 ")) as e:
     qa_model.load_qa_model(model_config=setup["config"], store=setup["store"],
                            checkpoint_dir=ckpt_dir, qa_config=QA_CONFIG,
                            index_dir=str(setup["workdir"] / "index"),
                            batch_size=4)
+  # Not buried under orbax's and TensorStore's chained tracebacks (a
+  # hundred lines of spec dump): the message is the whole report.
+  import traceback  # pylint: disable=g-import-not-at-top
+  report = "".join(traceback.format_exception(e.value))
+  assert "The above exception" not in report and "TensorStore(" not in report
+  assert e.value.error is not None  # The original, for a debugger.
 
 
 def test_without_an_index_dir_the_run_answers_with_its_own_index(

@@ -102,6 +102,9 @@ _FAILS = {
     "--gin.realm.RetrieverConfig.score_scale=1e309":
         "ConfigTypeError: RetrieverConfig.score_scale must be finite, got "
         "inf",
+    "RetrieverScheduleConfig.learning_rate_multiplier=-1.0":
+        "RetrieverScheduleConfig.learning_rate_multiplier must be >= 0, "
+        "got -1.0",
     "--gin_file=runs/index_builder.gin --one_shot":
         "Unknown command line flag 'one_shot'; did you mean "
         "--gin.BuilderConfig.one_shot=True?",

@@ -192,3 +192,34 @@ def test_an_export_whose_config_says_infinity_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"realm_config.json:model.retriever: "
                      r"RetrieverConfig.score_scale must be finite"):
     exported.load_exported(out)
+
+
+def test_a_killed_exports_temporary_is_removed_by_the_next(tmp_path):
+  """kill -9 mid-export leaves its temporary; the next export to that
+  output removes it (its pid is dead), never a live job's or a link."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "out")
+  child = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time; from realm_jax.core import "
+       "io_utils; print(io_utils.new_output_tmp(sys.argv[1]), flush=True); "
+       "time.sleep(600)", out], stdout=subprocess.PIPE, text=True)
+  left = child.stdout.readline().strip()
+  child.kill()
+  child.wait()
+  open(os.path.join(left, "half.safetensors"), "w").close()
+  from realm_jax.core import io_utils  # pylint: disable=g-import-not-at-top
+  live = io_utils.new_output_tmp(out)  # This process's: alive.
+  victim = tmp_path / "victim"
+  victim.mkdir()
+  os.symlink(victim, os.path.join(str(tmp_path), os.path.basename(
+      left).replace(str(child.pid), str(child.pid) + "9", 1)))
+  config = RealmConfig(retriever=RetrieverConfig(bert=BERT),
+                       reader=ReaderConfig(bert=BERT))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  export.export_model(params, config, out)
+  assert not os.path.exists(left)
+  assert os.path.isdir(live)
+  assert sorted(os.listdir(tmp_path)) == sorted(
+      ["out", "victim", os.path.basename(live), os.path.basename(
+          left).replace(str(child.pid), str(child.pid) + "9", 1)])

@@ -186,3 +186,16 @@ def test_an_output_holding_the_canary_is_refused(setup, tmp_path):
     fetch.fetch(cache, str(tmp_path / "out"), packages=pins,
                 pip_args=pip_args)
   assert not (tmp_path / "out").exists()
+
+
+def test_a_linked_output_dir_is_refused(setup, tmp_path):
+  fetch, pins, cache, pip_args = setup
+  victim = tmp_path / "victim"
+  victim.mkdir()
+  os.symlink(victim, tmp_path / "out")
+  with pytest.raises(SystemExit, match="out is a symbolic link"):
+    fetch.main(["--cache_dir", cache, "--output_dir", str(tmp_path / "out")]
+               + [f"--pip_arg={a}" for a in pip_args])
+  with pytest.raises(fetch.io_utils.LinkRefusedError):
+    fetch.write_outputs({"a.jsonl": "{}\n"}, str(tmp_path / "out"))
+  assert not os.listdir(victim)

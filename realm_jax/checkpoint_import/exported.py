@@ -76,6 +76,22 @@ def read_config(directory: str) -> RealmConfig:
                                   f"{directory}/{CONFIG_FILE}:model")
 
 
+def span_head_trained(directory: str) -> bool | None:
+  """Whether an export's reader span head was trained, by its
+  realm_config.json: `span_head_trained` (written by `realm-export`), else
+  the run's `task_class` (only fine-tuning trains the span head, though a
+  pre-training checkpoint carries an untrained one), else None (unknown:
+  an export of bare parameters)."""
+  data = io_utils.read_manifest(
+      directory, what="realm_jax export", name=CONFIG_FILE, fields=("model",),
+      build="write one with `python -m realm_jax.export`")
+  if "span_head_trained" in data:
+    return bool(data["span_head_trained"])
+  if "task_class" in data:
+    return data["task_class"] == "FinetuneConfig"
+  return None
+
+
 def _tower(directory: str, config) -> dict[str, Any]:
   expected = importers._abstract(lambda r: Embedder(config, rngs=r))  # pylint: disable=protected-access
   source = core.SafetensorsSource(os.path.join(directory,

@@ -120,8 +120,9 @@ def _imported_tree(kind: str, arg: str, config: RealmConfig,
     return params
   if kind == "checkpoint":
     from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
-    directory, _, step = arg.partition("@")
-    step = int(step) if step else checkpoints.newest_step(directory)
+    what = f"init_from='checkpoint:{arg}'"
+    directory, step = checkpoints.parse_step_suffix(arg, what)
+    step = checkpoints.existing_step(directory, step, name=what)
     return checkpoints.restore_items(directory, step,
                                      checkpoints.PARAM_ITEMS)
   raise ValueError(

@@ -17,6 +17,7 @@ trainer on where things are without importing one another.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
 import threading
@@ -109,6 +110,54 @@ def newest_step(directory: io_utils.PathLike) -> int:
   if not steps:
     raise FileNotFoundError(f"No checkpoint steps under {directory}.")
   return steps[-1]
+
+
+def existing_step(directory: io_utils.PathLike, step: Any = None, *,
+                  name: str = "step") -> int:
+  """`step` of checkpoint directory `directory`, checked to exist (None:
+  the newest).
+
+  Args:
+    directory: a checkpoint directory.
+    step: what the caller asked for.
+    name: how the caller sets it, for the messages: a field name
+      ("step": "step=99: ..."), or the whole setting
+      ("init_from='checkpoint:D@4'").
+
+  Raises:
+    TypeError: `step` is not an int (4.0, "4", True).
+    FileNotFoundError: no such step (the message lists the steps there).
+  """
+  if step is None:
+    return newest_step(directory)
+  if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+    raise TypeError(f"{name}={step!r} ({type(step).__name__}) is not a "
+                    "checkpoint step; give an int, or None for the newest.")
+  steps = finalized_steps(directory)
+  if int(step) not in steps:
+    label = f"{name}={int(step)}" if name.isidentifier() else name
+    raise FileNotFoundError(
+        f"{label}: checkpoint {directory}/{int(step)} does not "
+        f"exist; the steps there are {steps or 'none'} (give one of them, "
+        "or None for the newest).")
+  return int(step)
+
+
+def parse_step_suffix(spec: str, what: str) -> tuple[str, int | None]:
+  """`<dir>[@step]` -> (dir, step or None).
+
+  Raises:
+    ValueError: the part after `@` is not a step number, naming `what`.
+  """
+  directory, at, step = spec.rpartition("@") if "@" in spec else (
+      spec, "", "")
+  if not at:
+    return spec, None
+  if not (step.isascii() and step.isdigit()):
+    raise ValueError(
+        f"{what}: {step!r} after '@' is not a checkpoint step; write "
+        "<directory>@<step>, e.g. @4, or leave '@' out for the newest.")
+  return directory, int(step)
 
 
 def read_meta(directory: io_utils.PathLike, step: int) -> dict[str, Any]:
@@ -326,12 +375,18 @@ def restore_items(directory: io_utils.PathLike, step: int,
     except Exception as e:  # pylint: disable=broad-except
       # Orbax and TensorStore raise many kinds (see `restore_newest`).
       older = max((s for s in steps if s < step), default=None)
-      raise CheckpointRestoreError(
+      error = CheckpointRestoreError(
           f"checkpoint {io_utils.join(directory, str(step))} does not "
           f"restore ({type(e).__name__}: {_brief(e)}); its files are "
           "damaged: "
           + (way_out.format(older=older) if older is not None else
-             "there is no older step to read instead.")) from e
+             "there is no older step to read instead."))
+      # The message says it all; orbax's and TensorStore's chained
+      # tracebacks (a spec dump of a hundred lines) would bury it. The
+      # original stays at hand as `.error` and in the debug log.
+      error.error = e
+      logging.debug("checkpoint restore failed", exc_info=e)
+      raise error from None
   finally:
     manager.close()
 

@@ -187,3 +187,47 @@ def field_types(config: Any) -> None:
           f"{type(config).__name__}.{name} must be finite, got {value!r} "
           f"({bad!r} is not a number a run can use; a literal such as 1e309 "
           "overflows to inf).")
+
+
+def _shorten(value: Any, limit: int = 60) -> Any:
+  text = value if isinstance(value, (str, bytes)) else repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def string_list(value: Any, name: str, *, what: str = "strings",
+                item: str = "Item", hint: str = "") -> list[str]:
+  """`value`, a sequence of strings, as a list; refuses what would be
+  silently misread.
+
+  One rule for every public API that takes several strings (questions,
+  reference answers, BM25 queries and texts): a bare `str` (or `bytes`)
+  is itself a sequence, of characters, and would be taken as that many
+  one-character items, so it is refused, as is an item that is no string.
+
+  Args:
+    value: what the caller passed.
+    name: who takes it, for the message ("predict").
+    what: what it is a list of, in the message ("questions").
+    item: how the message calls one item ("Question").
+    hint: what to pass instead, e.g. "use ask(question) or
+      predict([question])".
+
+  Raises:
+    TypeError: `value` is one string or bytes, is not iterable, or holds
+      something other than a str (the message names its position,
+      counted from 1 as the command line counts questions).
+  """
+  if isinstance(value, (str, bytes)):
+    raise TypeError(
+        f"{name} takes a list of {what}, got one {type(value).__name__} "
+        f"({_shorten(value)!r}){'; ' + hint if hint else ''}.")
+  if not isinstance(value, collections.abc.Iterable):
+    raise TypeError(f"{name} takes a list of {what}, got "
+                    f"{_shorten(value)!r} ({type(value).__name__}).")
+  out = list(value)
+  for i, x in enumerate(out):
+    if not isinstance(x, str):
+      raise TypeError(f"{item} {i + 1} of {len(out)} is {_shorten(x)!r} "
+                      f"({type(x).__name__}); {name} takes a list of "
+                      f"{what}, each a str.")
+  return out

@@ -20,11 +20,13 @@ What differs between the two kinds of storage, and how it is handled:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import stat
 import tempfile
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -98,6 +100,118 @@ def check_no_links(path: PathLike, root: PathLike) -> None:
           "it with a copy).")
 
 
+def current_umask() -> int:
+  """The process umask, read without changing it where the OS allows.
+
+  Linux reports it in /proc/self/status; elsewhere it is read by setting
+  and restoring it (os.umask has no read-only form).
+  """
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError):
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def honour_umask(path: str, *, directory: bool, fd: int | None = None
+                 ) -> None:
+  """Gives a fresh `mkstemp`/`mkdtemp` entry the mode `open`/`mkdir` would.
+
+  `tempfile` creates its entries owner-only (0600 files, 0700
+  directories) whatever the umask. A job's outputs are renamed into
+  place from such temporaries, so without this every index, store,
+  export and marker would be unreadable by a serving account or a
+  teammate on a shared workdir.
+  """
+  mode = (0o777 if directory else 0o666) & ~current_umask()
+  if fd is not None:
+    os.fchmod(fd, mode)
+  else:
+    os.chmod(path, mode)
+
+
+def mkdtemp(*, prefix: str, dir: str | None = None) -> str:  # pylint: disable=redefined-builtin
+  """`tempfile.mkdtemp` whose directory honours the umask as `mkdir` does.
+
+  Still created exclusively (never an existing directory or a link).
+  """
+  path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+  honour_umask(path, directory=True)
+  return path
+
+
+class SamePlaceError(ValueError):
+  """A job's output is one of its inputs under another name (a link, a
+  `..`, a bind mount), or lies inside it."""
+
+
+def real_place(path: PathLike) -> str:
+  """Where local `path` is on the filesystem: links and `..` resolved, as
+  far as it exists (`os.path.realpath`); a remote path as it is."""
+  return (os.path.realpath(os.fspath(path)) if is_local(path)
+          else absolute(path))
+
+
+def same_place(a: PathLike, b: PathLike) -> bool:
+  """True when `a` and `b` name the same file or directory: the same real
+  path, or (both existing) the same inode (`os.path.samefile`)."""
+  if real_place(a) == real_place(b):
+    return True
+  if is_local(a) and is_local(b):
+    try:
+      return os.path.samefile(a, b)
+    except OSError:  # One of them does not exist (yet).
+      return False
+  return False
+
+
+def _inside(path: PathLike, directory: PathLike) -> bool:
+  """True when `path` is `directory` or below it, by real path."""
+  path, directory = real_place(path), real_place(directory)
+  return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def check_apart(output: PathLike, output_name: str,
+                inputs: dict[str, PathLike | None], *,
+                either_way: tuple[str, ...] = ()) -> None:
+  """Refuses an output that is one of a job's inputs by another name.
+
+  The one notion of "the same place" for every input/output pair of a
+  job (extend, export, the index builder): real paths (links and `..`
+  resolved) and, for existing paths, `os.path.samefile`. A plain
+  comparison of absolute paths lets a link or an alias through, and the
+  job then replaces its own input.
+
+  Args:
+    output: the directory the job writes.
+    output_name: how the user sets it, for the message
+      ("output_root", "--gin.OUTPUT_DIR").
+    inputs: {how the user sets it: path}; None entries are skipped.
+    either_way: names of `inputs` that may not hold `output` nor lie
+      inside it (others: may not be it nor hold it).
+
+  Raises:
+    SamePlaceError: naming both settings and the real place.
+  """
+  for name, path in inputs.items():
+    if path is None or path == "":
+      continue
+    clash = same_place(output, path) or _inside(output, path) or (
+        name in either_way and _inside(path, output))
+    if clash:
+      raise SamePlaceError(
+          f"{output_name}={os.fspath(output)!r} and {name}="
+          f"{os.fspath(path)!r} are the same place, or one holds the other "
+          f"(real paths {real_place(output)!r} and {real_place(path)!r}); "
+          f"the job would write over its own input. Choose another "
+          f"{output_name}, apart from it.")
+
+
 def makedirs(path: PathLike) -> None:
   as_path(path).mkdir(parents=True, exist_ok=True)
 
@@ -123,6 +237,7 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
                              dir=os.path.dirname(os.fspath(target)))
   try:
     with os.fdopen(fd, "wb") as f:
+      honour_umask(tmp, directory=False, fd=f.fileno())
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
@@ -148,7 +263,26 @@ def append_text(path: PathLike, text: str) -> None:
   target = as_path(path)
   if is_local(target):
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "a", encoding="utf-8") as f:
+    # O_NOFOLLOW: a log planted as a link would grow a file anywhere; an
+    # existing file must be a plain one with one name (not a hard link).
+    try:
+      fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                   | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      raise LinkRefusedError(
+          f"{target} is a symbolic link (to {os.readlink(target)!r}); a job "
+          "never appends through a link, since it could lead outside its "
+          "directory. Remove the link (or replace it with a copy).") from None
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+      info = os.fstat(fd)
+      if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        raise LinkRefusedError(
+            f"{target} is not a plain file with one name (it has "
+            f"{info.st_nlink} hard links); a job never appends to a file "
+            "that other names share. Remove it (or replace it with a "
+            "copy).")
       f.write(text)
     return
   old = target.read_bytes() if target.exists() else b""
@@ -257,8 +391,8 @@ def replace_local_dir(tmp_dir: str, directory: str) -> None:
   if not os.path.exists(directory):
     os.rename(tmp_dir, directory)
     return
-  aside = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-",
-                           dir=os.path.dirname(os.path.abspath(directory)))
+  aside = mkdtemp(prefix=f".{os.path.basename(directory)}.old-",
+                  dir=os.path.dirname(os.path.abspath(directory)))
   os.rename(directory, os.path.join(aside, "old"))
   os.rename(tmp_dir, directory)
   shutil.rmtree(aside)  # Made above; holds the replaced output only.
@@ -284,9 +418,33 @@ def new_output_tmp(directory: PathLike, *, overwrite: bool = False,
                           "output directory.")
   parent = os.path.dirname(directory)
   os.makedirs(parent, exist_ok=True)
-  # mkdtemp makes a new directory (never an existing one or a link).
-  return tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-",
-                          dir=parent)
+  prefix = f".{os.path.basename(directory)}.tmp-"
+  _remove_dead_output_tmps(parent, prefix)
+  # mkdtemp makes a new directory (never an existing one or a link); the
+  # pid in its name lets a later job remove it if this one is killed.
+  return mkdtemp(prefix=f"{prefix}{_host_tag()}.{os.getpid()}-",
+                 dir=parent)
+
+
+def _host_tag() -> str:
+  """A short tag of this host, so that a temporary's pid is only judged
+  on the host that made it (a shared disk has others)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _remove_dead_output_tmps(parent: str, prefix: str) -> None:
+  """Removes `<prefix><host>.<pid>-*` temporaries of jobs that died (kill
+  -9) before they could delete their own: made on this host by a pid that
+  no longer runs. A link of such a name is left alone."""
+  mine = f"{prefix}{_host_tag()}."
+  for name in os.listdir(parent):
+    pid = name[len(mine):].split("-", 1)[0]
+    path = os.path.join(parent, name)
+    if (name.startswith(mine) and pid.isascii() and pid.isdigit()
+        and not _pid_alive(int(pid)) and not os.path.islink(path)
+        and os.path.isdir(path)):
+      shutil.rmtree(path, ignore_errors=True)  # A dead job's own mkdtemp.
 
 
 def discard_output_tmp(tmp_dir: str) -> None:

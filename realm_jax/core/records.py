@@ -12,11 +12,15 @@ read goes through `read_records`, under one rule:
     the next append starts a fresh line.
   * A damaged record before the last one is not what a kill leaves: it is
     an error naming the file and the line, and nothing is rewritten.
+  * Files are read as bytes and each line decoded by itself, so a byte
+    that is not UTF-8 is a damaged record (or a torn last one) like any
+    other; so is a record whose `step` is not an integer.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -30,32 +34,41 @@ class RecordError(ValueError):
   """A damaged record in the middle of an append-only record file."""
 
 
-def _parse(line: str, required: Sequence[str]) -> tuple[Record | None, str]:
-  """`line` as a record, or (None, what is wrong with it)."""
+def _parse(line: bytes, required: Sequence[str]
+           ) -> tuple[Record | None, str, bool]:
+  """`line` as a record, or (None, what is wrong with it, whether a kill
+  mid-append could have left it: cut bytes that do not decode or parse)."""
   try:
-    record = json.loads(line)  # The records mechanism itself.
+    record = json.loads(line.decode("utf-8"))  # The records mechanism.
+  except UnicodeDecodeError as e:
+    return None, f"not UTF-8: {e}", True
   except json.JSONDecodeError as e:
-    return None, f"not JSON: {e}"
+    return None, f"not JSON: {e}", True
   if not isinstance(record, dict):
-    return None, f"a JSON {type(record).__name__}, not an object"
+    return None, f"a JSON {type(record).__name__}, not an object", True
   missing = [k for k in required if k not in record]
   if missing:
-    return None, f"it has no {missing}"
-  return record, ""
+    return None, f"it has no {missing}", True
+  step = record.get("step")
+  if "step" in record and (not isinstance(step, int)
+                           or isinstance(step, bool)):
+    return None, (f"its step is {step!r} ({type(step).__name__}), not an "
+                  "integer"), False
+  return record, "", False
 
 
-def _scan(path: io_utils.PathLike, text: str, required: Sequence[str]
-          ) -> tuple[list[Record], str | None]:
-  """The whole records of `text` and the torn last line (None if none)."""
-  lines = text.split("\n")
+def _scan(path: io_utils.PathLike, data: bytes, required: Sequence[str]
+          ) -> tuple[list[Record], bytes | None]:
+  """The whole records of `data` and the torn last line (None if none)."""
+  lines = data.split(b"\n")
   records = []
   for number, line in enumerate(lines, start=1):
     if not line.strip():
       continue
-    record, error = _parse(line, required)
+    record, error, cut = _parse(line, required)
     if record is not None:
       records.append(record)
-    elif number == len(lines):  # The last line, without its newline.
+    elif number == len(lines) and cut:  # The last line, without newline.
       logging.warning(
           "%s: its last record is torn (the job was stopped while "
           "appending it) and is dropped: %r", path, _shorten(line))
@@ -68,8 +81,9 @@ def _scan(path: io_utils.PathLike, text: str, required: Sequence[str]
   return records, None
 
 
-def _shorten(line: str, limit: int = 200) -> str:
-  return line if len(line) <= limit else line[:limit] + "..."
+def _shorten(line: bytes, limit: int = 200) -> str:
+  text = line.decode("utf-8", errors="backslashreplace")
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def read_records(path: io_utils.PathLike, *,
@@ -81,12 +95,21 @@ def read_records(path: io_utils.PathLike, *,
     required: keys every record has.
 
   Raises:
-    RecordError: a record before the last one is damaged (not JSON, not an
-      object, or without a `required` key), naming the file and line.
+    RecordError: a record before the last one is damaged (not UTF-8, not
+      JSON, not an object, or without a `required` key), or any record's
+      `step` is not an integer, naming the file and line.
   """
   if not io_utils.as_path(path).exists():
     return []
-  return _scan(path, io_utils.read_text(path), required)[0]
+  return _scan(path, _read(path), required)[0]
+
+
+def _read(path: io_utils.PathLike) -> bytes:
+  """The bytes of a record file, never read through a link (a job reads
+  and rewrites only its own records)."""
+  if io_utils.is_local(path):
+    io_utils.refuse_output_link(os.fspath(path))
+  return io_utils.as_path(path).read_bytes()
 
 
 def keep_records(path: io_utils.PathLike,
@@ -103,17 +126,18 @@ def keep_records(path: io_utils.PathLike,
 
   Raises:
     RecordError: as `read_records`.
+    io_utils.LinkRefusedError: `path` is a symbolic link.
   """
   if not io_utils.as_path(path).exists():
     return []
-  text = io_utils.read_text(path)
-  records, torn = _scan(path, text, required)
+  data = _read(path)
+  records, torn = _scan(path, data, required)
   kept = [r for r in records if keep(r)]
   if len(kept) < len(records):
     logging.info("%s: %d records dropped on resume (logged again from the "
                  "restored step on)", path, len(records) - len(kept))
   if len(kept) < len(records) or torn is not None or (
-      text and not text.endswith("\n")):
+      data and not data.endswith(b"\n")):
     io_utils.atomic_write_text(path, "".join(json.dumps(r) + "\n"
                                              for r in kept))
   return kept

@@ -54,7 +54,8 @@ class SquadParagraph:
   """One paragraph: a corpus document.
 
   Attributes:
-    id: "<raw article title>#<paragraph index in the article>".
+    id: "<raw article title>#<paragraph index>": the index among the
+      paragraphs of that title (of one article, unless two share it).
     title: the article's display title (`display_title`).
     text: the paragraph's context, as it is.
   """
@@ -118,25 +119,51 @@ def _field(record: Any, key: str, kind: type, where: str, source: str):
   return value
 
 
-def _answers(qa: dict[str, Any], where: str, source: str) -> tuple[str, ...]:
-  """Every distinct answer text of one question, in order."""
+def _answers(qa: dict[str, Any], context: str, where: str, source: str
+             ) -> tuple[str, ...]:
+  """Every distinct answer text of one question, in order; each must be
+  found in its context (SQuAD answers are spans of it), and an
+  `answer_start`, when given, must be a position in the context."""
   answers = _field(qa, "answers", list, where, source)
-  texts = [_field(a, "text", str, f"{where}.answers[{i}]", source)
-           for i, a in enumerate(answers)]
+  texts = []
+  for i, a in enumerate(answers):
+    at = f"{where}.answers[{i}]"
+    text = _field(a, "text", str, at, source)
+    start = a.get("answer_start")
+    if start is not None and (isinstance(start, bool) or not isinstance(
+        start, int) or not 0 <= start < len(context)):
+      raise SquadFormatError(
+          f"{source}: {at}.answer_start: {start!r:.40} is not a position "
+          f"in the context (0 to {len(context) - 1}); fix or drop the "
+          "answer.")
+    if text not in context:
+      raise SquadFormatError(
+          f"{source}: {at}.text: {text!r:.80} does not occur in the "
+          "paragraph's context; a SQuAD answer is a span of it (fix the "
+          "answer or its context).")
+    texts.append(text)
   return tuple(dict.fromkeys(texts))
 
 
 def _questions(paragraph: dict[str, Any], paragraph_id: str, title: str,
-               where: str, source: str, data: SquadData) -> None:
-  """The questions of one paragraph, appended to `data`."""
+               where: str, source: str, data: SquadData,
+               seen: dict[str, str]) -> None:
+  """The questions of one paragraph, appended to `data` (`seen`: where
+  each question id occurred first)."""
+  context = paragraph["context"]
   for j, qa in enumerate(_field(paragraph, "qas", list, where, source)):
     at = f"{where}.qas[{j}]"
     question = _field(qa, "question", str, at, source)
     qid = _field(qa, "id", str, at, source)
+    if qid in seen:
+      raise SquadFormatError(
+          f"{source}: {at}.id: question id {qid!r:.80} is also the id of "
+          f"{seen[qid]}; ids must be unique.")
+    seen[qid] = at
     if qa.get("is_impossible") is True:
       data.unanswerable += 1
       continue
-    answers = _answers(qa, at, source)
+    answers = _answers(qa, context, at, source)
     if not answers:
       raise SquadFormatError(
           f"{source}: {at}.answers: empty, and the question is not marked "
@@ -162,6 +189,11 @@ def parse_squad(record: Any, source: str) -> SquadData:
   """
   data = SquadData(paragraphs=[], questions=[])
   articles = _field(record, "data", list, "(top level)", source)
+  seen: dict[str, str] = {}
+  # Paragraphs counted per raw title: two articles of one title number
+  # their paragraphs on, so that every paragraph id is distinct (questions
+  # and `paragraph_blocks` key on it).
+  numbered: dict[str, int] = {}
   for a, article in enumerate(articles):
     where = f"data[{a}]"
     raw_title = _field(article, "title", str, where, source)
@@ -169,17 +201,12 @@ def parse_squad(record: Any, source: str) -> SquadData:
     for p, paragraph in enumerate(
         _field(article, "paragraphs", list, where, source)):
       at = f"{where}.paragraphs[{p}]"
-      paragraph_id = f"{raw_title}#{p}"
+      paragraph_id = f"{raw_title}#{numbered.get(raw_title, 0)}"
+      numbered[raw_title] = numbered.get(raw_title, 0) + 1
       data.paragraphs.append(SquadParagraph(
           id=paragraph_id, title=title,
           text=_field(paragraph, "context", str, at, source)))
-      _questions(paragraph, paragraph_id, title, at, source, data)
-  seen: set[str] = set()
-  for q in data.questions:
-    if q.id in seen:
-      raise SquadFormatError(f"{source}: question id {q.id!r} occurs twice; "
-                             "ids must be unique.")
-    seen.add(q.id)
+      _questions(paragraph, paragraph_id, title, at, source, data, seen)
   return data
 
 
@@ -194,6 +221,10 @@ def loads_squad(text: str | bytes, source: str) -> SquadData:
     record = json.loads(text)
   except UnicodeDecodeError as e:
     raise SquadFormatError(f"{source}: not UTF-8 ({e}).") from None
+  except RecursionError:
+    raise SquadFormatError(
+        f"{source}: its JSON is nested too deeply to read (thousands of "
+        "levels; SQuAD needs six): not SQuAD-format JSON.") from None
   except json.JSONDecodeError as e:
     raise SquadFormatError(f"{source}: invalid JSON ({e.msg} at line "
                            f"{e.lineno} column {e.colno}).") from None

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from realm_jax.core import checks
 from realm_jax.core import progress as progress_lib
 
 _WORD = re.compile(r"\w+")
@@ -91,12 +92,21 @@ class BM25Index:
 
   def __init__(self, texts: Sequence[str], *, k1: float = K1, b: float = B):
     bm25s, _ = _libraries()
+    texts = checks.string_list(texts, "BM25Index", what="texts",
+                               item="Text", hint="pass [text]")
     if not texts:
       raise ValueError("BM25Index needs at least one text.")
     self.k1, self.b, self.num_rows = k1, b, len(texts)
     self.analyzer = Analyzer()
+    terms = self.analyzer.corpus_terms(texts)
+    if not any(terms):
+      raise ValueError(
+          f"BM25Index: none of the {len(texts)} texts has a term to index "
+          f"(after lower-casing and removing stop words and non-word "
+          f"characters; the first: {texts[0][:60]!r}); give texts with "
+          "words.")
     self._bm25 = bm25s.BM25(k1=k1, b=b, method="lucene")
-    self._bm25.index(self.analyzer.corpus_terms(texts), show_progress=False)
+    self._bm25.index(terms, show_progress=False)
 
   @classmethod
   def from_store(cls, store, **kwargs) -> BM25Index:
@@ -115,8 +125,22 @@ class BM25Index:
 
     Returns:
       (ids int64 [Q, min(k, num_rows)], scores float32 [Q, same]).
+
+    Raises:
+      TypeError: `queries` is one string (each character would be a
+        query) or holds a non-string; `k` is not an int.
+      ValueError: `k` < 1.
     """
-    k = min(k, self.num_rows)
+    queries = checks.string_list(queries, "BM25Index.search",
+                                 what="queries", item="Query",
+                                 hint="pass [query]")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+      raise TypeError(f"BM25Index.search: k must be an int, got {k!r} "
+                      f"({type(k).__name__}).")
+    if k < 1:
+      raise ValueError(f"BM25Index.search: k={k}; ask for at least one "
+                       "row (k >= 1).")
+    k = min(int(k), self.num_rows)
     ids = np.zeros([len(queries), k], np.int64)
     out = np.zeros([len(queries), k], np.float32)
     for i, query in enumerate(queries):

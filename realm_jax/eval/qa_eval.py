@@ -392,8 +392,10 @@ def _open_job_outputs(output_dir: str, checkpoint_dir: str,
   if is_chief:  # A torn last line goes before this run appends its own.
     records.keep_records(io_utils.join(output_dir, METRICS_JSONL))
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  summaries = io_utils.join(output_dir, "summaries")
+  io_utils.check_no_links(summaries, output_dir)  # No writes through one.
   writer = metric_writers.create_default_writer(
-      io_utils.join(output_dir, "summaries"), just_logging=not is_chief)
+      summaries, just_logging=not is_chief)
   logging.info("eval job: %d examples, %d steps already in %s",
                len(examples), len(ledger["steps"]), ledger_path)
   return ledger_path, ledger, writer

@@ -31,8 +31,8 @@ from absl import logging
 import jax
 import numpy as np
 
-from realm_jax.checkpoint_import import core
-from realm_jax.core import checkpoints, dataclass_json, parallel
+from realm_jax.checkpoint_import import core, exported
+from realm_jax.core import checkpoints, checks, dataclass_json, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import embed, publish
@@ -238,7 +238,7 @@ def run_index_dir(checkpoint_dir: str, step: int | None = None) -> str:
       os.path.dirname(os.fspath(checkpoint_dir).rstrip("/")))
 
 
-def _without_span_head(params: dict[str, Any]) -> dict[str, Any]:
+def without_span_head(params: dict[str, Any]) -> dict[str, Any]:
   """`params` less the reader's span head: an untrained one is dropped, so
   that `_fit_params` announces it (and initialises it) like a missing one."""
   return dict(params, reader={k: v for k, v in params["reader"].items()
@@ -246,13 +246,17 @@ def _without_span_head(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _init_checkpoint_untrained(init_from: str) -> bool:
-  """Whether `init_from` is `checkpoint:<dir>[@step]` whose meta says its
-  span head was not trained."""
+  """Whether `init_from` is `checkpoint:<dir>[@step]` whose meta, or
+  `export:<dir>` whose realm_config.json, says its span head was not
+  trained."""
   kind, _, rest = init_from.partition(":")
+  if kind == "export":
+    return exported.span_head_trained(rest) is False
   if kind != "checkpoint":
     return False
-  directory, _, step = rest.partition("@")
-  step = int(step) if step else checkpoints.newest_step(directory)
+  what = f"init_from='checkpoint:{rest}'"
+  directory, step = checkpoints.parse_step_suffix(rest, what)
+  step = checkpoints.existing_step(directory, step, name=what)
   return span_head_trained(checkpoints.read_meta(directory, step)) is False
 
 
@@ -274,7 +278,9 @@ def span_head_trained(meta: dict[str, Any]) -> bool | None:
 
 def configs_of(directory: str, step: int) -> dict[str, Any]:
   """The meta of checkpoint `step` of `directory`, which must carry the
-  model config (ValueError otherwise)."""
+  model config (ValueError otherwise; FileNotFoundError or TypeError for
+  a step that is not there)."""
+  step = checkpoints.existing_step(directory, step)
   meta = checkpoints.read_meta(directory, step)
   if "model_config" not in meta:
     raise ValueError(
@@ -388,7 +394,7 @@ class QAModel:
             "step={older}); realm-ask and the eval job: "
             "--gin.qa_eval.EvalConfig.step={older})"))
     if span_head_trained(checkpoints.read_meta(checkpoint_dir, step)) is False:
-      params = _without_span_head(params)
+      params = without_span_head(params)
     return cls(model_config, params, index, store, step=step, **kwargs)
 
   @classmethod
@@ -412,7 +418,7 @@ class QAModel:
         _init_checkpoint_untrained(init_from)):
       # Left fresh by `initial_params` (MiniLM, BERT, REALM pre-training
       # have none), or a realm_jax checkpoint that says it was not trained.
-      params = _without_span_head(params)
+      params = without_span_head(params)
     return cls(model_config, params, index, store, **kwargs)
 
   def with_params(self, params: dict[str, Any],
@@ -474,18 +480,20 @@ class QAModel:
 
     Raises:
       TypeError: `questions` is one string (not a list of them), or holds
-        something other than strings.
+        something other than strings; an item of `answers` is one string
+        (not a list of them).
       ValueError: an empty or whitespace question.
     """
     questions = _question_list(questions)
     n = len(questions)
-    if answers is not None and len(answers) != n:
-      raise ValueError(f"{len(answers)} answer lists for {n} questions.")
+    if answers is not None:
+      answers = _answer_lists(answers, n)
     regex = ([bool(is_regex)] * n if isinstance(is_regex, (bool, np.bool_))
              else [bool(x) for x in is_regex])
     if len(regex) != n:
       raise ValueError(f"{len(regex)} is_regex flags for {n} questions.")
-    num_evidence = num_evidence or self.num_evidence
+    num_evidence = (self.num_evidence if num_evidence is None else
+                    _evidence_count(num_evidence))
     out = []
     for lo in range(0, n, self.batch_size):
       hi = min(n, lo + self.batch_size)
@@ -597,16 +605,43 @@ def _question_list(questions: Sequence[str]) -> list[str]:
   """`questions` as a list, refusing what `predict` would answer wrongly:
   one string (each character would become a question), a non-string
   item, an empty question."""
-  if isinstance(questions, (str, bytes)):
-    kind = type(questions).__name__
-    raise TypeError(
-        f"predict takes a list of questions, got one {kind} "
-        f"({_short(questions)!r}); use ask(question) or "
-        "predict([question]).")
-  questions = list(questions)
+  questions = checks.string_list(
+      questions, "predict", what="questions", item="Question",
+      hint="use ask(question) or predict([question])")
   for i, question in enumerate(questions):
-    _refuse_non_question(question, f"Question {i}")
+    _refuse_non_question(question, f"Question {i + 1} of {len(questions)}")
   return questions
+
+
+def _evidence_count(value: Any) -> int:
+  """`num_evidence` / `top_k`, an int >= 1 (0 or -1 would otherwise give
+  the default or one block without a word)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"top_k (num_evidence)={value!r} "
+                    f"({type(value).__name__}) must be an int >= 1.")
+  if value < 1:
+    raise ValueError(f"top_k (num_evidence)={value} must be >= 1: how many "
+                     "evidence blocks to return with the answer.")
+  return int(value)
+
+
+def _answer_lists(answers: Sequence[Sequence[str]], n: int
+                  ) -> list[list[str]]:
+  """`predict`'s reference answers: one list of strings per question (a
+  bare string would be read as its characters: "Paris" -> P, a, r...)."""
+  if isinstance(answers, (str, bytes)):
+    raise TypeError(
+        f"predict's answers takes one list of answers per question, got "
+        f"one {type(answers).__name__} ({_short(answers)!r}); pass "
+        f"answers=[[{_short(answers)!r}]].")
+  answers = list(answers)
+  if len(answers) != n:
+    raise ValueError(f"{len(answers)} answer lists for {n} questions.")
+  return [checks.string_list(
+      a, f"predict's answers[{i}]", what="reference answers",
+      item=f"answers[{i}]: answer",
+      hint=f"each question takes a list of answers: answers[{i}]="
+      f"[{_short(a)!r}]") for i, a in enumerate(answers)]
 
 
 def _refuse_non_question(question: Any, name: str) -> None:

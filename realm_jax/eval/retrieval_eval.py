@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from realm_jax.core import checks
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval.qa_model import QAResult
@@ -102,10 +103,13 @@ def dense_ranking(params: dict[str, Any], model: RealmConfig, index,
     (inner products, best first); d = `depth`, or every row of a smaller
     index.
   """
+  questions = checks.string_list(questions, "dense_ranking",
+                                 what="questions", item="Question",
+                                 hint="pass [question]")
   depth = min(depth, int(index.manifest["rows"]))
   graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
   embed_queries = embed_lib.make_query_embedder(graphdef, None)
-  q = qa_inputs.tokenize_questions(Tokenizer(), list(questions),
+  q = qa_inputs.tokenize_questions(Tokenizer(), questions,
                                    question_length)
   ids, scores = [], []
   for lo in range(0, len(questions), batch_size):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import time
 from typing import Any, Callable
 
@@ -282,6 +283,26 @@ def checkpoint_retriever_config(ckpt_dir: str, step: int,
   return ours
 
 
+def check_places(root: str, workdir: str, store, init_from: str = ""
+                 ) -> None:
+  """Refuses an index root that is an input of the builder by another name
+  (`io_utils.check_apart`): the checkpoints (publishing step 7 there would
+  replace checkpoint 7), the block store, or what `init_from` reads."""
+  source = init_from.partition(":")[2].split(",")[0] or None
+  if source and io_utils.is_local(source) and not os.path.exists(source):
+    # `<dir>@<step>`, or a name that is no path (the import says so).
+    source = source.rpartition("@")[0] or None
+    if source and not os.path.exists(source):
+      source = None
+  io_utils.check_apart(root, "the index root (<WORKDIR>/index)", {
+      "the checkpoints (<WORKDIR>/checkpoints)":
+          checkpoints.checkpoint_dir(workdir),
+      "BLOCK_STORE": getattr(store, "path", None),
+      "init_from": source}, either_way=(
+          "the checkpoints (<WORKDIR>/checkpoints)", "BLOCK_STORE",
+          "init_from"))
+
+
 def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
                 config: BuilderConfig = BuilderConfig(),
                 max_indices: int | None = None, timeout: float | None = None,
@@ -290,6 +311,7 @@ def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,
                 ) -> list[int]:
   """`_run_builder` under an exclusive lease on the index directory
   (`realm_jax.core.lease`: a second builder is refused, naming the first)."""
+  check_places(checkpoints.index_root(workdir), workdir, store)
   with lease_lib.job_lease(checkpoints.index_root(workdir),
                            "index builder"):
     return _run_builder(workdir=workdir, store=store,
@@ -412,6 +434,10 @@ def _job(dry_run: bool) -> None:
           f"and pass --gin.{name.upper()}=\"'...'\".")
   store = block_store.BlockStore.open(config.block_store)
   root = checkpoints.index_root(config.workdir)
+  try:
+    check_places(root, config.workdir, store, config.init_from or "")
+  except io_utils.SamePlaceError as e:
+    raise SystemExit(str(e)) from None
   with lease_lib.job_lease(root, "index builder"):
     _publish(config, store, root)
 

@@ -31,6 +31,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
+from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store
 from realm_jax.index import builder
 from realm_jax.index import embed as embed_lib
@@ -78,19 +79,40 @@ def extend_index(*, index_root: str, base_store, union_store,
     The published directory.
 
   Raises:
-    ValueError: `union_store` does not extend `base_store`, the parameters
-      are not the index's, or `output_root` is `index_root`.
+    ValueError: `union_store` does not extend `base_store`, or the
+      parameters are not the index's.
+    io_utils.SamePlaceError: `output_root` is `index_root` (or a store)
+      under any name, or one holds the other.
+    lease.LeaseHeldError: another job (an index builder) publishes to
+      `output_root`.
     publish.IndexRejectedError: the base index does not serve `base_store`.
   """
-  if io_utils.absolute(output_root) == io_utils.absolute(index_root):
-    raise ValueError(
-        f"output_root {output_root} is the base index's root; publish the "
-        "extended index under another root (the base index keeps serving "
-        "its own store).")
+  # Another name for the base index (a link, `..`) is the same place.
+  io_utils.check_apart(output_root, "output_root", {
+      "index_root": index_root,
+      "base_store": getattr(base_store, "path", None),
+      "union_store": getattr(union_store, "path", None)},
+                       either_way=("index_root",))
   start = time.time()
+  # Inputs are checked before anything is created under output_root.
   base, checksum = _base_index(index_root, step, base_store,
                                retriever_params)
   block_store.check_extends(base_store, union_store)
+  # The index builder's lease: an extend is refused on a root a builder
+  # (or another extend) publishes to, and a builder refused while it runs.
+  with lease_lib.job_lease(output_root, "index extend"):
+    return _extend(base, checksum, index_root=index_root,
+                   base_store=base_store, union_store=union_store,
+                   retriever_params=retriever_params,
+                   retriever_config=retriever_config,
+                   output_root=output_root, config=config, devices=devices,
+                   start=start)
+
+
+def _extend(base: publish.PublishedIndex, checksum: str, *, index_root,
+            base_store, union_store, retriever_params, retriever_config,
+            output_root, config, devices, start) -> str:
+  """Embeds the new blocks and publishes (under the output root's lease)."""
   new, stats = embed_lib.embed_block_store(
       retriever_params, retriever_config, union_store,
       batch_size_per_device=config.batch_size_per_device,

@@ -17,8 +17,11 @@ replaces LATEST (local disk: temp file + rename; GCS: one object upload,
 which is atomic). Readers trust only the step LATEST names and verify its
 manifest and file checksums, so a publisher killed mid-write leaves a
 directory nobody reads (`clean_stale_temporaries` removes it). Re-publishing
-the step LATEST names first moves LATEST back, so the directory is never
-rewritten while published. The K newest indices are kept.
+the step LATEST names (extending onto the same output again, rebuilding a
+step) writes a fresh revision `<step>.<n>/` beside it and switches LATEST
+to `<step>.<n>` in one atomic write; the index LATEST named is removed only
+after that, so what is served is never withdrawn and never rewritten while
+published. The K newest indices are kept.
 
 On a remote root the index is built in a local staging directory (ScaNN
 serializes to local files) and uploaded; a reader copies it once into a
@@ -32,6 +35,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -119,15 +123,24 @@ def _file_checksums(directory: PathLike, *, hashes: bool = True
   return out
 
 
-def step_dir(index_root: PathLike, step: int) -> str:
-  return io_utils.join(index_root, str(int(step)))
+# An index directory: `<step>`, or `<step>.<revision>` for a re-publication
+# of the step LATEST named (ASCII digits only).
+_INDEX_NAME = re.compile(r"(\d+)(?:\.(\d+))?", re.ASCII)
 
 
-def read_latest(index_root: PathLike) -> int | None:
-  """The step LATEST points at, or None if nothing is published yet.
+def _parse_index_name(name: str) -> tuple[int, int] | None:
+  """(step, revision) of an index directory's name; None for other names."""
+  match = _INDEX_NAME.fullmatch(name)
+  if match is None:
+    return None
+  return int(match.group(1)), int(match.group(2) or 0)
+
+
+def _read_latest_name(index_root: PathLike) -> str | None:
+  """The index directory LATEST names (`<step>` or `<step>.<n>`), or None.
 
   Raises:
-    IndexRejectedError: LATEST is not a step number, or is a link.
+    IndexRejectedError: LATEST names no index directory, or is a link.
   """
   path = io_utils.as_path(index_root) / LATEST
   try:
@@ -137,20 +150,59 @@ def read_latest(index_root: PathLike) -> int | None:
   try:
     if not path.exists():
       return None
-    return int(path.read_text().strip())
+    name = path.read_text().strip()
   except FileNotFoundError:  # Removed between the two calls.
     return None
-  except ValueError as e:
+  except UnicodeDecodeError as e:
     raise IndexRejectedError(f"{path} is not a step number: {e}") from e
+  if _parse_index_name(name) is None:
+    raise IndexRejectedError(f"{path} is not a step number: {name[:40]!r}")
+  return name
+
+
+def read_latest(index_root: PathLike) -> int | None:
+  """The step LATEST points at, or None if nothing is published yet.
+
+  Raises:
+    IndexRejectedError: LATEST is not a step number, or is a link.
+  """
+  name = _read_latest_name(index_root)
+  return None if name is None else _parse_index_name(name)[0]
+
+
+def _index_dirs(index_root: PathLike) -> dict[int, str]:
+  """{step: the name of its complete index directory}.
+
+  A complete directory holds a manifest (written last by a publisher). Of
+  a step's revisions, the one LATEST names wins (a newer one may be a
+  re-publication not yet switched to), else the newest.
+  """
+  root = io_utils.as_path(index_root)
+  if not root.is_dir():
+    return {}
+  latest = _read_latest_name(root)
+  out: dict[int, tuple[int, str]] = {}
+  for p in root.iterdir():
+    parsed = _parse_index_name(p.name)
+    if parsed is None or not (p / MANIFEST).exists():
+      continue
+    step, revision = parsed
+    rank = (1 if p.name == latest else 0, revision)
+    if step not in out or rank > out[step][0]:
+      out[step] = (rank, p.name)
+  return {step: name for step, (_, name) in out.items()}
+
+
+def step_dir(index_root: PathLike, step: int) -> str:
+  """The directory of index `step` under `index_root` (the revision
+  LATEST names, for its step)."""
+  name = _index_dirs(index_root).get(int(step), str(int(step)))
+  return io_utils.join(index_root, name)
 
 
 def _complete_steps(index_root: PathLike) -> list[int]:
-  """Step directories holding a manifest (written last by a publisher)."""
-  root = io_utils.as_path(index_root)
-  if not root.is_dir():
-    return []
-  return sorted(int(p.name) for p in root.iterdir()
-                if p.name.isdigit() and (p / MANIFEST).exists())
+  """Steps with a complete index directory."""
+  return sorted(_index_dirs(index_root))
 
 
 def published_steps(index_root: PathLike) -> list[int]:
@@ -161,13 +213,10 @@ def published_steps(index_root: PathLike) -> list[int]:
   return [s for s in _complete_steps(index_root) if s <= latest]
 
 
-def _write_latest(index_root: PathLike, step: int | None) -> None:
-  """Moves the commit point; None removes it (nothing published)."""
-  path = io_utils.as_path(index_root) / LATEST
-  if step is None:
-    path.unlink(missing_ok=True)
-  else:
-    io_utils.atomic_write_text(path, f"{int(step)}\n")
+def _write_latest(index_root: PathLike, name: str) -> None:
+  """Moves the commit point to index directory `name` (one atomic write)."""
+  io_utils.atomic_write_text(io_utils.as_path(index_root) / LATEST,
+                             f"{name}\n")
 
 
 def _remove_index_dir(directory: PathLike) -> None:
@@ -195,19 +244,20 @@ def clean_stale_temporaries(index_root: PathLike) -> list[str]:
   if not root.is_dir():
     return []
   latest = read_latest(root)
-  complete = set(_complete_steps(root))
+  served = set(_index_dirs(root).values())
   removed = []
   for path in sorted(root.iterdir(), key=lambda p: p.name):
     name = path.name
-    stale = name.startswith(_TMP_PREFIX) or (name.isdigit() and (
-        int(name) not in complete or latest is None or int(name) > latest))
+    parsed = _parse_index_name(name)
+    stale = name.startswith(_TMP_PREFIX) or (parsed is not None and (
+        name not in served or latest is None or parsed[0] > latest))
     if stale and io_utils.is_local(path) and os.path.islink(path):
       # Neither the link nor what it points at is this job's to delete.
       logging.warning("%s is a symbolic link (to %r), not an index this "
                       "builder wrote: left alone and never read; remove it.",
                       path, os.readlink(path))
     elif stale:
-      _remove_index_dir(path) if name.isdigit() else io_utils.remove(path)
+      _remove_index_dir(path) if parsed else io_utils.remove(path)
       removed.append(name)
   return removed
 
@@ -324,23 +374,41 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
   finally:
     if not local:
       io_utils.remove(stage)
-  _write_latest(root, step)
+  _write_latest(root, final.name)  # The commit point: one atomic write.
+  for p in list(root.iterdir()):  # The revision it replaced, if any.
+    parsed = _parse_index_name(p.name)
+    if parsed and parsed[0] == int(step) and p.name != final.name:
+      try:
+        _remove_index_dir(p)
+      except io_utils.LinkRefusedError as e:
+        logging.warning("not removing the replaced index %s: %s", p, e)
   _remove_old_indices(root, step, keep)
   return os.fspath(final)
 
 
 def _fresh_step_dir(root: PathLike, step: int):
-  """The `io_utils.as_path` of `step`'s directory under `root`, unpublished
-  and removed, ready for `publish_index` to write."""
-  final = io_utils.as_path(step_dir(root, step))
-  # Writes through a planted link would land outside the index root.
+  """The `io_utils.as_path` of a new, empty directory name for `step`'s
+  index under `root`, ready for `publish_index` to write.
+
+  The step LATEST names is never touched: its re-publication gets the next
+  revision `<step>.<n>`. Any other directory of `step` (leftovers of an
+  attempt that never reached LATEST, an older publication) is removed.
+  """
+  root_path = io_utils.as_path(root)
+  latest = _read_latest_name(root)
+  revisions = []
+  for p in (root_path.iterdir() if root_path.is_dir() else ()):
+    parsed = _parse_index_name(p.name)
+    if parsed is not None and parsed[0] == int(step):
+      revisions.append(parsed[1])
+      if p.name != latest:
+        # Writes (and deletes) through a planted link would land outside.
+        io_utils.check_no_links(p, root)
+        _remove_index_dir(p)
+  live = latest is not None and _parse_index_name(latest)[0] == int(step)
+  name = (f"{int(step)}.{max(revisions) + 1}" if live else str(int(step)))
+  final = root_path / name
   io_utils.check_no_links(final, root)
-  if read_latest(root) == int(step):
-    # Re-publishing the live step: unpublish it before touching its files.
-    older = [s for s in published_steps(root) if s < int(step)]
-    _write_latest(root, older[-1] if older else None)
-  if final.exists():  # Leftovers of an attempt that never reached LATEST.
-    _remove_index_dir(final)
   return final
 
 

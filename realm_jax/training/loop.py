@@ -120,9 +120,12 @@ def start_run(workdir: io_utils.PathLike, operative_config: str, *,
           io_utils.join(workdir, "summaries"))
     return LoggingWriter()
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  summaries = io_utils.join(workdir, "summaries")
+  # Event files are never written through a planted link.
+  io_utils.check_no_links(summaries, workdir)
   # TensorBoard's writer opens gs:// itself (tf.io.gfile).
-  return metric_writers.create_default_writer(
-      io_utils.join(workdir, "summaries"), just_logging=not is_chief)
+  return metric_writers.create_default_writer(summaries,
+                                              just_logging=not is_chief)
 
 
 class LoggingWriter:

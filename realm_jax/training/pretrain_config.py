@@ -184,6 +184,10 @@ class RetrieverScheduleConfig:
   def __post_init__(self):
     _one_of(self, "training", RETRIEVER_TRAINING)
     _one_of(self, "gate", RETRIEVER_GATES)
+    # Checked here, when the config is built (before a job creates its
+    # workdir or index root), under the name the user sets.
+    checks.at_least(self, "learning_rate_multiplier", minimum=0)
+    checks.at_least(self, "freeze_steps", minimum=0, integer=True)
     if not self.measured:
       return
     checks.at_least(self, "gate_every", "gate_num_queries", "gate_patience",

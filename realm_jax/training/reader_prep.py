@@ -382,7 +382,12 @@ def train(*, config: ReaderPrepConfig, model: RealmConfig,
     if restored:
       logging.info("reader preparation: %s is prepared already",
                    run.ckpt.directory)
-      return json.loads(io_utils.read_text(report_path))
+      report = _saved_report(report_path)
+      if report is not None:
+        return report
+      # The fit is deterministic from the seed: the report is computed
+      # again from the initial weights; the checkpoint stays as it is.
+      params = init_lib.initial_params(model, fresh, config.init_from)
     params, opt_state, report = warm_start_mlm_head(
         jax.device_get(params), graphdef, queries,
         sep_id=int(store.manifest["sep_id"]), store=store,
@@ -391,6 +396,8 @@ def train(*, config: ReaderPrepConfig, model: RealmConfig,
         max_queries=config.max_queries, seed=config.seed)
     if run.is_chief:
       io_utils.write_json(report_path, report)
+    if restored:
+      return report
     run.save(config.num_train_steps, params, opt_state,
              {"seed": config.seed, "job": "reader_prep"})
     run.ckpt.wait_until_finished()
@@ -398,6 +405,24 @@ def train(*, config: ReaderPrepConfig, model: RealmConfig,
       checkpoints.write_done_marker(run.ckpt.directory,
                                     config.num_train_steps)
     return report
+
+
+def _saved_report(path: str) -> dict[str, float] | None:
+  """The report of a finished preparation, or None (with a warning saying
+  it is recomputed) when it is missing or damaged."""
+  try:
+    report = json.loads(io_utils.as_path(path).read_bytes())
+    if not isinstance(report, dict):
+      raise ValueError(f"a JSON {type(report).__name__}, not an object")
+    return report
+  except FileNotFoundError:
+    problem = "is missing"
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError too.
+    problem = f"is damaged ({e})"
+  logging.warning("reader preparation: %s %s; the checkpoint is prepared "
+                  "and kept as it is, and the report is computed again "
+                  "(the fit is deterministic from the seed).", path, problem)
+  return None
 
 
 def _head(params):

@@ -261,3 +261,18 @@ def test_type_checked_runs_the_types_first_then_the_own_checks():
   with pytest.raises(checks.ConfigTypeError, match=r"Plain\.name must be"):
     Plain(name=3)
   assert Bigger(size=3, extra=1).extra == 1 and Plain().name == "x"
+
+
+def test_a_negative_retriever_multiplier_is_refused_by_its_own_name(tmp_path):
+  """`RetrieverScheduleConfig.learning_rate_multiplier=-1` fails when the
+  config is built, under the name the user sets (not the optimizer's old
+  `retriever_learning_rate_multiplier`), before a run creates W/index."""
+  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"^RetrieverScheduleConfig\."
+                     r"learning_rate_multiplier must be >= 0, got -1.0"):
+    pretrain.RetrieverScheduleConfig(learning_rate_multiplier=-1.0)
+  with pytest.raises(ValueError, match=r"^RetrieverScheduleConfig\."
+                     r"freeze_steps must be an int >= 0, got -2"):
+    pretrain.RetrieverScheduleConfig(freeze_steps=-2)
+  assert pretrain.RetrieverScheduleConfig(
+      learning_rate_multiplier=0.0).learning_rate_multiplier == 0.0

@@ -434,3 +434,33 @@ def test_a_full_disk_is_named_with_the_file(tmp_path):
   array = np.arange(12, dtype=np.float32).reshape(3, 4)
   io_utils.save_npy(str(tmp_path / "a.npy"), array)
   np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), array)
+
+
+def test_appends_and_summaries_never_go_through_a_link(tmp_path):
+  """A `metrics.jsonl` planted as a link (symbolic or hard) is refused,
+  never grown; so is a `summaries/` link for the TensorBoard writer."""
+  outside = tmp_path / "outside.txt"
+  outside.write_text("precious\n")
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  os.symlink(outside, workdir / "metrics.jsonl")
+  with pytest.raises(io_utils.LinkRefusedError, match="symbolic link"):
+    io_utils.append_jsonl(str(workdir / "metrics.jsonl"), {"step": 1})
+  from realm_jax.core import records  # pylint: disable=g-import-not-at-top
+  with pytest.raises(io_utils.LinkRefusedError, match="symbolic link"):
+    records.keep_records(str(workdir / "metrics.jsonl"))  # On resume.
+  os.remove(workdir / "metrics.jsonl")
+  os.link(outside, workdir / "metrics.jsonl")
+  with pytest.raises(io_utils.LinkRefusedError, match="2 hard links"):
+    io_utils.append_text(str(workdir / "metrics.jsonl"), "x\n")
+  assert outside.read_text() == "precious\n"
+  os.remove(workdir / "metrics.jsonl")
+  io_utils.append_jsonl(str(workdir / "metrics.jsonl"), {"step": 1})
+  io_utils.append_jsonl(str(workdir / "metrics.jsonl"), {"step": 2})
+  assert (workdir / "metrics.jsonl").read_text() == (
+      '{"step": 1}\n{"step": 2}\n')
+  (tmp_path / "elsewhere").mkdir()
+  os.symlink(tmp_path / "elsewhere", workdir / "summaries")
+  with pytest.raises(io_utils.LinkRefusedError, match="summaries"):
+    loop.start_run(str(workdir), "", is_chief=True)
+  assert not os.listdir(tmp_path / "elsewhere")

@@ -96,3 +96,33 @@ def test_keep_records_cuts_to_the_resumed_step(tmp_path):
   assert [r["step"] for r in records.read_records(str(path))] == [1, 2, 3]
   assert records.keep_records(str(tmp_path / "missing.jsonl")) == []
   assert not (tmp_path / "missing.jsonl").exists()
+
+
+@pytest.mark.parametrize("damage,error", [
+    (b'{"step": 1, "loss": "\xff\xfe"}\n', "not UTF-8"),
+    (b'{"step": "two"}\n', "its step is 'two' \\(str\\), not an integer"),
+    (b'{"step": 1.5}\n', "its step is 1.5 \\(float\\)"),
+    (b'{"step": true}\n', "its step is True \\(bool\\)")])
+def test_undecodable_or_wrongly_typed_records_name_file_and_line(
+    tmp_path, damage, error):
+  """Records are read as bytes: a byte that is not UTF-8 or a step that is
+  no integer is a RecordError naming the file and line, not a bare
+  UnicodeDecodeError or TypeError."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_bytes(b'{"step": 0}\n' + damage + b'{"step": 2}\n')
+  with pytest.raises(records.RecordError, match=f"{path}, line 2: a "
+                     f"damaged record \\({error}"):
+    records.keep_records(str(path), lambda r: r["step"] <= 1)
+  # Whole but wrongly typed, it is an error even as the last record.
+  if b"step" in damage and b"\xff" not in damage:
+    path.write_bytes(b'{"step": 0}\n' + damage.rstrip(b"\n"))
+    with pytest.raises(records.RecordError, match=f"{path}, line 2: "):
+      records.read_records(str(path))
+
+
+def test_a_torn_last_record_cut_inside_a_character_is_dropped(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  line = '{"step": 1, "note": "Zürich"}'.encode()
+  path.write_bytes(b'{"step": 0}\n' + line[:line.index(b"\xc3") + 1])
+  assert records.keep_records(str(path)) == [{"step": 0}]
+  assert path.read_bytes() == b'{"step": 0}\n'

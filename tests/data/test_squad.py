@@ -58,7 +58,21 @@ def test_malformed_files_name_file_and_field(name, field):
     ({"data": [{"title": "T", "paragraphs": [{"context": "c", "qas": [
         {"id": "a", "question": "q?", "answers": [{"text": "c"}]},
         {"id": "a", "question": "q2?", "answers": [{"text": "c"}]}]}]}]},
-     "question id 'a' occurs twice"),
+     "data[0].paragraphs[0].qas[1].id: question id 'a' is also the id of "
+     "data[0].paragraphs[0].qas[0]; ids must be unique"),
+    ({"data": [{"title": "T", "paragraphs": [{"context": "Paris is big.",
+                                              "qas": [
+        {"id": "a", "question": "q?", "answers": [
+            {"text": "Paris", "answer_start": 0},
+            {"text": "Lyon", "answer_start": 0}]}]}]}]},
+     "data[0].paragraphs[0].qas[0].answers[1].text: 'Lyon' does not occur "
+     "in the paragraph's context"),
+    ({"data": [{"title": "T", "paragraphs": [{"context": "Paris is big.",
+                                              "qas": [
+        {"id": "a", "question": "q?", "answers": [
+            {"text": "Paris", "answer_start": -1}]}]}]}]},
+     "data[0].paragraphs[0].qas[0].answers[0].answer_start: -1 is not a "
+     "position in the context (0 to 12)"),
 ])
 def test_malformed_records(record, message):
   with pytest.raises(squad.SquadFormatError) as e:
@@ -119,3 +133,25 @@ def test_paragraph_blocks_in_a_store_with_other_documents(tmp_path):
   missing = squad.SquadParagraph("X#0", "X", "Not in the store.")
   with pytest.raises(ValueError, match="1 of 5 paragraphs .* 'X#0'"):
     squad.paragraph_blocks(store, [*data.paragraphs, missing])
+
+
+def test_articles_sharing_a_title_get_distinct_paragraph_ids():
+  """Questions and `paragraph_blocks` key on paragraph ids: two articles of
+  one title number their paragraphs on instead of repeating `T#0`."""
+  article = {"title": "T", "paragraphs": [{"context": "Paris is big.",
+                                           "qas": []}]}
+  data = squad.parse_squad({"data": [article, dict(article, paragraphs=[
+      {"context": "Lyon is old.", "qas": [
+          {"id": "b", "question": "Which is old?",
+           "answers": [{"text": "Lyon", "answer_start": 0}]}]}])]},
+                           "mem.json")
+  assert [p.id for p in data.paragraphs] == ["T#0", "T#1"]
+  assert data.questions[0].paragraph_id == "T#1"
+
+
+def test_deeply_nested_json_names_the_file(tmp_path):
+  path = tmp_path / "deep.json"
+  path.write_text("[" * 100000 + "]" * 100000)
+  with pytest.raises(squad.SquadFormatError, match=f"{path}: its JSON is "
+                     "nested too deeply"):
+    squad.read_squad(str(path))

@@ -139,3 +139,24 @@ def test_indexing_logs_its_progress(store, monkeypatch, caplog):
     bm25.BM25Index.from_store(store)  # Indexing goes through it.
   assert re.search(rf"BM25 indexing: {n}/{n} texts in", caplog.text)
 
+
+def test_one_string_no_terms_and_bad_k_are_refused():
+  """A bare string would be searched character by character (7 rows for
+  "capital"); texts without a term and k <= 0 get a sentence, not
+  bm25s's or numpy's errors."""
+  index = bm25.BM25Index(["The capital of France is Paris.",
+                          "Rivers flow to the sea."])
+  with pytest.raises(TypeError, match=r"BM25Index.search takes a list of "
+                     r"queries, got one str \('capital'\); pass \[query\]"):
+    index.search("capital", 2)
+  with pytest.raises(TypeError, match=r"Query 2 of 2 is 'None'"):
+    index.search(["capital", None], 2)
+  for k, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError),
+                   ("3", TypeError)):
+    with pytest.raises(error, match="k"):
+      index.search(["capital"], k)
+  assert index.search(["capital"], 1)[0].tolist() == [[0]]
+  with pytest.raises(ValueError, match="none of the 2 texts has a term"):
+    bm25.BM25Index(["the a", "of ..."])
+  with pytest.raises(TypeError, match="got one str"):
+    bm25.BM25Index("some text")

@@ -19,7 +19,7 @@ import pytest
 import helpers
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core, importers
-from realm_jax.core import checkpoints, dataclass_json
+from realm_jax.core import checkpoints, dataclass_json, io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer, default_model_dir
@@ -598,3 +598,36 @@ def test_a_one_shot_build_of_a_damaged_checkpoint_names_the_way_out(
   finally:
     gin.clear_config()
   assert not publish.published_steps(checkpoints.index_root(workdir))
+
+
+def test_an_index_root_that_is_an_input_by_another_name_is_refused(
+    store, tmp_path):
+  # W/index a link to W/checkpoints: publishing step 7 would replace
+  # checkpoint 7.
+  workdir = str(tmp_path / "run")
+  ckpt_dir = checkpoints.checkpoint_dir(workdir)
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
+  _save(ckpt, 7, 7)
+  before = sorted(os.listdir(ckpt_dir))
+  os.symlink(ckpt_dir, checkpoints.index_root(workdir))
+  gin.clear_config()
+  try:
+    gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], [
+        f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
+        "builder.BuilderConfig.one_shot = True",
+        "builder.IndexBuildConfig.searcher = 'exact'"])
+    with pytest.raises(SystemExit, match=r"index root .* and the checkpoints"
+                       r" \(<WORKDIR>/checkpoints\)=.* are the same place"):
+      builder._job(False)
+  finally:
+    gin.clear_config()
+  assert sorted(os.listdir(ckpt_dir)) == before
+  # The builder's index root as another name for its block store.
+  other = str(tmp_path / "other")
+  os.makedirs(other)
+  os.symlink(store.path, checkpoints.index_root(other))
+  with pytest.raises(io_utils.SamePlaceError, match="BLOCK_STORE="):
+    builder.run_builder(workdir=other, store=store,
+                        retriever_config=CONFIG.retriever, config=(
+                            builder.BuilderConfig(index_build=EXACT)),
+                        timeout=1)

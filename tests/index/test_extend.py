@@ -2,11 +2,14 @@
 retraining return what a full rebuild on the union returns."""
 
 import logging
+import os
 import re
 
 import numpy as np
 import pytest
 
+from realm_jax.core import io_utils
+from realm_jax.core import lease as lease_lib
 from realm_jax.core import progress
 from realm_jax.data import wikipedia
 from realm_jax.index import builder, extend, publish
@@ -114,7 +117,7 @@ def test_refuses_other_parameters_stores_and_the_same_root(stores,
                      "body_ids differ"):
     extend.extend_index(union_store=other, retriever_params=params,
                         **common)
-  with pytest.raises(ValueError, match="is the base index's root"):
+  with pytest.raises(io_utils.SamePlaceError, match="are the same place"):
     extend.extend_index(union_store=union, retriever_params=params,
                         **dict(common, output_root=root))
   with pytest.raises(publish.IndexRejectedError, match="corpus_fingerprint"):
@@ -145,3 +148,42 @@ def test_extension_logs_its_progress(stores, tmp_path, monkeypatch, caplog):
                    r"ETA \S+", caplog.text), caplog.text
   assert re.search(rf"{what}: {new}/{new} blocks in [\d.]+ s",
                    caplog.text), caplog.text
+
+
+def test_an_alias_of_the_base_or_a_leased_root_is_refused(stores, tmp_path):
+  base, union, _ = stores
+  params = _retriever()
+  root = str(tmp_path / "index")
+  builder.build_and_publish(retriever_params=params,
+                            retriever_config=CONFIG.retriever, store=base,
+                            root=root, step=6, config=SEARCHERS["exact"])
+  before = sorted(os.listdir(root)), (tmp_path / "index" / "6" /
+                                      "manifest.json").read_bytes()
+  os.symlink(root, tmp_path / "alias")
+  common = dict(index_root=root, base_store=base, union_store=union,
+                retriever_params=params, retriever_config=CONFIG.retriever,
+                config=SEARCHERS["exact"])
+  for alias in (str(tmp_path / "alias"), str(tmp_path / "x" / ".." /
+                                             "index"), root + "/"):
+    with pytest.raises(io_utils.SamePlaceError, match="index_root="):
+      extend.extend_index(output_root=alias, **common)
+  # Inside the base root, or holding it: refused too.
+  for inside in (root + "/sub", str(tmp_path)):
+    with pytest.raises(io_utils.SamePlaceError):
+      extend.extend_index(output_root=inside, **common)
+  assert (sorted(os.listdir(root)), (tmp_path / "index" / "6" /
+                                     "manifest.json").read_bytes()) == before
+  # A root whose lease a running index builder holds.
+  out = str(tmp_path / "out")
+  with lease_lib.Lease(out, job="index builder"):
+    with pytest.raises(lease_lib.LeaseHeldError, match="index builder"):
+      extend.extend_index(output_root=out, **common)
+  assert publish.read_latest(out) is None
+  # Extended twice onto the same output: the second index replaces the
+  # first by LATEST's switch alone (a fresh revision directory).
+  extend.extend_index(output_root=out, **common)
+  path = extend.extend_index(output_root=out, **common)
+  assert path.endswith("6.1")
+  assert (tmp_path / "out" / "LATEST").read_text() == "6.1\n"
+  assert publish.load_index(out).manifest["new_rows"] == (
+      len(union) - len(base))

@@ -134,7 +134,7 @@ def test_bad_indices_are_refused(tmp_path, damage):
     watcher.close()
 
 
-def _slow_publish(root, started):
+def _slow_publish(root, started, step=2):
   class SlowSearcher:
     kind = "exact"
 
@@ -149,7 +149,7 @@ def _slow_publish(root, started):
       time.sleep(60)
 
   emb = np.ones((50, 8), np.float32)
-  publish.publish_index(root, 2, emb, SlowSearcher(),
+  publish.publish_index(root, step, emb, SlowSearcher(),
                         corpus_fingerprint=FINGERPRINT, params_sha256="",
                         build_seconds=0)
 
@@ -173,6 +173,34 @@ def test_a_killed_builder_leaves_nothing_visible(tmp_path):
   assert sorted(os.listdir(root)) == ["1", "LATEST"]
   _publish(root, 2)  # A restarted builder publishes the step again.
   assert publish.published_steps(root) == [1, 2]
+
+
+def test_republishing_the_served_step_never_withdraws_it(tmp_path):
+  root = str(tmp_path / "index")
+  emb = _publish(root, 1)
+  ctx = multiprocessing.get_context("spawn")
+  started = ctx.Event()
+  # Step 1 again (an extend onto the same output, a rebuild), killed while
+  # it writes: what LATEST served is still served, whole.
+  child = ctx.Process(target=_slow_publish, args=(root, started, 1))
+  child.start()
+  assert started.wait(30)
+  child.kill()
+  child.join()
+  assert publish.read_latest(root) == 1
+  np.testing.assert_array_equal(publish.load_index(root).embeddings, emb)
+  assert sorted(os.listdir(root)) == ["1", "1.1", "LATEST"]
+  assert publish.clean_stale_temporaries(root) == ["1.1"]
+  # A finished re-publication becomes visible by LATEST's switch alone,
+  # and the index it replaced goes after it.
+  new = _publish(root, 1, seed=5)
+  assert (tmp_path / "index" / "LATEST").read_text() == "1.1\n"
+  assert sorted(os.listdir(root)) == ["1.1", "LATEST"]
+  np.testing.assert_array_equal(publish.load_index(root).embeddings, new)
+  _publish(root, 2)
+  assert publish.published_steps(root) == [1, 2]
+  np.testing.assert_array_equal(publish.load_index(root, 1).embeddings, new)
+  assert publish.clean_stale_temporaries(root) == []
 
 
 def test_watcher_swaps_under_a_running_loop(tmp_path):

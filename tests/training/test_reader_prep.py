@@ -114,6 +114,20 @@ def test_pretraining_starts_from_the_prepared_reader(world, tmp_path):
            if not np.array_equal(np.asarray(v), np.asarray(flat_fresh[k]))}
   assert moved and all("mlm_head" in k for k in moved), moved
   assert reader_prep.train(config=prep, model=model) == report  # done
+  # Rerun on the finished workdir with its report gone or damaged: the
+  # report is computed again (the fit is deterministic), the checkpoint
+  # is kept.
+  report_path = os.path.join(prep.workdir, "mlm_head_warmup.json")
+  for damage in (None, b"\xff{\"masks\": 1"):
+    os.remove(report_path)
+    if damage is not None:
+      with open(report_path, "wb") as f:
+        f.write(damage)
+    again = reader_prep.train(config=prep, model=model)
+    assert dict(again, seconds=0) == dict(report, seconds=0)
+    with open(report_path) as f:
+      assert json.load(f) == again
+  assert checkpoints.finalized_steps(prep_ckpts) == [40]
 
   workdir = str(tmp_path / "run")
   pretrain.train(config=pretrain.PretrainConfig(
