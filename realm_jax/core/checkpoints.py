@@ -375,20 +375,19 @@ def restore_items(directory: io_utils.PathLike, step: int,
     except Exception as e:  # pylint: disable=broad-except
       # Orbax and TensorStore raise many kinds (see `restore_newest`).
       older = max((s for s in steps if s < step), default=None)
-      error = CheckpointRestoreError(
+      failure = (
           f"checkpoint {io_utils.join(directory, str(step))} does not "
           f"restore ({type(e).__name__}: {_brief(e)}); its files are "
           "damaged: "
           + (way_out.format(older=older) if older is not None else
              "there is no older step to read instead."))
-      # The message says it all; orbax's and TensorStore's chained
-      # tracebacks (a spec dump of a hundred lines) would bury it. The
-      # original stays at hand as `.error` and in the debug log.
-      error.error = e
       logging.debug("checkpoint restore failed", exc_info=e)
-      raise error from None
   finally:
     manager.close()
+  # Raised out of the handler, alone: the message says it all, and
+  # orbax's and TensorStore's chained tracebacks (a spec dump of a hundred
+  # lines) would bury it. The original is in the debug log.
+  raise CheckpointRestoreError(failure)
 
 
 def _brief(error: Exception) -> str:
