@@ -63,7 +63,7 @@ from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
-from realm_jax.index import publish
+from realm_jax.index import publish, rankers
 from realm_jax.model.realm import RealmConfig
 from realm_jax.training import qa_inputs
 
@@ -242,6 +242,12 @@ class EvalConfig:
     dpr_retrieval: also write each evaluation's retrieval in DPR's JSON
       shape (`write_dpr_retrieval`) to predictions/step_<step>.dpr.json
       (init_from: predictions/init_from.dpr.json).
+    ranker: which blocks the reader reads (`realm_jax.index.rankers`):
+      "dense" (the index), "bm25" (BM25 over the block store, its index
+      found or built beside the store) or "hybrid" (both fused by
+      `fusion`).
+    fusion: the hybrid's fusion (`rankers.FusionConfig`, runs/eval.gin).
+    bm25_dir: the BM25 index (default: beside the block store).
   """
   workdir: str | None = None
   checkpoint_dir: str | None = None
@@ -259,14 +265,24 @@ class EvalConfig:
   num_evidence: int = 5
   poll_seconds: float = 30.0
   dpr_retrieval: bool = False
+  ranker: str = "dense"
+  fusion: rankers.FusionConfig = rankers.FusionConfig()
+  bm25_dir: str | None = None
 
   def __post_init__(self):
+    rankers.check_name(self.ranker)
     if not self.recall_ks or min(self.recall_ks) < 1:
       raise ValueError(f"EvalConfig.recall_ks={self.recall_ks} must be "
                        "positive integers, e.g. (1, 5, 20, 100).")
     if self.batch_size < 1 or self.num_evidence < 1 or self.poll_seconds <= 0:
       raise ValueError("EvalConfig.batch_size and num_evidence must be >= 1 "
                        "and poll_seconds > 0.")
+
+
+def ranker_kwargs(config: EvalConfig) -> dict[str, Any]:
+  """`QAModel`'s ranker arguments from `config`."""
+  return {"ranker": config.ranker, "fusion": config.fusion,
+          "bm25_dir": config.bm25_dir}
 
 
 def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
@@ -305,7 +321,8 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
   if qa_model is None:
     qa_model = QAModel(model_config, params, index, store, qa_config,
                        mesh=mesh, batch_size=config.batch_size,
-                       num_evidence=config.num_evidence, step=step)
+                       num_evidence=config.num_evidence, step=step,
+                       **ranker_kwargs(config))
   else:
     qa_model = qa_model.with_params(params, step)
   chief = jax.process_index() == 0
@@ -621,7 +638,7 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
         model_config=model_config, store=store, init_from=config.init_from,
         index_dir=index_dir, index_step=config.index_step,
         qa_config=qa_config, batch_size=config.batch_size,
-        num_evidence=config.num_evidence, mesh=mesh)
+        num_evidence=config.num_evidence, mesh=mesh, **ranker_kwargs(config))
     predictions = io_utils.join(output_dir, "predictions", "init_from")
     metrics = module.evaluate(
         qa_model, examples, recall_ks=config.recall_ks,

@@ -489,3 +489,30 @@ def test_eval_job_closes_its_writer_when_an_evaluation_raises(
   # The lease was released: the next run starts (step 1 is in the ledger).
   assert qa_eval.run_eval_job(**kwargs).evaluated == []
   assert closed == [1, 1]
+
+
+def test_eval_reads_the_configured_rankers_blocks(setup, tmp_path):
+  from realm_jax.index import bm25  # pylint: disable=g-import-not-at-top
+  ckpt_dir = str(tmp_path / "checkpoints")
+  _save(ckpt_dir, 3, setup["params"])
+  examples = [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS]
+  config = qa_eval.EvalConfig(ranker="bm25", bm25_dir=str(tmp_path / "bm25"),
+                              recall_ks=(1, 5), batch_size=4)
+  metrics, model = qa_eval.evaluate_checkpoint(
+      checkpoint_dir=ckpt_dir, step=3, examples=examples,
+      output_dir=str(tmp_path / "ev"), model_config=setup["config"],
+      index=setup["index"], store=setup["store"], qa_config=QA_CONFIG,
+      config=config)
+  assert model.ranker_name == "bm25"
+  ids, _ = bm25.BM25Index.from_store(setup["store"]).search(
+      [q for q, _ in QUESTIONS], 6)
+  with open(qa_eval.predictions_file(str(tmp_path / "ev"), 3)) as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["retrieved_ids"] for r in rows] == ids.tolist()
+  hits = [[any(_contains(setup["store"].text(int(b)), x) for x in a)
+           for b in row] for row, (_, a) in zip(ids, QUESTIONS)]
+  assert metrics["recall@5"] == pytest.approx(
+      np.mean([any(h[:5]) for h in hits]))
+  with pytest.raises(ValueError, match="EvalConfig.ranker='BM25' is not a "
+                     "ranker; use one of dense, bm25, hybrid"):
+    qa_eval.EvalConfig(ranker="BM25")
