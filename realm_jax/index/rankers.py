@@ -177,7 +177,8 @@ def fuse(rankings: Sequence[Ranking], weights: Sequence[float], depth: int,
 
   Returns:
     A `Ranking` whose scores are the fused scores and whose sources are
-    every input's (ranks in each input's own list).
+    every input's (ranks in each input's own list); fewer than `depth`
+    columns when no question has that many candidates.
   """
   if method not in FUSIONS:
     raise ValueError(f"fusion method {method!r} is not one of {FUSIONS}.")
@@ -209,7 +210,10 @@ def fuse(rankings: Sequence[Ranking], weights: Sequence[float], depth: int,
         where = {int(b): int(k) for b, k in zip(r.ids[q], ranks[q]) if b >= 0}
         sources[name][q, :len(order)] = [where.get(int(b), -1)
                                          for b in ids[order]]
-  return Ranking(out_ids, out_scores, sources)
+  # No column no question fills (fewer blocks than `depth` in all).
+  width = int((out_ids >= 0).sum(1).max()) if n else 0
+  return Ranking(out_ids[:, :width], out_scores[:, :width],
+                 {k: v[:, :width] for k, v in sources.items()})
 
 
 class HybridRanker:
