@@ -195,12 +195,41 @@ def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
     logging.info("evaluated %d/%d questions, %.1f questions/s",
                  len(results), len(examples), len(results) / elapsed)
   metrics = aggregate_metrics(results, recall_ks=recall_ks)
+  metrics.update(gold_paragraph_recall(results, examples, qa_model.store,
+                                       recall_ks))
   metrics["questions_per_second"] = len(results) / (time.time() - start)
   if predictions_path:
     write_predictions(predictions_path, results)
   if dpr_path:
     write_dpr_retrieval(dpr_path, results, qa_model.store)
   return metrics
+
+
+def gold_paragraph_recall(results: Sequence[QAResult],
+                          examples: Sequence[qa_lib.QAExample], store,
+                          recall_ks: Sequence[int]) -> dict[str, float]:
+  """{"gold_recall@k": share of questions with a block of their gold
+  paragraph among the top k}, when every example names its paragraph
+  (`QAExample.paragraph_id`) and the store carries paragraph ids (built
+  with `CorpusConfig.input_format="squad"`); else {}."""
+  if not examples or any(e.paragraph_id is None for e in examples) or (
+      store.passage_id(0) is None):
+    return {}
+  found = [[b >= 0 and store.passage_id(b) == e.paragraph_id
+            for b in r.retrieved_ids] for r, e in zip(results, examples)]
+  return {f"gold_recall@{k}": sum(any(f[:k]) for f in found) / len(found)
+          for k in recall_ks}
+
+
+def read_questions(path: str, *, regex_answers: bool = False
+                   ) -> list[qa_lib.QAExample]:
+  """The eval's questions: ORQA JSONL, or SQuAD v1.1 JSON (a `.json`
+  file, `squad.read_squad`; each question keeps its paragraph id)."""
+  if os.fspath(path).endswith(".json"):
+    from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
+    return [dataclasses.replace(q.example, paragraph_id=q.paragraph_id)
+            for q in squad.read_squad(path).questions]
+  return qa_lib.read_qa_jsonl(path, regex_answers=regex_answers)
 
 
 def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
@@ -231,8 +260,11 @@ class EvalConfig:
       (`realm_jax.checkpoint_import.init_from`); the job evaluates them once.
     index_step: default LATEST (`ask`: the checkpoint's own if published).
     block_store: the blocks the index was built from.
-    qa_file, regex_answers: the job's questions (ORQA JSONL); whether
-      their answers are regular expressions (CuratedTrec).
+    qa_file, regex_answers: the job's questions (ORQA JSONL, or a SQuAD
+      v1.1 `.json` file); whether their answers are regular expressions
+      (CuratedTrec). Questions that name their paragraph (SQuAD's, or a
+      JSONL "paragraph_id") over a store with paragraph ids also get
+      gold-paragraph recall (`gold_recall@k`).
     output_dir: the job's results (default <workdir>/eval).
     timeout_seconds: the job exits after this long without DONE (None: never).
     recall_ks: the k of recall@k.
@@ -629,8 +661,8 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
       workdir or os.fspath(io_utils.as_path(io_utils.absolute(
           checkpoint_dir or ".")).parent), "eval")
   store = block_store.BlockStore.open(config.block_store)
-  examples = qa_lib.read_qa_jsonl(config.qa_file,
-                                  regex_answers=config.regex_answers)
+  examples = read_questions(config.qa_file,
+                            regex_answers=config.regex_answers)
   devices = jax.local_devices()
   mesh = parallel.make_mesh(devices) if len(devices) > 1 else None
   if config.init_from:  # Imported weights: evaluated once.

@@ -34,6 +34,7 @@ silently. When blocks are added (a store that extends another,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import unicodedata
@@ -63,6 +64,8 @@ def _libraries():
     raise ImportError(
         f"BM25 needs bm25s and PyStemmer ({e}), dependencies of realm_jax: "
         "pip install -e . -c constraints.txt") from e
+  # bm25s logs every index build at DEBUG ("Building index from IDs").
+  logging.getLogger("bm25s").setLevel(logging.WARNING)
   return bm25s, Stemmer
 
 
