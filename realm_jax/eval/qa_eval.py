@@ -227,8 +227,7 @@ def read_questions(path: str, *, regex_answers: bool = False
   file, `squad.read_squad`; each question keeps its paragraph id)."""
   if os.fspath(path).endswith(".json"):
     from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
-    return [dataclasses.replace(q.example, paragraph_id=q.paragraph_id)
-            for q in squad.read_squad(path).questions]
+    return [q.example for q in squad.read_squad(path).questions]
   return qa_lib.read_qa_jsonl(path, regex_answers=regex_answers)
 
 
