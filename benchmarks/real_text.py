@@ -224,9 +224,41 @@ def checkpoint_weights(name: str, spec: str, gin_file: str,
   return Weights(f"{name}_{step}", params, model, question_length)
 
 
+class Cached:
+  """A ranker whose rankings are kept in `<workdir>/rankings/` (ids and
+  scores, .npz, keyed by `tag` (the weights and the store), the questions
+  and the depth), so a hybrid reuses its components' rankings and a rerun
+  its own."""
+
+  def __init__(self, ranker, workdir: str, tag: str):
+    self.ranker, self.name, self.tag = ranker, ranker.name, tag
+    self.directory = os.path.join(workdir, "rankings")
+
+  def rank(self, questions, depth):
+    import hashlib  # pylint: disable=g-import-not-at-top
+    from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+    key = hashlib.sha256(json.dumps([list(questions), depth]).encode()
+                         ).hexdigest()[:16]
+    path = os.path.join(self.directory, f"{self.tag}-{key}.npz")
+    if os.path.exists(path):
+      with np.load(path, allow_pickle=False) as f:
+        ids, scores = f["ids"], f["scores"]
+      ranks = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32),
+                              ids.shape)
+      return rankers.Ranking(ids, scores,
+                             {self.name: np.where(ids >= 0, ranks, -1)})
+    ranking = self.ranker.rank(questions, depth)
+    os.makedirs(self.directory, exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+      np.savez(f, ids=ranking.ids, scores=ranking.scores)
+    os.replace(path + ".tmp", path)
+    return ranking
+
+
 class Rankers:
   """The product's rankers (`realm_jax.index.rankers`) over the stores,
-  each made once: BM25, a dense ranker per weights, hybrids of them."""
+  each made once: BM25, a dense ranker per weights, hybrids of them (the
+  dense rankings cached: `Cached`)."""
 
   def __init__(self, stores, workdir: str, fusion):
     self.stores, self.workdir, self.fusion = stores, workdir, fusion
@@ -243,9 +275,11 @@ class Rankers:
     if weights.tag not in self._made:
       index = dense_index(weights.params, weights.model, weights.tag,
                           self.stores, self.workdir)
-      self._made[weights.tag] = rankers.DenseRanker.from_params(
+      self._made[weights.tag] = Cached(rankers.DenseRanker.from_params(
           index, weights.params, weights.model,
-          question_length=weights.question_length, name=weights.tag)
+          question_length=weights.question_length,
+          name=weights.tag.split("_")[0]), self.workdir,
+          f"{weights.tag}-{self.stores[1].fingerprint[:16]}")
     return self._made[weights.tag]
 
   def hybrid(self, weights: Weights, fusion=None):
