@@ -12,8 +12,9 @@ leads' store `vital/` and the union's `union/`, which begins with the
 leads' blocks (`block_store.check_extends`). Every one of the 10,565 dev
 questions is asked (none is ever trained on), with these retrievers:
 
-  bm25    BM25 over the union's blocks (`realm_jax.eval.bm25`: bm25s,
-          k1 0.9, b 0.4, title + text of each block).
+  bm25    BM25 over the union's blocks (`realm_jax.index.bm25`: bm25s,
+          k1 0.9, b 0.4, title + text of each block), the leads' index
+          built beside their store and extended with the paragraphs.
   minilm  MiniLM-L6 in both towers (models/minilm_l6.gin: mean pooling,
           L2 norm; `init_from="minilm"`), as the demo starts: the index of
           the leads is published by the one-shot builder path
@@ -25,6 +26,17 @@ questions is asked (none is ever trained on), with these retrievers:
           `benchmarks/learning.py --world=vital`), of the model
           `--gin_file` configures, indexed the same way: its leads' index
           extended with the paragraphs, which it never saw in training.
+
+  hybrid  MiniLM and BM25 fused (`realm_jax.index.rankers.HybridRanker`,
+          the product's default `FusionConfig` unless --fusion,
+          --dense_weight, --bm25_weight say otherwise); --hybrids=<name>
+          fuses BM25 with a --checkpoints retriever (rows hybrid-<name>).
+
+Every retriever is one of the product's rankers (`realm_jax.index.rankers`);
+this script only builds the stores and indices and scores the rankings.
+`--tune_fusion=<SQuAD JSON>` instead chooses the fusion weights on a dev
+set of other questions (e.g. SQuAD-shifts' New Wikipedia), asked over the
+leads + its own paragraphs: the weights never see the evaluation questions.
 
 For each: recall@k (an answer string in the text of a top-k block: the QA
 eval's `aggregate_metrics` over its predictions, written to
@@ -117,25 +129,16 @@ def _score(name, examples, gold, ids, scores, store, workdir, seconds):
   return row
 
 
-def bm25_ranker(stores, workdir):
-  """questions -> BM25's top 100 over the union's blocks."""
-  del workdir  # (BM25 keeps nothing on disk)
-  from realm_jax.eval import bm25  # pylint: disable=g-import-not-at-top
-  index = bm25.BM25Index.from_store(stores[1])
-  return lambda questions: index.search(questions, max(KS))
-
-
-def _dense_ranker(params, model, tag: str, stores, workdir,
-                  question_length: int = 32):
-  """A dense retriever: the leads indexed (one-shot builder, exact MIPS),
-  the SQuAD paragraphs added without re-embedding the leads
-  (`index.extend`); questions -> the top 100 of the merged index."""
-  from realm_jax.eval import retrieval_eval  # pylint: disable=g-import-not-at-top
+def dense_index(params, model, tag: str, stores, workdir):
+  """The published index of a dense retriever over the last of `stores`:
+  the leads indexed once (one-shot builder, exact MIPS), then the other
+  blocks added without re-embedding the leads (`index.extend`)."""
   from realm_jax.index import builder, extend, publish  # pylint: disable=g-import-not-at-top
   config = builder.IndexBuildConfig(searcher="exact")
   vital, union = stores
   leads_root = os.path.join(workdir, f"index_{tag}_vital")
-  union_root = os.path.join(workdir, f"index_{tag}_union")
+  name = os.path.basename(os.fspath(union.path).rstrip("/"))
+  union_root = os.path.join(workdir, f"index_{tag}_{name}")
   if publish.read_latest(leads_root) is None:
     builder.build_and_publish(retriever_params=params["retriever"],
                               retriever_config=model.retriever, store=vital,
@@ -146,10 +149,18 @@ def _dense_ranker(params, model, tag: str, stores, workdir,
                         retriever_params=params["retriever"],
                         retriever_config=model.retriever,
                         output_root=union_root, config=config)
-  index = publish.load_frozen_index(union_root, union, model)
-  return lambda questions: retrieval_eval.dense_ranking(
-      params, model, index, questions, max(KS),
-      question_length=question_length)
+  return publish.load_frozen_index(union_root, union, model)
+
+
+def bm25_index(stores):
+  """BM25 over the last of `stores` (`realm_jax.index.bm25`): the leads'
+  index built once beside their store, then extended with the other
+  blocks beside the union's; found there on later runs."""
+  from realm_jax.index import bm25, extend  # pylint: disable=g-import-not-at-top
+  vital, union = stores
+  bm25.for_store(vital)
+  extend.extend_bm25(vital, union)
+  return bm25.for_store(union, build=False)
 
 
 # A training recipe's paths, never read here (only its model is).
@@ -165,49 +176,116 @@ def _model(gin_file: str):
   return gin.get_configurable(RealmConfig)()
 
 
-def minilm_ranker(stores, workdir):
+@dataclasses.dataclass(frozen=True)
+class Weights:
+  """A dense retriever's weights: which, and at which length questions
+  are read."""
+  tag: str
+  params: dict
+  model: object
+  question_length: int = 32
+
+
+def minilm_weights() -> Weights:
   """MiniLM-L6 in both towers, as the demo starts."""
   from realm_jax.checkpoint_import import init_from  # pylint: disable=g-import-not-at-top
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
   model = _model("models/minilm_l6.gin")
   _, fresh = functional.init(lambda r: Realm(model, rngs=r), 0)
-  params = init_from.initial_params(model, fresh, "minilm")
-  return _dense_ranker(params, model, "minilm", stores, workdir)
+  return Weights("minilm", init_from.initial_params(model, fresh, "minilm"),
+                 model)
 
 
-def checkpoint_ranker(name: str, spec: str, gin_file: str,
-                      question_length: int):
+def checkpoint_weights(name: str, spec: str, gin_file: str,
+                       question_length: int) -> Weights:
   """A trained retriever, `spec` = <checkpoints dir>[@<step>] (default its
-  last step), of the model `gin_file` configures, as a ranker named
-  `name` (e.g. a benchmarks/learning.py --world=vital run's ict or realm
-  checkpoints)."""
-  def ranker(stores, workdir):
-    from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
-    path, _, step = spec.partition("@")
-    ckpt = checkpoints.TrainCheckpointer(path, async_save=False)
-    try:
-      step = int(step) if step else ckpt.latest_step()
-      if step not in ckpt.all_steps():
-        raise SystemExit(f"--checkpoints: {path} has no step {step} "
-                         f"(it has {ckpt.all_steps()}).")
-      params = ckpt.restore_params(step)
-    finally:
-      ckpt.close()
-    # Retrieval reads no null score: an ICT checkpoint has none, a REALM
-    # one may have a learned one (`realm.document_tower_params`).
-    from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
-    model = _model(gin_file)
-    model = dataclasses.replace(model, retriever=dataclasses.replace(
-        model.retriever, null_score="embedding"))
-    params = {**params, "retriever": realm.document_tower_params(
-        params["retriever"])}
-    return _dense_ranker(params, model, f"{name}_{step}", stores, workdir,
-                         question_length)
-  return ranker
+  last step), of the model `gin_file` configures (e.g. a
+  benchmarks/learning.py --world=vital run's ict or realm checkpoints)."""
+  from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
+  from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
+  path, _, step = spec.partition("@")
+  ckpt = checkpoints.TrainCheckpointer(path, async_save=False)
+  try:
+    step = int(step) if step else ckpt.latest_step()
+    if step not in ckpt.all_steps():
+      raise SystemExit(f"--checkpoints: {path} has no step {step} "
+                       f"(it has {ckpt.all_steps()}).")
+    params = ckpt.restore_params(step)
+  finally:
+    ckpt.close()
+  # Retrieval reads no null score: an ICT checkpoint has none, a REALM
+  # one may have a learned one (`realm.document_tower_params`).
+  model = _model(gin_file)
+  model = dataclasses.replace(model, retriever=dataclasses.replace(
+      model.retriever, null_score="embedding"))
+  params = {**params, "retriever": realm.document_tower_params(
+      params["retriever"])}
+  return Weights(f"{name}_{step}", params, model, question_length)
 
 
-RANKERS = {"bm25": bm25_ranker, "minilm": minilm_ranker}
+class Cached:
+  """A ranker whose rankings are kept in `<workdir>/rankings/` (ids and
+  scores, .npz, keyed by `tag` (the weights and the store), the questions
+  and the depth), so a hybrid reuses its components' rankings and a rerun
+  its own."""
+
+  def __init__(self, ranker, workdir: str, tag: str):
+    self.ranker, self.name, self.tag = ranker, ranker.name, tag
+    self.directory = os.path.join(workdir, "rankings")
+
+  def rank(self, questions, depth):
+    import hashlib  # pylint: disable=g-import-not-at-top
+    from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+    key = hashlib.sha256(json.dumps([list(questions), depth]).encode()
+                         ).hexdigest()[:16]
+    path = os.path.join(self.directory, f"{self.tag}-{key}.npz")
+    if os.path.exists(path):
+      with np.load(path, allow_pickle=False) as f:
+        ids, scores = f["ids"], f["scores"]
+      ranks = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32),
+                              ids.shape)
+      return rankers.Ranking(ids, scores,
+                             {self.name: np.where(ids >= 0, ranks, -1)})
+    ranking = self.ranker.rank(questions, depth)
+    os.makedirs(self.directory, exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+      np.savez(f, ids=ranking.ids, scores=ranking.scores)
+    os.replace(path + ".tmp", path)
+    return ranking
+
+
+class Rankers:
+  """The product's rankers (`realm_jax.index.rankers`) over the stores,
+  each made once: BM25, a dense ranker per weights, hybrids of them (the
+  dense rankings cached: `Cached`)."""
+
+  def __init__(self, stores, workdir: str, fusion):
+    self.stores, self.workdir, self.fusion = stores, workdir, fusion
+    self._made = {}
+
+  def bm25(self):
+    from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+    if "bm25" not in self._made:
+      self._made["bm25"] = rankers.BM25Ranker(bm25_index(self.stores))
+    return self._made["bm25"]
+
+  def dense(self, weights: Weights):
+    from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+    if weights.tag not in self._made:
+      index = dense_index(weights.params, weights.model, weights.tag,
+                          self.stores, self.workdir)
+      self._made[weights.tag] = Cached(rankers.DenseRanker.from_params(
+          index, weights.params, weights.model,
+          question_length=weights.question_length,
+          name=weights.tag.split("_")[0]), self.workdir,
+          f"{weights.tag}-{self.stores[1].fingerprint[:16]}")
+    return self._made[weights.tag]
+
+  def hybrid(self, weights: Weights, fusion=None):
+    from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+    return rankers.HybridRanker(self.dense(weights), self.bm25(),
+                                fusion or self.fusion)
 
 
 def squad_task(data_dir: str, union, max_questions: int):
@@ -341,6 +419,20 @@ def main(argv=None) -> None:
                       "the cloze prompts about other leads are left out.")
   parser.add_argument("--max_questions", type=int, default=0,
                       help="Only the first N questions (0: all).")
+  parser.add_argument("--hybrids", default="",
+                      help="Also the hybrid of BM25 with each of these "
+                      "dense retrievers of --checkpoints (rows "
+                      "hybrid-<name>); --retrievers=hybrid is MiniLM's.")
+  parser.add_argument("--fusion", default=None,
+                      help="The hybrids' fusion: weighted or rrf (default "
+                      "the product's, rankers.FusionConfig).")
+  parser.add_argument("--dense_weight", type=float, default=None)
+  parser.add_argument("--bm25_weight", type=float, default=None)
+  parser.add_argument("--tune_fusion", default=None,
+                      help="Only choose the fusion weights on this dev "
+                      "set (a SQuAD JSON file of other questions and "
+                      "paragraphs, e.g. SQuAD-shifts' new_wiki), asked "
+                      "over the leads + its paragraphs.")
   parser.add_argument("--tasks", default="squad",
                       help="squad (SQuAD-open) and/or cloze (the "
                       "qa_wikidata prompts about a lead, asked as "
@@ -366,34 +458,148 @@ def main(argv=None) -> None:
       parser.error(f"--tasks: {task!r} is not squad or cloze")
     tasks[task] = (squad_task(args.data_dir, stores[1], args.max_questions)
                    if task == "squad" else cloze_task(args.data_dir, stores))
+  fusion = _fusion(args)
+  if args.tune_fusion:
+    for row in tune_fusion(args.data_dir, args.workdir, args.max_block_len,
+                           args.tune_fusion, stores, args.max_questions):
+      _emit(row, args.output)
+    return
+  made = Rankers(stores, args.workdir, fusion)
+  weights = {}  # dense retrievers' weights, loaded when first ranked
   rankers = {}
   for name in filter(None, args.retrievers.split(",")):
-    if name not in RANKERS:
-      parser.error(f"--retrievers: {name!r} is not one of {RETRIEVERS}")
-    rankers[name] = RANKERS[name]
+    if name not in RETRIEVERS + ("hybrid",):
+      parser.error(f"--retrievers: {name!r} is not one of "
+                   f"{RETRIEVERS + ('hybrid',)}")
+    if name == "bm25":
+      rankers[name] = made.bm25
+    else:
+      weights.setdefault("minilm", minilm_weights)
+      rankers[name] = (
+          (lambda: made.dense(_load(weights, "minilm"))) if name == "minilm"
+          else (lambda: made.hybrid(_load(weights, "minilm"))))
   for item in filter(None, args.checkpoints.split(",")):
     name, _, spec = item.partition("=")
-    if not spec or "_" in name or name in RANKERS:
+    if not spec or "_" in name or name in RETRIEVERS + ("hybrid",):
       parser.error(f"--checkpoints: {item!r} is not name=<dir>[@step] with "
                    f"a new name without '_'.")
-    rankers[name] = checkpoint_ranker(name, spec, args.gin_file,
-                                      args.question_length)
+    weights[name] = (lambda n=name, s=spec: checkpoint_weights(
+        n, s, args.gin_file, args.question_length))
+    rankers[name] = lambda n=name: made.dense(_load(weights, n))
+  for name in filter(None, args.hybrids.split(",")):
+    if name not in weights:
+      parser.error(f"--hybrids: {name!r} is not a dense retriever of "
+                   "--retrievers or --checkpoints.")
+    rankers[f"hybrid-{name}"] = lambda n=name: made.hybrid(_load(weights, n))
   for name, make_ranker in rankers.items():
     start = time.time()
-    rank = make_ranker(stores, args.workdir)
+    ranker = make_ranker()
     setup = time.time() - start
     for task, (examples, gold) in tasks.items():
       start = time.time()
-      ids, scores = rank([e.question for e in examples])
+      ranking = ranker.rank([e.question for e in examples], max(KS))
       row = _score(name if task == "squad" else f"{name}_{task}", examples,
-                   gold, ids, scores, stores[1], args.workdir,
-                   time.time() - start)
-      row = {"task": task, **row, "setup_seconds": round(setup, 1),
-             "load_average": [round(x, 2) for x in os.getloadavg()]}
-      print(json.dumps(row), flush=True)
-      if args.output:
-        with open(args.output, "a", encoding="utf-8") as f:
-          f.write(json.dumps(row) + "\n")
+                   gold, ranking.ids, ranking.scores, stores[1],
+                   args.workdir, time.time() - start)
+      if name.startswith("hybrid"):
+        row["fusion"] = dataclasses.asdict(ranker.config)
+      _emit({"task": task, **row, "setup_seconds": round(setup, 1)},
+            args.output)
+
+
+def _load(weights: dict, name: str) -> Weights:
+  """`weights[name]`, loaded on first use (a loader until then)."""
+  if not isinstance(weights[name], Weights):
+    weights[name] = weights[name]()
+  return weights[name]
+
+
+def _fusion(args):
+  from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+  default = rankers.FusionConfig()
+  return rankers.FusionConfig(
+      method=args.fusion or default.method,
+      dense_weight=default.dense_weight if args.dense_weight is None
+      else args.dense_weight,
+      bm25_weight=default.bm25_weight if args.bm25_weight is None
+      else args.bm25_weight)
+
+
+def _emit(row: dict, output: str | None) -> None:
+  row = {**row, "load_average": [round(x, 2) for x in os.getloadavg()]}
+  print(json.dumps(row), flush=True)
+  if output:
+    with open(output, "a", encoding="utf-8") as f:
+      f.write(json.dumps(row) + "\n")
+
+
+DEV_WEIGHTS = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+def tune_fusion(data_dir: str, workdir: str, max_block_len: int,
+                dev_squad: str, stores, max_questions: int = 0):
+  """The hybrid's weights chosen on a dev set of other data: the questions
+  of `dev_squad` (a SQuAD JSON file, e.g. SQuAD-shifts' New Wikipedia)
+  asked over the leads + that file's paragraphs (the store `devunion`,
+  extending the leads' store; the MiniLM index and BM25 extended to it),
+  never the evaluation questions. For each fusion (weighted with dense
+  weight w = 0, 0.1, ..., 1 and BM25 weight 1 - w; RRF with equal
+  weights) the dev answer recall@k; the chosen one maximises the mean of
+  recall@k over k = 1, 5, 20, 100 (the larger dense weight on a tie).
+
+  Yields:
+    One row per fusion, then {"chosen": ...}.
+  """
+  from realm_jax.data import block_store, corpus_job, squad  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import retrieval_eval  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+  data = squad.read_squad(dev_squad)
+  vital = stores[0]
+  path = os.path.join(workdir, "devunion")
+  if not os.path.exists(os.path.join(path, "manifest.json")):
+    source = path + ".jsonl"
+    with open(source + ".tmp", "w", encoding="utf-8") as out:
+      with open(os.path.join(workdir, "leads.jsonl"), encoding="utf-8") as f:
+        out.writelines(f)
+      out.write(squad.corpus_lines(data.paragraphs))
+    os.replace(source + ".tmp", source)
+    corpus_job.build_corpus(input_path=source, output_dir=path,
+                            max_block_len=max_block_len)
+  dev = block_store.BlockStore.open(path)
+  block_store.check_extends(vital, dev)
+  made = Rankers((vital, dev), workdir, None)
+  examples = [q.example for q in data.questions][:max_questions or None]
+  questions = [e.question for e in examples]
+  start = time.time()
+  parts = [made.dense(minilm_weights()).rank(questions, max(KS)),
+           made.bm25().rank(questions, max(KS))]
+  # An answer in a block: found once per (question, block) of either list.
+  flags = [{} for _ in examples]
+  for part in parts:
+    for f, r in zip(flags, retrieval_eval.retrieval_results(
+        examples, part.ids, part.scores, dev)):
+      f.update(zip(r.retrieved_ids, r.retrieved_has_answer))
+  candidates = [("weighted", w, round(1 - w, 1)) for w in DEV_WEIGHTS] + [
+      ("rrf", 1.0, 1.0)]
+  rows = []
+  for method, dense_w, bm25_w in candidates:
+    fused = rankers.fuse(parts, (dense_w, bm25_w), max(KS), method=method)
+    hits = np.array([[any(f.get(int(b), False) for b in row[:k])
+                      for k in KS] for f, row in zip(flags, fused.ids)])
+    recall = hits.mean(0)
+    rows.append({"task": "fusion_dev", "dev_set": os.path.basename(
+        dev_squad), "questions": len(examples), "blocks": len(dev),
+                 "method": method, "dense_weight": dense_w,
+                 "bm25_weight": bm25_w,
+                 **{f"recall@{k}": round(float(r), 4)
+                    for k, r in zip(KS, recall)},
+                 "mean_recall": round(float(recall.mean()), 4)})
+    yield rows[-1]
+  best = max((r for r in rows if r["method"] == "weighted"),
+             key=lambda r: (r["mean_recall"], r["dense_weight"]))
+  yield {"task": "fusion_dev", "chosen": {
+      k: best[k] for k in ("method", "dense_weight", "bm25_weight")},
+         "seconds": round(time.time() - start, 1)}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ the model itself lives, shared with the evaluation):
         --gin_file=runs/eval.gin --gin.INIT_FROM="'orqa:CKPT'" \\
         --gin.INDEX_DIR="'I'" --gin.BLOCK_STORE="'B'" --json "..."
 
-The weights, index and blocks are `qa_eval.EvalConfig`'s (runs/eval.gin);
+The weights, index and blocks are `qa_eval.EvalConfig`'s (runs/eval.gin),
+and so is the ranker whose blocks the reader reads
+(`--gin.qa_eval.EvalConfig.ranker="'hybrid'"`: dense, bm25 or hybrid;
+each evidence block says which ranker found it, at what rank);
 a checkpoint's own model config and QA sizes are used
 (`qa_eval.checked_run_configs`). --json, --top_k and --snippet_chars only
 change how answers are shown. Weights whose span head was never trained
@@ -73,9 +76,11 @@ def format_result(result: QAResult, snippet_chars: int = 200) -> str:
     if len(text) > snippet_chars:
       text = text[:snippet_chars - 3].rstrip() + "..."
     mark = "  <- predicted span" if e.block_id == result.block_id else ""
+    found = ", ".join(f"{name} #{rank}" for name, rank in e.found_by.items())
     lines.append(f"  #{e.rank + 1} p(z|x)={e.probability:.3f} "
                  f"logit={e.retrieval_logit:.3f} [{e.title}] (block "
-                 f"{e.block_id}){mark}")
+                 f"{e.block_id}{'; found by ' + found if found else ''})"
+                 f"{mark}")
     lines.append(f"      {text}")
   return "\n".join(lines)
 
@@ -133,7 +138,8 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
       workdir=config.workdir, checkpoint_dir=config.checkpoint_dir,
       step=config.step, init_from=config.init_from,
       index_dir=config.index_dir, index_step=config.index_step,
-      qa_config=qa_config, batch_size=1, num_evidence=f.top_k)
+      qa_config=qa_config, batch_size=1, num_evidence=f.top_k,
+      **qa_eval.ranker_kwargs(config))
   notice = (None if model.span_head_trained else
             "Notice: " + qa_model_lib.UNTRAINED_SPAN_HEAD)
   if notice and not f.json:

@@ -585,3 +585,95 @@ def test_a_huge_question_is_cut_on_its_q_line(setup):
   assert line.endswith("... (44000 characters)") and len(line) < 240
   assert ask_lib.format_result(result).splitlines()[0] == (
       f"Q: {QUESTIONS[0]}")
+
+
+def test_the_reader_reads_the_rankers_blocks(setup, tmp_path):
+  """ranker="bm25" / "hybrid": the reader reads the ranker's top K, and each
+  evidence block says which ranker found it and at what rank."""
+  from realm_jax.index import bm25, rankers  # pylint: disable=g-import-not-at-top
+  store, model = setup["store"], setup["model"]
+  bm25_dir = str(tmp_path / "bm25")
+  kwargs = dict(model_config=setup["config"], store=store,
+                workdir=str(setup["workdir"]), qa_config=QA_CONFIG,
+                batch_size=4, bm25_dir=bm25_dir)
+  by_bm25 = qa_model.load_qa_model(ranker="bm25", **kwargs)
+  fusion = rankers.FusionConfig(dense_weight=0.7, bm25_weight=0.3,
+                                candidates=6)
+  hybrid = qa_model.load_qa_model(ranker="hybrid", fusion=fusion, **kwargs)
+  index = bm25.BM25Index.from_store(store)  # independent of the persisted
+  sparse_ids, sparse_scores = index.search(QUESTIONS, 6)
+  dense = model.predict(QUESTIONS)
+  for i, (a, h) in enumerate(zip(by_bm25.predict(QUESTIONS),
+                                 hybrid.predict(QUESTIONS))):
+    assert a.retrieved_ids == sparse_ids[i].tolist()
+    np.testing.assert_allclose(a.retrieved_scores, sparse_scores[i],
+                               rtol=1e-6)
+    assert [e.found_by for e in a.evidence] == [
+        {"bm25": e.rank + 1} for e in a.evidence]
+    # p(z|x) is the retriever's over the ranked blocks.
+    logits = _retrieval_logits(setup, QUESTIONS[i], a.retrieved_ids)
+    np.testing.assert_allclose([e.retrieval_logit for e in a.evidence],
+                               logits[[e.rank for e in a.evidence]],
+                               rtol=1e-4, atol=1e-4)
+    # The hybrid: the fusion of the dense and the BM25 rankings.
+    want = rankers.fuse([
+        rankers.Ranking(np.array([dense[i].retrieved_ids]),
+                        np.array([dense[i].retrieved_scores], np.float32),
+                        {"dense": np.arange(6)[None]}),
+        rankers.Ranking(sparse_ids[i:i + 1], sparse_scores[i:i + 1],
+                        {"bm25": np.arange(6)[None]})], (0.7, 0.3), 6)
+    assert h.retrieved_ids == want.ids[0].tolist()
+    for e in h.evidence:
+      assert e.found_by and set(e.found_by) <= {"dense", "bm25"}
+      for name, rank in e.found_by.items():
+        ids = dense[i].retrieved_ids if name == "dense" else sparse_ids[i]
+        assert ids[rank - 1] == e.block_id
+  text = ask_lib.format_result(hybrid.ask(QUESTIONS[0], top_k=3))
+  assert "found by " in text
+  assert (tmp_path / "bm25" / "manifest.json").exists()
+  with pytest.raises(ValueError, match="'sparse' is not a ranker"):
+    qa_model.load_qa_model(ranker="sparse", **kwargs)
+
+
+def test_load_takes_a_ranker(setup, tmp_path):
+  import realm_jax  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import bm25  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
+  run = finetune.FinetuneConfig(
+      workdir=str(tmp_path), block_store=setup["store"].path,
+      train_jsonl="t.jsonl", index_dir=str(setup["workdir"] / "index"),
+      num_epochs=1.0, qa=QA_CONFIG)
+  _save_with_configs(str(tmp_path / "checkpoints"), setup["params"],
+                     setup["config"], run)
+  model = realm_jax.load(str(tmp_path), ranker="bm25",
+                         bm25_dir=str(tmp_path / "bm25"), batch_size=4)
+  ids, _ = bm25.BM25Index.from_store(setup["store"]).search(QUESTIONS[:1], 6)
+  assert model.ask(QUESTIONS[0]).retrieved_ids == ids[0].tolist()
+
+
+def test_cli_hybrid_shows_which_ranker_found_each_block(setup, tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+       "--gin_file=runs/eval.gin", *_cli_bindings(setup),
+       f"--gin.WORKDIR='{setup['workdir']}'",
+       f"--gin.BLOCK_STORE='{setup['store'].path}'",
+       "--gin.qa_eval.EvalConfig.ranker='hybrid'",
+       f"--gin.qa_eval.EvalConfig.bm25_dir='{tmp_path / 'bm25'}'",
+       "--top_k=4", QUESTIONS[0]],
+      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  found = [line for line in proc.stdout.splitlines() if "found by" in line]
+  assert len(found) >= 4
+  assert any("dense #" in line for line in found)
+  assert any("bm25 #" in line for line in found)
+  bad = subprocess.run(
+      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+       "--gin_file=runs/eval.gin", *_cli_bindings(setup),
+       f"--gin.WORKDIR='{setup['workdir']}'",
+       f"--gin.BLOCK_STORE='{setup['store'].path}'",
+       "--gin.qa_eval.EvalConfig.ranker='bm52'", QUESTIONS[0]],
+      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+  assert bad.returncode != 0
+  assert "'bm52' is not a ranker" in bad.stderr

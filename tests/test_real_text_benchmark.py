@@ -142,3 +142,57 @@ def test_the_first_n_leads_make_a_smaller_corpus(tmp_path, monkeypatch):
     real_text.main([f"--data_dir={tmp_path / 'data2'}",
                     f"--workdir={tmp_path / 'w3'}", "--max_block_len=24",
                     "--retrievers=bm25", "--tasks=cloze", "--num_documents=1"])
+
+
+def test_hybrid_rows_and_fusion_weights_chosen_on_a_dev_set(
+    tmp_path, monkeypatch):
+  from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
+  real_text = _module(monkeypatch)
+  helpers.write_public_data(tmp_path / "data")
+  output = tmp_path / "rows.jsonl"
+  common = [f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'w'}",
+            f"--output={output}", "--max_block_len=24"]
+  real_text.main(common + ["--retrievers=bm25,minilm,hybrid",
+                           "--dense_weight=0.7", "--bm25_weight=0.3"])
+  rows = [json.loads(x) for x in output.read_text().splitlines()]
+  assert [r["retriever"] for r in rows] == ["bm25", "minilm", "hybrid"]
+  assert rows[2]["fusion"]["dense_weight"] == 0.7
+  # The BM25 index of the leads, built beside their store, was extended
+  # beside the union's.
+  for store in ("vital", "union"):
+    manifest = json.loads((tmp_path / "w" / store / "bm25" /
+                           "manifest.json").read_text())
+    assert manifest["store_fingerprint"] == json.loads(
+        (tmp_path / "w" / store / "manifest.json").read_text())["fingerprint"]
+  found = {}
+  for name in ("bm25", "minilm", "hybrid"):
+    found[name] = [json.loads(x) for x in (
+        tmp_path / "w" / "predictions" / f"{name}.jsonl").read_text()
+                   .splitlines()]
+
+  def ranking(name, rows):
+    return rankers.Ranking(
+        np.array([r["retrieved_ids"] for r in rows]),
+        np.array([r["retrieved_scores"] for r in rows], np.float32),
+        {name: np.tile(np.arange(len(rows[0]["retrieved_ids"])),
+                       (len(rows), 1))})
+  want = rankers.fuse([ranking("minilm", found["minilm"]),
+                       ranking("bm25", found["bm25"])], (0.7, 0.3), 100)
+  assert [r["retrieved_ids"] for r in found["hybrid"]] == [
+      [b for b in row if b >= 0] for row in want.ids.tolist()]
+  # The weights chosen on a dev set (here the SQuAD fixture as a SQuAD
+  # JSON file), asked over the leads + its paragraphs.
+  dev = os.path.join(os.path.dirname(os.path.abspath(helpers.__file__)),
+                     "fixtures", "squad", "tiny_v1.json")
+  output.unlink()
+  real_text.main(common + [f"--tune_fusion={dev}"])
+  rows = [json.loads(x) for x in output.read_text().splitlines()]
+  assert len(rows) == len(real_text.DEV_WEIGHTS) + 2
+  chosen = rows[-1]["chosen"]
+  best = max(r["mean_recall"] for r in rows[:-2])
+  assert [r["mean_recall"] for r in rows[:-2] if
+          r["dense_weight"] == chosen["dense_weight"]] == [best]
+  assert all(r["recall@100"] == 1.0 for r in rows[:-1])
+  manifest = json.loads((tmp_path / "w" / "index_minilm_devunion" / "0" /
+                         "manifest.json").read_text())
+  assert manifest["new_rows"] > 0

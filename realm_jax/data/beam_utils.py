@@ -42,7 +42,7 @@ def worker_progress(what: str, total: int | None = None, *,
   return progress_lib.Progress(what, total, unit=unit, bar=False)
 
 
-INPUT_FORMATS = ("wikipedia_xml", "jsonl", "dpr_tsv")
+INPUT_FORMATS = ("wikipedia_xml", "jsonl", "dpr_tsv", "squad")
 
 
 def check_input(input_path: str, input_format: str | None = None) -> str:
@@ -84,8 +84,9 @@ def read_documents(input_path: str, *, max_documents: int | None,
   """`(index, title, text)` of a corpus's documents, in file order: a
   dump's pages as wikitext (`wikipedia.iter_wikipedia_pages`; the jobs
   remove the markup in parallel), JSONL documents, DPR's passages, or
-  ORQA's records (`blocks.tfr` with `orqa_titles`); `with_ids` appends the
-  DPR passage id (None for other formats). The reader's report (kept and
+  ORQA's records (`blocks.tfr` with `orqa_titles`), a SQuAD JSON file's
+  paragraphs (`input_format="squad"`); `with_ids` appends the DPR passage
+  id or the SQuAD paragraph id (None for other formats). The reader's report (kept and
   skipped records by reason, "documents", with `list_dropped` every skipped
   article's title) goes to `stats_path` at the end. A file that cannot be
   read raises ValueError naming it.
@@ -104,6 +105,10 @@ def read_documents(input_path: str, *, max_documents: int | None,
                  blocks_lib.read_orqa_blocks(path, orqa_titles, report))
   elif input_format == "dpr_tsv":
     documents = wikipedia.iter_dpr_passages(path)
+  elif input_format == "squad":
+    from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
+    documents = ((p.id, p.title, p.text)
+                 for p in squad.read_squad(path).paragraphs)
   else:
     documents = ((None, d.title, d.text) for d in (
         wikipedia.iter_wikipedia_pages if input_format == "wikipedia_xml"

@@ -70,7 +70,9 @@ class CorpusConfig:
     input_format: None: by `input_path`'s name; or "wikipedia_xml",
       "jsonl" or "dpr_tsv" (`id<TAB>text<TAB>title` lines under that
       header: one block per passage, truncated to `max_block_len`, in file
-      order, `BlockStore.passage_id(i)` its id), whatever the name.
+      order, `BlockStore.passage_id(i)` its id) or "squad" (a SQuAD v1.1
+      JSON file: each paragraph a document, every one of its blocks
+      carrying the paragraph's id as `passage_id`), whatever the name.
     vocab_path: WordPiece vocab.txt; default: BERT uncased.
     max_block_len: wordpieces of `[CLS] title [SEP] body [SEP]`.
     max_documents: only the first N documents (a dump's pages are counted
@@ -168,6 +170,17 @@ def pack_chunk(item, *, tmp_dir: str, vocab_path: str, max_block_len: int,
                   [row[1:3] for row in rows], tokenizer,
                   max_block_len=max_block_len, report=report,
                   first_record=rows[0][0]), rows)]
+  elif input_format == "squad":
+    # Each paragraph's blocks carry its id (`BlockStore.passage_id`), so
+    # the eval finds a question's gold paragraph.
+    blocks, doc_index = [], 0
+    for _, title, text, paragraph_id in rows:
+      own = list(blocks_lib.pack_blocks(
+          [wikipedia.Document(title=title, text=text)], tokenizer,
+          max_block_len=max_block_len, report=report))
+      blocks += [dataclasses.replace(b, doc_index=doc_index,
+                                     passage_id=paragraph_id) for b in own]
+      doc_index += bool(own)
   else:
     documents = (
         wikipedia.clean_page(title, text, report,

@@ -60,10 +60,14 @@ class QAExample:
     question: the question text.
     answers: reference answers; regular expressions when `is_regex`.
     is_regex: True for CuratedTrec-style regular-expression answers.
+    paragraph_id: the question's gold paragraph (SQuAD's), if known: the
+      eval reports gold-paragraph recall when the block store carries
+      paragraph ids (a corpus built with `input_format="squad"`).
   """
   question: str
   answers: tuple[str, ...]
   is_regex: bool = False
+  paragraph_id: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.question, str):
@@ -158,8 +162,12 @@ def _parse_qa_line(text: str, regex_answers: bool) -> QAExample:
       except re.error as e:
         raise _Malformed(
             f"answer {a!r} is not a valid regular expression: {e}") from None
+  paragraph_id = record.get("paragraph_id")
+  if paragraph_id is not None and not isinstance(paragraph_id, str):
+    raise _Malformed(f"'paragraph_id' must be a string, got "
+                     f"{type(paragraph_id).__name__}")
   return QAExample(question=question, answers=tuple(answers),
-                   is_regex=regex_answers)
+                   is_regex=regex_answers, paragraph_id=paragraph_id)
 
 
 def _open_binary(path: str):

@@ -169,7 +169,8 @@ def _questions(paragraph: dict[str, Any], paragraph_id: str, title: str,
           f"{source}: {at}.answers: empty, and the question is not marked "
           "is_impossible; give it an answer or drop it.")
     data.questions.append(SquadQuestion(
-        id=qid, example=qa_lib.QAExample(question=question, answers=answers),
+        id=qid, example=qa_lib.QAExample(question=question, answers=answers,
+                                         paragraph_id=paragraph_id),
         title=title, paragraph_id=paragraph_id))
 
 

@@ -114,3 +114,15 @@ class Tokenizer:
       else:
         words.append(piece)
     return " ".join(words)
+
+
+def tokenize_questions(tokenizer: Tokenizer, questions: Sequence[str],
+                       length: int) -> dict[str, np.ndarray]:
+  """`[CLS] question [SEP]`, truncated and padded to `length`: the query
+  tower's input ({"question_ids", "question_mask"}, int32 [Q, length])."""
+  ids = np.full((len(questions), length), tokenizer.pad_id, np.int32)
+  for i, pieces in enumerate(tokenizer.tokenize(list(questions))):
+    pieces = pieces[:length - 2]
+    ids[i, :len(pieces) + 2] = [tokenizer.cls_id, *pieces, tokenizer.sep_id]
+  return {"question_ids": ids,
+          "question_mask": (ids != tokenizer.pad_id).astype(np.int32)}

@@ -64,7 +64,7 @@ from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
-from realm_jax.index import publish
+from realm_jax.index import publish, rankers
 from realm_jax.model.realm import RealmConfig
 from realm_jax.training import qa_inputs
 
@@ -199,12 +199,40 @@ def evaluate(qa_model: QAModel, examples: Sequence[qa_lib.QAExample], *,
           is_regex=[e.is_regex for e in part], recall_depth=max(recall_ks))
       bar.update(len(part))
   metrics = aggregate_metrics(results, recall_ks=recall_ks)
+  metrics.update(gold_paragraph_recall(results, examples, qa_model.store,
+                                       recall_ks))
   metrics["questions_per_second"] = len(results) / (time.time() - start)
   if predictions_path:
     write_predictions(predictions_path, results)
   if dpr_path:
     write_dpr_retrieval(dpr_path, results, qa_model.store)
   return metrics
+
+
+def gold_paragraph_recall(results: Sequence[QAResult],
+                          examples: Sequence[qa_lib.QAExample], store,
+                          recall_ks: Sequence[int]) -> dict[str, float]:
+  """{"gold_recall@k": share of questions with a block of their gold
+  paragraph among the top k}, when every example names its paragraph
+  (`QAExample.paragraph_id`) and the store carries paragraph ids (built
+  with `CorpusConfig.input_format="squad"`); else {}."""
+  if not examples or any(e.paragraph_id is None for e in examples) or (
+      store.passage_id(0) is None):
+    return {}
+  found = [[b >= 0 and store.passage_id(b) == e.paragraph_id
+            for b in r.retrieved_ids] for r, e in zip(results, examples)]
+  return {f"gold_recall@{k}": sum(any(f[:k]) for f in found) / len(found)
+          for k in recall_ks}
+
+
+def read_questions(path: str, *, regex_answers: bool = False
+                   ) -> list[qa_lib.QAExample]:
+  """The eval's questions: ORQA JSONL, or SQuAD v1.1 JSON (a `.json`
+  file, `squad.read_squad`; each question keeps its paragraph id)."""
+  if os.fspath(path).endswith(".json"):
+    from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
+    return [q.example for q in squad.read_squad(path).questions]
+  return qa_lib.read_qa_jsonl(path, regex_answers=regex_answers)
 
 
 def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
@@ -235,8 +263,11 @@ class EvalConfig:
       (`realm_jax.checkpoint_import.init_from`); the job evaluates them once.
     index_step: default LATEST (`ask`: the checkpoint's own if published).
     block_store: the blocks the index was built from.
-    qa_file, regex_answers: the job's questions (ORQA JSONL); whether
-      their answers are regular expressions (CuratedTrec).
+    qa_file, regex_answers: the job's questions (ORQA JSONL, or a SQuAD
+      v1.1 `.json` file); whether their answers are regular expressions
+      (CuratedTrec). Questions that name their paragraph (SQuAD's, or a
+      JSONL "paragraph_id") over a store with paragraph ids also get
+      gold-paragraph recall (`gold_recall@k`).
     output_dir: the job's results (default <workdir>/eval).
     timeout_seconds: the job exits after this long without DONE (None: never).
     recall_ks: the k of recall@k.
@@ -246,6 +277,12 @@ class EvalConfig:
     dpr_retrieval: also write each evaluation's retrieval in DPR's JSON
       shape (`write_dpr_retrieval`) to predictions/step_<step>.dpr.json
       (init_from: predictions/init_from.dpr.json).
+    ranker: which blocks the reader reads (`realm_jax.index.rankers`):
+      "dense" (the index), "bm25" (BM25 over the block store, its index
+      found or built beside the store) or "hybrid" (both fused by
+      `fusion`).
+    fusion: the hybrid's fusion (`rankers.FusionConfig`, runs/eval.gin).
+    bm25_dir: the BM25 index (default: beside the block store).
   """
   workdir: str | None = None
   checkpoint_dir: str | None = None
@@ -263,14 +300,24 @@ class EvalConfig:
   num_evidence: int = 5
   poll_seconds: float = 30.0
   dpr_retrieval: bool = False
+  ranker: str = "dense"
+  fusion: rankers.FusionConfig = rankers.FusionConfig()
+  bm25_dir: str | None = None
 
   def __post_init__(self):
+    rankers.check_name(self.ranker)
     if not self.recall_ks or min(self.recall_ks) < 1:
       raise ValueError(f"EvalConfig.recall_ks={self.recall_ks} must be "
                        "positive integers, e.g. (1, 5, 20, 100).")
     if self.batch_size < 1 or self.num_evidence < 1 or self.poll_seconds <= 0:
       raise ValueError("EvalConfig.batch_size and num_evidence must be >= 1 "
                        "and poll_seconds > 0.")
+
+
+def ranker_kwargs(config: EvalConfig) -> dict[str, Any]:
+  """`QAModel`'s ranker arguments from `config`."""
+  return {"ranker": config.ranker, "fusion": config.fusion,
+          "bm25_dir": config.bm25_dir}
 
 
 def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
@@ -309,7 +356,8 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
   if qa_model is None:
     qa_model = QAModel(model_config, params, index, store, qa_config,
                        mesh=mesh, batch_size=config.batch_size,
-                       num_evidence=config.num_evidence, step=step)
+                       num_evidence=config.num_evidence, step=step,
+                       **ranker_kwargs(config))
   else:
     qa_model = qa_model.with_params(params, step)
   chief = jax.process_index() == 0
@@ -618,8 +666,8 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
       workdir or os.fspath(io_utils.as_path(io_utils.absolute(
           checkpoint_dir or ".")).parent), "eval")
   store = block_store.BlockStore.open(config.block_store)
-  examples = qa_lib.read_qa_jsonl(config.qa_file,
-                                  regex_answers=config.regex_answers)
+  examples = read_questions(config.qa_file,
+                            regex_answers=config.regex_answers)
   devices = jax.local_devices()
   mesh = parallel.make_mesh(devices) if len(devices) > 1 else None
   if config.init_from:  # Imported weights: evaluated once.
@@ -627,7 +675,7 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
         model_config=model_config, store=store, init_from=config.init_from,
         index_dir=index_dir, index_step=config.index_step,
         qa_config=qa_config, batch_size=config.batch_size,
-        num_evidence=config.num_evidence, mesh=mesh)
+        num_evidence=config.num_evidence, mesh=mesh, **ranker_kwargs(config))
     predictions = io_utils.join(output_dir, "predictions", "init_from")
     metrics = module.evaluate(
         qa_model, examples, recall_ks=config.recall_ks,

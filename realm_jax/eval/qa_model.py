@@ -35,7 +35,7 @@ from realm_jax.checkpoint_import import core, exported
 from realm_jax.core import checkpoints, checks, dataclass_json, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import embed, publish
+from realm_jax.index import embed, publish, rankers
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
@@ -60,6 +60,8 @@ class Evidence:
       retrieved blocks.
     retrieval_logit: f(x, z) = Embed(x) . Embed(z).
     has_answer: an answer occurs in the text (None without answers).
+    found_by: which ranker found the block and at what 1-based rank in
+      its own list, e.g. {"dense": 3, "bm25": 1} (hybrid: one or both).
   """
   block_id: int
   rank: int
@@ -68,6 +70,7 @@ class Evidence:
   probability: float
   retrieval_logit: float
   has_answer: bool | None = None
+  found_by: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -83,8 +86,9 @@ class QAResult:
     evidence: the top blocks (and the answer's block if not among them).
     retrieved_ids: block ids in rank order (K, or the recall depth if
       deeper).
-    retrieved_scores: the index's inner products Embed(x) . Embed(z) (the
-      retrieval logits divided by the retriever's `score_scale`).
+    retrieved_scores: the ranker's scores: dense, the index's inner
+      products Embed(x) . Embed(z) (the retrieval logits divided by the
+      retriever's `score_scale`); bm25, BM25 scores; hybrid, fused ones.
     answers: reference answers, when given.
     is_regex: the answers are regular expressions.
     correct: exact match (regex match) against the answers.
@@ -326,7 +330,9 @@ class QAModel:
                qa_config: qa_inputs.QAConfig = qa_inputs.QAConfig(), *,
                tokenizer: Tokenizer | None = None, mesh=None,
                batch_size: int = 8, num_evidence: int = 5,
-               step: int | None = None):
+               step: int | None = None, ranker: str = "dense",
+               fusion: rankers.FusionConfig = rankers.FusionConfig(),
+               bm25_dir: str | None = None):
     """Builds the answering model.
 
     Args:
@@ -341,7 +347,15 @@ class QAModel:
       batch_size: questions per model call (a multiple of the mesh size).
       num_evidence: evidence blocks per answer by default.
       step: the checkpoint step, for the record.
+      ranker: which blocks the reader reads (`rankers.RANKERS`): "dense"
+        (the query tower over `index`), "bm25" (BM25 over `store`, its
+        index found or built beside the store) or "hybrid" (both fused by
+        `fusion`). p(z|x) is always the retriever's softmax over the
+        ranked blocks (their embeddings are the index's).
+      fusion: the hybrid's fusion.
+      bm25_dir: the BM25 index (default beside the store).
     """
+    rankers.check_name(ranker, "ranker")
     self.model_config = qa_model_config(model_config)
     self.store = store
     self.index = index
@@ -377,6 +391,9 @@ class QAModel:
     self.batch_size = batch_size
     self.num_evidence = num_evidence
     self._embed, self._qa_logits = _compiled(self.model_config, mesh)
+    self.ranker_name, self.fusion = ranker, fusion
+    self._bm25 = (None if ranker == "dense" else
+                  rankers.BM25Ranker.for_store(store, bm25_dir))
     self._set_params(params, step)
 
   # -- Construction from checkpoints.
@@ -435,6 +452,26 @@ class QAModel:
                                  if self.mesh is None else
                                  parallel.replicated(self.mesh))
     self.params_step = step
+    # The dense ranker embeds with these parameters (a copy made by
+    # `with_params` gets its own).
+    self.ranker = rankers.make_ranker(
+        self.ranker_name, dense=rankers.DenseRanker(
+            self.index, self._embed_questions), bm25=self._bm25,
+        fusion=self.fusion)
+
+  def _embed_questions(self, questions: Sequence[str]) -> np.ndarray:
+    """float32 [Q, D]: the query tower's embeddings (batches padded to
+    `batch_size`, over the mesh)."""
+    out = []
+    for lo in range(0, len(questions), self.batch_size):
+      chunk = list(questions[lo:lo + self.batch_size])
+      padded = chunk + [chunk[-1]] * (self.batch_size - len(chunk))
+      q = self._place(qa_inputs.tokenize_questions(
+          self.tokenizer, padded, self.qa_config.question_length))
+      out.append(np.asarray(self._embed(self.params, q["question_ids"],
+                                        q["question_mask"]),
+                            np.float32)[:len(chunk)])
+    return np.concatenate(out)
 
   def _place(self, batch: dict[str, np.ndarray]):
     return (batch if self.mesh is None else
@@ -508,11 +545,9 @@ class QAModel:
     padded = questions + [questions[-1]] * (self.batch_size - n)
     q = qa_inputs.tokenize_questions(self.tokenizer, padded,
                                      cfg.question_length)
-    placed = self._place(q)
-    query = np.asarray(self._embed(self.params, placed["question_ids"],
-                                   placed["question_mask"]), np.float32)
     depth = min(len(store), max(cfg.num_retrieved, recall_depth))
-    ids, scores = self.index.search(query, depth)
+    ranking = self.ranker.rank(padded, depth)
+    ids, scores = ranking.ids, ranking.scores
     batch = qa_inputs.qa_batch(q, ids[:, :cfg.num_retrieved],
                                self.index.embeddings, store, cfg)
     retrieval, reader = self._qa_logits(self.params, self._place(
@@ -543,7 +578,9 @@ class QAModel:
           block_id=int(ids[i, r]), rank=r, title=store.title(ids[i, r]),
           text=store.text(ids[i, r]), probability=float(probs[i, r]),
           retrieval_logit=float(retrieval[i, r]),
-          has_answer=None if answers is None else bool(flags[i][r]))
+          has_answer=None if answers is None else bool(flags[i][r]),
+          found_by={name: int(found[i, r]) + 1 for name, found in
+                    ranking.sources.items() if found[i, r] >= 0})
                   for r in ranks]
       result = QAResult(
           question=questions[i], prediction=texts[i] if has_span else "",

@@ -10,25 +10,18 @@ text), written with `qa_eval.write_predictions`, and recall@k is
 top k blocks). `gold_recall` adds recall of a gold block (e.g. a block of
 the question's SQuAD paragraph) at each k.
 
-`dense_ranking` ranks blocks for questions with a retriever's query tower
-over a published index (the same tokenisation and query tower as the QA
-model's).
+The rankings themselves come from the product's rankers
+(`realm_jax.index.rankers`: dense, BM25, hybrid).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from realm_jax.core import checks
 from realm_jax.data import qa as qa_lib
-from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval.qa_model import QAResult
-from realm_jax.index import embed as embed_lib
-from realm_jax.model import functional
-from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import qa_inputs
 
 
 def retrieval_results(examples: Sequence[qa_lib.QAExample], ids: np.ndarray,
@@ -89,34 +82,3 @@ def gold_recall(results: Sequence[QAResult],
     for k in ks:
       hits[k] += bool(found[:k].any())
   return {f"gold_recall@{k}": hits[k] / len(results) for k in ks}
-
-
-def dense_ranking(params: dict[str, Any], model: RealmConfig, index,
-                  questions: Sequence[str], depth: int, *,
-                  question_length: int = 32, batch_size: int = 256
-                  ) -> tuple[np.ndarray, np.ndarray]:
-  """Top-`depth` blocks of each question: `params`' query tower (of a
-  `Realm` of `model`) over a published index (`publish.PublishedIndex`).
-
-  Returns:
-    (ids int64 [Q, d], scores float32 [Q, d]) as the index returns them
-    (inner products, best first); d = `depth`, or every row of a smaller
-    index.
-  """
-  questions = checks.string_list(questions, "dense_ranking",
-                                 what="questions", item="Question",
-                                 hint="pass [question]")
-  depth = min(depth, int(index.manifest["rows"]))
-  graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
-  embed_queries = embed_lib.make_query_embedder(graphdef, None)
-  q = qa_inputs.tokenize_questions(Tokenizer(), questions,
-                                   question_length)
-  ids, scores = [], []
-  for lo in range(0, len(questions), batch_size):
-    s = slice(lo, lo + batch_size)
-    emb = np.asarray(embed_queries(params, q["question_ids"][s],
-                                   q["question_mask"][s]), np.float32)
-    i, d = index.search(emb, depth)
-    ids.append(np.asarray(i))
-    scores.append(np.asarray(d))
-  return np.concatenate(ids), np.concatenate(scores)

@@ -55,6 +55,21 @@ def _base_index(index_root: str, step: int | None, base_store,
   return base, checksum
 
 
+def extend_bm25(base_store, union_store) -> bool:
+  """The base store's BM25 index (if it has one beside it) extended to
+  `union_store`'s blocks beside that store (only the new blocks are
+  analysed), unless the union already has its own. Whether one was made."""
+  from realm_jax.index import bm25  # pylint: disable=g-import-not-at-top
+  base_dir, union_dir = bm25.default_dir(base_store), bm25.default_dir(
+      union_store)
+  if not os.path.exists(os.path.join(base_dir, "manifest.json")) or (
+      os.path.exists(os.path.join(union_dir, "manifest.json"))):
+    return False
+  bm25.extend(base_store, union_store, base_dir=base_dir,
+              directory=union_dir)
+  return True
+
+
 def extend_index(*, index_root: str, base_store, union_store,
                  retriever_params: Any, retriever_config: RetrieverConfig,
                  output_root: str, step: int | None = None,
@@ -123,6 +138,7 @@ def _extend(base: publish.PublishedIndex, checksum: str, *, index_root,
                                new])
   logging.info("extending index %d: %d blocks + %d new ones", base.step,
                len(base_store), new.shape[0])
+  extend_bm25(base_store, union_store)
   return builder.publish_embeddings(
       embeddings=embeddings, store=union_store, root=output_root,
       step=base.step, config=config, params_sha256=checksum,

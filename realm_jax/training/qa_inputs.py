@@ -28,6 +28,7 @@ import numpy as np
 from realm_jax.core import checks
 from realm_jax.data import qa as qa_lib
 from realm_jax.data import signatures
+from realm_jax.data.tokenizer import tokenize_questions  # pylint: disable=unused-import
 from realm_jax.training import realm_inputs
 
 
@@ -68,17 +69,6 @@ class QAConfig:
       raise ValueError("reader_length must exceed question_length.")
     checks.at_least(self, "question_length", "num_retrieved",
                     "num_reader_blocks")
-
-
-def tokenize_questions(tokenizer, questions: Sequence[str], length: int
-                       ) -> dict[str, np.ndarray]:
-  """`[CLS] question [SEP]`, truncated and padded to `length`."""
-  ids = np.full((len(questions), length), tokenizer.pad_id, np.int32)
-  for i, pieces in enumerate(tokenizer.tokenize(list(questions))):
-    pieces = pieces[:length - 2]
-    ids[i, :len(pieces) + 2] = [tokenizer.cls_id, *pieces, tokenizer.sep_id]
-  return {"question_ids": ids,
-          "question_mask": (ids != tokenizer.pad_id).astype(np.int32)}
 
 
 def span_positives(reader_ids: np.ndarray, block_start: np.ndarray,

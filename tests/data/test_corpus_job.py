@@ -256,6 +256,33 @@ def test_build_from_dpr_passages(tmp_path):
   assert store.manifest["options"] == {}
 
 
+def test_build_from_squad_json_keeps_the_paragraph_ids(tmp_path):
+  """input_format="squad": each paragraph a document whose blocks carry its
+  id; the same blocks as the paragraphs' corpus JSONL."""
+  from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))), "fixtures", "squad", "tiny_v1.json")
+  data = squad.read_squad(path)
+  store, _ = corpus_job.build_corpus(
+      input_path=path, input_format="squad", max_block_len=24,
+      output_dir=str(tmp_path / "store"), documents_per_chunk=2)
+  (tmp_path / "p.jsonl").write_text(squad.corpus_lines(data.paragraphs))
+  plain, _ = corpus_job.build_corpus(
+      input_path=str(tmp_path / "p.jsonl"), max_block_len=24,
+      output_dir=str(tmp_path / "plain"))
+  assert len(store) == len(plain) > len(data.paragraphs)
+  assert store.num_documents == len(data.paragraphs)
+  for b in range(len(store)):
+    assert store.text(b) == plain.text(b)
+    assert store.doc_index(b) == plain.doc_index(b)
+  blocks = squad.paragraph_blocks(store, data.paragraphs)
+  for p in data.paragraphs:
+    assert [store.passage_id(int(b)) for b in blocks[p.id]] == [p.id] * len(
+        blocks[p.id])
+  assert {store.passage_id(b) for b in range(len(store))} == {
+      p.id for p in data.paragraphs}
+
+
 def test_malformed_dpr_file_fails_naming_the_line(tmp_path):
   path = tmp_path / "psgs_w100.tsv"
   path.write_text("id\ttext\ttitle\n1\tGood.\tA\n2\tNo title\n")

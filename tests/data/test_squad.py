@@ -29,7 +29,8 @@ def test_reads_questions_with_all_answers_and_gold_paragraphs():
   # Every distinct answer, in order; the repeated one once.
   assert first.example == qa.QAExample(
       "Who first mapped Lake Vostrel?",
-      ("Ines Marlow", "the surveyor Ines Marlow"))
+      ("Ines Marlow", "the surveyor Ines Marlow"),
+      paragraph_id="Lake_Vostrel#0")
   assert [q.paragraph_id for q in data.questions] == [
       "Lake_Vostrel#0", "Lake_Vostrel#0", "Lake_Vostrel#1",
       "Tallin%C3%A9_Fort,_Kessar#0"]

@@ -498,3 +498,73 @@ def test_eval_job_closes_its_writer_when_an_evaluation_raises(
   # The lease was released: the next run starts (step 1 is in the ledger).
   assert qa_eval.run_eval_job(**kwargs).evaluated == []
   assert closed == [1, 1]
+
+
+def test_eval_reads_the_configured_rankers_blocks(setup, tmp_path):
+  from realm_jax.index import bm25  # pylint: disable=g-import-not-at-top
+  ckpt_dir = str(tmp_path / "checkpoints")
+  _save(ckpt_dir, 3, setup["params"])
+  examples = [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS]
+  config = qa_eval.EvalConfig(ranker="bm25", bm25_dir=str(tmp_path / "bm25"),
+                              recall_ks=(1, 5), batch_size=4)
+  metrics, model = qa_eval.evaluate_checkpoint(
+      checkpoint_dir=ckpt_dir, step=3, examples=examples,
+      output_dir=str(tmp_path / "ev"), model_config=setup["config"],
+      index=setup["index"], store=setup["store"], qa_config=QA_CONFIG,
+      config=config)
+  assert model.ranker_name == "bm25"
+  ids, _ = bm25.BM25Index.from_store(setup["store"]).search(
+      [q for q, _ in QUESTIONS], 6)
+  with open(qa_eval.predictions_file(str(tmp_path / "ev"), 3)) as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["retrieved_ids"] for r in rows] == ids.tolist()
+  hits = [[any(_contains(setup["store"].text(int(b)), x) for x in a)
+           for b in row] for row, (_, a) in zip(ids, QUESTIONS)]
+  assert metrics["recall@5"] == pytest.approx(
+      np.mean([any(h[:5]) for h in hits]))
+  with pytest.raises(ValueError, match="EvalConfig.ranker='BM25' is not a "
+                     "ranker; use one of dense, bm25, hybrid"):
+    qa_eval.EvalConfig(ranker="BM25")
+
+
+def test_squad_json_questions_get_gold_paragraph_recall(setup, tmp_path):
+  """The eval reads SQuAD JSON; over a store built from it
+  (input_format="squad") it reports gold-paragraph recall."""
+  from realm_jax.data import corpus_job, squad  # pylint: disable=g-import-not-at-top
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))), "fixtures", "squad", "tiny_v1.json")
+  store, _ = corpus_job.build_corpus(
+      input_path=path, input_format="squad", max_block_len=24,
+      output_dir=str(tmp_path / "store"))
+  config = setup["config"]
+  builder.build_and_publish(
+      retriever_params=setup["params"]["retriever"],
+      retriever_config=config.retriever, store=store,
+      root=str(tmp_path / "index"), step=0,
+      config=builder.IndexBuildConfig(searcher="exact"))
+  index = publish.load_frozen_index(str(tmp_path / "index"), store, config)
+  model = qa_model.QAModel(config, setup["params"], index, store,
+                           dataclasses.replace(QA_CONFIG, num_retrieved=4),
+                           batch_size=4)
+  examples = qa_eval.read_questions(path)
+  data = squad.read_squad(path)
+  assert [e.paragraph_id for e in examples] == [
+      q.paragraph_id for q in data.questions]
+  metrics = qa_eval.evaluate(model, examples, recall_ks=(1, 2, 9),
+                             predictions_path=str(tmp_path / "p.jsonl"))
+  blocks = squad.paragraph_blocks(store, data.paragraphs)
+  with open(tmp_path / "p.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  for k in (1, 2, 9):
+    want = np.mean([np.isin(r["retrieved_ids"][:k],
+                            blocks[e.paragraph_id]).any()
+                    for r, e in zip(rows, examples)])
+    assert metrics[f"gold_recall@{k}"] == pytest.approx(want)
+  assert metrics["gold_recall@9"] == 1.0  # every block is retrieved
+  # No paragraph ids in the questions (or the store): no gold recall.
+  plain = qa_eval.evaluate(model, [dataclasses.replace(
+      e, paragraph_id=None) for e in examples], recall_ks=(1,))
+  assert "gold_recall@1" not in plain
+  # An ORQA JSONL line may name its paragraph too.
+  (tmp_path / "q.jsonl").write_text(squad.question_lines(data.questions))
+  assert qa_eval.read_questions(str(tmp_path / "q.jsonl")) == examples

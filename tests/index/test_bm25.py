@@ -1,4 +1,4 @@
-"""realm_jax.eval.bm25 against an independent numpy BM25, and its results
+"""realm_jax.index.bm25 against an independent numpy BM25, and its results
 as the QA eval's predictions (recall@k, gold recall)."""
 
 import collections
@@ -12,7 +12,8 @@ import pytest
 
 from realm_jax.core import progress
 from realm_jax.data import qa, wikipedia
-from realm_jax.eval import bm25, qa_eval, retrieval_eval
+from realm_jax.eval import qa_eval, retrieval_eval
+from realm_jax.index import bm25
 from realm_jax.testing import corpus
 
 TEXTS = [
@@ -160,3 +161,67 @@ def test_one_string_no_terms_and_bad_k_are_refused():
     bm25.BM25Index(["the a", "of ..."])
   with pytest.raises(TypeError, match="got one str"):
     bm25.BM25Index("some text")
+
+
+def test_persisted_beside_the_store_and_loaded_equal(store, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  local = tmp_path / "store"
+  shutil.copytree(store.path, local)
+  local = block_store.BlockStore.open(local)
+  built = bm25.for_store(local)
+  directory = local.path + "/bm25"
+  manifest = json.loads(open(directory + "/manifest.json").read())
+  assert manifest["store_fingerprint"] == local.fingerprint
+  assert manifest["num_rows"] == len(local)
+  loaded = bm25.for_store(local)  # found, not rebuilt
+  for query in QUERIES:
+    np.testing.assert_array_equal(loaded.scores(query), built.scores(query))
+  fresh = bm25.BM25Index.from_store(local)
+  np.testing.assert_array_equal(loaded.search(QUERIES, 7)[0],
+                                fresh.search(QUERIES, 7)[0])
+  # Another store's index is refused, naming both fingerprints; nothing is
+  # rebuilt.
+  other = corpus.write_store(tmp_path / "other", [
+      wikipedia.Document(t, x) for t, x in TEXTS[:2]], 24)
+  before = sorted(p.name for p in (tmp_path / "store" / "bm25").iterdir())
+  with pytest.raises(bm25.BM25StoreMismatchError) as e:
+    bm25.for_store(other, directory)
+  assert local.fingerprint in str(e.value)
+  assert other.fingerprint in str(e.value)
+  assert sorted(p.name for p in (tmp_path / "store" / "bm25").iterdir()
+                ) == before
+  with pytest.raises(FileNotFoundError):
+    bm25.for_store(other, str(tmp_path / "none"), build=False)
+
+
+def test_extended_when_blocks_are_added(tmp_path):
+  docs = [wikipedia.Document(t, x) for t, x in TEXTS]
+  base = corpus.write_store(tmp_path / "base", docs[:3], 24)
+  union = corpus.write_store(tmp_path / "union", docs, 24)
+  bm25.for_store(base)
+  extended = bm25.extend(base, union)
+  assert json.loads((tmp_path / "union" / "bm25" / "manifest.json")
+                    .read_text())["store_fingerprint"] == union.fingerprint
+  full = bm25.BM25Index.from_store(union)
+  for query in QUERIES:
+    np.testing.assert_allclose(extended.scores(query), full.scores(query),
+                               rtol=1e-6, atol=1e-7)
+  assert bm25.for_store(union).num_rows == len(union)
+  with pytest.raises(ValueError, match="does not extend"):
+    bm25.extend(union, base)
+
+
+def test_the_index_extension_extends_the_base_stores_bm25(tmp_path):
+  from realm_jax.index import extend  # pylint: disable=g-import-not-at-top
+  docs = [wikipedia.Document(t, x) for t, x in TEXTS]
+  base = corpus.write_store(tmp_path / "base", docs[:2], 24)
+  union = corpus.write_store(tmp_path / "union", docs, 24)
+  assert not extend.extend_bm25(base, union)  # the base has none
+  assert not (tmp_path / "union" / "bm25").exists()
+  bm25.for_store(base)
+  assert extend.extend_bm25(base, union)
+  np.testing.assert_allclose(
+      bm25.for_store(union, build=False).scores(QUERIES[0]),
+      bm25.BM25Index.from_store(union).scores(QUERIES[0]), rtol=1e-6)
+  assert not extend.extend_bm25(base, union)  # already there
