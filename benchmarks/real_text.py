@@ -34,9 +34,10 @@ questions is asked (none is ever trained on), with these retrievers:
 
 Every retriever is one of the product's rankers (`realm_jax.index.rankers`);
 this script only builds the stores and indices and scores the rankings.
-`--tune_fusion=<SQuAD JSON>` instead chooses the fusion weights on a dev
-set of other questions (e.g. SQuAD-shifts' New Wikipedia), asked over the
-leads + its own paragraphs: the weights never see the evaluation questions.
+`--tune_fusion=<SQuAD JSON>` instead sweeps the fusion weights on a dev
+set of your own questions (never a benchmark file that carries a canary),
+asked over the leads + its own paragraphs. The product's default fusion is
+a fixed rule and was not chosen this way.
 
 For each: recall@k (an answer string in the text of a top-k block: the QA
 eval's `aggregate_metrics` over its predictions, written to
@@ -430,9 +431,9 @@ def main(argv=None) -> None:
   parser.add_argument("--bm25_weight", type=float, default=None)
   parser.add_argument("--tune_fusion", default=None,
                       help="Only choose the fusion weights on this dev "
-                      "set (a SQuAD JSON file of other questions and "
-                      "paragraphs, e.g. SQuAD-shifts' new_wiki), asked "
-                      "over the leads + its paragraphs.")
+                      "set (a SQuAD JSON file of your own questions and "
+                      "paragraphs; never a benchmark file that carries a "
+                      "canary), asked over the leads + its paragraphs.")
   parser.add_argument("--tasks", default="squad",
                       help="squad (SQuAD-open) and/or cloze (the "
                       "qa_wikidata prompts about a lead, asked as "
@@ -539,7 +540,7 @@ DEV_WEIGHTS = tuple(round(0.1 * i, 1) for i in range(11))
 def tune_fusion(data_dir: str, workdir: str, max_block_len: int,
                 dev_squad: str, stores, max_questions: int = 0):
   """The hybrid's weights chosen on a dev set of other data: the questions
-  of `dev_squad` (a SQuAD JSON file, e.g. SQuAD-shifts' New Wikipedia)
+  of `dev_squad` (a SQuAD JSON file of your own; not a benchmark's)
   asked over the leads + that file's paragraphs (the store `devunion`,
   extending the leads' store; the MiniLM index and BM25 extended to it),
   never the evaluation questions. For each fusion (weighted with dense

@@ -108,7 +108,7 @@ def test_hybrid_of_dense_and_bm25_over_a_store(tmp_path):
   assert store.title(int(s.ids[0, 0])) == "Mozart"
   d3, s3 = dense.rank(questions, 4), hybrid.sparse.rank(questions, 4)
   c = hybrid.config
-  assert (c.method, c.dense_weight, c.bm25_weight) == ("weighted", 0.4, 0.6)
+  assert (c.method, c.dense_weight, c.bm25_weight) == ("weighted", 0.5, 0.5)
   want = rankers.fuse([d3, s3], (c.dense_weight, c.bm25_weight), 4)
   np.testing.assert_array_equal(ranking.ids, want.ids)
   assert set(ranking.sources) == {"dense", "bm25"}
