@@ -771,12 +771,17 @@ class Bench:
         f"pretrain.PretrainConfig.workdir = '{workdir}'",
         "pretrain.PretrainConfig.keep_checkpoints = 1000"] + start + bindings)
     config = gin.get_configurable(pretrain.PretrainConfig)()
-    # A gate on the training queries follows the condition's masking.
+    # A gate or guard on the training queries follows the condition's
+    # masking.
+    def masked(path):
+      return queries if path == config.queries else path
     config = dataclasses.replace(
         config, queries=queries, retriever=dataclasses.replace(
-            config.retriever, gate_queries=(
-                queries if config.retriever.gate_queries == config.queries
-                else config.retriever.gate_queries)))
+            config.retriever,
+            gate_queries=masked(config.retriever.gate_queries)),
+        recall_guard=dataclasses.replace(
+            config.recall_guard,
+            queries=masked(config.recall_guard.queries)))
     ckpt_dir = checkpoints.checkpoint_dir(workdir)
     # The fixed warm-up (gate "steps") is the same for every condition but
     # `realm_original`: it runs once, in `realm`'s workdir, and the others

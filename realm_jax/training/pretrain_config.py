@@ -28,6 +28,8 @@ INDEX_MODES = ("inline", "builder")
 SEARCHES = ("host", "device")
 RETRIEVER_TRAINING = ("full", "query_side")
 RETRIEVER_GATES = ("steps", "utility", "evidence")
+# What the recall guard counts as found (`RecallGuardConfig.probe`).
+RECALL_PROBES = ("answer", "own_block")
 # The gates measured in the run (the others release at a step count).
 MEASURED_GATES = ("utility", "evidence")
 # The query-side mode's frozen subtree: the document tower.
@@ -240,22 +242,25 @@ class RecallGuardConfig:
   """The recall guard (off unless `queries` or `questions` is set).
 
   Attributes:
-    queries: a query cache of held-out sentences (masked like the run's
-      queries) of articles that are in the block store, e.g. the utility
-      gate's: turns the recall guard on. Every `every` steps (full
+    queries: a query cache of masked sentences (masked like the run's
+      queries; best held out, e.g. the utility gate's dev sentences):
+      turns the recall guard on. Every `every` steps (full
       training on an inline index: on refresh steps only,
       `gate.guard_every`) it searches the served index with the current
-      query tower and measures the share of these sentences whose own
-      block (the block that holds the sentence) is among the top `k`:
-      ICT's task on held-out sentences, which tracks question recall on
-      real text (docs/results/learning.md). The first evaluation, while
+      query tower and measures recall@`k` of these sentences, as `probe`
+      says. The first evaluation, while
       the retriever is still where the run started, is the baseline. Once
       the retriever trains, `patience` evaluations in a row more than
       `max_drop` below the baseline roll the retriever back to the run's
       initial one (`init_from`'s) and freeze it for the rest of the run;
-      the gate is not consulted again. Needs X and Z to overlap (REALM's
-      Wikipedia); a world whose queries are not in the block store has no
-      own blocks, and the guard refuses it.
+      the gate is not consulted again.
+    probe: what a sentence's recall counts: "answer" (a top-`k` block
+      holds the sentence's masked span, the blocks the reader's evidence
+      points to; any world) or "own_block" (the block that holds the
+      sentence itself: ICT's task, which tracks question recall on real
+      text, docs/results/learning.md; needs X within Z, as REALM's
+      Wikipedia, and refuses a world whose sentences are not in the
+      block store).
     questions: instead of sentences, dev questions about the block store
       (ORQA JSONL: question and answers), kept apart from the questions a
       run is evaluated on: turns the recall guard on with recall@`k` of a
@@ -268,6 +273,7 @@ class RecallGuardConfig:
   """
 
   queries: str = ""
+  probe: str = "answer"
   questions: str = ""
   every: int = 50
   num_queries: int = 1024
@@ -280,6 +286,7 @@ class RecallGuardConfig:
     return bool(self.queries or self.questions)
 
   def __post_init__(self):
+    _one_of(self, "probe", RECALL_PROBES)
     if self.queries and self.questions:
       raise ValueError(
           "RecallGuardConfig.queries and RecallGuardConfig.questions are "

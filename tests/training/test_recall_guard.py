@@ -23,7 +23,10 @@ from realm_jax.testing import corpus
 from realm_jax.data import block_store, qa
 from realm_jax.eval import pretrain_eval
 from realm_jax.index import embed
-from realm_jax.training import gate, ict, pretrain
+from realm_jax.data import query_cache
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm
+from realm_jax.training import gate, ict, pretrain, realm_inputs
 
 STEPS = 12
 
@@ -104,14 +107,19 @@ def _questions(tiny_corpus):
           "recall_guard__questions": tiny_corpus[3]}
 
 
+OWN_BLOCK = {"recall_guard__probe": "own_block"}
+
+
 @pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 @pytest.mark.parametrize("extra, probe", [
-    ((), "own-block"), (QUERY_SIDE, "own-block"), ((), "question")],
-                         ids=["full", "query_side", "questions"])
+    ((), "own-block"), (QUERY_SIDE, "own-block"), ((), "answer-bearing"),
+    ((), "question")],
+                         ids=["full", "query_side", "answer", "questions"])
 def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus,
                                                        extra, probe):
   workdir = str(tmp_path / "run")
-  guard = _questions(tiny_corpus) if probe == "question" else {}
+  guard = {"question": _questions(tiny_corpus), "own-block": OWN_BLOCK,
+           "answer-bearing": {}}[probe]
   log = _run(workdir, tiny_corpus, extra, **guard)
   assert [e["step"] for e in log][0] == 0
   assert {e["probe"] for e in log} == {probe}
@@ -198,6 +206,47 @@ def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
       ks=(1,))["qa_recall@1"]
   assert 0 < expected < 1  # (a measure that can move either way)
   assert log[0]["recall@1"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_answer_recall_counts_blocks_that_hold_the_masked_span(
+    tmp_path, tiny_corpus):
+  """The guard's default probe: recall@k of the initial retriever is the
+  share of the sentences with a top-k block (exact search over a fresh
+  embedding of every block) that holds the sentence's masked span."""
+  store_dir, queries_dir, _, _ = tiny_corpus
+  workdir = str(tmp_path / "run")
+  log = _run(workdir, tiny_corpus, retriever__freeze_steps=STEPS,
+             num_train_steps=2, recall_guard__k=2)
+  assert log[0]["probe"] == "answer-bearing"
+  params = checkpoints.restore_items(checkpoints.checkpoint_dir(workdir), 0,
+                                     checkpoints.PARAM_ITEMS)
+  gin.clear_config()
+  gin_cli.parse(["experiments/pretrain_tiny_cpu.gin"], [
+      "WORKDIR = 'unused'", "BLOCK_STORE = 'unused'", "QUERIES = 'unused'"])
+  try:
+    model = gin.get_configurable(pretrain.RealmConfig)()
+  finally:
+    gin.clear_config()
+  store = block_store.BlockStore.open(store_dir)
+  block_emb, _ = embed.embed_block_store(
+      params["retriever"], model.retriever, store, log_every_seconds=1e9)
+  stream = query_cache.QueryStream(queries_dir, seed=0, batch_size=1024)
+  try:
+    queries = stream.head(1024)
+  finally:
+    stream.close()
+  graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
+  query_emb = np.asarray(embed.make_query_embedder(graphdef, None)(
+      params, queries["query_ids"], queries["query_mask"]))
+  top = np.argsort(-(query_emb @ block_emb.T), axis=1, kind="stable")[:, :2]
+  spans = realm_inputs.masked_spans(queries)
+  held = [any(realm_inputs.holds_spans(
+      [span], *(x[None] for x in store.bodies(row, store.max_block_len))
+  )[0]) for span, row in zip(spans, top) if len(span)]
+  # (The guard's probes: as many as divide over the devices.)
+  held = held[:len(held) // jax.device_count() * jax.device_count()]
+  assert 0 < np.mean(held) < 1  # (a measure that can move either way)
+  assert log[0]["recall@2"] == pytest.approx(np.mean(held), abs=1e-6)
 
 
 def test_sentences_and_questions_together_are_refused():
