@@ -5,7 +5,6 @@ Built with the real jobs' code: spaCy salient spans, WordPiece blocks.
 
 from __future__ import annotations
 
-import json
 import os
 
 from realm_jax.data import block_store, blocks, salient_spans, wikipedia
@@ -29,37 +28,6 @@ ARTICLES = [
     ("Shakespeare", "William Shakespeare was born in Stratford-upon-Avon. "
                     "Shakespeare wrote Hamlet around 1600. He died in 1616."),
 ]
-
-
-# Questions about ARTICLES, each answered by its article's text (ORQA
-# JSONL records once written by `write_questions`).
-QUESTIONS = [
-    ("what is the capital of france?", ["Paris"]),
-    ("for which fair was the eiffel tower built?", ["World's Fair"]),
-    ("when did the berlin wall fall?", ["9 November 1989"]),
-    ("which chancellor worked in berlin?", ["Angela Merkel", "Merkel"]),
-    ("what is the capital of japan?", ["Tokyo"]),
-    ("which mountain is near tokyo?", ["Mount Fuji"]),
-    ("which city lies on the nile?", ["Cairo"]),
-    ("when was the aswan dam completed?", ["1970"]),
-    ("which river flows through brazil and peru?", ["Amazon River",
-                                                     "Amazon"]),
-    ("who explored the amazon in 1542?", ["Francisco de Orellana"]),
-    ("where was mozart born?", ["Salzburg"]),
-    ("to which city did mozart move in 1781?", ["Vienna"]),
-    ("where was albert einstein born?", ["Ulm"]),
-    ("which prize did einstein receive in 1921?", ["Nobel Prize"]),
-    ("where was william shakespeare born?", ["Stratford-upon-Avon"]),
-    ("which play did shakespeare write around 1600?", ["Hamlet"]),
-]
-
-
-def write_questions(path: str) -> str:
-  """`QUESTIONS` as an ORQA JSONL file at `path`; returns `path`."""
-  with open(path, "w", encoding="utf-8") as f:
-    for question, answers in QUESTIONS:
-      f.write(json.dumps({"question": question, "answer": answers}) + "\n")
-  return path
 
 
 def write_store(path: str, docs, max_block_len: int):

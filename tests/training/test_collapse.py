@@ -52,13 +52,14 @@ def _pretrain(workdir, files, queries, ict_ckpts, bindings):
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       # A fixed warm-up (the recipe's gate is tested in
       # test_retriever_gate.py): 4 frozen steps, then the retriever moves.
-      "pretrain.RetrieverScheduleConfig.gate = 'steps'",
+      "pretrain.GateConfig.mode = 'steps'",
+      "pretrain.RecallGuardConfig.queries = ''",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
       "pretrain.PretrainConfig.batch_size = 16",
       "pretrain.PretrainConfig.log_every = 2",
       # The target, p(null|x) <= 0.5 throughout, as the guard.
       "pretrain.GuardConfig.null_probability_warning = 0.5",
-      "pretrain.RetrieverScheduleConfig.freeze_steps = 4"] + bindings)
+      "pretrain.GateConfig.latest_release = 4"] + bindings)
   try:
     return pretrain.train(
         config=gin.get_configurable(pretrain.PretrainConfig)(),
@@ -115,7 +116,7 @@ def test_a_real_hub_and_the_null_trap_are_reported_once(monkeypatch):
   for step in range(15, 40):  # a hub: 3 of every 4 queries get block 3
     _log(guard, step, [3, 3, 3, rng.integers(10, 1000)], null=0.2)
   assert len(warnings) == 1, warnings
-  assert "step 15" in warnings[0] and "freeze_steps" in warnings[0]
+  assert "step 15" in warnings[0] and "latest_release" in warnings[0]
   assert "last 64 queries" in warnings[0]
   for step in range(40, 80):  # then the null trap
     _log(guard, step, rng.integers(0, 1000, 4), null=0.95)

@@ -114,19 +114,17 @@ def test_answer_bearing_blocks_hold_the_masked_span(tmp_path):
 @pytest.mark.parametrize("broken", ["missing", "corrupt"])
 def test_the_gates_cache_errors_name_gate_queries(tmp_path, broken):
   """A missing or corrupt gate cache: the error says that the cache at
-  fault is `RetrieverScheduleConfig.gate_queries` (the run has two caches)."""
+  fault is `GateConfig.queries` (the run has two caches)."""
   import types  # pylint: disable=g-import-not-at-top
   cache = tmp_path / "gate_cache"
   if broken == "corrupt":
     cache.mkdir()
     (cache / "manifest.json").write_text("{not json")
-  config = types.SimpleNamespace(
-      seed=0, retriever=types.SimpleNamespace(gate_queries=str(cache),
-                                              gate_num_queries=8))
+  config = types.SimpleNamespace(queries=str(cache), num_queries=8)
   with pytest.raises((OSError, ValueError), match=(
-      r"^RetrieverScheduleConfig.gate_queries='.*gate_cache' \(the "
-      r"retriever gate's query cache\): .*gate_cache")):
-    gate._gate_queries(config, None)
+      r"^GateConfig.queries='.*gate_cache' \(the retriever gate's query "
+      r"cache\): .*gate_cache")):
+    gate._gate_queries(config, None, seed=0)
 
 
 # The two held-out 1,000-person worlds that the evidence gate alone

@@ -187,3 +187,16 @@ def test_pretraining_batch_layout(store):
       np.testing.assert_array_equal(
           batch["reader_ids"][i, c][queries["mlm_positions"][i]],
           query_ids[i][queries["mlm_positions"][i]])
+
+
+def test_the_readers_length_is_the_queries_plus_the_blocks_unless_set():
+  """Pre-training and reader preparation derive it alike (REALM: 96 +
+  288 = 384); a length that leaves no room for a block is refused."""
+  def length(configured):
+    return realm_inputs.reader_length(configured, 96, 288, field="F.n",
+                                      queries="/q")
+  assert length(None) == 384
+  assert length(200) == 200
+  with pytest.raises(ValueError, match=r"^F.n=96 must exceed the "
+                     r"query_length=96 of the query cache /q"):
+    length(96)

@@ -59,11 +59,10 @@ def _gated_run(root, shuffle_facts):
       f"QUERIES = '{queries}'",
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
-      f"pretrain.RetrieverScheduleConfig.freeze_steps = {STEPS}",
       "pretrain.PretrainConfig.learning_rate = 1e-2",
       "pretrain.PretrainConfig.checkpoint_every = 20",
       "pretrain.PretrainConfig.keep_checkpoints = 100",
-      "pretrain.RetrieverScheduleConfig.gate_every = 20",
+      "pretrain.GateConfig.every = 20",
       "pretrain.PretrainConfig.log_every = 20"])
   try:
     pretrain.train(config=gin.get_configurable(pretrain.PretrainConfig)(),
