@@ -194,13 +194,7 @@ class _OwnBlocks(_Probes):
   def __init__(self, config: RecallGuardConfig, query_config, store,
                seed: int):
     self.source = f"RecallGuardConfig.queries {config.queries}"
-    stream = query_cache.QueryStream(config.queries, seed=seed,
-                                     batch_size=config.num_queries)
-    try:
-      stream.check(query_config)
-      queries = stream.head(config.num_queries)
-    finally:
-      stream.close()
+    queries = _sentences(config, query_config, seed)
     own = realm_inputs.TrivialCandidates(store, "block").source_blocks(
         queries)
     keep = own >= 0  # (sentences whose block is in the store)
@@ -213,11 +207,11 @@ class _OwnBlocks(_Probes):
 
 
 class _AnswerBearing(_Probes):
-  """Probe "answer": masked sentences,
-  each found when a retrieved block holds its masked span (the blocks
-  the reader's evidence points to, `answer_bearing`). Unlike own-block
-  recall it needs no overlap of X and Z: a synthetic world's sentences
-  and biographies are separate texts."""
+  """Probe "answer": masked sentences, each found when a retrieved block
+  holds its masked span (the blocks the reader's evidence points to,
+  `gate.answer_bearing`). Unlike own-block recall it needs no overlap of
+  X and Z: a synthetic world's sentences and biographies are separate
+  texts."""
 
   name = "answer-bearing"
   advice = ("The guard measures masked sentences whose span some block of "
@@ -227,13 +221,7 @@ class _AnswerBearing(_Probes):
                seed: int):
     self.source = f"RecallGuardConfig.queries {config.queries}"
     self.store = store
-    stream = query_cache.QueryStream(config.queries, seed=seed,
-                                     batch_size=config.num_queries)
-    try:
-      stream.check(query_config)
-      queries = stream.head(config.num_queries)
-    finally:
-      stream.close()
+    queries = _sentences(config, query_config, seed)
     spans = realm_inputs.masked_spans(queries)
     keep = np.asarray([len(span) > 0 for span in spans], bool)
     self.queries = {k: queries[k][keep] for k in ("query_ids", "query_mask")}
@@ -249,6 +237,19 @@ class _AnswerBearing(_Probes):
         list(self.targets[rows]), bodies.reshape(*hits.shape, -1),
         lengths.reshape(hits.shape))
     return (held & valid).any(1)
+
+
+def _sentences(config: RecallGuardConfig, query_config, seed: int
+               ) -> dict[str, np.ndarray]:
+  """The first `num_queries` of the guard's cache, masked as the run's
+  queries (`query_config`)."""
+  stream = query_cache.QueryStream(config.queries, seed=seed,
+                                   batch_size=config.num_queries)
+  try:
+    stream.check(query_config)
+    return stream.head(config.num_queries)
+  finally:
+    stream.close()
 
 
 _PROBES = {"answer": _AnswerBearing, "own_block": _OwnBlocks}

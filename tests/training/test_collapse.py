@@ -15,9 +15,8 @@ from absl import logging as absl_logging
 
 from realm_jax import gin_cli
 from realm_jax.model.realm import RealmConfig
-from realm_jax.testing import corpus, knowledge_world
-from realm_jax.training import collapse, ict, pretrain
-from realm_jax.core import checkpoints
+from realm_jax.testing import knowledge_world
+from realm_jax.training import collapse, pretrain
 
 STEPS = 10
 
@@ -27,21 +26,8 @@ def world_and_ict(tmp_path_factory):
   root = tmp_path_factory.mktemp("world")
   files = knowledge_world.write_world(str(root / "world"), num_people=64,
                                       num_heldout=16)
-  workdir = str(root / "ict")
-  gin.clear_config()
-  gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
-      f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      "QUERIES = 'unused'",
-      "ict.IctTrainConfig.num_train_steps = 30",
-      "ict.IctTrainConfig.batch_size = 16",
-      "realm.RetrieverConfig.null_score = 'embedding'"])
-  ict.train(config=gin.get_configurable(ict.IctTrainConfig)(),
-            model=gin.get_configurable(RealmConfig)())
-  gin.clear_config()
-  # The queries pretrain_world_cpu.gin reads (query_length 32, 2 masks).
-  queries = corpus.make_query_cache(files.train, str(root / "queries"),
-                                    query_length=32, max_masks=2)
-  return files, queries, checkpoints.checkpoint_dir(workdir)
+  return files, *knowledge_world.ict_warm_start(str(root), files, steps=30,
+                                                batch_size=16)
 
 
 def _pretrain(workdir, files, queries, ict_ckpts, bindings):
