@@ -30,11 +30,8 @@ LONG_QUESTION = " ".join([QUESTIONS[0]] * 2000)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("ask") / "run"
-  # One corpus per session: make_tiny_corpus reuses an existing one.
-  store, config, graphdef, params = tiny.indexed_tiny_corpus(
-      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"),
-      str(workdir / "index"))
+  store, config, graphdef, params, workdir = tiny.indexed_tiny_corpus(
+      tmp_path_factory, "ask")
   ckpt = checkpoints.TrainCheckpointer(str(workdir / "checkpoints"),
                                        async_save=False)
   ckpt.save(1, params, {"count": np.zeros((), np.int32)}, {"index_step": 0},

@@ -30,6 +30,26 @@ ARTICLES = [
 ]
 
 
+# Short articles that span several blocks of 16 wordpieces: the search and
+# candidate tests' corpus (`small_blocks`).
+SHORT_ARTICLES = {
+    "Paris": "Paris is the capital of France. It lies on the Seine. "
+             "The city has many museums, including the Louvre.",
+    "Berlin": "Berlin is the capital of Germany. The Wall fell in 1989.",
+    "Tokyo": "Tokyo is the capital of Japan. It hosted the Olympics in 1964 "
+             "and in 2021.",
+    "Nile": "The Nile is a river in Africa. It flows north into the "
+            "Mediterranean Sea.",
+}
+
+
+def small_blocks(path: str, articles: dict[str, str]):
+  """A block store of `articles` (title -> text) in blocks of at most 16
+  wordpieces, so that an article spans several blocks."""
+  return write_store(path, [wikipedia.Document(t, x)
+                            for t, x in articles.items()], max_block_len=16)
+
+
 def write_store(path: str, docs, max_block_len: int):
   """A block store of `docs` (`wikipedia.Document`s), written at `path`."""
   tok = Tokenizer()

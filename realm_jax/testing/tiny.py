@@ -26,16 +26,17 @@ def tiny_realm(vocab_size: int = 97, **retriever_overrides) -> RealmConfig:
                                          max_span_width=4))
 
 
-def indexed_tiny_corpus(corpus_dir: str, index_root: str):
+def indexed_tiny_corpus(tmp_path_factory, name: str):
   """A random tiny REALM over the tiny real-text corpus, with its exact
-  index published at `index_root` (step 0): the set-up of the QA tests.
+  index published at <workdir>/index (step 0): the set-up of the QA tests.
 
-  `corpus_dir` is shared (`corpus.make_tiny_corpus` reuses a corpus that
-  exists). Mean pooling: a random tiny BERT's pooler gives near-identical
+  `tmp_path_factory`: pytest's; the workdir is a new `name`/run under it,
+  and the corpus one per session (`corpus.make_tiny_corpus` reuses it).
+  Mean pooling: a random tiny BERT's pooler gives near-identical
   embeddings (ties everywhere); mean pooling ranks the blocks apart.
 
   Returns:
-    (block store, RealmConfig, graphdef, params).
+    (block store, RealmConfig, graphdef, params, workdir).
   """
   # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store
@@ -44,15 +45,17 @@ def indexed_tiny_corpus(corpus_dir: str, index_root: str):
   from realm_jax.model.realm import Realm
   from realm_jax.testing import corpus
   # pylint: enable=g-import-not-at-top
-  store_dir, _ = corpus.make_tiny_corpus(corpus_dir)
+  workdir = tmp_path_factory.mktemp(name) / "run"
+  store_dir, _ = corpus.make_tiny_corpus(
+      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
   store = block_store.BlockStore.open(store_dir)
   config = tiny_realm(vocab_size=30522, pooling="mean")
   graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)
   builder.build_and_publish(
       retriever_params=params["retriever"], retriever_config=config.retriever,
-      store=store, root=index_root, step=0,
+      store=store, root=str(workdir / "index"), step=0,
       config=builder.IndexBuildConfig(searcher="exact"))
-  return store, config, graphdef, params
+  return store, config, graphdef, params, workdir
 
 
 def random_pretraining_batch(rng: np.random.Generator, *, batch: int,

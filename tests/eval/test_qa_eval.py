@@ -41,11 +41,8 @@ RECALL_KS = (1, 2, 5, 9)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("eval") / "run"
-  # One corpus per session: make_tiny_corpus reuses an existing one.
-  store, config, graphdef, params = tiny.indexed_tiny_corpus(
-      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"),
-      str(workdir / "index"))
+  store, config, graphdef, params, workdir = tiny.indexed_tiny_corpus(
+      tmp_path_factory, "eval")
   index = publish.load_frozen_index(str(workdir / "index"), store, config)
   model = qa_model.QAModel(config, params, index, store, QA_CONFIG,
                            batch_size=4)
