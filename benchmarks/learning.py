@@ -30,9 +30,11 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
   query_side      the recipe, query-side training: unshared towers from
                   the ICT tower, the document tower and the index frozen
                   (built once), the query tower and the reader learn
-  realm_original  ICT + REALM as the paper's code runs it: one learning
-                  rate for both towers, no reader warm-up, the null
-                  document scored by the embedding of `[CLS] [SEP] [SEP]`
+  realm_original  ICT + REALM as the paper's code runs it
+                  (runs/pretrain_original.gin, added to the recipe file):
+                  one learning rate for both towers, no reader warm-up,
+                  the null document scored by the embedding of
+                  `[CLS] [SEP] [SEP]`
   frozen          the recipe with the retriever frozen throughout
   stale30         the recipe with the index rebuilt 30x less often
   stale30_rerank  stale30 with Atlas-style re-ranking: the stale index
@@ -129,13 +131,15 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
 EXTRA_CONDITIONS = ("realm_slow",)
 
 
+def _gin_files(name: str, args) -> list[str]:
+  """The gin files of a pre-training condition: the recipe file, then for
+  `realm_original` REALM's own settings (runs/pretrain_original.gin)."""
+  return args.gin_file + (["runs/pretrain_original.gin"]
+                          if name == "realm_original" else [])
+
+
 def _bindings(name: str, args) -> list[str]:
-  """Gin bindings of a pre-training condition, on top of the recipe file."""
-  original = [
-      "pretrain.RetrieverScheduleConfig.learning_rate_multiplier = 1.0",
-      "pretrain.GateConfig.latest_release = 0",
-      "pretrain.PretrainConfig.adam_bias_correction = False",
-      "realm.RetrieverConfig.null_score = 'embedding'"]
+  """Gin bindings of a pre-training condition, on top of its gin files."""
   # A release on a step count, unguarded (as these conditions were
   # measured before the recall guard was the default).
   fixed = ["pretrain.GateConfig.mode = 'steps'",
@@ -147,7 +151,7 @@ def _bindings(name: str, args) -> list[str]:
       "realm_repeat": [],
       "realm_fixed600": fixed + ["pretrain.GateConfig.latest_release = 600"],
       "query_side": query_side,
-      "realm_original": original + fixed,
+      "realm_original": [],
       "frozen": fixed + ["pretrain.GateConfig.latest_release = 0",
                          "pretrain.RetrieverScheduleConfig."
                          "learning_rate_multiplier = 0.0"],
@@ -641,7 +645,7 @@ class Bench:
     from realm_jax.data import examples  # pylint: disable=g-import-not-at-top
     for condition in self.args.conditions:
       if condition not in ("init", "ict"):
-        _configs(self.args.gin_file,
+        _configs(_gin_files(condition, self.args),
                  self.base + _bindings(condition, self.args))
         self.queries_for(gin_config.configured(examples.RealmQueryConfig))
 
@@ -737,7 +741,8 @@ class Bench:
     prep_dir = os.path.join(self.args.workdir,
                             condition + self.suffix + "_reader")
     gin, model = _configs(
-        self.args.gin_file, self.base + _bindings(condition, self.args) + [
+        _gin_files(condition, self.args),
+        self.base + _bindings(condition, self.args) + [
             f"reader_prep.ReaderPrepConfig.workdir = '{prep_dir}'",
             f"reader_prep.ReaderPrepConfig.queries = '{queries}'",
             f"reader_prep.ReaderPrepConfig.seed = {self.args.seed}"])
@@ -756,13 +761,14 @@ class Bench:
     from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
     args, name = self.args, condition + self.suffix
     workdir = os.path.join(args.workdir, name)
-    bindings = _bindings(condition, args)
-    _configs(args.gin_file, self.base + bindings)
+    bindings, gin_files = (_bindings(condition, args),
+                           _gin_files(condition, args))
+    _configs(gin_files, self.base + bindings)
     queries = self.queries_for(gin_config.configured(examples.RealmQueryConfig))
     start = ([f"pretrain.PretrainConfig.init_from = "
               f"'checkpoint:{self.ict_checkpoints}'"] if args.scratch
              else self.prepared_reader(condition, queries))
-    gin, model = _configs(args.gin_file, self.base + [
+    gin, model = _configs(gin_files, self.base + [
         f"pretrain.PretrainConfig.workdir = '{workdir}'",
         "pretrain.PretrainConfig.keep_checkpoints = 1000"] + start + bindings)
     config = gin.get_configurable(pretrain.PretrainConfig)()

@@ -91,19 +91,30 @@ def test_every_condition_binds_a_config(monkeypatch):
   import argparse  # pylint: disable=g-import-not-at-top
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
   learning = _learning(monkeypatch)
-  args = argparse.Namespace(refresh_every=20, rerank=32)
   macros = ["WORKDIR = '/w'", "BLOCK_STORE = '/b'", "QUERIES = '/q'",
             "GATE_QUERIES = '/g'"]
   names = [c for c in learning.CONDITIONS + learning.EXTRA_CONDITIONS
            if c not in ("init", "ict")]  # evaluated, never pre-trained
   for recipe in ("experiments/pretrain_world_cpu.gin",
                  "experiments/pretrain_wiki_small_cpu.gin"):
+    args = argparse.Namespace(refresh_every=20, rerank=32,
+                              gin_file=[recipe])
     for name in names:
       gin, model = learning._configs(
-          [recipe], macros + learning._bindings(name, args))
+          learning._gin_files(name, args),
+          macros + learning._bindings(name, args))
       config = gin.get_configurable(pretrain.PretrainConfig)()
       if config.retriever.training == "query_side":  # pretrain.train's rule
         assert not model.retriever.share_towers, (recipe, name)
+      if name == "realm_original":  # runs/pretrain_original.gin, included
+        assert (config.gate.mode, config.gate.latest_release) == ("steps", 0)
+        assert not (config.recall_guard.enabled
+                    or config.adam_bias_correction)
+        assert config.retriever.learning_rate_multiplier == 1.0
+        assert model.retriever.null_score == "embedding"
+      elif name == "realm":  # the default recipe
+        assert config.gate.mode in ("evidence", "utility")
+        assert config.recall_guard.enabled
 
 
 def test_paired_table_compares_each_condition_on_the_same_questions(
