@@ -57,7 +57,7 @@ def main(argv=None) -> None:
   from realm_jax.eval import pretrain_eval  # pylint: disable=g-import-not-at-top
   from realm_jax.index import embed  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import pretrain, realm_inputs  # pylint: disable=g-import-not-at-top
 
   gin_cli.parse([args.gin_file], ["WORKDIR = 'unused'",
                                   "BLOCK_STORE = 'unused'",
@@ -71,6 +71,10 @@ def main(argv=None) -> None:
                          args.train_queries),
           "dev": _head(os.path.join(args.workdir, "queries_dev"),
                        args.dev_queries)}
+  reader_length = realm_inputs.reader_length(
+      recipe.reader_length, sets["train"]["query_ids"].shape[1],
+      store.max_block_len, field="PretrainConfig.reader_length",
+      queries=os.path.join(args.workdir, "queries_salient"))
   ckpts = checkpoints.checkpoint_dir(os.path.join(args.workdir,
                                                   args.condition))
   out = open(args.output, "w", encoding="utf-8") if args.output else None
@@ -82,7 +86,7 @@ def main(argv=None) -> None:
       metrics = pretrain_eval.evaluate(
           params, model, store, queries, None,
           num_candidates=recipe.retrieval.num_candidates,
-          reader_length=recipe.reader_length, block_emb=block_emb,
+          reader_length=reader_length, block_emb=block_emb,
           trivial_candidates=recipe.retrieval.trivial_candidates)
       line = json.dumps({"condition": args.condition, "step": step,
                          "queries": name, **{k: round(v, 6) for k, v in

@@ -17,19 +17,24 @@ is evaluated by `realm_jax.eval.pretrain_eval` with its own index:
 
   init            the retriever at its random initialisation (no training)
   ict             ICT warm start only (the baseline REALM must beat)
-  realm           ICT + REALM, this repository's recipe
-                  (experiments/pretrain_world_cpu.gin): the retriever is
+  realm           ICT + REALM, this repository's default recipe
+                  (runs/pretrain.gin, through
+                  experiments/pretrain_world_cpu.gin): the retriever is
                   released by the gate (the reader's evidence for
-                  answer-bearing blocks on the training queries; the wiki
-                  recipes: held-out utility on dev articles)
+                  answer-bearing blocks on the training queries, with an
+                  effect of at least 0.005 nats; the wiki recipes:
+                  held-out utility on dev articles) and rolled back by the
+                  recall guard if it then loses recall
   realm_fixed600  the recipe with the earlier fixed warm-up: the retriever
-                  released at step 600 whatever the reader does
+                  released at step 600 whatever the reader does, unguarded
   query_side      the recipe, query-side training: unshared towers from
                   the ICT tower, the document tower and the index frozen
                   (built once), the query tower and the reader learn
-  realm_original  ICT + REALM as the paper's code runs it: one learning
-                  rate for both towers, no reader warm-up, the null
-                  document scored by the embedding of `[CLS] [SEP] [SEP]`
+  realm_original  ICT + REALM as the paper's code runs it
+                  (runs/pretrain_original.gin, added to the recipe file):
+                  one learning rate for both towers, no reader warm-up,
+                  the null document scored by the embedding of
+                  `[CLS] [SEP] [SEP]`
   frozen          the recipe with the retriever frozen throughout
   stale30         the recipe with the index rebuilt 30x less often
   stale30_rerank  stale30 with Atlas-style re-ranking: the stale index
@@ -119,9 +124,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 WIKI_QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                               "data", "wiki_heldout_qa.jsonl")
-# Dev questions (never evaluated on): for the recall guard.
-WIKI_DEV_QUESTIONS = os.path.join(os.path.dirname(WIKI_QUESTIONS),
-                                  "wiki_dev_qa.jsonl")
 CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
@@ -129,24 +131,29 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
 EXTRA_CONDITIONS = ("realm_slow",)
 
 
+def _gin_files(name: str, args) -> list[str]:
+  """The gin files of a pre-training condition: the recipe file, then for
+  `realm_original` REALM's own settings (runs/pretrain_original.gin)."""
+  return args.gin_file + (["runs/pretrain_original.gin"]
+                          if name == "realm_original" else [])
+
+
 def _bindings(name: str, args) -> list[str]:
-  """Gin bindings of a pre-training condition, on top of the recipe file."""
-  original = [
-      "pretrain.RetrieverScheduleConfig.learning_rate_multiplier = 1.0",
-      "pretrain.RetrieverScheduleConfig.freeze_steps = 0",
-      "pretrain.PretrainConfig.adam_bias_correction = False",
-      "realm.RetrieverConfig.null_score = 'embedding'"]
-  fixed = ["pretrain.RetrieverScheduleConfig.gate = 'steps'"]
+  """Gin bindings of a pre-training condition, on top of its gin files."""
+  # A release on a step count, unguarded (as these conditions were
+  # measured before the recall guard was the default).
+  fixed = ["pretrain.GateConfig.mode = 'steps'",
+           "pretrain.RecallGuardConfig.queries = ''"]
   query_side = ["pretrain.RetrieverScheduleConfig.training = 'query_side'",
                 "realm.RetrieverConfig.share_towers = False"]
   return {
       "realm": [],
       "realm_repeat": [],
-      "realm_fixed600": fixed + [
-          "pretrain.RetrieverScheduleConfig.freeze_steps = 600"],
+      "realm_fixed600": fixed + ["pretrain.GateConfig.latest_release = 600"],
       "query_side": query_side,
-      "realm_original": original + fixed,
-      "frozen": fixed + ["pretrain.RetrieverScheduleConfig."
+      "realm_original": [],
+      "frozen": fixed + ["pretrain.GateConfig.latest_release = 0",
+                         "pretrain.RetrieverScheduleConfig."
                          "learning_rate_multiplier = 0.0"],
       "stale30": [f"pretrain.PretrainConfig.checkpoint_every = "
                   f"{30 * args.refresh_every}"],
@@ -520,7 +527,7 @@ class Bench:
     import numpy as np  # pylint: disable=g-import-not-at-top
     from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
     from realm_jax.data import block_store, examples, query_cache  # pylint: disable=g-import-not-at-top
-    from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
+    from realm_jax.training import pretrain, realm_inputs  # pylint: disable=g-import-not-at-top
     self.args, self.world = args, world
     # A thinned run or another pre-training seed has its own run
     # directories (the inputs and ICT of the workdir are shared).
@@ -544,9 +551,14 @@ class Bench:
         b for b in self.base if ".num_train_steps" not in b])
     self.recipe = gin.get_configurable(pretrain.PretrainConfig)()
     self.query_config = gin_config.configured(examples.RealmQueryConfig)
+    # The reader's length as the trainer derives it (queries + blocks).
+    self.reader_length = realm_inputs.reader_length(
+        self.recipe.reader_length, self.query_config.query_length,
+        self.store.max_block_len, field="PretrainConfig.reader_length",
+        queries="(the benchmark's)")
     self._check_recipe()
-    self.warmup = (self.recipe.retriever.freeze_steps
-                   if self.recipe.retriever.gate == "steps" else 0)
+    self.warmup = (self.recipe.gate.latest_release
+                   if self.recipe.gate.mode == "steps" else 0)
     if self._needs_dev():
       dev_cache = os.path.join(args.workdir, "queries_dev")
       if not os.path.exists(dev_cache):
@@ -581,23 +593,10 @@ class Bench:
   def _needs_dev(self) -> bool:
     """Whether the gate or the recall guard reads a dev split's queries."""
     recipe = self.recipe
-    return ((recipe.retriever.measured
-             and recipe.retriever.gate_queries != recipe.queries)
+    return ((recipe.gate.measured and recipe.gate.queries != recipe.queries)
             or recipe.recall_guard.queries not in ("", recipe.queries))
 
   def _check_recipe(self):
-    if self.world.questions_path and self.recipe.recall_guard.questions and (
-        os.path.samefile(self.recipe.recall_guard.questions,
-                         self.world.questions_path)):
-      raise SystemExit(
-          "RecallGuardConfig.questions is the evaluation's question set "
-          f"({self.world.questions_path}): guard on dev questions, e.g. "
-          f"{WIKI_DEV_QUESTIONS}.")
-    if self.recipe.retriever.measured and (
-        self.recipe.retriever.freeze_steps >= self.recipe.num_train_steps):
-      # The recipe's bound is its whole run: keep it the whole run.
-      self.base.append(f"pretrain.RetrieverScheduleConfig.freeze_steps = "
-                       f"{self.args.steps}")
     if self._needs_dev() and not self.world.dev_x:
       raise SystemExit("the recipe's gate or recall guard needs --dev "
                        "people.")
@@ -646,7 +645,7 @@ class Bench:
     from realm_jax.data import examples  # pylint: disable=g-import-not-at-top
     for condition in self.args.conditions:
       if condition not in ("init", "ict"):
-        _configs(self.args.gin_file,
+        _configs(_gin_files(condition, self.args),
                  self.base + _bindings(condition, self.args))
         self.queries_for(gin_config.configured(examples.RealmQueryConfig))
 
@@ -667,7 +666,7 @@ class Bench:
           params["retriever"], model.retriever, self.eval_store,
           log_every_seconds=1e9)
     common = dict(num_candidates=self.recipe.retrieval.num_candidates,
-                  reader_length=self.recipe.reader_length,
+                  reader_length=self.reader_length,
                   trivial_candidates=self.args.trivial, block_emb=block_emb)
     row = {"condition": condition, "step": step, **pretrain_eval.evaluate(
         params, model, self.eval_store, self.heldout, self.gold,
@@ -742,7 +741,8 @@ class Bench:
     prep_dir = os.path.join(self.args.workdir,
                             condition + self.suffix + "_reader")
     gin, model = _configs(
-        self.args.gin_file, self.base + _bindings(condition, self.args) + [
+        _gin_files(condition, self.args),
+        self.base + _bindings(condition, self.args) + [
             f"reader_prep.ReaderPrepConfig.workdir = '{prep_dir}'",
             f"reader_prep.ReaderPrepConfig.queries = '{queries}'",
             f"reader_prep.ReaderPrepConfig.seed = {self.args.seed}"])
@@ -761,22 +761,27 @@ class Bench:
     from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
     args, name = self.args, condition + self.suffix
     workdir = os.path.join(args.workdir, name)
-    bindings = _bindings(condition, args)
-    _configs(args.gin_file, self.base + bindings)
+    bindings, gin_files = (_bindings(condition, args),
+                           _gin_files(condition, args))
+    _configs(gin_files, self.base + bindings)
     queries = self.queries_for(gin_config.configured(examples.RealmQueryConfig))
     start = ([f"pretrain.PretrainConfig.init_from = "
               f"'checkpoint:{self.ict_checkpoints}'"] if args.scratch
              else self.prepared_reader(condition, queries))
-    gin, model = _configs(args.gin_file, self.base + [
+    gin, model = _configs(gin_files, self.base + [
         f"pretrain.PretrainConfig.workdir = '{workdir}'",
         "pretrain.PretrainConfig.keep_checkpoints = 1000"] + start + bindings)
     config = gin.get_configurable(pretrain.PretrainConfig)()
-    # A gate on the training queries follows the condition's masking.
+    # A gate or guard on the training queries follows the condition's
+    # masking.
+    def masked(path):
+      return queries if path == config.queries else path
     config = dataclasses.replace(
-        config, queries=queries, retriever=dataclasses.replace(
-            config.retriever, gate_queries=(
-                queries if config.retriever.gate_queries == config.queries
-                else config.retriever.gate_queries)))
+        config, queries=queries, gate=dataclasses.replace(
+            config.gate, queries=masked(config.gate.queries)),
+        recall_guard=dataclasses.replace(
+            config.recall_guard,
+            queries=masked(config.recall_guard.queries)))
     ckpt_dir = checkpoints.checkpoint_dir(workdir)
     # The fixed warm-up (gate "steps") is the same for every condition but
     # `realm_original`: it runs once, in `realm`'s workdir, and the others

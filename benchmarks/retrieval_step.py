@@ -58,7 +58,7 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
   # same input work per step).
   shapes = ["pretrain.PretrainConfig.reader_length = 64"] if not demo else [
                 "pretrain.PretrainConfig.index_mode = 'inline'",
-                "pretrain.RetrieverScheduleConfig.freeze_steps = 0",
+                "pretrain.GateConfig.latest_release = 0",
                 "pretrain.PretrainConfig.log_every = 1"]
   gin_cli.parse([("experiments/demo_pretrain.gin" if demo else
                   "experiments/pretrain_tiny_cpu.gin")], [

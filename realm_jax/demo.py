@@ -188,8 +188,7 @@ def _stage_bindings(config: DemoConfig, stage: str) -> list[str]:
     steps = config.train_steps
     if steps is not None:
       extra += [f"pretrain.PretrainConfig.num_train_steps = {steps}",
-                f"pretrain.RetrieverScheduleConfig.freeze_steps = "
-                f"{steps // 2}"]
+                f"pretrain.GateConfig.latest_release = {steps // 2}"]
   return extra + list(config.pretrain_bindings)
 
 
@@ -211,11 +210,9 @@ def stage_configs(config: DemoConfig, stage: str) -> tuple[Any, Any, str]:
   # Bound, not patched afterwards: the operative config is what runs.
   n = jax.device_count()
   extra.append(f"{scope}.batch_size = {-(-task.batch_size // n) * n}")
-  if stage != "reader_prep":  # (which reads queries + blocks by default)
-    prefix = (gin_config.configured(examples.RealmQueryConfig).query_length
-              if stage == "pretrain" else task.qa.question_length)
-    lengths = scope if stage == "pretrain" else "qa_inputs.QAConfig"
-    extra.append(f"{lengths}.reader_length = {prefix + config.max_block_len}")
+  if stage == "finetune":  # (the others read queries + blocks by default)
+    extra.append(f"qa_inputs.QAConfig.reader_length = "
+                 f"{task.qa.question_length + config.max_block_len}")
   gin.clear_config()
   gin_cli.parse(files, extra)
   task = gin_config.configured(cls)

@@ -13,13 +13,10 @@ import pytest
 import helpers
 from realm_jax import ask as ask_lib
 from realm_jax.core import checkpoints
-from realm_jax.data import block_store
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_model
-from realm_jax.index import builder
 from realm_jax.model import functional
-from realm_jax.model.realm import Realm
-from realm_jax.testing import corpus, tiny
+from realm_jax.testing import tiny
 from realm_jax.training import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
@@ -33,19 +30,8 @@ LONG_QUESTION = " ".join([QUESTIONS[0]] * 2000)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  root = tmp_path_factory.mktemp("ask")
-  # One corpus per session: make_tiny_corpus reuses an existing one.
-  store_dir, _ = corpus.make_tiny_corpus(
-      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
-  store = block_store.BlockStore.open(store_dir)
-  # Mean pooling ranks the blocks apart (a random pooler does not).
-  config = tiny.tiny_realm(vocab_size=30522, pooling="mean")
-  graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)
-  workdir = root / "run"
-  builder.build_and_publish(
-      retriever_params=params["retriever"], retriever_config=config.retriever,
-      store=store, root=str(workdir / "index"), step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+  store, config, graphdef, params, workdir = tiny.indexed_tiny_corpus(
+      tmp_path_factory, "ask")
   ckpt = checkpoints.TrainCheckpointer(str(workdir / "checkpoints"),
                                        async_save=False)
   ckpt.save(1, params, {"count": np.zeros((), np.int32)}, {"index_step": 0},

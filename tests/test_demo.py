@@ -117,16 +117,16 @@ def test_stage_configs_come_from_the_experiment_files(tmp_path):
   assert prep.init_from == "minilm" and prep.num_train_steps == 50
   assert prep.workdir == str(tmp_path / "reader_prep")
   run, model, operative = demo.stage_configs(config, "pretrain")
-  assert (run.num_train_steps, run.retriever.freeze_steps) == (8, 4)
+  assert (run.num_train_steps, run.gate.latest_release) == (8, 4)
   # Pre-training starts from the prepared reader.
   assert run.init_from == "checkpoint:" + str(
       tmp_path / "reader_prep" / "checkpoints")
   assert run.index_mode == "builder"
-  assert run.reader_length == 48 + 100  # The queries' length + blocks'.
+  # The trainer derives the reader's length: the queries' + the blocks'.
+  assert run.reader_length is None
   assert model.retriever.pooling == "mean" and model.retriever.normalize
   assert "num_train_steps = 8" in operative
-  # The operative config is what runs: batch and reader length included.
-  assert f"reader_length = {run.reader_length}" in operative
+  # The operative config is what runs: the batch included.
   assert f"batch_size = {run.batch_size}" in operative
   run, model, _ = demo.stage_configs(config, "finetune")
   assert (run.num_train_steps, run.checkpoint_every) == (5, 5)

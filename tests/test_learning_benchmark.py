@@ -91,19 +91,30 @@ def test_every_condition_binds_a_config(monkeypatch):
   import argparse  # pylint: disable=g-import-not-at-top
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
   learning = _learning(monkeypatch)
-  args = argparse.Namespace(refresh_every=20, rerank=32)
   macros = ["WORKDIR = '/w'", "BLOCK_STORE = '/b'", "QUERIES = '/q'",
             "GATE_QUERIES = '/g'"]
   names = [c for c in learning.CONDITIONS + learning.EXTRA_CONDITIONS
            if c not in ("init", "ict")]  # evaluated, never pre-trained
   for recipe in ("experiments/pretrain_world_cpu.gin",
                  "experiments/pretrain_wiki_small_cpu.gin"):
+    args = argparse.Namespace(refresh_every=20, rerank=32,
+                              gin_file=[recipe])
     for name in names:
       gin, model = learning._configs(
-          [recipe], macros + learning._bindings(name, args))
+          learning._gin_files(name, args),
+          macros + learning._bindings(name, args))
       config = gin.get_configurable(pretrain.PretrainConfig)()
       if config.retriever.training == "query_side":  # pretrain.train's rule
         assert not model.retriever.share_towers, (recipe, name)
+      if name == "realm_original":  # runs/pretrain_original.gin, included
+        assert (config.gate.mode, config.gate.latest_release) == ("steps", 0)
+        assert not (config.recall_guard.enabled
+                    or config.adam_bias_correction)
+        assert config.retriever.learning_rate_multiplier == 1.0
+        assert model.retriever.null_score == "embedding"
+      elif name == "realm":  # the default recipe
+        assert config.gate.mode in ("evidence", "utility")
+        assert config.recall_guard.enabled
 
 
 def test_paired_table_compares_each_condition_on_the_same_questions(
@@ -199,3 +210,34 @@ def test_the_vital_world_prepares_for_minilm_plus_realm(
     learning.main(["--world=vital", "--start=minilm", "--conditions=ict",
                    f"--data_dir={tmp_path / 'data'}", f"--workdir={workdir}",
                    "--prepare_only"])
+
+
+def test_the_targets_table_reports_the_minimum_over_worlds(monkeypatch):
+  """learning_worlds.targets_table: per world, ICT's last recall@1, the
+  default recipe's final and worst over its evaluated steps, its release
+  and rollback steps; then the minimum over worlds (not the mean)."""
+  worlds = helpers.benchmark_module(monkeypatch, "learning_worlds")
+
+  def run(world, ict, realm, release=None, rollback=None):
+    rows = [{"world": world, "condition": "ict", "step": 100,
+             "recall@1": ict}]
+    rows += [{"world": world, "condition": "realm", "step": 100 * i,
+              "recall@1": r} for i, r in enumerate(realm)]
+    return rows + [{"world": world, "condition": "realm", "summary": True,
+                    "retriever_release_step": release,
+                    "recall_guard": [{"step": rollback, "rolled_back": True}]
+                                    if rollback else []}]
+
+  rows = (run("gains", 0.5, [0.5, 0.46, 0.7], release=200)
+          + run("holds", 0.4, [0.4, 0.4, 0.4])
+          + run("rolled back", 0.3, [0.3, 0.2, 0.29], release=100,
+                rollback=200)
+          + [{"world": "running", "condition": "ict", "step": 100,
+              "recall@1": 0.5}])
+  lines = worlds.targets_table(rows).splitlines()
+  assert lines[2:] == [
+      "| gains | 0.500 | 0.700 (+0.200) | 0.460 (-0.040) | 200 | - | met |",
+      "| holds | 0.400 | 0.400 (+0.000) | 0.400 (+0.000) | never | - | met |",
+      "| rolled back | 0.300 | 0.290 (-0.010) | 0.200 (-0.100) | 100 | 200 "
+      "| MISSED |",
+      "| minimum over 3 worlds | | -0.010 | -0.100 | | | MISSED |"]

@@ -5,7 +5,6 @@ Built with the real jobs' code: spaCy salient spans, WordPiece blocks.
 
 from __future__ import annotations
 
-import json
 import os
 
 from realm_jax.data import block_store, blocks, salient_spans, wikipedia
@@ -31,35 +30,24 @@ ARTICLES = [
 ]
 
 
-# Questions about ARTICLES, each answered by its article's text (ORQA
-# JSONL records once written by `write_questions`).
-QUESTIONS = [
-    ("what is the capital of france?", ["Paris"]),
-    ("for which fair was the eiffel tower built?", ["World's Fair"]),
-    ("when did the berlin wall fall?", ["9 November 1989"]),
-    ("which chancellor worked in berlin?", ["Angela Merkel", "Merkel"]),
-    ("what is the capital of japan?", ["Tokyo"]),
-    ("which mountain is near tokyo?", ["Mount Fuji"]),
-    ("which city lies on the nile?", ["Cairo"]),
-    ("when was the aswan dam completed?", ["1970"]),
-    ("which river flows through brazil and peru?", ["Amazon River",
-                                                     "Amazon"]),
-    ("who explored the amazon in 1542?", ["Francisco de Orellana"]),
-    ("where was mozart born?", ["Salzburg"]),
-    ("to which city did mozart move in 1781?", ["Vienna"]),
-    ("where was albert einstein born?", ["Ulm"]),
-    ("which prize did einstein receive in 1921?", ["Nobel Prize"]),
-    ("where was william shakespeare born?", ["Stratford-upon-Avon"]),
-    ("which play did shakespeare write around 1600?", ["Hamlet"]),
-]
+# Short articles that span several blocks of 16 wordpieces: the search and
+# candidate tests' corpus (`small_blocks`).
+SHORT_ARTICLES = {
+    "Paris": "Paris is the capital of France. It lies on the Seine. "
+             "The city has many museums, including the Louvre.",
+    "Berlin": "Berlin is the capital of Germany. The Wall fell in 1989.",
+    "Tokyo": "Tokyo is the capital of Japan. It hosted the Olympics in 1964 "
+             "and in 2021.",
+    "Nile": "The Nile is a river in Africa. It flows north into the "
+            "Mediterranean Sea.",
+}
 
 
-def write_questions(path: str) -> str:
-  """`QUESTIONS` as an ORQA JSONL file at `path`; returns `path`."""
-  with open(path, "w", encoding="utf-8") as f:
-    for question, answers in QUESTIONS:
-      f.write(json.dumps({"question": question, "answer": answers}) + "\n")
-  return path
+def small_blocks(path: str, articles: dict[str, str]):
+  """A block store of `articles` (title -> text) in blocks of at most 16
+  wordpieces, so that an article spans several blocks."""
+  return write_store(path, [wikipedia.Document(t, x)
+                            for t, x in articles.items()], max_block_len=16)
 
 
 def write_store(path: str, docs, max_block_len: int):

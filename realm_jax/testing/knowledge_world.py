@@ -282,3 +282,40 @@ def gold_blocks(store: block_store.BlockStore,
 def load_people(path: str) -> list[Person]:
   with open(path, encoding="utf-8") as f:
     return [Person(**p) for p in json.load(f)]  # Atomic (replace).
+
+
+def ict_warm_start(root: str, files: WorldFiles, *, steps: int,
+                   batch_size: int | None = None) -> tuple[str, str]:
+  """ICT on a written world with experiments/pretrain_world_cpu.gin (in
+  `root`/ict), and the training queries as that recipe masks them
+  (query_length 32, 2 masks; `root`/queries): what a test's REALM run on
+  the world starts from. ICT never scores the null document, so it runs
+  with the embedded one and its checkpoints suit either null mode.
+
+  Returns:
+    (the query cache, the ICT checkpoint directory).
+  """
+  # pylint: disable=g-import-not-at-top
+  import gin
+  from realm_jax import gin_cli
+  from realm_jax.core import checkpoints
+  from realm_jax.model.realm import RealmConfig
+  from realm_jax.testing import corpus
+  from realm_jax.training import ict
+  # pylint: enable=g-import-not-at-top
+  workdir = os.path.join(root, "ict")
+  gin.clear_config()
+  try:
+    gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
+        f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
+        "QUERIES = 'unused'", f"ict.IctTrainConfig.num_train_steps = {steps}",
+        "realm.RetrieverConfig.null_score = 'embedding'"] + (
+            [f"ict.IctTrainConfig.batch_size = {batch_size}"]
+            if batch_size else []))
+    ict.train(config=gin.get_configurable(ict.IctTrainConfig)(),
+              model=gin.get_configurable(RealmConfig)())
+  finally:
+    gin.clear_config()
+  queries = corpus.make_query_cache(files.train, os.path.join(root, "queries"),
+                                    query_length=32, max_masks=2)
+  return queries, checkpoints.checkpoint_dir(workdir)

@@ -26,6 +26,38 @@ def tiny_realm(vocab_size: int = 97, **retriever_overrides) -> RealmConfig:
                                          max_span_width=4))
 
 
+def indexed_tiny_corpus(tmp_path_factory, name: str):
+  """A random tiny REALM over the tiny real-text corpus, with its exact
+  index published at <workdir>/index (step 0): the set-up of the QA tests.
+
+  `tmp_path_factory`: pytest's; the workdir is a new `name`/run under it,
+  and the corpus one per session (`corpus.make_tiny_corpus` reuses it).
+  Mean pooling: a random tiny BERT's pooler gives near-identical
+  embeddings (ties everywhere); mean pooling ranks the blocks apart.
+
+  Returns:
+    (block store, RealmConfig, graphdef, params, workdir).
+  """
+  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store
+  from realm_jax.index import builder
+  from realm_jax.model import functional
+  from realm_jax.model.realm import Realm
+  from realm_jax.testing import corpus
+  # pylint: enable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp(name) / "run"
+  store_dir, _ = corpus.make_tiny_corpus(
+      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
+  store = block_store.BlockStore.open(store_dir)
+  config = tiny_realm(vocab_size=30522, pooling="mean")
+  graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  builder.build_and_publish(
+      retriever_params=params["retriever"], retriever_config=config.retriever,
+      store=store, root=str(workdir / "index"), step=0,
+      config=builder.IndexBuildConfig(searcher="exact"))
+  return store, config, graphdef, params, workdir
+
+
 def random_pretraining_batch(rng: np.random.Generator, *, batch: int,
                              candidates: int = 4, query_len: int = 12,
                              doc_len: int = 16, num_masks: int = 3,

@@ -17,7 +17,7 @@ and reports each query's top-1 block (for the collapse guard):
   on the devices, against a device copy of the served index.
 
 The served index itself (builder swaps, inline refreshes, staleness) is
-`index.service.IndexService`; `source(...)` picks the source for a config.
+`index.service.IndexService`; `source_class` picks the source for a `RetrievalConfig`.
 """
 
 from __future__ import annotations
@@ -33,17 +33,26 @@ import numpy as np
 from realm_jax.core import distributed, parallel
 from realm_jax.index import device_search, embed
 from realm_jax.training import realm_inputs
+from realm_jax.training.pretrain_config import RetrievalConfig
 
 
 class CandidateSource:
   """What every mode shares: the run, its queries and the query tower."""
 
-  def __init__(self, config, model, graphdef, store, queries, mesh, service,
-               trivial: realm_inputs.TrivialCandidates):
-    """`config`: the `pretrain.PretrainConfig`; `model`: its RealmConfig;
-    `service`: the `index.service.IndexService` serving the index."""
+  def __init__(self, config: RetrievalConfig, model, graphdef, store,
+               queries, mesh, service, trivial: realm_inputs.TrivialCandidates,
+               *, batch_size: int, reader_length: int, query_side: bool):
+    """`config`: the run's `RetrievalConfig`; `model`: its RealmConfig;
+    `service`: the `index.service.IndexService` serving the index;
+    `batch_size`, `reader_length`: the run's; `query_side`: query-side
+    training (`RetrieverScheduleConfig.training`)."""
     self.config, self.model, self.store, self.queries = (config, model,
                                                          store, queries)
+    self.batch_size, self.reader_length = batch_size, reader_length
+    # Query-side training: the document tower never changes, so the index
+    # built at the start is exact for the whole run and its rows are the
+    # candidates' embeddings.
+    self.query_side = query_side
     self.mesh, self.service, self.trivial = mesh, service, trivial
     self.embed_queries = embed.make_query_embedder(graphdef, mesh)
 
@@ -80,10 +89,10 @@ class HostCandidates(CandidateSource):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    c, store = self.config, self.store
+    store = self.store
     # Blocks wanted per query besides its trivial ones: the candidates, or
     # the proposals that re-ranking narrows down to them.
-    r = c.retrieval
+    r = self.config
     self.proposals = r.rerank_candidates or r.num_candidates
     margin = min(self.trivial.max_excluded, len(store) - 1)
     self.search_k = min(len(store), self.proposals + margin)
@@ -94,10 +103,6 @@ class HostCandidates(CandidateSource):
     if r.rerank_candidates:
       self.embed_documents = embed.make_embed_fn(self.model.retriever,
                                                  self.mesh)
-    # Query-side training: the document tower never changes, so the index
-    # built at the start is exact for the whole run and its rows are the
-    # candidates' embeddings.
-    self.query_side = c.retriever.training == "query_side"
     self.null_embedding = None  # query_side: the frozen null document's
 
   def start(self, state) -> None:
@@ -107,7 +112,7 @@ class HostCandidates(CandidateSource):
   def _null_embedding(self, params) -> np.ndarray | None:
     """The null document's embedding by the (frozen) document tower, when
     it is scored by its embedding."""
-    if not (self.config.retrieval.null_document
+    if not (self.config.null_document
             and self.model.retriever.null_score == "embedding"):
       return None
     m = self.store.manifest
@@ -130,7 +135,7 @@ class HostCandidates(CandidateSource):
     keys = self.trivial.query_keys(local)
     candidates = realm_inputs.select_candidates(
         hits, self.trivial.block_keys, keys, self.proposals)
-    if self.config.retrieval.rerank_candidates:
+    if self.config.rerank_candidates:
       candidates = self.rerank(queries, candidates, params)
     if (self.trivial.block_keys[candidates] == keys[:, None]).any():
       raise AssertionError("a trivial candidate reached a query's candidates")
@@ -148,7 +153,7 @@ class HostCandidates(CandidateSource):
         blocks["segment_ids"])).reshape(b, num_proposals, -1)
     scores = np.einsum("bd,bld->bl", queries, documents)
     order = np.argsort(-scores, axis=1, kind="stable")
-    k = self.config.retrieval.num_candidates
+    k = self.config.num_candidates
     return np.take_along_axis(proposals, order[:, :k], axis=1)
 
   def host_batch(self, local, candidates) -> dict[str, np.ndarray]:
@@ -156,12 +161,12 @@ class HostCandidates(CandidateSource):
     c = self.config
     batch = realm_inputs.pretraining_batch(
         local, candidates, self.store, doc_len=self.store.max_block_len,
-        reader_len=c.reader_length, null_document=c.retrieval.null_document)
+        reader_len=self.reader_length, null_document=c.null_document)
     if self.query_side:
       embeddings = self.service.current.embeddings[candidates.reshape(-1)]
       embeddings = np.asarray(embeddings, np.float32).reshape(
           candidates.shape + (-1,))
-      if c.retrieval.null_document:  # Slot 0 (unread if the null is learned).
+      if c.null_document:  # Slot 0 (unread if the null is learned).
         null = (np.zeros(embeddings.shape[-1], np.float32)
                 if self.null_embedding is None else self.null_embedding)
         embeddings = np.concatenate([np.broadcast_to(
@@ -243,7 +248,7 @@ class OverlappedHostCandidates(HostCandidates):
     if not (saved and saved["step"] == step):
       return
     ids = np.asarray(saved["ids"], np.int64)
-    b, k, hosts = (self.config.batch_size, self.config.retrieval.num_candidates,
+    b, k, hosts = (self.batch_size, self.config.num_candidates,
                    jax.process_count())
     if ids.shape != (b, k):
       logging.warning("checkpoint %d's prefetched candidates have shape %s, "
@@ -266,7 +271,7 @@ class DeviceCandidates(CandidateSource):
     if self.device_index is None:
       self.device_index = device_search.DeviceIndex.build(
           self.store, index.embeddings, self.mesh,
-          dtype=jnp.dtype(self.config.retrieval.device_index_dtype),
+          dtype=jnp.dtype(self.config.device_index_dtype),
           block_keys=self.trivial.block_keys)
     else:  # The tokens stay on the devices; only the embeddings change.
       self.device_index = self.device_index.with_embeddings(index.embeddings)
@@ -276,15 +281,15 @@ class DeviceCandidates(CandidateSource):
     local = self.queries.batch(step)
     batch, block_ids = device_search.candidate_batch(
         self.device_index, local, self.query_embeddings(local, state),
-        k=c.retrieval.num_candidates, doc_len=self.store.max_block_len,
-        reader_len=c.reader_length, null_document=c.retrieval.null_document,
+        k=c.num_candidates, doc_len=self.store.max_block_len,
+        reader_len=self.reader_length, null_document=c.null_document,
         query_keys=self.trivial.query_keys(local))
     return batch, block_ids[:, 0]
 
 
-def source_class(config) -> type[CandidateSource]:
-  """The candidate source of a `pretrain.PretrainConfig`."""
-  if config.retrieval.search == "device":
+def source_class(config: RetrievalConfig) -> type[CandidateSource]:
+  """The candidate source of a run's `RetrievalConfig`."""
+  if config.search == "device":
     return DeviceCandidates
-  return (OverlappedHostCandidates if config.retrieval.overlap_input
+  return (OverlappedHostCandidates if config.overlap_input
           else HostCandidates)

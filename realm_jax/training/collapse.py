@@ -87,7 +87,7 @@ class CollapseGuard:
         "retrieve the same block (hubness > %.2f); a hub's softmax "
         "saturates and its gradient vanishes. Lower the retriever's rate "
         "(RetrieverScheduleConfig.learning_rate_multiplier), warm the "
-        "reader up first (RetrieverScheduleConfig.freeze_steps) and start "
+        "reader up first (GateConfig: the gate or latest_release) and start "
         "from an ICT-trained retriever.", step, 100 * hubness, n,
         c.hubness_warning)
     self._warn_once(

@@ -364,38 +364,40 @@ def freeze_again(opt_state):
       r, jnp.asarray(NEVER, r.dtype)))
 
 
-def _check_retriever_schedule(multiplier: float, freeze_steps: int) -> None:
+def _check_retriever_schedule(multiplier: float,
+                              latest_release: int | None) -> None:
   if multiplier < 0:
-    raise ValueError("retriever_learning_rate_multiplier must be >= 0, got "
+    raise ValueError("learning_rate_multiplier must be >= 0, got "
                      f"{multiplier}.")
-  if freeze_steps < 0:
-    raise ValueError(f"freeze_retriever_steps must be >= 0, got "
-                     f"{freeze_steps}.")
+  if latest_release is not None and latest_release < 0:
+    raise ValueError(f"latest_release must be >= 0 or None, got "
+                     f"{latest_release}.")
 
 
 def realm_optimizer(*, learning_rate: float, num_train_steps: int,
                     warmup_steps: int | None = None,
-                    retriever_learning_rate_multiplier: float = 1.0,
-                    freeze_retriever_steps: int = 0,
-                    gated: bool = False,
+                    learning_rate_multiplier: float = 1.0,
+                    latest_release: int | None = 0,
                     frozen: Sequence[tuple[str, ...]] = (),
                     unused: Sequence[tuple[str, ...]] = (),
                     bias_correction: bool = False
                     ) -> optax.GradientTransformation:
   """BERT's optimiser for {"retriever", "reader"} params, retriever apart.
 
-  With the defaults (multiplier 1, no freeze) this is exactly
-  `bert_optimizer` over all parameters, as REALM trained. Otherwise the
-  retriever and the reader get separate BERT optimisers (each with its own
-  global-norm clip and Adam moments):
+  The keywords are the run's config's: `learning_rate_multiplier`
+  (`RetrieverScheduleConfig`, the retriever's rate relative to the
+  reader's) and `latest_release` (`GateConfig`). With the defaults
+  (multiplier 1, released at 0) this is exactly `bert_optimizer` over all
+  parameters, as REALM trained. Otherwise the retriever and the reader get
+  separate BERT optimisers (each with its own global-norm clip and Adam
+  moments):
   - reader: peak `learning_rate` over `num_train_steps`;
   - retriever: frozen until its release, then peak `learning_rate *
-    retriever_learning_rate_multiplier` with its own warmup over the steps
-    left. The release is update `freeze_retriever_steps` (a reader warm-up:
-    the reader learns to read retrieved blocks before the retriever follows
-    its signal) or, with `gated`, possibly earlier: a gate measured in the
-    run calls `release_frozen` (`freeze_retriever_steps` is then the upper
-    bound; set it to `num_train_steps` to never release without the gate).
+    learning_rate_multiplier` with its own warmup over the steps left. The
+    release is update `latest_release` (a reader warm-up: the reader
+    learns to read retrieved blocks before the retriever follows its
+    signal) or earlier, when a gate measured in the run calls
+    `release_frozen`; None: only then.
 
   Why apart: the retriever's gradient is ~1e-3 of the reader's until the
   reader uses documents, so it is mostly noise; Adam scales every
@@ -410,19 +412,17 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
   the whole tree, the other part's leaves masked). A multiplier of 0
   freezes the retriever for the whole run.
   """
-  _check_retriever_schedule(retriever_learning_rate_multiplier,
-                            freeze_retriever_steps)
+  _check_retriever_schedule(learning_rate_multiplier, latest_release)
   reader = bert_optimizer(learning_rate=learning_rate,
                           num_train_steps=num_train_steps,
                           warmup_steps=warmup_steps, unused=unused,
                           bias_correction=bias_correction)
-  if (retriever_learning_rate_multiplier == 1.0 and not freeze_retriever_steps
-      and not gated and not frozen):
+  if learning_rate_multiplier == 1.0 and latest_release == 0 and not frozen:
     return reader
   retriever = _delayed_retriever(
-      learning_rate, retriever_learning_rate_multiplier,
+      learning_rate, learning_rate_multiplier,
       num_train_steps=num_train_steps, warmup_steps=warmup_steps,
-      freeze_steps=freeze_retriever_steps, unused=unused,
+      latest_release=latest_release, unused=unused,
       bias_correction=bias_correction)
   return optax.multi_transform({"retriever": retriever, "reader": reader,
                                 "frozen": optax.set_to_zero()},
@@ -431,17 +431,19 @@ def realm_optimizer(*, learning_rate: float, num_train_steps: int,
 
 def _delayed_retriever(learning_rate: float, multiplier: float, *,
                        num_train_steps: int, warmup_steps: int | None,
-                       freeze_steps: int, unused: Sequence[tuple[str, ...]],
+                       latest_release: int | None,
+                       unused: Sequence[tuple[str, ...]],
                        bias_correction: bool
                        ) -> optax.GradientTransformation:
   """`realm_optimizer`'s retriever part: BERT's optimiser at peak
   `learning_rate * multiplier` (multiplier 0: frozen for the whole run),
-  released at update `freeze_steps` (or earlier by `release_frozen`)."""
+  released at update `latest_release` (or earlier by `release_frozen`;
+  None: only by it)."""
   # A retriever frozen for good (multiplier 0, or a freeze as long as the
   # run) keeps the same optimiser state structure, so a run can resume
   # from another's checkpoint with a different freeze or multiplier.
-  release = (num_train_steps if multiplier == 0
-             else min(freeze_steps, num_train_steps))
+  release = (num_train_steps if multiplier == 0 or latest_release is None
+             else min(latest_release, num_train_steps))
   return delayed(
       bert_optimizer(learning_rate=1.0, num_train_steps=1, warmup_steps=0,
                      unused=unused, bias_correction=bias_correction,

@@ -26,6 +26,8 @@ shards of it (`data.query_cache.QueryStream`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -43,9 +45,11 @@ from realm_jax.training import collapse, loop
 from realm_jax.training import realm_inputs
 from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
+from realm_jax.training import recall_guard as recall_guard_lib
 # The run's settings; gin binds them as pretrain.PretrainConfig and its
 # parts as pretrain.<Part> (re-exported here for gin).
 from realm_jax.training.pretrain_config import DOCUMENT_TOWER
+from realm_jax.training.pretrain_config import GateConfig  # pylint: disable=unused-import
 from realm_jax.training.pretrain_config import GuardConfig  # pylint: disable=unused-import
 from realm_jax.training.pretrain_config import PretrainConfig
 from realm_jax.training.pretrain_config import RecallGuardConfig  # pylint: disable=unused-import
@@ -104,14 +108,17 @@ class RetrievalInput:
         staleness=dict(warning=config.guards.stale_index_warning,
                        error=config.guards.stale_index_error),
         on_serve=lambda index: self.source.on_serve(index))
-    args = (config, model, graphdef, store, queries, mesh, self.service,
-            realm_inputs.TrivialCandidates(store,
-                                           config.retrieval.trivial_candidates))
-    self.source = candidates_lib.source_class(config)(*args)
+    args = (config.retrieval, model, graphdef, store, queries, mesh,
+            self.service, realm_inputs.TrivialCandidates(
+                store, config.retrieval.trivial_candidates))
+    run = dict(batch_size=config.batch_size,
+               reader_length=config.reader_length,
+               query_side=config.retriever.training == "query_side")
+    self.source = candidates_lib.source_class(config.retrieval)(*args, **run)
     # Fixed held-out queries (the retriever gate's) are searched on the host.
     self.host = (self.source
                  if isinstance(self.source, candidates_lib.HostCandidates)
-                 else candidates_lib.HostCandidates(*args))
+                 else candidates_lib.HostCandidates(*args, **run))
 
   @property
   def index(self):
@@ -149,31 +156,20 @@ class RetrievalInput:
 
 
 def make_optimizer(config: PretrainConfig):
-  """REALM's optimizer with the run's retriever schedule."""
+  """REALM's optimizer with the run's retriever schedule and release."""
   s = config.retriever
   return optimizer_lib.realm_optimizer(
       **config.schedule(),
-      retriever_learning_rate_multiplier=s.learning_rate_multiplier,
-      freeze_retriever_steps=s.freeze_steps, gated=s.measured,
+      learning_rate_multiplier=s.learning_rate_multiplier,
+      latest_release=config.gate.latest_release,
       frozen=(DOCUMENT_TOWER,) if s.training == "query_side" else (),
       unused=UNUSED_BY_PRETRAINING,
       bias_correction=config.adam_bias_correction)
 
 
-def _check_reader_length(config: PretrainConfig,
-                         queries: query_cache.QueryStream) -> None:
-  """The reader reads [CLS] x [SEP] body [SEP]: longer than the queries."""
-  query_length = queries.query_config.query_length
-  if config.reader_length <= query_length:
-    raise ValueError(
-        f"PretrainConfig.reader_length={config.reader_length} must exceed "
-        f"the query_length={query_length} of the query cache "
-        f"{config.queries} (the reader reads [CLS] x [SEP] body [SEP]): "
-        f"set reader_length to {query_length} + the block length.")
-
-
 def _hooks(inputs: RetrievalInput, gate: gate_lib.RetrieverGate | None,
-           guard: gate_lib.RecallGuard | None, run: loop.Run) -> loop.Hooks:
+           guard: recall_guard_lib.RecallGuard | None,
+           run: loop.Run) -> loop.Hooks:
   """The trainer's work around `Run.loop`: index swaps and refreshes,
   collapse and gate metrics, prefetched candidates, the gate's release and
   the recall guard's rollback."""
@@ -224,8 +220,9 @@ def _check_towers(config: PretrainConfig, model: RealmConfig) -> None:
 
 
 def _open_inputs(config: PretrainConfig):
-  """(block store, this host's query stream), checked against the
-  tokenizer's vocabulary and the reader's length."""
+  """(block store, this host's query stream, the reader's length), checked
+  against the tokenizer's vocabulary; the reader's length is derived from
+  the queries' and the blocks' unless set."""
   store = block_store.BlockStore.open(config.block_store)
   tokenizer = Tokenizer()
   store.check_vocab(tokenizer.vocab_path)
@@ -237,8 +234,10 @@ def _open_inputs(config: PretrainConfig):
       process_index=jax.process_index(),
       process_count=jax.process_count())
   queries.check(vocab_sha256=io_utils.sha256_file(tokenizer.vocab_path))
-  _check_reader_length(config, queries)
-  return store, queries
+  return store, queries, realm_inputs.reader_length(
+      config.reader_length, queries.query_config.query_length,
+      store.max_block_len,
+      field="PretrainConfig.reader_length", queries=config.queries)
 
 
 def _initial_retriever(config: PretrainConfig, model: RealmConfig, fresh,
@@ -266,7 +265,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
   with loop.Run(config, model, job="pretrain trainer",
                 operative_config=operative_config,
                 lease_paths=[index_lease] if inline else []) as run:
-    store, queries = _open_inputs(config)
+    store, queries, reader_length = _open_inputs(config)
+    config = dataclasses.replace(config, reader_length=reader_length)
     graphdef, fresh = functional.init(lambda r: Realm(model, rngs=r),
                                       config.seed)
     tx = make_optimizer(config)
@@ -279,17 +279,24 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs.source.restore(restored, start_step)
     loss_fn = make_loss_fn(graphdef, config.retrieval.null_document)
     gate = None
-    if config.retriever.measured:
-      gate = gate_lib.RetrieverGate(config, queries.query_config,
-                                    inputs, graphdef, store, config.workdir,
-                                    run.is_chief)
+    if config.gate.measured:
+      gate = gate_lib.RetrieverGate(
+          config.gate, queries.query_config, inputs, graphdef, store,
+          config.workdir, run.is_chief, seed=config.seed,
+          batch_size=config.batch_size,
+          null_document=config.retrieval.null_document)
       gate.restore(restored, start_step, state)
     guard = None
     if config.recall_guard.enabled:
-      guard = gate_lib.RecallGuard(
-          config, queries.query_config, inputs, store,
+      guard = recall_guard_lib.RecallGuard(
+          config.recall_guard, queries.query_config, inputs, store,
           _initial_retriever(config, model, fresh, state, start_step),
-          config.workdir, run.is_chief)
+          config.workdir, run.is_chief, seed=config.seed,
+          batch_size=config.batch_size,
+          every=recall_guard_lib.guard_every(
+              config.recall_guard, index_mode=config.index_mode,
+              training=config.retriever.training,
+              refresh_period=config.refresh_period))
       guard.restore(restored, start_step)
 
     meta = {"seed": config.seed}

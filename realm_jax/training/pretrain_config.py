@@ -9,11 +9,14 @@ the run), each read by the component it configures:
   RetrievalConfig          the candidates: k, null document, trivial rule,
                            where the search runs, re-ranking
                            (`training.candidates`)
-  RetrieverScheduleConfig  when and how the retriever learns: towers, rate,
-                           freeze bound, gate (`optimizer`, `training.gate`)
+  RetrieverScheduleConfig  how the retriever learns: towers, rate
+                           (`optimizer`)
+  GateConfig               when it is released: a step, or the reader's
+                           measured evidence (`training.gate`, `optimizer`)
   GuardConfig              collapse and stale-index warnings
                            (`training.collapse`, `index.service`)
-  RecallGuardConfig        the recall guard's rollback (`gate.RecallGuard`)
+  RecallGuardConfig        the recall guard's rollback
+                           (`recall_guard.RecallGuard`)
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from realm_jax.training import loop, realm_inputs
 INDEX_MODES = ("inline", "builder")
 SEARCHES = ("host", "device")
 RETRIEVER_TRAINING = ("full", "query_side")
-RETRIEVER_GATES = ("steps", "utility", "evidence")
+GATE_MODES = ("steps", "utility", "evidence")
+# What the recall guard counts as found (`RecallGuardConfig.probe`).
+RECALL_PROBES = ("answer", "own_block")
 # The gates measured in the run (the others release at a step count).
 MEASURED_GATES = ("utility", "evidence")
 # The query-side mode's frozen subtree: the document tower.
@@ -122,8 +127,8 @@ class RetrievalConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 @checks.type_checked
 class RetrieverScheduleConfig:
-  """When and how the retriever learns (REALM: both towers, from step 0,
-  at the reader's rate).
+  """How the retriever learns once released (REALM: both towers, at the
+  reader's rate; when it is released: `GateConfig`).
 
   Attributes:
     training: "full" (REALM: both towers learn, the index is refreshed) or
@@ -135,75 +140,105 @@ class RetrieverScheduleConfig:
       initialises both.
     learning_rate_multiplier: the retriever's peak rate relative to the
       run's `learning_rate`, which is the reader's (REALM: 1; 0 freezes the
-      retriever).
-    freeze_steps: reader warm-up: the retriever does not move for this many
-      steps (REALM: 0). See `optimizer.realm_optimizer`. With a measured
-      `gate` it is the upper bound: the gate may release the retriever
-      earlier (set it to num_train_steps to release the retriever only on
-      the gate's evidence).
-    gate: when the retriever is released. "steps": at freeze_steps. A
-      measured gate: every `gate_every` steps the reader is evaluated on
-      the first `gate_num_queries` queries of `gate_queries` (candidates
-      from the served index), and the retriever is released after
-      `gate_patience` passing evaluations in a row:
-      - "utility": the retrieval utility, log p(y|x) - log p(y|null, x)
-        nats per mask, is >= `gate_min_utility`: the reader gains from the
-        blocks, on average (held-out queries);
-      - "evidence": the retriever's own gradient favours answer-bearing
-        blocks (those whose text holds the masked span): the posterior
-        mass p(z|x, y) - p(z|x) the reader moves onto them is positive at
-        a z-score >= `gate_min_evidence_z` over the queries that retrieved
-        one (`gate.gate_statistics`; exactly 0 while the reader ignores
-        the blocks). Measure it on the training queries
-        (`gate_queries = queries`, a slice of ~2,000): that is the signal
-        the retriever follows, and it is there before any held-out gain.
-      Every evaluation (both statistics) goes to the log and gate.jsonl.
-    gate_queries: the gate's query cache, masked like the run's queries:
-      for "utility", sentences never trained on (held-out articles of X);
-      for "evidence", the run's `queries` itself.
-    gate_every, gate_num_queries, gate_min_utility, gate_min_evidence_z,
-      gate_patience: see `gate`.
+      retriever). See `optimizer.realm_optimizer`.
   """
 
   training: str = "full"
   learning_rate_multiplier: float = 1.0
-  freeze_steps: int = 0
-  gate: str = "steps"
-  gate_queries: str = ""
-  gate_every: int = 50
-  gate_num_queries: int = 128
-  gate_min_utility: float = 0.1
-  gate_min_evidence_z: float = 3.0
-  gate_patience: int = 2
+
+  def __post_init__(self):
+    _one_of(self, "training", RETRIEVER_TRAINING)
+    # Checked here, when the config is built (before a job creates its
+    # workdir or index root), under the name the user sets.
+    checks.at_least(self, "learning_rate_multiplier", minimum=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+@checks.type_checked
+class GateConfig:
+  """When the retriever is released (REALM: at step 0), read by
+  `gate.RetrieverGate` and the optimiser.
+
+  Until its release the retriever does not move: the reader learns to
+  read first (`optimizer.realm_optimizer`).
+
+  Attributes:
+    mode: "steps": released at update `latest_release`, whatever the
+      reader does (REALM: 0). A measured gate: every `every` steps the
+      reader is evaluated on the first `num_queries` queries of `queries`
+      (candidates from the served index), and the retriever is released
+      once `patience` evaluations in a row are significant *and* the
+      reader's measured effect reaches `min_utility` (`gate.gate_decision`):
+      - "evidence": significant when the retriever's own gradient favours
+        answer-bearing blocks (those whose text holds the masked span):
+        the posterior mass p(z|x, y) - p(z|x) the reader moves onto them is
+        positive at a z-score >= `min_evidence_z` over the queries that
+        retrieved one (`gate.gate_statistics`; exactly 0 while the reader
+        ignores the blocks). Measured on the training queries (`queries`
+        = the run's, ~2,000 of them): that is the signal the retriever
+        follows, and it is there before any held-out gain;
+      - "utility": significant when the retrieval utility is >=
+        `min_utility` (held-out queries: articles never trained on).
+      Every evaluation (both statistics) goes to the log and gate.jsonl.
+    latest_release: the update at which the retriever is released at the
+      latest: "steps" releases it there; a measured gate may release it
+      earlier. None: only on the gate's evidence (never on a step count).
+    queries: the gate's query cache, masked like the run's queries: for
+      "evidence", the run's `queries` itself; for "utility", sentences
+      never trained on.
+    every: evaluations every this many steps.
+    num_queries: the first this many queries of `queries` (fewer if the
+      cache has fewer; a multiple of the devices).
+    min_utility: the effect floor, in nats per mask: the utility
+      log p(y|x) - log p(y|null, x) of the gate's queries must reach it at
+      the release. A z-test over a thousand queries is "significant" at a
+      ten-thousandth of a nat, and two held-out worlds released on 0.0001
+      nats lost their ICT recall (docs/results/learning.md). The rule:
+      the retrieved blocks must make the masked tokens at least 0.5% more
+      likely (ln 1.005 = 0.005 nats), the smallest effect called reading:
+      50x the failures', fixed before any world it was evaluated on.
+    min_evidence_z: "evidence": the z-score of a significant evaluation.
+    patience: significant evaluations in a row before a release.
+  """
+
+  mode: str = "steps"
+  latest_release: int | None = 0
+  queries: str = ""
+  every: int = 50
+  num_queries: int = 2048
+  min_utility: float = 0.005
+  min_evidence_z: float = 3.0
+  patience: int = 2
 
   @property
   def measured(self) -> bool:
     """Whether a gate measured in the run releases the retriever."""
-    return self.gate in MEASURED_GATES
+    return self.mode in MEASURED_GATES
 
   def __post_init__(self):
-    _one_of(self, "training", RETRIEVER_TRAINING)
-    _one_of(self, "gate", RETRIEVER_GATES)
-    # Checked here, when the config is built (before a job creates its
-    # workdir or index root), under the name the user sets.
-    checks.at_least(self, "learning_rate_multiplier", minimum=0)
-    checks.at_least(self, "freeze_steps", minimum=0, integer=True)
+    _one_of(self, "mode", GATE_MODES)
+    if self.latest_release is not None and self.latest_release < 0:
+      raise ValueError(f"GateConfig.latest_release={self.latest_release} "
+                       "must be >= 0 (or None: only on the gate's evidence).")
     if not self.measured:
+      if self.latest_release is None:
+        raise ValueError(
+            "GateConfig.mode='steps' releases the retriever at "
+            "latest_release, which is None: set a step (0: REALM), or a "
+            "measured mode ('evidence', 'utility').")
       return
-    checks.at_least(self, "gate_every", "gate_num_queries", "gate_patience",
-                    integer=True)
-    if not self.gate_queries:
+    checks.at_least(self, "every", "num_queries", "patience", integer=True)
+    if not self.queries:
       raise ValueError(
-          f"RetrieverScheduleConfig.gate={self.gate!r} measures the reader "
-          "on gate_queries: set it to a query cache (for 'utility', built "
-          "from articles that are not in `queries` with python -m "
-          "realm_jax.data.query_cache; for 'evidence', `queries`), or use "
-          "gate='steps'.")
-    if not self.freeze_steps:
+          f"GateConfig.mode={self.mode!r} measures the reader on queries: "
+          "set it to a query cache (for 'evidence', the run's `queries`; for "
+          "'utility', built from articles that are not in `queries` with "
+          "python -m realm_jax.data.query_cache), or use mode='steps'.")
+    if self.latest_release == 0:
       raise ValueError(
-          f"RetrieverScheduleConfig.gate={self.gate!r} with freeze_steps=0"
-          " releases the retriever at step 0; set freeze_steps to the "
-          "latest release (num_train_steps: only on the gate's evidence).")
+          f"GateConfig.mode={self.mode!r} with latest_release=0 releases "
+          "the retriever at step 0; set latest_release=None (only on the "
+          "gate's evidence) or a later bound.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,38 +276,34 @@ class GuardConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 @checks.type_checked
 class RecallGuardConfig:
-  """The recall guard (off unless `queries` or `questions` is set).
+  """The recall guard (off unless `queries` is set; runs/pretrain.gin
+  turns it on).
 
   Attributes:
-    queries: a query cache of held-out sentences (masked like the run's
-      queries) of articles that are in the block store, e.g. the utility
-      gate's: turns the recall guard on. Every `every` steps (full
+    queries: a query cache of masked sentences (masked like the run's
+      queries; held out where there is a dev split, e.g. the utility
+      gate's): turns the recall guard on. Every `every` steps (full
       training on an inline index: on refresh steps only,
-      `gate.guard_every`) it searches the served index with the current
-      query tower and measures the share of these sentences whose own
-      block (the block that holds the sentence) is among the top `k`:
-      ICT's task on held-out sentences, which tracks question recall on
-      real text (docs/results/learning.md). The first evaluation, while
-      the retriever is still where the run started, is the baseline. Once
-      the retriever trains, `patience` evaluations in a row more than
-      `max_drop` below the baseline roll the retriever back to the run's
-      initial one (`init_from`'s) and freeze it for the rest of the run;
-      the gate is not consulted again. Needs X and Z to overlap (REALM's
-      Wikipedia); a world whose queries are not in the block store has no
-      own blocks, and the guard refuses it.
-    questions: instead of sentences, dev questions about the block store
-      (ORQA JSONL: question and answers), kept apart from the questions a
-      run is evaluated on: turns the recall guard on with recall@`k` of a
-      block holding an answer as its measure (the first `num_queries`
-      questions). Own-block recall is the pre-training task, and REALM
-      can raise it while question recall falls (docs/results/learning.md);
-      this measures what the retriever is for. At most one of the two may
-      be set.
+      `recall_guard.guard_every`) it searches the served index with the
+      current query tower and measures recall@`k` of the first
+      `num_queries` sentences, as `probe` counts it. The first evaluation,
+      while the retriever is still where the run started, is the
+      baseline. Once the retriever trains, `patience` evaluations in a row
+      more than `max_drop` below the baseline roll the retriever back to
+      the run's initial one (`init_from`'s) and freeze it for the rest of
+      the run; the gate is not consulted again.
+    probe: what a sentence's recall counts: "answer" (a top-`k` block
+      holds the sentence's masked span, the blocks the reader's evidence
+      points to; any world) or "own_block" (the block that holds the
+      sentence itself: ICT's task, which tracks question recall on real
+      text, docs/results/learning.md; needs X within Z, as REALM's
+      Wikipedia, and refuses a world whose sentences are not in the
+      block store).
     every, num_queries, k, max_drop, patience: see `queries`.
   """
 
   queries: str = ""
-  questions: str = ""
+  probe: str = "answer"
   every: int = 50
   num_queries: int = 1024
   k: int = 5
@@ -281,14 +312,10 @@ class RecallGuardConfig:
 
   @property
   def enabled(self) -> bool:
-    return bool(self.queries or self.questions)
+    return bool(self.queries)
 
   def __post_init__(self):
-    if self.queries and self.questions:
-      raise ValueError(
-          "RecallGuardConfig.queries and RecallGuardConfig.questions are "
-          f"both set ({self.queries!r}, {self.questions!r}): the recall "
-          "guard measures one of them; unset the other.")
+    _one_of(self, "probe", RECALL_PROBES)
     if self.enabled:
       checks.at_least(self, "every", "num_queries", "k", "patience",
                       integer=True)
@@ -311,8 +338,10 @@ class PretrainConfig(loop.TrainConfig):
     learning_rate: the reader's (the retriever's: `retriever`).
     adam_bias_correction: Adam's bias-corrected moments instead of BERT's
       raw ones (REALM: False); see `optimizer.bert_optimizer`.
-    reader_length: the reader's input, query + block (REALM: 384 = 96 +
-      288); it must exceed the query cache's query_length.
+    reader_length: the reader's input, query + block; None: the query
+      cache's query_length + the block store's max_block_len, as reader
+      preparation derives it (REALM: 384 = 96 + 288). It must exceed the
+      query_length.
     index_mode: "builder" (REALM: a separate job refreshes the index from
       the checkpoints) or "inline" (rebuilt in-process after a checkpoint:
       small CPU runs, exactly reproducible restarts).
@@ -329,8 +358,8 @@ class PretrainConfig(loop.TrainConfig):
       binding sets both. A builder-mode run does not read it (the builder
       job builds with its own).
     retrieval: each query's candidates (`RetrievalConfig`).
-    retriever: the retriever's schedule and gate
-      (`RetrieverScheduleConfig`).
+    retriever: how the retriever learns (`RetrieverScheduleConfig`).
+    gate: when it is released (`GateConfig`).
     guards: collapse and staleness warnings (`GuardConfig`).
     recall_guard: the recall guard's rollback (`RecallGuardConfig`).
   Options of two parts that exclude each other are refused here, naming
@@ -342,7 +371,7 @@ class PretrainConfig(loop.TrainConfig):
   batch_size: int = 512
   learning_rate: float = 3e-5
   adam_bias_correction: bool = False
-  reader_length: int = 384
+  reader_length: int | None = None
   checkpoint_every: int = 500
   index_mode: str = "builder"
   refresh_every: int | None = None
@@ -350,6 +379,7 @@ class PretrainConfig(loop.TrainConfig):
   index_build: builder.IndexBuildConfig = builder.IndexBuildConfig()
   retrieval: RetrievalConfig = RetrievalConfig()
   retriever: RetrieverScheduleConfig = RetrieverScheduleConfig()
+  gate: GateConfig = GateConfig()
   guards: GuardConfig = GuardConfig()
   recall_guard: RecallGuardConfig = RecallGuardConfig()
 

@@ -347,13 +347,9 @@ def _inputs(config: ReaderPrepConfig):
     head = queries.sample(config.max_queries)
   finally:
     queries.close()
-  reader_length = config.reader_length or (query_length
-                                           + store.max_block_len)
-  if reader_length <= query_length:
-    raise ValueError(
-        f"ReaderPrepConfig.reader_length={reader_length} must exceed the "
-        f"query_length={query_length} of {config.queries}.")
-  return store, head, reader_length
+  return store, head, realm_inputs.reader_length(
+      config.reader_length, query_length, store.max_block_len,
+      field="ReaderPrepConfig.reader_length", queries=config.queries)
 
 
 def train(*, config: ReaderPrepConfig, model: RealmConfig,

@@ -168,6 +168,26 @@ def null_document_inputs(seq_len: int, cls_id: int, sep_id: int, pad_id: int = 0
   return {"token_ids": ids, "input_mask": mask, "segment_ids": segments}
 
 
+def reader_length(configured: int | None, query_length: int,
+                  block_length: int, *, field: str, queries: str) -> int:
+  """The reader's input length: `configured`, or None: the queries' length
+  plus the blocks' (`[CLS] x [SEP] body [SEP]` reads a query of
+  `query_length` and a body of up to `block_length` - 2 wordpieces).
+
+  Raises:
+    ValueError: naming `field` (the config's) and the query cache
+      `queries`, if the length does not exceed `query_length`.
+  """
+  length = configured or query_length + block_length
+  if length <= query_length:
+    raise ValueError(
+        f"{field}={length} must exceed the query_length={query_length} of "
+        f"the query cache {queries} (the reader reads [CLS] x [SEP] body "
+        f"[SEP]): set it to {query_length} + the block length, or None for "
+        "that.")
+  return length
+
+
 def reader_inputs(query_ids: np.ndarray, query_mask: np.ndarray,
                   bodies: np.ndarray, body_lengths: np.ndarray, *,
                   seq_len: int, sep_id: int, pad_id: int = 0

@@ -237,3 +237,68 @@ def test_parse_does_not_log_gin_search_path_probes(caplog):
   with pytest.raises(IOError, match="nonexistent.gin"):
     gin_cli.parse(["experiments/nonexistent.gin"], [])
   gin.clear_config()
+
+
+def test_the_default_recipe_is_gated_and_guarded():
+  """runs/pretrain.gin: the retriever released only on the reader's
+  measured evidence with an effect (no step count), and the recall guard
+  on; runs/pretrain_original.gin: REALM's own settings, neither."""
+  def configured(run_file):
+    gin.clear_config()
+    try:
+      gin_cli.parse(["models/tiny.gin", run_file], REQUIRED)
+      return (gin.get_configurable(pretrain.PretrainConfig)(),
+              gin.get_configurable(realm.RealmConfig)())
+    finally:
+      gin.clear_config()
+
+  config, model = configured("runs/pretrain.gin")
+  assert config.gate == pretrain.GateConfig(
+      mode="evidence", latest_release=None, queries="/tmp/a", every=50,
+      num_queries=2048, min_evidence_z=3.0, min_utility=0.005, patience=2)
+  assert config.recall_guard.enabled
+  assert (config.recall_guard.queries, config.recall_guard.probe) == (
+      "/tmp/a", "answer")
+  assert config.retriever.learning_rate_multiplier == 0.1
+  assert model.retriever.null_score == "learned_mean"
+  original, model = configured("runs/pretrain_original.gin")
+  assert (original.gate.mode, original.gate.latest_release) == ("steps", 0)
+  assert not original.recall_guard.enabled
+  assert original.retriever.learning_rate_multiplier == 1.0
+  assert not original.adam_bias_correction
+  assert model.retriever.null_score == "embedding"
+
+
+def _statements(path):
+  from gin import config_parser  # pylint: disable=g-import-not-at-top
+  with open(path, encoding="utf-8") as f:
+    return list(config_parser.ConfigParser(
+        f.read(), gin.config.ParserDelegate(skip_unknown=True)))
+
+
+def _bound(path) -> dict:
+  """(scope, selector, argument) -> str(value) as the file and its
+  includes leave them, in gin's order (a later binding wins)."""
+  from gin import config_parser  # pylint: disable=g-import-not-at-top
+  bound = {}
+  for statement in _statements(path):
+    if isinstance(statement, config_parser.IncludeStatement):
+      bound.update(_bound(os.path.join(GIN_DIR, statement.filename)))
+    elif isinstance(statement, config_parser.BindingStatement):
+      bound[statement.scope, statement.selector, statement.arg_name] = str(
+          statement.value)
+  return bound
+
+
+@pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)
+def test_no_gin_file_repeats_a_value_its_includes_bind(path):
+  from gin import config_parser  # pylint: disable=g-import-not-at-top
+  included, repeats = {}, []
+  for statement in _statements(path):
+    if isinstance(statement, config_parser.IncludeStatement):
+      included.update(_bound(os.path.join(GIN_DIR, statement.filename)))
+    elif isinstance(statement, config_parser.BindingStatement):
+      key = statement.scope, statement.selector, statement.arg_name
+      if included.get(key, object()) == str(statement.value):
+        repeats.append(".".join(k for k in key if k))
+  assert not repeats, f"{path} binds again what its includes bind: {repeats}"

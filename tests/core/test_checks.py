@@ -271,8 +271,8 @@ def test_a_negative_retriever_multiplier_is_refused_by_its_own_name(tmp_path):
   with pytest.raises(ValueError, match=r"^RetrieverScheduleConfig\."
                      r"learning_rate_multiplier must be >= 0, got -1.0"):
     pretrain.RetrieverScheduleConfig(learning_rate_multiplier=-1.0)
-  with pytest.raises(ValueError, match=r"^RetrieverScheduleConfig\."
-                     r"freeze_steps must be an int >= 0, got -2"):
-    pretrain.RetrieverScheduleConfig(freeze_steps=-2)
+  with pytest.raises(ValueError, match=r"^GateConfig\.latest_release=-2 "
+                     r"must be >= 0"):
+    pretrain.GateConfig(latest_release=-2)
   assert pretrain.RetrieverScheduleConfig(
       learning_rate_multiplier=0.0).learning_rate_multiplier == 0.0

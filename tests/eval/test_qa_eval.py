@@ -19,14 +19,12 @@ import helpers
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core
 from realm_jax.core import checkpoints, parallel
-from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval, qa_model
-from realm_jax.index import builder, publish
+from realm_jax.index import publish
 from realm_jax.model import functional
-from realm_jax.model.realm import Realm
-from realm_jax.testing import corpus, tiny
+from realm_jax.testing import tiny
 from realm_jax.training import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
@@ -44,20 +42,8 @@ RECALL_KS = (1, 2, 5, 9)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  root = tmp_path_factory.mktemp("eval")
-  # One corpus per session: make_tiny_corpus reuses an existing one.
-  store_dir, _ = corpus.make_tiny_corpus(
-      str(tmp_path_factory.getbasetemp() / "tiny_qa_corpus"))
-  store = block_store.BlockStore.open(store_dir)
-  # Mean pooling: a random tiny BERT's pooler gives near-identical
-  # embeddings (ties everywhere); mean pooling ranks blocks apart.
-  config = tiny.tiny_realm(vocab_size=30522, pooling="mean")
-  graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)
-  workdir = root / "run"
-  builder.build_and_publish(
-      retriever_params=params["retriever"], retriever_config=config.retriever,
-      store=store, root=str(workdir / "index"), step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+  store, config, graphdef, params, workdir = tiny.indexed_tiny_corpus(
+      tmp_path_factory, "eval")
   index = publish.load_frozen_index(str(workdir / "index"), store, config)
   model = qa_model.QAModel(config, params, index, store, QA_CONFIG,
                            batch_size=4)

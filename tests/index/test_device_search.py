@@ -6,19 +6,13 @@ import numpy as np
 import pytest
 
 from realm_jax.core import parallel
-from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import device_search, searchers
+from realm_jax.testing import corpus
 from realm_jax.training import realm_inputs
 
 ARTICLES = {
-    "Paris": "Paris is the capital of France. It lies on the Seine. "
-             "The city has many museums, including the Louvre.",
-    "Berlin": "Berlin is the capital of Germany. The Wall fell in 1989.",
-    "Tokyo": "Tokyo is the capital of Japan. It hosted the Olympics in 1964 "
-             "and in 2021.",
-    "Nile": "The Nile is a river in Africa. It flows north into the "
-            "Mediterranean Sea.",
+    **corpus.SHORT_ARTICLES,
     "Great Barrier Reef": "The Great Barrier Reef lies off Australia. It is "
                           "the largest coral reef system in the world.",
 }
@@ -31,12 +25,8 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-  tok = Tokenizer()
-  docs = [wikipedia.Document(t, x) for t, x in ARTICLES.items()]
-  return block_store.write_block_store(
-      blocks.pack_blocks(docs, tok, max_block_len=16),
-      str(tmp_path_factory.mktemp("s") / "store"),
-      tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
+  return corpus.small_blocks(str(tmp_path_factory.mktemp("s") / "store"),
+                             ARTICLES)
 
 
 def _search_index(mesh, embeddings, dtype=np.float32):

@@ -55,7 +55,8 @@ def _launch(tmp_path, steps=1000, name="run"):
       ("PretrainConfig.batch_size", 8), ("RetrievalConfig.num_candidates", 2),
       ("PretrainConfig.reader_length", 64),
       ("PretrainConfig.checkpoint_every", 2), ("PretrainConfig.log_every", 1),
-      ("RetrieverScheduleConfig.freeze_steps", 0),
+      ("GateConfig.mode", "'steps'"), ("GateConfig.latest_release", 0),
+      ("RecallGuardConfig.queries", "''"),
       ("PretrainConfig.index_wait_seconds", 300.0))]
   proc = subprocess.Popen(
       ["bash", os.path.join(ROOT, "launch", "local.sh"), workdir, store,

@@ -15,9 +15,8 @@ from absl import logging as absl_logging
 
 from realm_jax import gin_cli
 from realm_jax.model.realm import RealmConfig
-from realm_jax.testing import corpus, knowledge_world
-from realm_jax.training import collapse, ict, pretrain
-from realm_jax.core import checkpoints
+from realm_jax.testing import knowledge_world
+from realm_jax.training import collapse, pretrain
 
 STEPS = 10
 
@@ -27,21 +26,8 @@ def world_and_ict(tmp_path_factory):
   root = tmp_path_factory.mktemp("world")
   files = knowledge_world.write_world(str(root / "world"), num_people=64,
                                       num_heldout=16)
-  workdir = str(root / "ict")
-  gin.clear_config()
-  gin_cli.parse(["experiments/pretrain_world_cpu.gin"], [
-      f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{files.block_store}'",
-      "QUERIES = 'unused'",
-      "ict.IctTrainConfig.num_train_steps = 30",
-      "ict.IctTrainConfig.batch_size = 16",
-      "realm.RetrieverConfig.null_score = 'embedding'"])
-  ict.train(config=gin.get_configurable(ict.IctTrainConfig)(),
-            model=gin.get_configurable(RealmConfig)())
-  gin.clear_config()
-  # The queries pretrain_world_cpu.gin reads (query_length 32, 2 masks).
-  queries = corpus.make_query_cache(files.train, str(root / "queries"),
-                                    query_length=32, max_masks=2)
-  return files, queries, checkpoints.checkpoint_dir(workdir)
+  return files, *knowledge_world.ict_warm_start(str(root), files, steps=30,
+                                                batch_size=16)
 
 
 def _pretrain(workdir, files, queries, ict_ckpts, bindings):
@@ -52,13 +38,14 @@ def _pretrain(workdir, files, queries, ict_ckpts, bindings):
       f"INIT_FROM = 'checkpoint:{ict_ckpts}'",
       # A fixed warm-up (the recipe's gate is tested in
       # test_retriever_gate.py): 4 frozen steps, then the retriever moves.
-      "pretrain.RetrieverScheduleConfig.gate = 'steps'",
+      "pretrain.GateConfig.mode = 'steps'",
+      "pretrain.RecallGuardConfig.queries = ''",
       f"pretrain.PretrainConfig.num_train_steps = {STEPS}",
       "pretrain.PretrainConfig.batch_size = 16",
       "pretrain.PretrainConfig.log_every = 2",
       # The target, p(null|x) <= 0.5 throughout, as the guard.
       "pretrain.GuardConfig.null_probability_warning = 0.5",
-      "pretrain.RetrieverScheduleConfig.freeze_steps = 4"] + bindings)
+      "pretrain.GateConfig.latest_release = 4"] + bindings)
   try:
     return pretrain.train(
         config=gin.get_configurable(pretrain.PretrainConfig)(),
@@ -115,7 +102,7 @@ def test_a_real_hub_and_the_null_trap_are_reported_once(monkeypatch):
   for step in range(15, 40):  # a hub: 3 of every 4 queries get block 3
     _log(guard, step, [3, 3, 3, rng.integers(10, 1000)], null=0.2)
   assert len(warnings) == 1, warnings
-  assert "step 15" in warnings[0] and "freeze_steps" in warnings[0]
+  assert "step 15" in warnings[0] and "latest_release" in warnings[0]
   assert "last 64 queries" in warnings[0]
   for step in range(40, 80):  # then the null trap
     _log(guard, step, rng.integers(0, 1000, 4), null=0.95)

@@ -114,16 +114,61 @@ def test_answer_bearing_blocks_hold_the_masked_span(tmp_path):
 @pytest.mark.parametrize("broken", ["missing", "corrupt"])
 def test_the_gates_cache_errors_name_gate_queries(tmp_path, broken):
   """A missing or corrupt gate cache: the error says that the cache at
-  fault is `RetrieverScheduleConfig.gate_queries` (the run has two caches)."""
+  fault is `GateConfig.queries` (the run has two caches)."""
   import types  # pylint: disable=g-import-not-at-top
   cache = tmp_path / "gate_cache"
   if broken == "corrupt":
     cache.mkdir()
     (cache / "manifest.json").write_text("{not json")
-  config = types.SimpleNamespace(
-      seed=0, retriever=types.SimpleNamespace(gate_queries=str(cache),
-                                              gate_num_queries=8))
+  config = types.SimpleNamespace(queries=str(cache), num_queries=8)
   with pytest.raises((OSError, ValueError), match=(
-      r"^RetrieverScheduleConfig.gate_queries='.*gate_cache' \(the "
-      r"retriever gate's query cache\): .*gate_cache")):
-    gate._gate_queries(config, None)
+      r"^GateConfig.queries='.*gate_cache' \(the retriever gate's query "
+      r"cache\): .*gate_cache")):
+    gate._gate_queries(config, None, seed=0)
+
+
+# The two held-out 1,000-person worlds that the evidence gate alone
+# released and that then lost their ICT recall (issue 57): z 9.88 then 7.42
+# on utilities of 0.0001 and -0.0000 nats; z 9.41 then 6.16 on 0.0000 and
+# 0.0001.
+FAILED_RELEASES = [[(9.88, 0.0001), (7.42, -0.00004)],
+                   [(9.41, 0.00004), (6.16, 0.0001)]]
+EVIDENCE_GATE = dict(mode="evidence", min_utility=0.005, min_evidence_z=3.0,
+                     patience=2)
+
+
+def _decide(evaluations, **gate_settings):
+  """The gate's decisions over a run of (z, utility) evaluations."""
+  streak, decisions = 0, []
+  for z, utility in evaluations:
+    streak, release = gate.gate_decision(
+        {"evidence_z": z, "utility": utility}, streak, **gate_settings)
+    decisions.append(release)
+  return decisions
+
+
+@pytest.mark.parametrize("evaluations", FAILED_RELEASES)
+def test_significance_without_an_effect_never_releases(evaluations):
+  assert _decide(evaluations, **EVIDENCE_GATE) == [False, False]
+  # Without the floor the same evaluations released (as they did).
+  assert _decide(evaluations, **dict(EVIDENCE_GATE, min_utility=-1.0)) == [
+      False, True]
+
+
+def test_a_real_effect_releases_once_significant_in_a_row():
+  # The 300-person world of seed 0 (learned_mean): z 4.33, 2.83, 3.93,
+  # 7.80; the blocks add 0.0745 nats at the last.
+  run = [(4.33, 0.0129), (2.83, -0.0066), (3.93, -0.0007), (7.80, 0.0745)]
+  assert _decide(run, **EVIDENCE_GATE) == [False, False, False, True]
+  # A streak that has the significance waits for the effect.
+  run = [(5.0, 0.001), (5.0, 0.001), (5.0, 0.004), (5.0, 0.006)]
+  assert _decide(run, **EVIDENCE_GATE) == [False, False, False, True]
+  # An effect without significance holds.
+  assert _decide([(2.9, 0.5)] * 3, **EVIDENCE_GATE) == [False] * 3
+
+
+def test_the_utility_gate_tests_the_effect_itself():
+  settings = dict(mode="utility", min_utility=0.1, min_evidence_z=3.0,
+                  patience=2)
+  run = [(0.0, 0.13), (0.0, 0.05), (0.0, 0.12), (99.0, 0.14)]
+  assert _decide(run, **settings) == [False, False, False, True]

@@ -297,8 +297,7 @@ def test_realm_optimizer_freezes_then_trains_the_retriever_apart():
   freeze, mult = 4, 0.25
   got = _run(opt.realm_optimizer(
       learning_rate=0.1, num_train_steps=9, warmup_steps=2,
-      retriever_learning_rate_multiplier=mult,
-      freeze_retriever_steps=freeze), params, grads)
+      learning_rate_multiplier=mult, latest_release=freeze), params, grads)
   # The reader follows BERT's optimiser over all 9 steps, alone.
   reader = _run(opt.bert_optimizer(learning_rate=0.1, num_train_steps=9,
                                    warmup_steps=2),
@@ -326,27 +325,28 @@ def test_realm_optimizer_multiplier_zero_freezes_for_good():
   params, grads = _realm_params_and_grads(np.random.default_rng(2), 4)
   got = _run(opt.realm_optimizer(learning_rate=0.1, num_train_steps=4,
                                  warmup_steps=0,
-                                 retriever_learning_rate_multiplier=0.0),
+                                 learning_rate_multiplier=0.0),
              params, grads)
   jax.tree.map(np.testing.assert_array_equal, got[-1]["retriever"],
                params["retriever"])
   assert not np.allclose(got[-1]["reader"]["w"], params["reader"]["w"])
   with pytest.raises(ValueError, match="multiplier"):
     opt.realm_optimizer(learning_rate=0.1, num_train_steps=4,
-                        retriever_learning_rate_multiplier=-1.0)
-  with pytest.raises(ValueError, match="freeze_retriever_steps"):
+                        learning_rate_multiplier=-1.0)
+  with pytest.raises(ValueError, match="latest_release"):
     opt.realm_optimizer(learning_rate=0.1, num_train_steps=4,
-                        freeze_retriever_steps=-1)
+                        latest_release=-1)
 
 
 def test_realm_optimizer_gate_releases_the_retriever_early():
-  """`release_frozen` at update r < freeze_retriever_steps: the retriever
-  then follows a fresh BERT optimiser over the N - r updates left."""
+  """`release_frozen` at update r, with no latest release (None: only on
+  the gate's evidence): the retriever then follows a fresh BERT optimiser
+  over the N - r updates left."""
   params, grads = _realm_params_and_grads(np.random.default_rng(3), 9)
   tx = opt.realm_optimizer(learning_rate=0.1, num_train_steps=9,
                            warmup_steps=2,
-                           retriever_learning_rate_multiplier=0.5,
-                           freeze_retriever_steps=9, gated=True)
+                           learning_rate_multiplier=0.5,
+                           latest_release=None)
   state, p, got = tx.init(params), params, []
   assert opt.release_step(state) == 9
   for i, g in enumerate(grads):

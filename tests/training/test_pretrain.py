@@ -39,7 +39,8 @@ def tiny_corpus(tmp_path_factory):
 
 # PretrainConfig's parts, by field name (`_bindings`' `part__field`).
 PARTS = {"retrieval": "RetrievalConfig", "retriever": "RetrieverScheduleConfig",
-         "guards": "GuardConfig", "recall_guard": "RecallGuardConfig"}
+         "gate": "GateConfig", "guards": "GuardConfig",
+         "recall_guard": "RecallGuardConfig"}
 
 
 def _bindings(workdir, tiny_corpus, **overrides):
@@ -373,7 +374,7 @@ def test_reranking_a_stale_index_trains_like_a_fresh_index(
   store, _ = corpus.make_tiny_corpus(str(tmp_path / "corpus64"),
                                      max_block_len=64)
   _, queries = tiny_corpus
-  moving = {"retrieval__num_candidates": 3, "retriever__freeze_steps": 0,
+  moving = {"retrieval__num_candidates": 3, "gate__latest_release": 0,
             "retriever__learning_rate_multiplier": 1.0,
             "learning_rate": 3e-2}
   reordered = []
@@ -453,7 +454,7 @@ def test_query_side_mode_never_changes_the_document_tower_or_the_index(
   workdir = str(tmp_path / "query_side")
   config, model = _configs(_bindings(
       workdir, tiny_corpus, retriever__training="query_side",
-      retriever__freeze_steps=0, retriever__learning_rate_multiplier=1.0,
+      gate__latest_release=0, retriever__learning_rate_multiplier=1.0,
       learning_rate=3e-2) + [
           "realm.RetrieverConfig.share_towers = False"])
   history = pretrain.train(config=config, model=model)
@@ -499,10 +500,8 @@ def test_a_torn_gate_record_does_not_block_the_resume(tmp_path, tiny_corpus,
   checkpoint of step 4) resumes: the torn record is dropped with a warning
   naming the file, and the resumed run's decisions are whole lines."""
   workdir = str(tmp_path / "run")
-  gate = dict(retriever__gate="evidence",
-              retriever__gate_queries=tiny_corpus[1],
-              retriever__gate_every=2, retriever__gate_num_queries=8,
-              retriever__freeze_steps=STEPS)
+  gate = dict(gate__mode="evidence", gate__queries=tiny_corpus[1],
+              gate__every=2, gate__num_queries=8, gate__latest_release=None)
   config, model = _configs(_bindings(workdir, tiny_corpus, **gate))
   pretrain.train(config=config, model=model)
   path = os.path.join(workdir, "gate.jsonl")
@@ -525,3 +524,41 @@ def test_a_torn_gate_record_does_not_block_the_resume(tmp_path, tiny_corpus,
   with open(path, encoding="utf-8") as f:
     steps = [json.loads(line)["step"] for line in f]
   assert steps == [0, 2, 4, 6]
+
+
+def test_the_default_recipe_runs_the_gate_and_the_recall_guard(tmp_path,
+                                                               tiny_corpus):
+  """runs/pretrain.gin with nothing but a model, a corpus and queries (the
+  run's size aside): the evidence gate and the recall guard both evaluate
+  the run, on its own queries, and the retriever stays frozen without the
+  gate's evidence (no step count releases it)."""
+  store, queries = tiny_corpus
+  workdir = str(tmp_path / "run")
+  gin.clear_config()
+  try:
+    gin_cli.parse(["models/tiny.gin", "models/cpu.gin", "runs/pretrain.gin"],
+                  [f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
+                   f"QUERIES = '{queries}'"] + [
+                       f"pretrain.{b}" for b in (
+                           "PretrainConfig.num_train_steps = 4",
+                           "PretrainConfig.batch_size = 8",
+                           "PretrainConfig.checkpoint_every = 2",
+                           "PretrainConfig.index_mode = 'inline'",
+                           "GateConfig.every = 2",
+                           "RecallGuardConfig.every = 2")] + [
+                               "builder.IndexBuildConfig.searcher = 'exact'"])
+    config = gin.get_configurable(pretrain.PretrainConfig)()
+    model = gin.get_configurable(pretrain.RealmConfig)()
+  finally:
+    gin.clear_config()
+  assert config.gate.mode == "evidence" and config.recall_guard.enabled
+  pretrain.train(config=config, model=model)
+  records = {}
+  for name in ("gate", "recall_guard"):
+    with open(os.path.join(workdir, f"{name}.jsonl"), encoding="utf-8") as f:
+      records[name] = [json.loads(line) for line in f]
+  assert [r["step"] for r in records["gate"]] == [0, 2]
+  assert not any(r["released"] for r in records["gate"])
+  assert [r["step"] for r in records["recall_guard"]] == [0, 2]
+  assert records["recall_guard"][0]["probe"] == "answer-bearing"
+  assert not any(r["training"] for r in records["recall_guard"])

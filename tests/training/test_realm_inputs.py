@@ -3,30 +3,18 @@
 import numpy as np
 import pytest
 
-from realm_jax.data import block_store, blocks, wikipedia
+from realm_jax.data import blocks
 from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.testing import corpus
 from realm_jax.training import realm_inputs
 
-ARTICLES = {
-    "Paris": "Paris is the capital of France. It lies on the Seine. "
-             "The city has many museums, including the Louvre.",
-    "Berlin": "Berlin is the capital of Germany. The Wall fell in 1989.",
-    "Tokyo": "Tokyo is the capital of Japan. It hosted the Olympics in 1964 "
-             "and in 2021.",
-    "Nile": "The Nile is a river in Africa. It flows north into the "
-            "Mediterranean Sea.",
-}
+ARTICLES = corpus.SHORT_ARTICLES
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-  tok = Tokenizer()
-  docs = [wikipedia.Document(t, x) for t, x in ARTICLES.items()]
-  # Small blocks so articles span several blocks.
-  return block_store.write_block_store(
-      blocks.pack_blocks(docs, tok, max_block_len=16),
-      str(tmp_path_factory.mktemp("s") / "store"),
-      tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
+  return corpus.small_blocks(str(tmp_path_factory.mktemp("s") / "store"),
+                             ARTICLES)
 
 
 def test_select_candidates_drops_the_source_article_keeping_rank(store):
@@ -187,3 +175,16 @@ def test_pretraining_batch_layout(store):
       np.testing.assert_array_equal(
           batch["reader_ids"][i, c][queries["mlm_positions"][i]],
           query_ids[i][queries["mlm_positions"][i]])
+
+
+def test_the_readers_length_is_the_queries_plus_the_blocks_unless_set():
+  """Pre-training and reader preparation derive it alike (REALM: 96 +
+  288 = 384); a length that leaves no room for a block is refused."""
+  def length(configured):
+    return realm_inputs.reader_length(configured, 96, 288, field="F.n",
+                                      queries="/q")
+  assert length(None) == 384
+  assert length(200) == 200
+  with pytest.raises(ValueError, match=r"^F.n=96 must exceed the "
+                     r"query_length=96 of the query cache /q"):
+    length(96)

@@ -1,10 +1,9 @@
 """The recall guard: the retriever rolled back when REALM makes it worse.
 
 A tiny real-text corpus whose sentences are also its blocks (REALM's X
-within Z, so every held-out sentence has an own block), and questions
-about it. The retriever is released early and trained at a rate that
+within Z, so every held-out sentence has an own block). The retriever is released early and trained at a rate that
 wrecks it; the guard must see its recall fall (own-block recall of the
-sentences, or question recall: an answer-bearing block retrieved), put
+sentences, or a block holding the sentence's masked span), put
 the initial retriever back exactly and keep it frozen. With the retriever
 never released, the guard must never act.
 """
@@ -20,10 +19,12 @@ import pytest
 from realm_jax import gin_cli
 from realm_jax.core import checkpoints
 from realm_jax.testing import corpus
-from realm_jax.data import block_store, qa
-from realm_jax.eval import pretrain_eval
+from realm_jax.data import block_store
 from realm_jax.index import embed
-from realm_jax.training import gate, ict, pretrain
+from realm_jax.data import query_cache
+from realm_jax.model import functional
+from realm_jax.model.realm import Realm
+from realm_jax.training import ict, pretrain, realm_inputs, recall_guard
 
 STEPS = 12
 
@@ -47,25 +48,24 @@ def tiny_corpus(tmp_path_factory):
               model=gin.get_configurable(ict.RealmConfig)())
   finally:
     gin.clear_config()
-  questions = corpus.write_questions(os.path.join(directory, "qa.jsonl"))
-  return store, queries, checkpoints.checkpoint_dir(workdir), questions
+  return store, queries, checkpoints.checkpoint_dir(workdir)
 
 
 def _binding(key, value):
   """`pretrain.PretrainConfig.key = value`; `part__field`: its part's."""
   part, _, field = key.rpartition("__")
   scope = {"": "PretrainConfig", "retriever": "RetrieverScheduleConfig",
-           "recall_guard": "RecallGuardConfig"}[part]
+           "gate": "GateConfig", "recall_guard": "RecallGuardConfig"}[part]
   return f"pretrain.{scope}.{field} = {value!r}"
 
 
 def _run(workdir, tiny_corpus, extra=(), **overrides):
-  store, queries, ict_checkpoints, _ = tiny_corpus
+  store, queries, ict_checkpoints = tiny_corpus
   values = {"num_train_steps": STEPS, "checkpoint_every": 2,
             "keep_checkpoints": 100, "reader_length": 64,
             "recall_guard__every": 2, "recall_guard__queries": queries,
             "recall_guard__k": 1, "recall_guard__max_drop": 0.0,
-            "recall_guard__patience": 1, "retriever__freeze_steps": 2,
+            "recall_guard__patience": 1, "gate__latest_release": 2,
             "learning_rate": 3e-2, "retriever__learning_rate_multiplier": 1.0,
             **overrides}
   gin.clear_config()
@@ -98,20 +98,17 @@ QUERY_SIDE = ("pretrain.RetrieverScheduleConfig.training = 'query_side'",
               "realm.RetrieverConfig.share_towers = False")
 
 
-def _questions(tiny_corpus):
-  """The guard on the corpus's questions instead of its sentences."""
-  return {"recall_guard__queries": "",
-          "recall_guard__questions": tiny_corpus[3]}
+OWN_BLOCK = {"recall_guard__probe": "own_block"}
 
 
 @pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 @pytest.mark.parametrize("extra, probe", [
-    ((), "own-block"), (QUERY_SIDE, "own-block"), ((), "question")],
-                         ids=["full", "query_side", "questions"])
+    ((), "own-block"), (QUERY_SIDE, "own-block"), ((), "answer-bearing")],
+                         ids=["full", "query_side", "answer"])
 def test_a_wrecked_retriever_is_rolled_back_and_frozen(tmp_path, tiny_corpus,
                                                        extra, probe):
   workdir = str(tmp_path / "run")
-  guard = _questions(tiny_corpus) if probe == "question" else {}
+  guard = OWN_BLOCK if probe == "own-block" else {}
   log = _run(workdir, tiny_corpus, extra, **guard)
   assert [e["step"] for e in log][0] == 0
   assert {e["probe"] for e in log} == {probe}
@@ -146,7 +143,7 @@ def test_bad_guard_settings_are_refused(field, value):
 @pytest.mark.slow  # Minutes of training: CI runs it after the suite.
 def test_a_frozen_retriever_is_never_rolled_back(tmp_path, tiny_corpus):
   log = _run(str(tmp_path / "run"), tiny_corpus,
-             retriever__freeze_steps=STEPS)
+             gate__latest_release=STEPS)
   assert [e["step"] for e in log] == list(range(0, STEPS, 2))
   assert not any(e["training"] or e["rolled_back"] or e["streak"]
                  for e in log)
@@ -159,12 +156,14 @@ def test_full_training_on_an_inline_index_is_guarded_on_fresh_indices():
   tower: the guard waits for a refresh step, unless the index is exact
   (query-side) or a builder's."""
   def every(guard_every, training="full", **kw):
-    return gate.guard_every(pretrain.PretrainConfig(
+    config = pretrain.PretrainConfig(
         workdir="unused", queries="unused", block_store="unused",
         index_mode=kw.pop("index_mode", "inline"),
         recall_guard=pretrain.RecallGuardConfig(queries="q",
-                                                every=guard_every),
-        retriever=pretrain.RetrieverScheduleConfig(training=training), **kw))
+                                                every=guard_every), **kw)
+    return recall_guard.guard_every(
+        config.recall_guard, index_mode=config.index_mode, training=training,
+        refresh_period=config.refresh_period)
   assert every(50, checkpoint_every=20) == 100
   assert every(50, checkpoint_every=25) == 50
   assert every(25, checkpoint_every=250) == 250
@@ -173,13 +172,16 @@ def test_full_training_on_an_inline_index_is_guarded_on_fresh_indices():
   assert every(50, checkpoint_every=20, index_mode="builder") == 50
 
 
-def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
-  """The guard's question recall@1 of the initial retriever is what the
-  evaluation's `qa_recall@1` counts, by exact search over a fresh
-  embedding of every block."""
+def test_answer_recall_counts_blocks_that_hold_the_masked_span(
+    tmp_path, tiny_corpus):
+  """The guard's default probe: recall@k of the initial retriever is the
+  share of the sentences with a top-k block (exact search over a fresh
+  embedding of every block) that holds the sentence's masked span."""
+  store_dir, queries_dir, _ = tiny_corpus
   workdir = str(tmp_path / "run")
-  log = _run(workdir, tiny_corpus, retriever__freeze_steps=STEPS,
-             num_train_steps=2, **_questions(tiny_corpus))
+  log = _run(workdir, tiny_corpus, gate__latest_release=STEPS,
+             num_train_steps=2, recall_guard__k=2)
+  assert log[0]["probe"] == "answer-bearing"
   params = checkpoints.restore_items(checkpoints.checkpoint_dir(workdir), 0,
                                      checkpoints.PARAM_ITEMS)
   gin.clear_config()
@@ -189,26 +191,23 @@ def test_question_recall_is_qa_recall(tmp_path, tiny_corpus):
     model = gin.get_configurable(pretrain.RealmConfig)()
   finally:
     gin.clear_config()
-  store = block_store.BlockStore.open(tiny_corpus[0])
+  store = block_store.BlockStore.open(store_dir)
   block_emb, _ = embed.embed_block_store(
       params["retriever"], model.retriever, store, log_every_seconds=1e9)
-  questions = qa.read_qa_jsonl(tiny_corpus[3], strict=True)
-  expected = pretrain_eval.qa_recall(
-      params, model, store, block_emb, questions, question_length=32,
-      ks=(1,))["qa_recall@1"]
-  assert 0 < expected < 1  # (a measure that can move either way)
-  assert log[0]["recall@1"] == pytest.approx(expected, abs=1e-9)
-
-
-def test_sentences_and_questions_together_are_refused():
-  with pytest.raises(ValueError, match="RecallGuardConfig.questions"):
-    pretrain.RecallGuardConfig(queries="unused", questions="unused")
-
-
-def test_too_few_questions_are_refused(tmp_path, tiny_corpus):
-  few = tmp_path / "few.jsonl"
-  with open(tiny_corpus[3], encoding="utf-8") as f:
-    few.write_text("".join(f.readlines()[:5]), encoding="utf-8")
-  with pytest.raises(ValueError, match=r"few\.jsonl: 5 question probes"):
-    _run(str(tmp_path / "run"), tiny_corpus, recall_guard__queries="",
-         recall_guard__questions=str(few))
+  stream = query_cache.QueryStream(queries_dir, seed=0, batch_size=1024)
+  try:
+    queries = stream.head(1024)
+  finally:
+    stream.close()
+  graphdef, _ = functional.abstract_init(lambda r: Realm(model, rngs=r))
+  query_emb = np.asarray(embed.make_query_embedder(graphdef, None)(
+      params, queries["query_ids"], queries["query_mask"]))
+  top = np.argsort(-(query_emb @ block_emb.T), axis=1, kind="stable")[:, :2]
+  spans = realm_inputs.masked_spans(queries)
+  held = [any(realm_inputs.holds_spans(
+      [span], *(x[None] for x in store.bodies(row, store.max_block_len))
+  )[0]) for span, row in zip(spans, top) if len(span)]
+  # (The guard's probes: as many as divide over the devices.)
+  held = held[:len(held) // jax.device_count() * jax.device_count()]
+  assert 0 < np.mean(held) < 1  # (a measure that can move either way)
+  assert log[0]["recall@2"] == pytest.approx(np.mean(held), abs=1e-6)
