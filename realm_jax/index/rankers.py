@@ -141,6 +141,7 @@ class BM25Ranker:
 
 
 @dataclasses.dataclass(frozen=True)
+@checks.type_checked
 class FusionConfig:
   """How `HybridRanker` fuses (module docstring).
 
