@@ -37,6 +37,7 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -155,21 +156,21 @@ def topology(name: str) -> Topology:
     ValueError: a bad name, or libtpu is not installed.
   """
   chip, dims = parse_topology(name)
+  # libtpu takes a lock file (/tmp/libtpu_lockfile) so that two processes
+  # do not drive one TPU; compiling drives none, so several realm-aot
+  # processes (or test workers) may run at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   dims3 = dims + (1,) * (3 - len(dims))
   bounds = tuple(min(b, d) for b, d in zip(CHIPS_PER_HOST_BOUNDS, dims3))
-  try:
-    desc = topologies.get_topology_desc(
-        platform="tpu", topology_name=name,
-        chip_config_name=chip.chip_config_name,
-        chips_per_host_bounds=bounds, num_slices=1,
-        wrap=(False, False, False))
-  except RuntimeError as e:
-    if "libtpu" in str(e).lower() or "unknown backend" in str(e).lower():
-      raise ValueError(
-          "realm-aot needs the TPU compiler: pip install libtpu (the "
-          "'test' and 'tpu' extras carry it).") from e
-    raise
+  if importlib.util.find_spec("libtpu") is None:
+    raise ValueError(
+        "realm-aot needs the TPU compiler, which is not installed here: "
+        "pip install libtpu (the 'tpu' and 'test' extras carry it).")
+  desc = topologies.get_topology_desc(
+      platform="tpu", topology_name=name,
+      chip_config_name=chip.chip_config_name, chips_per_host_bounds=bounds,
+      num_slices=1, wrap=(False, False, False))
   return Topology(name, chip, tuple(desc.devices))
 
 
@@ -249,7 +250,8 @@ class Step:
     args: its arguments, `jax.ShapeDtypeStruct`s with shardings.
     kwargs: static keyword arguments (the search's k).
     global_batch: examples per step over the step's mesh.
-    batch_arg: index in `args` of the batch (split over the data axis).
+    batch_arg: index in `args` of the argument split over the data axis
+      (the batch; the search's index rows).
     mesh_devices: devices of the step's mesh.
     notes: what the step is, for the report.
     examples_per_step_total: examples per step over the whole pod (the
@@ -457,7 +459,8 @@ class Report:
   hosts: int
   mesh_devices: int
   global_batch: int
-  per_device_batch: int | None
+  split_rows: int
+  split_rows_per_device: int | None
   fits: bool
   hbm_per_chip_bytes: int | None
   hbm_capacity_bytes: int
@@ -492,9 +495,15 @@ def _cost(compiled) -> dict[str, float]:
   return dict(cost or {})
 
 
-def _per_device_batch(compiled, step: Step) -> int | None:
-  """Rows of the batch each device holds, read from the compiled input
-  shardings (not from the arguments), so replication would show."""
+def _split_rows(step: Step) -> int:
+  """Rows (leading axis) of the argument split over the data axis."""
+  return jax.tree_util.tree_leaves(step.args[step.batch_arg])[0].shape[0]
+
+
+def _rows_per_device(compiled, step: Step) -> int | None:
+  """Rows of the split argument each device holds, read from the compiled
+  input shardings (not from the arguments), so replication would show;
+  None if its leaves are split differently."""
   shardings = compiled.input_shardings[0][step.batch_arg]
   arg = step.args[step.batch_arg]
   leaves = jax.tree_util.tree_leaves(arg)
@@ -510,32 +519,36 @@ _NEEDED = re.compile(r"required for HLO temporaries \(([\d.]+\w?)\) exceeds "
 
 def advice(job: str, topo: Topology, global_batch: int) -> str:
   """What to change when `job`'s step does not fit `topo`."""
-  per_chip = global_batch / max(topo.chips, 1)
+  bigger = ", ".join(c.generation for c in CHIPS.values()
+                     if c.hbm_bytes > topo.chip.hbm_bytes)
+  if job == "search":
+    return "; ".join([
+        f"queries: every chip scores all {global_batch} queries against "
+        "its rows ([queries, rows per chip] float32 scores): lower "
+        "aot.AotConfig.search_queries",
+        f"sharding: a bigger topology than {topo.name} ({topo.chips} "
+        "chips) holds fewer rows per chip",
+        "dtype: --gin.aot.AotConfig.search_dtype=\"'bfloat16'\" halves "
+        "the index's embeddings"])
   batch_field = {"pretrain": "pretrain.PretrainConfig.batch_size",
                  "ict": "ict.IctTrainConfig.batch_size",
                  "finetune": "finetune.FinetuneConfig.batch_size",
-                 "embed": "builder.IndexBuildConfig.batch_size_per_device",
-                 "search": "aot.AotConfig.search_queries"}[job]
-  lines = [
-      f"per-chip batch: {per_chip:g} examples per chip now; halve "
-      f"{batch_field}, or use a bigger topology than {topo.name} "
-      f"({topo.chips} chips)"]
-  if job == "search":
-    lines.append("dtype: --gin.aot.AotConfig.search_dtype=\"'bfloat16'\" "
-                 "halves the index's embeddings")
-  else:
-    lines += [
-        "rematerialisation: --gin.bert.BertConfig.remat=True (each BERT "
-        "layer's activations recomputed in the backward pass, ~1/3 more "
-        "FLOPs)",
-        "dtype: --gin.bert.BertConfig.dtype=\"'bfloat16'\" (bfloat16 "
-        "activations and matmuls; parameters and LayerNorm stay float32)"]
-  lines.append(
-      f"sharding: parameters and Adam state are replicated on every chip "
-      f"(the 'data' axis splits the batch only); a chip with more HBM "
-      f"({', '.join(c.generation for c in CHIPS.values() if c.hbm_bytes > topo.chip.hbm_bytes) or 'none larger'}) "
-      f"holds more")
-  return "; ".join(lines)
+                 "embed": "builder.IndexBuildConfig.batch_size_per_device"
+                 }[job]
+  devices = topo.chips if job != "embed" else len(topo.host_devices(0))
+  return "; ".join([
+      f"per-chip batch: {global_batch / devices:g} examples per chip now: "
+      f"lower {batch_field}, or use a bigger topology than {topo.name} "
+      f"({topo.chips} chips)",
+      "rematerialisation: --gin.bert.BertConfig.remat=True (each BERT "
+      "layer's activations recomputed in the backward pass, ~1/3 more "
+      "FLOPs)",
+      "dtype: --gin.bert.BertConfig.dtype=\"'bfloat16'\" (bfloat16 "
+      "activations and matmuls; parameters, LayerNorm and softmax stay "
+      "float32)",
+      "sharding: parameters and Adam state are replicated on every chip "
+      "(the data axis splits the batch only), so a chip with more HBM "
+      f"({bigger or 'none is larger'}) is the way past them"])
 
 
 def compile_step(step: Step, topo: Topology, *,
@@ -550,7 +563,8 @@ def compile_step(step: Step, topo: Topology, *,
   chip = topo.chip
   report = Report(job=step.job, topology=topo.name, chips=topo.chips,
                   hosts=topo.hosts, mesh_devices=step.mesh_devices,
-                  global_batch=step.global_batch, per_device_batch=None,
+                  global_batch=step.global_batch,
+                  split_rows=_split_rows(step), split_rows_per_device=None,
                   fits=False, hbm_per_chip_bytes=None,
                   hbm_capacity_bytes=chip.hbm_bytes, notes=step.notes)
   start = time.time()
@@ -580,7 +594,7 @@ def compile_step(step: Step, topo: Topology, *,
   report.fits = report.hbm_per_chip_bytes <= chip.hbm_bytes
   if not report.fits:
     report.advice = advice(step.job, topo, step.global_batch)
-  report.per_device_batch = _per_device_batch(compiled, step)
+  report.split_rows_per_device = _rows_per_device(compiled, step)
   cost = _cost(compiled)
   flops, accessed = float(cost.get("flops", 0.0)), float(
       cost.get("bytes accessed", 0.0))
@@ -635,7 +649,8 @@ def format_report(r: Report) -> str:
       f"{_gb(r.temp_bytes)}, code {_gb(r.code_bytes)} = "
       f"{_gb(r.hbm_per_chip_bytes)} of {_gb(r.hbm_capacity_bytes)}: "
       + ("fits" if r.fits else "does NOT fit"),
-      f"  batch: {r.global_batch} per step, {r.per_device_batch} per device",
+      f"  split over the data axis: {r.split_rows} rows, "
+      f"{r.split_rows_per_device} per device",
       f"  compiler's cost analysis per chip: {r.flops_per_chip / 1e12:.3f} "
       f"TFLOP, {r.bytes_accessed_per_chip / 1e9:.2f} GB accessed"]
   if r.estimated_step_seconds:
