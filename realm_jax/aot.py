@@ -797,7 +797,10 @@ def job(dry_run: bool) -> None:
       print(config)
     print(model)
     return
-  reports = check(aot, configs, model)
+  try:
+    reports = check(aot, configs, model)
+  except ValueError as e:  # A config the job would refuse too.
+    raise SystemExit(f"realm-aot: {e}") from e
   too_big = [r for r in reports if not r.fits]
   if too_big:
     raise SystemExit(
