@@ -1,0 +1,105 @@
+r"""The gin_configs/pods/ recipes compiled by the TPU compiler (realm-aot).
+
+Runs `python -m realm_jax.aot --gin_file=pods/<recipe>.gin` for each recipe,
+one at a time (a BERT-base train step takes the compiler ~20 min on two
+idle cores), and appends every JSON line realm-aot prints to `--output`,
+with the recipe, the host's CPU count and its load average around the
+compile. Then prints the index staleness that follows: the steps of a
+pre-training run that one full refresh of the corpus (the embed recipe's
+estimate) lasts. Every time is the compiler's estimate (a roofline over
+its cost analysis), not a measurement.
+
+  python benchmarks/tpu_aot.py                    # every recipe
+  python benchmarks/tpu_aot.py --recipes=pretrain_bert_base_v5e_8x8,embed_bert_base_v5e_4x4
+  python benchmarks/tpu_aot.py --staleness_only   # from --output's lines
+
+Results: docs/benchmarks/tpu_aot.md (docs/benchmarks/tpu_aot.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PODS = os.path.join(ROOT, "gin_configs", "pods")
+# The paper's run first, then what its staleness needs, then the rest.
+ORDER = ("pretrain_", "embed_", "ict_", "finetune_", "search_")
+
+
+def recipes() -> list[str]:
+  names = [os.path.basename(p)[:-len(".gin")]
+           for p in glob.glob(os.path.join(PODS, "*.gin"))]
+  return sorted(names, key=lambda n: (
+      next(i for i, p in enumerate(ORDER) if n.startswith(p)), n))
+
+
+def compile_recipe(name: str, output: str) -> list[dict]:
+  """realm-aot on one recipe; its JSON lines, appended to `output`."""
+  load = os.getloadavg()[0]
+  command = [sys.executable, "-m", "realm_jax.aot",
+             f"--gin_file=pods/{name}.gin"]
+  start = time.time()
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          check=False)
+  print(result.stdout, flush=True)
+  lines = [json.loads(l) for l in result.stdout.splitlines()
+           if l.startswith("{")]
+  if not lines:
+    print(result.stderr[-3000:], file=sys.stderr)
+  with open(output, "a", encoding="utf-8") as f:
+    for line in lines:
+      line.update(recipe=name, command=" ".join(
+          ["python -m realm_jax.aot", f"--gin_file=pods/{name}.gin"]),
+                  host_cpus=os.cpu_count(), load_average_before=load,
+                  load_average_after=os.getloadavg()[0],
+                  wall_seconds=time.time() - start)
+      f.write(json.dumps(line) + "\n")
+  return lines
+
+
+def staleness(lines: list[dict]) -> list[dict]:
+  """For each (pre-training, embed) pair of one chip generation: the
+  training steps one full refresh lasts (REALM: about 500)."""
+  out = []
+  for train in lines:
+    if train["job"] != "pretrain" or not train.get("fits"):
+      continue
+    gen = train["topology"].split(":")[0]
+    for embed in lines:
+      if (embed["job"] == "embed" and embed.get("fits")
+          and embed["topology"].startswith(gen + ":")):
+        refresh = embed["estimated_refresh_seconds"]
+        out.append(dict(
+            pretrain=train["topology"], embed=embed["topology"],
+            refresh_minutes=refresh / 60,
+            pretrain_step_seconds=train["estimated_step_seconds"],
+            staleness_steps=refresh / train["estimated_step_seconds"]))
+  return out
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--recipes", default="",
+                      help="Comma-separated recipe names (default: all).")
+  parser.add_argument("--output", default=os.path.join(
+      ROOT, "docs", "benchmarks", "tpu_aot.jsonl"))
+  parser.add_argument("--staleness_only", action="store_true",
+                      help="Only the staleness, from --output's lines.")
+  args = parser.parse_args()
+  if not args.staleness_only:
+    for name in (args.recipes.split(",") if args.recipes else recipes()):
+      compile_recipe(name, args.output)
+  with open(args.output, encoding="utf-8") as f:
+    lines = [json.loads(l) for l in f if l.strip()]
+  for row in staleness(lines):
+    print(json.dumps(dict(benchmark="index_staleness", **row)), flush=True)
+
+
+if __name__ == "__main__":
+  main()
