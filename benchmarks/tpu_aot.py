@@ -11,7 +11,7 @@ its cost analysis), not a measurement.
 
   python benchmarks/tpu_aot.py                    # every recipe
   python benchmarks/tpu_aot.py --recipes=pretrain_bert_base_v5e_8x8,embed_bert_base_v5e_4x4
-  python benchmarks/tpu_aot.py --staleness_only   # from --output's lines
+  python benchmarks/tpu_aot.py --staleness_only --table   # from --output
 
 Results: docs/benchmarks/tpu_aot.md (docs/benchmarks/tpu_aot.jsonl).
 """
@@ -83,6 +83,30 @@ def staleness(lines: list[dict]) -> list[dict]:
   return out
 
 
+def table(lines: list[dict]) -> str:
+  """A markdown table of the compiled steps (the compiler's estimates)."""
+  rows = ["| recipe | job | topology (chips, hosts) | fits | HBM per chip "
+          "(args + out + temp + code) | TFLOP / GB accessed per chip | "
+          "estimated step | bound | estimated MFU | examples/s |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in lines:
+    if not r.get("fits"):
+      rows.append(f"| {r.get('recipe', '')} | {r['job']} | {r['topology']} "
+                  f"({r['chips']}, {r['hosts']}) | no | {r.get('error')} "
+                  "| | | | | |")
+      continue
+    rows.append(
+        f"| {r.get('recipe', '')} | {r['job']} | {r['topology']} "
+        f"({r['chips']}, {r['hosts']}) | yes | "
+        f"{r['hbm_per_chip_bytes'] / 1e9:.2f} GB of "
+        f"{r['hbm_capacity_bytes'] / 2**30:.0f} GiB | "
+        f"{r['flops_per_chip'] / 1e12:.2f} / "
+        f"{r['bytes_accessed_per_chip'] / 1e9:.1f} | "
+        f"{r['estimated_step_seconds']:.3f} s | {r['bound']} | "
+        f"{100 * r['estimated_mfu']:.0f}% | {r['examples_per_second']:,.0f} |")
+  return "\n".join(rows)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--recipes", default="",
@@ -90,7 +114,11 @@ def main() -> None:
   parser.add_argument("--output", default=os.path.join(
       ROOT, "docs", "benchmarks", "tpu_aot.jsonl"))
   parser.add_argument("--staleness_only", action="store_true",
-                      help="Only the staleness, from --output's lines.")
+                      help="Only the staleness (and --table), from "
+                      "--output's lines.")
+  parser.add_argument("--table", action="store_true",
+                      help="Also print --output's lines as a markdown "
+                      "table.")
   args = parser.parse_args()
   if not args.staleness_only:
     for name in (args.recipes.split(",") if args.recipes else recipes()):
@@ -99,6 +127,8 @@ def main() -> None:
     lines = [json.loads(l) for l in f if l.strip()]
   for row in staleness(lines):
     print(json.dumps(dict(benchmark="index_staleness", **row)), flush=True)
+  if args.table:
+    print(table(lines))
 
 
 if __name__ == "__main__":
