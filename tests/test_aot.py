@@ -2,10 +2,10 @@
 for single- and multi-host pod slices, on this CPU host.
 
 Each step is the job's own (`realm_jax.aot` builds it with the trainer's
-functions) at tiny sizes; each test asserts that it fits, that the compiler
-counts FLOPs, and that the data axis splits the batch over every device of
-the step's mesh (read from the compiled input shardings). The v4 slices
-compile the same steps again and are marked slow.
+functions) at tiny sizes; each is checked to fit, to have FLOPs the
+compiler counts, and to have its batch split by the data axis over every
+device of the step's mesh (read from the compiled input shardings). The v4
+slices compile the same steps again and are marked slow.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+import helpers
 from realm_jax import aot
 from realm_jax.data import examples
 from realm_jax.index import builder
@@ -61,31 +62,26 @@ def _compile_all(name: str) -> dict[str, aot.Report]:
 
 
 # (topology, chips, hosts): one single-host and one multi-host slice each.
+# One test per slice compiles every job once (a module fixture would be
+# compiled again by each xdist worker that runs one of its tests).
 TOPOLOGIES = [
-    pytest.param(("v5e:2x2", 4, 1), id="v5e:2x2"),
-    pytest.param(("v5e:4x4", 16, 4), id="v5e:4x4"),
-    pytest.param(("v4:2x2x1", 4, 1), id="v4:2x2x1", marks=pytest.mark.slow),
-    pytest.param(("v4:2x2x2", 8, 2), id="v4:2x2x2", marks=pytest.mark.slow),
+    pytest.param("v5e:2x2", 4, 1, id="v5e:2x2"),
+    pytest.param("v5e:4x4", 16, 4, id="v5e:4x4"),
+    pytest.param("v4:2x2x1", 4, 1, id="v4:2x2x1", marks=pytest.mark.slow),
+    pytest.param("v4:2x2x2", 8, 2, id="v4:2x2x2", marks=pytest.mark.slow),
 ]
 
 
-@pytest.fixture(scope="module", params=TOPOLOGIES)
-def compiled(request):
-  name, chips, hosts = request.param
-  return name, chips, hosts, _compile_all(name)
-
-
-@pytest.mark.parametrize("job", aot.JOBS)
-def test_step_fits_counts_flops_and_splits_the_batch(compiled, job):
-  name, chips, hosts, reports = compiled
-  r = reports[job]
+def _check(r: aot.Report, name: str, chips: int, hosts: int) -> None:
+  """A step that fits, counts FLOPs and splits its batch over every device
+  of its mesh."""
   assert (r.topology, r.chips, r.hosts) == (name, chips, hosts)
   assert r.fits, aot.format_report(r)
   assert 0 < r.hbm_per_chip_bytes <= r.hbm_capacity_bytes
   assert r.flops_per_chip > 0 and r.bytes_accessed_per_chip > 0
   assert r.estimated_step_seconds > 0 and 0 < r.estimated_mfu <= 1
   # The index builder embeds on each host's own chips; the others use all.
-  devices = chips // hosts if job == "embed" else chips
+  devices = chips // hosts if r.job == "embed" else chips
   assert r.mesh_devices == devices
   # Every device holds its own 1/devices of the split rows: none replicated.
   assert r.split_rows_per_device * devices == r.split_rows, r
@@ -97,8 +93,17 @@ def test_step_fits_counts_flops_and_splits_the_batch(compiled, job):
     assert line[field] is not None, field
 
 
-def test_run_length_and_refresh_estimates(compiled):
-  _, _, hosts, reports = compiled
+@pytest.mark.parametrize("name,chips,hosts", TOPOLOGIES)
+def test_every_jobs_step_fits_counts_flops_and_splits_the_batch(
+    name, chips, hosts):
+  reports = _compile_all(name)
+  assert sorted(reports) == sorted(aot.JOBS)
+  for job in aot.JOBS:
+    try:
+      _check(reports[job], name, chips, hosts)
+    except AssertionError as e:
+      raise AssertionError(f"{job} on {name}: {e}") from e
+  # The run length and the refresh time follow from the step's estimate.
   train = reports["pretrain"]
   assert train.estimated_days == pytest.approx(
       10 * train.estimated_step_seconds / 86400)
@@ -148,9 +153,8 @@ def test_bad_topology_names_the_field_and_the_form(name, message):
 
 def test_batch_that_does_not_divide_is_refused():
   config = aot.AotConfig(topology="v5e:4x4", jobs=("pretrain",))
-  configs = {"pretrain": _configs()["pretrain"]}
-  configs["pretrain"] = pretrain.PretrainConfig(
-      **_PATHS, queries="unused", batch_size=8, learning_rate=1e-3)
+  configs = {"pretrain": pretrain.PretrainConfig(
+      **_PATHS, queries="unused", batch_size=8, learning_rate=1e-3)}
   with pytest.raises(ValueError, match=r"PretrainConfig.batch_size=8 does "
                      r"not divide over the 16 devices"):
     aot.build_steps(config, aot.topology("v5e:4x4"), configs,
@@ -160,7 +164,7 @@ def test_batch_that_does_not_divide_is_refused():
 def _realm_aot(*args: str, env=None) -> subprocess.CompletedProcess:
   return subprocess.run(
       [sys.executable, "-m", "realm_jax.aot", *args], capture_output=True,
-      text=True, timeout=600, cwd=ROOT, env=env, check=False)
+      text=True, timeout=helpers.HANG_SECONDS, cwd=ROOT, env=env, check=False)
 
 
 def test_cli_compiles_a_job_recipe_and_prints_a_json_line():
