@@ -483,6 +483,7 @@ class Report:
   notes: str = ""
   error: str | None = None
   advice: str | None = None
+  executable: str | None = None
 
   def json_line(self) -> str:
     return json.dumps(dataclasses.asdict(self), sort_keys=False)
@@ -615,7 +616,8 @@ def compile_step(step: Step, topo: Topology, *,
       report.estimated_refresh_seconds = (
           math.ceil(num_blocks / total) * seconds)
   if serialize_dir:
-    _serialize(compiled, serialize_dir, f"{step.job}_{topo.name}")
+    report.executable = _serialize(compiled, serialize_dir,
+                                   f"{step.job}_{topo.name}")
   return report
 
 
@@ -626,8 +628,7 @@ def _serialize(compiled, directory: str, name: str) -> str:
   payload, _, _ = serialize_executable.serialize(compiled)
   path = io_utils.join(directory, name.replace(":", "_") + ".xla")
   io_utils.makedirs(directory)
-  with io_utils.open_file(path, "wb") as f:
-    f.write(payload)
+  io_utils.atomic_write_bytes(path, payload)
   return path
 
 

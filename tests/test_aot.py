@@ -131,6 +131,19 @@ def test_a_step_that_does_not_fit_is_refused_with_what_to_change():
   assert "does NOT fit" in text and "to fit, change:" in text
 
 
+def test_writes_the_serialized_executable(tmp_path):
+  config = aot.AotConfig(topology="v5e:2x2", jobs=("search",),
+                         num_blocks=_NUM_BLOCKS, search_queries=16,
+                         search_k=5)
+  topo = aot.topology("v5e:2x2")
+  (step, _), = aot.build_steps(config, topo, {},
+                               tiny.tiny_realm(vocab_size=97))
+  r = aot.compile_step(step, topo, serialize_dir=str(tmp_path / "xla"))
+  assert r.fits
+  assert r.executable == str(tmp_path / "xla" / "search_v5e_2x2.xla")
+  assert os.path.getsize(r.executable) > 1000
+
+
 def test_training_advice_names_batch_remat_dtype_and_sharding():
   topo = aot.topology("v5e:2x2")
   text = aot.advice("pretrain", topo, 512)
