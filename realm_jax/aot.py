@@ -205,7 +205,8 @@ class AotConfig:
     num_questions: training questions, for a fine-tuning run set in epochs
       (NQ-Open: 79,168).
     serialize_dir: write each compiled executable there
-      (`<job>_<topology>.xla`, jax's serialized form).
+      (`<job>_<topology>.xla`, jax's serialized form) with its optimized
+      HLO (`.hlo.txt`: which fusions and collectives the step runs).
     jsonl: append the JSON lines to this file too.
   """
 
@@ -622,13 +623,16 @@ def compile_step(step: Step, topo: Topology, *,
 
 
 def _serialize(compiled, directory: str, name: str) -> str:
-  """Writes `compiled` (jax's serialized executable) to directory/name.xla."""
+  """Writes `compiled` (jax's serialized executable) to directory/name.xla
+  and its optimized HLO to directory/name.hlo.txt; returns the first."""
   from jax.experimental import serialize_executable  # pylint: disable=g-import-not-at-top
   from realm_jax.core import io_utils  # pylint: disable=g-import-not-at-top
   payload, _, _ = serialize_executable.serialize(compiled)
   path = io_utils.join(directory, name.replace(":", "_") + ".xla")
   io_utils.makedirs(directory)
   io_utils.atomic_write_bytes(path, payload)
+  io_utils.atomic_write_text(path[:-len(".xla")] + ".hlo.txt",
+                             compiled.as_text())
   return path
 
 

@@ -142,6 +142,8 @@ def test_writes_the_serialized_executable(tmp_path):
   assert r.fits
   assert r.executable == str(tmp_path / "xla" / "search_v5e_2x2.xla")
   assert os.path.getsize(r.executable) > 1000
+  hlo = (tmp_path / "xla" / "search_v5e_2x2.hlo.txt").read_text()
+  assert "HloModule" in hlo and "all-gather" in hlo  # The top-k's merge.
 
 
 def test_training_advice_names_batch_remat_dtype_and_sharding():
