@@ -39,11 +39,14 @@ def recipes() -> list[str]:
       next(i for i, p in enumerate(ORDER) if n.startswith(p)), n))
 
 
-def compile_recipe(name: str, output: str) -> list[dict]:
-  """realm-aot on one recipe; its JSON lines, appended to `output`."""
+def compile_recipe(name: str, output: str, xla_dir: str = "") -> list[dict]:
+  """realm-aot on one recipe; its JSON lines, appended to `output`; with
+  `xla_dir`, the executables and their optimized HLO are written there."""
   load = os.getloadavg()[0]
   command = [sys.executable, "-m", "realm_jax.aot",
              f"--gin_file=pods/{name}.gin"]
+  if xla_dir:
+    command.append(f"--gin.aot.AotConfig.serialize_dir={xla_dir!r}")
   start = time.time()
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                           check=False)
@@ -113,6 +116,9 @@ def main() -> None:
                       help="Comma-separated recipe names (default: all).")
   parser.add_argument("--output", default=os.path.join(
       ROOT, "docs", "benchmarks", "tpu_aot.jsonl"))
+  parser.add_argument("--xla_dir", default="",
+                      help="Write each executable and its optimized HLO "
+                      "there (AotConfig.serialize_dir).")
   parser.add_argument("--staleness_only", action="store_true",
                       help="Only the staleness (and --table), from "
                       "--output's lines.")
@@ -122,7 +128,7 @@ def main() -> None:
   args = parser.parse_args()
   if not args.staleness_only:
     for name in (args.recipes.split(",") if args.recipes else recipes()):
-      compile_recipe(name, args.output)
+      compile_recipe(name, args.output, args.xla_dir)
   with open(args.output, encoding="utf-8") as f:
     lines = [json.loads(l) for l in f if l.strip()]
   for row in staleness(lines):
