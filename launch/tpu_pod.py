@@ -24,7 +24,8 @@ Example (launch/README.md walks through a whole run):
   python launch/tpu_pod.py train --name=realm-v4 --zone=us-central2-b \\
       --workdir=gs://bucket/run1 --block_store=/var/tmp/realm/blocks \\
       --queries=/mnt/data/queries --gin_file=models/minilm_l6.gin \\
-      --gin_file=runs/pretrain.gin --gin=INIT_FROM='"minilm"' --dry_run
+      --gin_file=runs/pretrain.gin --gin=INIT_FROM='"minilm"' \\
+      --topology=v4:2x2x2 --dry_run
 
 Flags may also come from a file, one per line: `tpu_pod.py train @pod.args`.
 """
