@@ -12,6 +12,7 @@ its cost analysis), not a measurement.
   python benchmarks/tpu_aot.py                    # every recipe
   python benchmarks/tpu_aot.py --recipes=pretrain_bert_base_v5e_8x8,embed_bert_base_v5e_4x4
   python benchmarks/tpu_aot.py --staleness_only --table   # from --output
+  python benchmarks/tpu_aot.py --hlo=/tmp/xla/pretrain_v4_4x4x4.hlo.txt
 
 Results: docs/benchmarks/tpu_aot.md (docs/benchmarks/tpu_aot.jsonl).
 """
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -86,6 +89,62 @@ def staleness(lines: list[dict]) -> list[dict]:
   return out
 
 
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
+          "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
+          "u64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%(?P<name>[\w.-]+) = (?P<shape>.+?) "
+    r"(?P<op>[\w-]+)\((?P<operands>[^)]*)\)(?P<rest>.*)$")
+
+
+# Instructions that move no data (views of their operands, markers).
+_NO_TRAFFIC = {"get-tuple-element", "bitcast", "tuple", "parameter",
+               "constant", "after-all", "partition-id", "replica-id",
+               "copy-done", "slice-done", "all-gather-done", "all-reduce-done",
+               "collective-permute-done"}
+
+
+def _shape_bytes(text: str) -> int:
+  return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+             for t, dims in _SHAPE.findall(text))
+
+
+def hlo_traffic(text: str, top: int = 15) -> dict:
+  """Where the bytes go in an optimized HLO module's ENTRY computation:
+  each top-level instruction's operand + result bytes (a proxy for its
+  HBM traffic; a fusion's internal reuse is not seen), totalled by op
+  (fusion kind, collective, custom call) and the largest instructions with
+  the JAX op that made them."""
+  entry = text[text.index("\nENTRY "):]
+  entry = entry[:entry.index("\n}\n") + 1]
+  shapes, rows = {}, []
+  for line in entry.splitlines()[1:]:
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    out = _shape_bytes(m["shape"])
+    shapes[m["name"]] = out
+    if m["op"] in _NO_TRAFFIC:
+      continue
+    operands = re.findall(r"%([\w.-]+)", m["operands"])
+    traffic = out + sum(shapes.get(o, 0) for o in operands)
+    kind = re.search(r"kind=(\w+)", m["rest"])
+    op = m["op"] + (f":{kind[1]}" if kind else "")
+    source = re.search(r'op_name="([^"]+)"', m["rest"])
+    rows.append((traffic, op, m["name"], source[1] if source else ""))
+  by_op = {}
+  for traffic, op, _, _ in rows:
+    count, total = by_op.get(op, (0, 0))
+    by_op[op] = (count + 1, total + traffic)
+  rows.sort(reverse=True)
+  return {
+      "total_bytes": sum(r[0] for r in rows),
+      "by_op": sorted(([op, n, b] for op, (n, b) in by_op.items()),
+                      key=lambda r: -r[2]),
+      "top": [[b, op, name, source] for b, op, name, source in rows[:top]]}
+
+
 def table(lines: list[dict]) -> str:
   """A markdown table of the compiled steps (the compiler's estimates)."""
   rows = ["| recipe | job | topology (chips, hosts) | fits | HBM per chip "
@@ -119,6 +178,9 @@ def main() -> None:
   parser.add_argument("--xla_dir", default="",
                       help="Write each executable and its optimized HLO "
                       "there (AotConfig.serialize_dir).")
+  parser.add_argument("--hlo", default="",
+                      help="Only print where the bytes go in this optimized "
+                      "HLO file (a --xla_dir's <job>_<topology>.hlo.txt).")
   parser.add_argument("--staleness_only", action="store_true",
                       help="Only the staleness (and --table), from "
                       "--output's lines.")
@@ -126,6 +188,10 @@ def main() -> None:
                       help="Also print --output's lines as a markdown "
                       "table.")
   args = parser.parse_args()
+  if args.hlo:
+    with open(args.hlo, encoding="utf-8") as f:
+      print(json.dumps(hlo_traffic(f.read()), indent=1))
+    return
   if not args.staleness_only:
     for name in (args.recipes.split(",") if args.recipes else recipes()):
       compile_recipe(name, args.output, args.xla_dir)
