@@ -682,6 +682,25 @@ def format_report(r: Report) -> str:
 # ----------------------------------------------------------------------------
 
 
+def _check_compiler_can(topo: Topology, model: RealmConfig,
+                        jobs: Sequence[str]) -> None:
+  """Refuses what crashes the TPU compiler instead of compiling it.
+
+  libtpu 0.0.42.1 dies (SIGSEGV) compiling a v4 train step whose BERT has
+  both `remat` and bfloat16 (v5e compiles it; either switch alone compiles
+  on v4; seen with the tiny and the BERT-base REALM step).
+  """
+  berts = (model.retriever.bert, model.reader.bert)
+  if topo.chip.generation == "v4" and any(
+      b.remat and b.dtype == "bfloat16" for b in berts) and set(jobs) & {
+          "pretrain", "ict", "finetune"}:
+    raise ValueError(
+        "libtpu 0.0.42.1 crashes compiling a v4 train step with both "
+        "bert.BertConfig.remat = True and dtype = 'bfloat16': keep one of "
+        "them (--gin.bert.BertConfig.remat=False or "
+        "--gin.bert.BertConfig.dtype=\"'float32'\").")
+
+
 def build_steps(aot: AotConfig, topo: Topology, configs: dict[str, Any],
                 model: RealmConfig) -> list[tuple[Step, int | None]]:
   """(step, num_train_steps) of each of `aot.jobs` (the configs' jobs if
@@ -693,6 +712,7 @@ def build_steps(aot: AotConfig, topo: Topology, configs: dict[str, Any],
         "IctTrainConfig, FinetuneConfig or the index builder's), or set "
         f"AotConfig.jobs to some of {JOBS}.")
   mesh = parallel.make_mesh(topo.devices)
+  _check_compiler_can(topo, model, jobs)
   steps = []
   for job in jobs:
     config = configs.get(job)

@@ -10,6 +10,7 @@ slices compile the same steps again and are marked slow.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -174,6 +175,19 @@ def test_batch_that_does_not_divide_is_refused():
                      r"not divide over the 16 devices"):
     aot.build_steps(config, aot.topology("v5e:4x4"), configs,
                     tiny.tiny_realm(vocab_size=97))
+
+
+def test_v4_train_step_with_remat_and_bfloat16_is_refused_not_crashed():
+  # libtpu 0.0.42.1 segfaults compiling it (v5e compiles it).
+  bert = tiny.tiny_bert(remat=True, dtype="bfloat16")
+  model = tiny.tiny_realm(vocab_size=97)
+  model = dataclasses.replace(
+      model, retriever=dataclasses.replace(model.retriever, bert=bert),
+      reader=dataclasses.replace(model.reader, bert=bert))
+  config = aot.AotConfig(topology="v4:2x2x1", jobs=("ict",))
+  with pytest.raises(ValueError, match="keep one of them"):
+    aot.build_steps(config, aot.topology("v4:2x2x1"),
+                    {"ict": _configs()["ict"]}, model)
 
 
 def _realm_aot(*args: str, env=None) -> subprocess.CompletedProcess:
