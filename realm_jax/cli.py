@@ -20,6 +20,7 @@ SCRIPTS = {
     "qa_eval": "realm_jax.eval.qa_eval",
     "ask": "realm_jax.ask",
     "export": "realm_jax.export",
+    "aot": "realm_jax.aot",
 }
 
 

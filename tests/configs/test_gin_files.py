@@ -8,6 +8,7 @@ import gin
 import pytest
 
 import helpers
+from realm_jax import aot
 from realm_jax import gin_cli
 from realm_jax.eval import qa_eval
 from realm_jax.index import builder
@@ -36,16 +37,20 @@ REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
             "QUERIES = '/tmp/a'", "TRAIN_JSONL = '/tmp/q.jsonl'",
             "INDEX_DIR = '/tmp/i'", "INIT_FROM = 'scratch'",
             "OUTPUT_DIR = '/tmp/o'", "ANNOTATED = '/tmp/a/*'",
-            "GATE_QUERIES = '/tmp/g'"]
+            "GATE_QUERIES = '/tmp/g'", "TOPOLOGY = 'v5e:2x2'"]
 
 
 @pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)
 def test_gin_file_parses(path):
   gin.clear_config()
   try:
-    gin_cli.parse([path], REQUIRED)
+    pod = "/pods/" in path  # A pod recipe binds its TOPOLOGY itself.
+    gin_cli.parse([path], [b for b in REQUIRED
+                           if not (pod and b.startswith("TOPOLOGY"))])
     name = os.path.basename(path)
-    if name.startswith(("finetune", "demo_finetune")):
+    if pod:
+      _check_pod_recipe(name)
+    elif name.startswith(("finetune", "demo_finetune")):
       config = gin.get_configurable(finetune.FinetuneConfig)()
       assert config.workdir == "/tmp/w"
     elif name.startswith("eval") or "/runs/eval" in path:
@@ -79,6 +84,29 @@ def test_gin_file_parses(path):
       assert config.reader.bert == b
   finally:
     gin.clear_config()
+
+
+def _check_pod_recipe(name: str) -> None:
+  """A gin_configs/pods/ recipe: the topology its name says, BERT-base, and
+  the paper's sizes for the job it names."""
+  topology = gin.get_configurable(aot.AotConfig)().topology
+  gen, dims = name[:-len(".gin")].split("_")[-2:]
+  assert topology == f"{gen}:{dims}", name
+  model = gin.get_configurable(realm.RealmConfig)()
+  assert model.retriever.bert.hidden_size == 768
+  if name.startswith("pretrain_"):
+    config = gin.get_configurable(pretrain.PretrainConfig)()
+    assert (config.batch_size, config.retrieval.num_candidates,
+            config.reader_length) == (512, 7, 384)
+  elif name.startswith("ict_"):
+    assert gin.get_configurable(ict.IctTrainConfig)().batch_size == 4096
+  elif name.startswith("finetune_"):
+    qa = gin.get_configurable(finetune.FinetuneConfig)().qa
+    assert (qa.num_retrieved, qa.num_reader_blocks) == (5000, 5)
+  elif name.startswith("embed_"):
+    assert gin.get_configurable(builder.BuilderConfig)()
+  else:
+    assert gin.get_configurable(aot.AotConfig)().jobs == ("search",)
 
 
 def test_one_binding_sets_how_the_trainer_and_the_builder_build_an_index():

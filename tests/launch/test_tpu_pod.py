@@ -42,7 +42,7 @@ WORKDIR = "gs://my-bucket/realm/run1"
 DATA = ["--workdir=" + WORKDIR, "--block_store=/mnt/data/blocks"]
 TRAIN = POD + DATA + [
     "--gin_file=models/bert_base.gin", "--gin_file=runs/pretrain.gin",
-    "--queries=/mnt/data/queries"]
+    "--queries=/mnt/data/queries", "--topology=v4:4x4x4"]
 BUILDER = POD + DATA + ["--gin_file=models/bert_base.gin",
                         "--builder_vm=realm-builder"]
 
@@ -184,10 +184,19 @@ def test_delete_asks_unless_yes(capsys):
 
 def test_train_on_all_workers(capsys):
   tricky = "TAGS=['a b', \"c d\"]"
-  (cmd,) = dry_run(capsys, [
+  check, cmd = dry_run(capsys, [
       "train", *TRAIN, "--gin=INIT_FROM='checkpoint:gs://b/ict/checkpoints'",
       "--gin", "pretrain.PretrainConfig.batch_size = 4096", "--gin", tricky,
       "--env=XLA_FLAGS=--xla_dump_to=/tmp/x --xla_dump_hlo_as_text"])
+  # First the compiler's fit check, here, with the same gin files and
+  # bindings and the slice's topology.
+  assert check[:3] == [sys.executable, "-m", "realm_jax.aot"]
+  assert check[3:] == [
+      "--gin_file=models/bert_base.gin", "--gin_file=runs/pretrain.gin",
+      '--gin.TOPOLOGY="v4:4x4x4"',
+      "--gin.INIT_FROM='checkpoint:gs://b/ict/checkpoints'",
+      "--gin.pretrain.PretrainConfig.batch_size=4096",
+      "--gin.TAGS=" + tricky.split("=", 1)[1]]
   assert cmd[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh",
                      "realm-v4"]
   assert "--zone=us-central2-b" in cmd and "--worker=all" in cmd
@@ -420,7 +429,7 @@ def test_start_script_starts_the_job_in_the_background(tmp_path):
       gin_files=("models/tiny.gin", "runs/pretrain.gin"),
       block_store="/data/blocks", queries="/data/queries",
       gin_bindings=("INIT_FROM='minilm'",), remote_dir=remote_dir,
-      env=("XLA_FLAGS=--a --b",))
+      env=("XLA_FLAGS=--a --b",), skip_aot_check=True)
   (cmd,) = tpu_pod.commands(cfg, "train")
   script = [a for a in cmd if a.startswith("--command=")][0].split("=", 1)[1]
 
@@ -457,3 +466,128 @@ def test_start_script_starts_the_job_in_the_background(tmp_path):
       pid = json.loads(started.read_text())["pid"]
     if pid is not None:
       os.kill(pid, signal.SIGTERM)
+
+
+# ----------------------------------------------------------------------------
+# The compiler's fit check (realm-aot) before anything starts
+# ----------------------------------------------------------------------------
+
+
+def test_train_needs_a_topology_for_its_fit_check(capsys):
+  argv = [a for a in TRAIN if not a.startswith("--topology")]
+  err = usage_error(capsys, ["train", *argv])
+  assert "--topology=" in err and "--skip_aot_check" in err
+  assert "gin_configs/pods/" in err
+  (cmd,) = dry_run(capsys, ["train", *argv, "--skip_aot_check"])
+  assert cmd[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
+
+
+def test_a_pods_recipe_names_the_topology_it_is_checked_on(capsys):
+  recipe = "--gin_file=pods/pretrain_bert_base_v5e_8x8.gin"
+  check, cmd = dry_run(capsys, ["train", *POD, *DATA, recipe,
+                                "--queries=/mnt/data/queries"])
+  assert check == [sys.executable, "-m", "realm_jax.aot", recipe,
+                   '--gin.TOPOLOGY="v5e:8x8"']
+  assert started_job(remote(cmd))[1][:3] == [
+      "-m", "realm_jax.training.pretrain", recipe]
+  # create checks the same recipe before it creates the slice.
+  check, create = dry_run(capsys, ["create", *POD, recipe,
+                                   "--accelerator_type=v5litepod-64",
+                                   "--version=v2-alpha-tpuv5-lite"])
+  assert check[1:3] == ["-m", "realm_jax.aot"]
+  assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]
+  # Without a job's config (a model file only) there is nothing to check.
+  (create,) = dry_run(capsys, ["create", *POD, "--topology=v4:4x4x4",
+                               "--gin_file=models/bert_base.gin",
+                               "--accelerator_type=v4-128",
+                               "--version=tpu-ubuntu2204-base"])
+  assert create[4] == "create"
+
+
+def test_ict_and_finetune_are_checked_when_the_topology_is_known(capsys):
+  (cmd,) = dry_run(capsys, ["ict", *POD, *DATA, "--gin_file=runs/ict.gin",
+                            "--gin_file=models/bert_base.gin"])
+  assert cmd[0] == "gcloud"
+  check, _ = dry_run(capsys, ["ict", *POD, *DATA, "--gin_file=runs/ict.gin",
+                              "--gin_file=models/bert_base.gin",
+                              "--topology=v5e:4x4"])
+  assert check[-1] == '--gin.TOPOLOGY="v5e:4x4"'
+  check, cmd = dry_run(capsys, [
+      "finetune", *POD, *DATA, "--gin_file=models/bert_base.gin",
+      "--gin_file=runs/finetune.gin", "--topology=v4:2x2x2",
+      "--gin=TRAIN_JSONL='/d/nq.jsonl'", "--gin=INDEX_DIR='gs://b/r/index'"])
+  assert check[1:3] == ["-m", "realm_jax.aot"]
+  env, argv, log = started_job(remote(cmd))
+  assert "--worker=all" in cmd and log == "logs/finetune.log"
+  assert argv[:2] == ["-m", "realm_jax.training.finetune"]
+  assert "--gin.INDEX_DIR='gs://b/r/index'" in argv
+
+
+def test_reader_prep_starts_on_all_workers(capsys):
+  (cmd,) = dry_run(capsys, ["reader_prep", *POD, *DATA,
+                            "--gin_file=models/minilm_l6.gin",
+                            "--gin_file=runs/reader_prep.gin",
+                            "--queries=/mnt/data/queries",
+                            "--gin=INIT_FROM='minilm'"])
+  assert "--worker=all" in cmd
+  env, argv, log = started_job(remote(cmd))
+  assert env == ["REALM_JAX_DISTRIBUTED=1"]
+  assert log == "logs/reader_prep.log"
+  assert argv == ["-m", "realm_jax.training.reader_prep",
+                  "--gin_file=models/minilm_l6.gin",
+                  "--gin_file=runs/reader_prep.gin",
+                  f'--gin.WORKDIR="{WORKDIR}"',
+                  '--gin.BLOCK_STORE="/mnt/data/blocks"',
+                  '--gin.QUERIES="/mnt/data/queries"',
+                  "--gin.INIT_FROM='minilm'"]
+  # Its job is one `stop` knows, and the argv is what the job reads.
+  (stop,) = dry_run(capsys, ["stop", *POD, "--job=reader_prep"])
+  assert "realm_jax[.]training[.]reader_prep" in remote(stop)[-1] or any(
+      "reader_prep" in w for w in remote(stop))
+  rest, bindings = gin_cli.split_gin_flags(argv[2:])
+  assert rest == ["--gin_file=models/minilm_l6.gin",
+                  "--gin_file=runs/reader_prep.gin"]
+
+
+def _refused(capfd, monkeypatch, argv):
+  """tpu_pod.main(argv) for real, with gcloud recorded instead of run;
+  (exit status, the gcloud commands, stderr with realm-aot's)."""
+  ran = []
+  real_run = subprocess.run
+
+  def fake_run(cmd, *args, **kwargs):
+    if tpu_pod.is_aot_check(cmd):
+      return real_run(cmd, *args, **kwargs)
+    ran.append(cmd)
+    return subprocess.CompletedProcess(cmd, 0)
+
+  monkeypatch.setattr(tpu_pod.subprocess, "run", fake_run)
+  code = tpu_pod.main(argv)
+  return code, ran, capfd.readouterr().err
+
+
+TINY_TRAIN = POD + DATA + ["--gin_file=models/tiny.gin",
+                           "--gin_file=runs/pretrain.gin",
+                           "--queries=/mnt/data/queries",
+                           "--topology=v5e:2x2"]
+
+
+def test_train_refuses_a_batch_the_slice_cannot_split(capfd, monkeypatch):
+  code, ran, err = _refused(capfd, monkeypatch, [
+      "train", *TINY_TRAIN, "--gin=pretrain.PretrainConfig.batch_size=6"])
+  assert code == 1 and not ran  # Nothing started on the pod.
+  assert "batch_size=6 does not divide over the 4 devices" in err
+  assert "refused before starting anything" in err
+
+
+@pytest.mark.slow  # The TPU compiler works on a real step (~1 min).
+def test_train_refuses_a_step_that_does_not_fit_naming_the_fix(
+    capfd, monkeypatch):
+  # 4096 examples per v5e chip: ~340 GB of temporaries.
+  code, ran, err = _refused(capfd, monkeypatch, [
+      "train", *TINY_TRAIN, "--gin=pretrain.PretrainConfig.batch_size=16384"])
+  assert code == 1 and not ran
+  assert "Does not fit: pretrain on v5e:2x2: RESOURCE_EXHAUSTED" in err
+  for fix in ("lower pretrain.PretrainConfig.batch_size",
+              "BertConfig.remat=True", "BertConfig.dtype"):
+    assert fix in err, fix

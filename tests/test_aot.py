@@ -1,0 +1,229 @@
+"""realm-aot: every job's real step compiled by the TPU compiler (libtpu)
+for single- and multi-host pod slices, on this CPU host.
+
+Each step is the job's own (`realm_jax.aot` builds it with the trainer's
+functions) at tiny sizes; each is checked to fit, to have FLOPs the
+compiler counts, and to have its batch split by the data axis over every
+device of the step's mesh (read from the compiled input shardings). The v4
+slices compile the same steps again and are marked slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import helpers
+from realm_jax import aot
+from realm_jax.data import examples
+from realm_jax.index import builder
+from realm_jax.testing import tiny
+from realm_jax.training import finetune, ict, pretrain, qa_inputs
+
+pytest.importorskip("libtpu")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PATHS = dict(workdir="unused", block_store="unused")
+_NUM_BLOCKS = 1000
+
+
+def _configs():
+  return {
+      "pretrain": pretrain.PretrainConfig(
+          **_PATHS, queries="unused", batch_size=16, num_train_steps=10,
+          learning_rate=1e-3, reader_length=28),
+      "ict": ict.IctTrainConfig(
+          **_PATHS, batch_size=16, num_train_steps=10,
+          pairs=examples.IctConfig(query_length=8, block_length=16)),
+      "finetune": finetune.FinetuneConfig(
+          **_PATHS, train_jsonl="unused", index_dir="unused", batch_size=16,
+          num_train_steps=10, num_epochs=None,
+          qa=qa_inputs.QAConfig(question_length=8, num_retrieved=8,
+                                num_reader_blocks=2, reader_length=24)),
+      "embed": builder.IndexBuildConfig(batch_size_per_device=2),
+  }
+
+
+def _compile_all(name: str) -> dict[str, aot.Report]:
+  config = aot.AotConfig(topology=name, jobs=aot.JOBS, query_length=12,
+                         num_masks=3, block_length=16,
+                         num_blocks=_NUM_BLOCKS, search_queries=16,
+                         search_k=5)
+  topo = aot.topology(name)
+  model = tiny.tiny_realm(vocab_size=97)
+  return {step.job: aot.compile_step(step, topo, num_train_steps=n,
+                                     num_blocks=_NUM_BLOCKS)
+          for step, n in aot.build_steps(config, topo, _configs(), model)}
+
+
+# (topology, chips, hosts): one single-host and one multi-host slice each.
+# One test per slice compiles every job once (a module fixture would be
+# compiled again by each xdist worker that runs one of its tests).
+TOPOLOGIES = [
+    pytest.param("v5e:2x2", 4, 1, id="v5e:2x2"),
+    pytest.param("v5e:4x4", 16, 4, id="v5e:4x4"),
+    pytest.param("v4:2x2x1", 4, 1, id="v4:2x2x1", marks=pytest.mark.slow),
+    pytest.param("v4:2x2x2", 8, 2, id="v4:2x2x2", marks=pytest.mark.slow),
+]
+
+
+def _check(r: aot.Report, name: str, chips: int, hosts: int) -> None:
+  """A step that fits, counts FLOPs and splits its batch over every device
+  of its mesh."""
+  assert (r.topology, r.chips, r.hosts) == (name, chips, hosts)
+  assert r.fits, aot.format_report(r)
+  assert 0 < r.hbm_per_chip_bytes <= r.hbm_capacity_bytes
+  assert r.flops_per_chip > 0 and r.bytes_accessed_per_chip > 0
+  assert r.estimated_step_seconds > 0 and 0 < r.estimated_mfu <= 1
+  # The index builder embeds on each host's own chips; the others use all.
+  devices = chips // hosts if r.job == "embed" else chips
+  assert r.mesh_devices == devices
+  # Every device holds its own 1/devices of the split rows: none replicated.
+  assert r.split_rows_per_device * devices == r.split_rows, r
+  assert r.split_rows_per_device < r.split_rows
+  line = json.loads(r.json_line())
+  for field in ("job", "topology", "chips", "hosts", "global_batch", "fits",
+                "hbm_per_chip_bytes", "hbm_capacity_bytes", "flops_per_chip",
+                "estimated_step_seconds", "estimated_mfu"):
+    assert line[field] is not None, field
+
+
+@pytest.mark.parametrize("name,chips,hosts", TOPOLOGIES)
+def test_every_jobs_step_fits_counts_flops_and_splits_the_batch(
+    name, chips, hosts):
+  reports = _compile_all(name)
+  assert sorted(reports) == sorted(aot.JOBS)
+  for job in aot.JOBS:
+    try:
+      _check(reports[job], name, chips, hosts)
+    except AssertionError as e:
+      raise AssertionError(f"{job} on {name}: {e}") from e
+  # The run length and the refresh time follow from the step's estimate.
+  train = reports["pretrain"]
+  assert train.estimated_days == pytest.approx(
+      10 * train.estimated_step_seconds / 86400)
+  # Every host embeds its share at once: blocks/s over the pod.
+  e = reports["embed"]
+  assert e.examples_per_second == pytest.approx(
+      e.global_batch * hosts / e.estimated_step_seconds)
+  steps = -(-_NUM_BLOCKS // (e.global_batch * hosts))
+  assert e.estimated_refresh_seconds == pytest.approx(
+      steps * e.estimated_step_seconds)
+
+
+def test_a_step_that_does_not_fit_is_refused_with_what_to_change():
+  # 65536 queries against 250k rows per chip: 65 GB of float32 scores.
+  config = aot.AotConfig(topology="v5e:2x2", jobs=("search",),
+                         num_blocks=1_000_000, search_queries=65536)
+  topo = aot.topology("v5e:2x2")
+  (step, _), = aot.build_steps(config, topo, {},
+                               tiny.tiny_realm(vocab_size=97))
+  r = aot.compile_step(step, topo)
+  assert not r.fits and r.hbm_per_chip_bytes is None
+  assert r.error.startswith("RESOURCE_EXHAUSTED")
+  assert "search_queries" in r.advice and "bfloat16" in r.advice
+  text = aot.format_report(r)
+  assert "does NOT fit" in text and "to fit, change:" in text
+
+
+def test_writes_the_serialized_executable(tmp_path):
+  config = aot.AotConfig(topology="v5e:2x2", jobs=("search",),
+                         num_blocks=_NUM_BLOCKS, search_queries=16,
+                         search_k=5)
+  topo = aot.topology("v5e:2x2")
+  (step, _), = aot.build_steps(config, topo, {},
+                               tiny.tiny_realm(vocab_size=97))
+  r = aot.compile_step(step, topo, serialize_dir=str(tmp_path / "xla"))
+  assert r.fits
+  assert r.executable == str(tmp_path / "xla" / "search_v5e_2x2.xla")
+  assert os.path.getsize(r.executable) > 1000
+  hlo = (tmp_path / "xla" / "search_v5e_2x2.hlo.txt").read_text()
+  assert "HloModule" in hlo and "all-gather" in hlo  # The top-k's merge.
+
+
+def test_training_advice_names_batch_remat_dtype_and_sharding():
+  topo = aot.topology("v5e:2x2")
+  text = aot.advice("pretrain", topo, 512)
+  for what in ("pretrain.PretrainConfig.batch_size", "128 examples per chip",
+               "BertConfig.remat=True", "BertConfig.dtype", "replicated"):
+    assert what in text, what
+
+
+@pytest.mark.parametrize("name,message", [
+    ("v6:2x2", "generation v4, v5e or v5p"),
+    ("v5e:2x2x2", "2 positive dimensions"),
+    ("v4:4x4", "3 positive dimensions"),
+    ("", "not a TPU topology name"),
+])
+def test_bad_topology_names_the_field_and_the_form(name, message):
+  with pytest.raises(ValueError, match=message) as e:
+    aot.AotConfig(topology=name)
+  assert "AotConfig.topology" in str(e.value)
+
+
+def test_batch_that_does_not_divide_is_refused():
+  config = aot.AotConfig(topology="v5e:4x4", jobs=("pretrain",))
+  configs = {"pretrain": pretrain.PretrainConfig(
+      **_PATHS, queries="unused", batch_size=8, learning_rate=1e-3)}
+  with pytest.raises(ValueError, match=r"PretrainConfig.batch_size=8 does "
+                     r"not divide over the 16 devices"):
+    aot.build_steps(config, aot.topology("v5e:4x4"), configs,
+                    tiny.tiny_realm(vocab_size=97))
+
+
+def test_v4_train_step_with_remat_and_bfloat16_is_refused_not_crashed():
+  # libtpu 0.0.42.1 segfaults compiling it (v5e compiles it).
+  bert = tiny.tiny_bert(remat=True, dtype="bfloat16")
+  model = tiny.tiny_realm(vocab_size=97)
+  model = dataclasses.replace(
+      model, retriever=dataclasses.replace(model.retriever, bert=bert),
+      reader=dataclasses.replace(model.reader, bert=bert))
+  config = aot.AotConfig(topology="v4:2x2x1", jobs=("ict",))
+  with pytest.raises(ValueError, match="keep one of them"):
+    aot.build_steps(config, aot.topology("v4:2x2x1"),
+                    {"ict": _configs()["ict"]}, model)
+
+
+def _realm_aot(*args: str, env=None) -> subprocess.CompletedProcess:
+  return subprocess.run(
+      [sys.executable, "-m", "realm_jax.aot", *args], capture_output=True,
+      text=True, timeout=helpers.HANG_SECONDS, cwd=ROOT, env=env, check=False)
+
+
+def test_cli_compiles_a_job_recipe_and_prints_a_json_line():
+  # The tiny ICT recipe as the ICT job reads it; its paths need no value.
+  env = dict(os.environ)
+  env.pop("JAX_PLATFORMS", None)  # realm-aot sets it itself.
+  result = _realm_aot("--gin_file=experiments/ict_tiny_cpu.gin",
+                      "--gin.TOPOLOGY='v5e:2x2'",
+                      "--gin.examples.IctConfig.block_length=32", env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [json.loads(l) for l in result.stdout.splitlines()
+           if l.startswith("{")]
+  assert [(l["job"], l["topology"], l["chips"], l["global_batch"],
+           l["fits"]) for l in lines] == [("ict", "v5e:2x2", 4, 16, True)]
+  assert "estimated step time" in result.stdout
+
+
+def test_cli_exits_1_naming_the_fix_when_a_step_does_not_fit():
+  result = _realm_aot("--gin_file=models/tiny.gin", "--gin.TOPOLOGY='v5e:2x2'",
+                      "--gin.aot.AotConfig.jobs=('search',)",
+                      "--gin.aot.AotConfig.num_blocks=1000000",
+                      "--gin.aot.AotConfig.search_queries=65536")
+  assert result.returncode == 1, result.stdout[-2000:]
+  assert "Does not fit: search on v5e:2x2" in result.stderr
+  assert "search_queries" in result.stderr
+
+
+def test_cli_dry_run_needs_no_paths_and_no_compiler_work():
+  result = _realm_aot("--gin_file=experiments/pretrain_tiny_cpu.gin",
+                      "--gin.TOPOLOGY='v4:4x4x4'", "--dry_run")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "AotConfig(topology='v4:4x4x4'" in result.stdout
+  assert "workdir='unused-by-realm-aot'" in result.stdout

@@ -1,0 +1,56 @@
+"""benchmarks/tpu_aot.py: the staleness it derives from realm-aot's lines,
+its table, and where the bytes go in an optimized HLO module."""
+
+import helpers
+
+_HLO = """\
+HloModule jit_step
+
+%fused_computation (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %n = f32[4,8]{1,0} negate(%p)
+}
+
+ENTRY %main (a: f32[4,8], b: bf16[16]) -> (f32[4,8], bf16[16]) {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = bf16[16]{0} parameter(1)
+  %fusion.1 = f32[4,8]{1,0} fusion(%a), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/neg"}
+  %all-reduce.2 = bf16[16]{0} all-reduce(%b), replica_groups={}, to_apply=%add
+  ROOT %tuple = (f32[4,8]{1,0}, bf16[16]{0}) tuple(%fusion.1, %all-reduce.2)
+}
+"""
+
+
+def test_hlo_traffic_counts_operand_and_result_bytes(monkeypatch):
+  tpu_aot = helpers.benchmark_module(monkeypatch, "tpu_aot")
+  found = tpu_aot.hlo_traffic(_HLO)
+  # fusion: reads and writes 4 x 8 float32; all-reduce: 16 bf16 each way;
+  # the parameters and the tuple move nothing.
+  assert found["total_bytes"] == 2 * 128 + 2 * 32
+  assert found["by_op"] == [["fusion:kLoop", 1, 256], ["all-reduce", 1, 64]]
+  assert found["top"][0] == [256, "fusion:kLoop", "fusion.1",
+                             "jit(step)/neg"]
+
+
+def _line(job, topology, seconds, fits=True, **extra):
+  return dict(job=job, topology=topology, fits=fits,
+              estimated_step_seconds=seconds, chips=16, hosts=4,
+              hbm_per_chip_bytes=2e9, hbm_capacity_bytes=16 * 2**30,
+              flops_per_chip=1e12, bytes_accessed_per_chip=1e11,
+              bound="memory", estimated_mfu=0.4, examples_per_second=10.0,
+              **extra)
+
+
+def test_staleness_pairs_pretraining_with_the_refresh_of_its_generation(
+    monkeypatch):
+  tpu_aot = helpers.benchmark_module(monkeypatch, "tpu_aot")
+  lines = [_line("pretrain", "v5e:8x8", 0.4),
+           _line("embed", "v5e:4x4", 0.2, estimated_refresh_seconds=600.0),
+           _line("embed", "v4:2x2x4", 0.1, estimated_refresh_seconds=60.0),
+           _line("pretrain", "v4:4x4x4", 0.3, fits=False, error="x")]
+  (row,) = tpu_aot.staleness(lines)
+  assert row["pretrain"] == "v5e:8x8" and row["embed"] == "v5e:4x4"
+  assert row["staleness_steps"] == 600.0 / 0.4
+  table = tpu_aot.table(lines)
+  assert "| v5e:8x8 (16, 4) | yes | 2.00 GB of 16 GiB |" in table
+  assert "| no | x |" in table
