@@ -55,7 +55,7 @@ from realm_jax.index import builder as builder_lib
 from realm_jax.index import device_search, embed
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
-from realm_jax.training import finetune, ict, loop, pretrain
+from realm_jax.training import finetune, ict, loop, pretrain, realm_inputs
 from realm_jax.training import optimizer as optimizer_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -318,8 +318,11 @@ def pretrain_step(config: pretrain.PretrainConfig, model: RealmConfig,
       mesh, grad_norm_groups=("retriever", "reader"))
   r = config.retrieval
   b, c = config.batch_size, r.num_candidates + int(r.null_document)
-  lq, ld, lr, m = (aot.query_length, aot.block_length, config.reader_length,
-                   aot.num_masks)
+  lq, ld, m = aot.query_length, aot.block_length, aot.num_masks
+  # The reader's length as pre-training derives it (query + block).
+  lr = realm_inputs.reader_length(
+      config.reader_length, lq, ld, field="PretrainConfig.reader_length",
+      queries="(realm-aot: AotConfig.query_length)")
   i32 = jnp.int32
   shapes = {
       "query_ids": ((b, lq), i32), "query_mask": ((b, lq), i32),

@@ -16,6 +16,7 @@ from realm_jax.core import checkpoints
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_model
 from realm_jax.model import functional
+from realm_jax.model.realm import Realm
 from realm_jax.testing import tiny
 from realm_jax.training import qa_inputs
 

@@ -14,7 +14,8 @@ from realm_jax.eval import qa_eval
 from realm_jax.index import builder
 from realm_jax.model import cpu as model_cpu
 from realm_jax.model import realm
-from realm_jax.training import finetune, ict, pretrain, qa_inputs, reader_prep
+from realm_jax.training import (finetune, ict, pretrain, qa_inputs, reader_prep,
+                                realm_inputs)
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
@@ -96,8 +97,12 @@ def _check_pod_recipe(name: str) -> None:
   assert model.retriever.bert.hidden_size == 768
   if name.startswith("pretrain_"):
     config = gin.get_configurable(pretrain.PretrainConfig)()
+    aot_config = gin.get_configurable(aot.AotConfig)()
+    reader_length = realm_inputs.reader_length(
+        config.reader_length, aot_config.query_length,
+        aot_config.block_length, field="reader_length", queries="-")
     assert (config.batch_size, config.retrieval.num_candidates,
-            config.reader_length) == (512, 7, 384)
+            reader_length) == (512, 7, 384)
   elif name.startswith("ict_"):
     assert gin.get_configurable(ict.IctTrainConfig)().batch_size == 4096
   elif name.startswith("finetune_"):

@@ -87,7 +87,7 @@ def test_the_message_names_the_expected_type():
 REQUIRED = dict(workdir="/tmp/w", block_store="/tmp/b", queries="/tmp/q",
                 train_jsonl="/tmp/t.jsonl", index_dir="/tmp/i",
                 output_dir="/tmp/o", annotated="/tmp/a/*", batch_size=8,
-                learning_rate=1e-3)
+                learning_rate=1e-3, topology="v5e:2x2")
 # What a config needs beyond its defaults to be valid.
 EXTRA = {"FinetuneConfig": dict(num_epochs=1.0)}
 

@@ -22,7 +22,7 @@ from realm_jax.core import checkpoints, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval, qa_model
-from realm_jax.index import publish
+from realm_jax.index import builder, publish
 from realm_jax.model import functional
 from realm_jax.testing import tiny
 from realm_jax.training import qa_inputs
