@@ -40,6 +40,19 @@ def at_least(config: Any, *names: str, minimum: float = 1,
           f"{'an int ' if integer else ''}>= {minimum}, got {value!r}.")
 
 
+def positive_count(value: Any, name: str, what: str) -> int:
+  """`value`, an argument counting something (`top_k`, `k`), as an int
+  >= 1: a bool, a float or a str is a TypeError, 0 or less a ValueError
+  (either would otherwise be silently misread). `name` is the argument as
+  the caller knows it, `what` says what it counts."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name}={value!r} ({type(value).__name__}) must be an "
+                    f"int >= 1: {what}.")
+  if value < 1:
+    raise ValueError(f"{name}={value} must be >= 1: {what}.")
+  return int(value)
+
+
 class ConfigTypeError(TypeError, ValueError):
   """A config field holds a value of another type than it declares.
 

@@ -530,7 +530,9 @@ class QAModel:
     if len(regex) != n:
       raise ValueError(f"{len(regex)} is_regex flags for {n} questions.")
     num_evidence = (self.num_evidence if num_evidence is None else
-                    _evidence_count(num_evidence))
+                    checks.positive_count(
+                        num_evidence, "top_k (num_evidence)",
+                        "how many evidence blocks to return with the answer"))
     out = []
     for lo in range(0, n, self.batch_size):
       hi = min(n, lo + self.batch_size)
@@ -648,18 +650,6 @@ def _question_list(questions: Sequence[str]) -> list[str]:
   for i, question in enumerate(questions):
     _refuse_non_question(question, f"Question {i + 1} of {len(questions)}")
   return questions
-
-
-def _evidence_count(value: Any) -> int:
-  """`num_evidence` / `top_k`, an int >= 1 (0 or -1 would otherwise give
-  the default or one block without a word)."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"top_k (num_evidence)={value!r} "
-                    f"({type(value).__name__}) must be an int >= 1.")
-  if value < 1:
-    raise ValueError(f"top_k (num_evidence)={value} must be >= 1: how many "
-                     "evidence blocks to return with the answer.")
-  return int(value)
 
 
 def _answer_lists(answers: Sequence[Sequence[str]], n: int

@@ -189,13 +189,9 @@ class BM25Index:
     queries = checks.string_list(queries, "BM25Index.search",
                                  what="queries", item="Query",
                                  hint="pass [query]")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-      raise TypeError(f"BM25Index.search: k must be an int, got {k!r} "
-                      f"({type(k).__name__}).")
-    if k < 1:
-      raise ValueError(f"BM25Index.search: k={k}; ask for at least one "
-                       "row (k >= 1).")
-    k = min(int(k), self.num_rows)
+    k = min(checks.positive_count(k, "BM25Index.search: k",
+                                  "how many rows to return per query"),
+            self.num_rows)
     ids = np.zeros([len(queries), k], np.int64)
     out = np.zeros([len(queries), k], np.float32)
     for i, query in enumerate(queries):
