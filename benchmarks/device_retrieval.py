@@ -39,7 +39,7 @@ from realm_jax.core import parallel  # pylint: disable=g-import-not-at-top,wrong
 from realm_jax.data import block_store, blocks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realm_jax.data.tokenizer import default_vocab_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realm_jax.index import device_search, searchers  # pylint: disable=g-import-not-at-top,wrong-import-position
-from realm_jax.training import realm_inputs  # pylint: disable=g-import-not-at-top,wrong-import-position
+from realm_jax.data import realm_inputs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def synthetic_blocks(num_blocks: int, doc_len: int, rng):

@@ -117,21 +117,22 @@ def model_config(name: str):
 
 
 def publish_random_index(store, root: str, dim: int) -> None:
-  from realm_jax.index import builder  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import build  # pylint: disable=g-import-not-at-top
   if os.path.exists(os.path.join(root, "LATEST")):
     return
   emb = np.random.default_rng(0).normal(size=(len(store), dim)).astype(
       np.float32)
-  builder.publish_embeddings(
+  build.publish_embeddings(
       embeddings=emb / np.linalg.norm(emb, axis=1, keepdims=True),
       store=store, root=root, step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
 
 
 def run_trainer(*, model, store_dir, index_dir, qa_path, batch_size, k,
                 steps, workdir):
   """Median seconds/step of the real trainer after its first 2 steps."""
-  from realm_jax.training import finetune, qa_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import qa_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import finetune  # pylint: disable=g-import-not-at-top
   shutil.rmtree(workdir, ignore_errors=True)
   config = finetune.FinetuneConfig(
       workdir=workdir, train_jsonl=qa_path, index_dir=index_dir,
@@ -174,7 +175,7 @@ def has_answer_seconds(store, qa_path: str, batch: int, k: int, reps: int
   from realm_jax.data import qa as qa_lib  # pylint: disable=g-import-not-at-top
   from realm_jax.data import signatures  # pylint: disable=g-import-not-at-top
   from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import qa_inputs  # pylint: disable=g-import-not-at-top
   tok = Tokenizer()
   with open(qa_path) as f:
     rows = [json.loads(line) for line in f][:batch]

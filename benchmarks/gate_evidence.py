@@ -57,7 +57,8 @@ def main(argv=None) -> None:
   from realm_jax.eval import pretrain_eval  # pylint: disable=g-import-not-at-top
   from realm_jax.index import embed  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import pretrain, realm_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import realm_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
 
   gin_cli.parse([args.gin_file], ["WORKDIR = 'unused'",
                                   "BLOCK_STORE = 'unused'",

@@ -527,7 +527,8 @@ class Bench:
     import numpy as np  # pylint: disable=g-import-not-at-top
     from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
     from realm_jax.data import block_store, examples, query_cache  # pylint: disable=g-import-not-at-top
-    from realm_jax.training import pretrain, realm_inputs  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import realm_inputs  # pylint: disable=g-import-not-at-top
+    from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
     self.args, self.world = args, world
     # A thinned run or another pre-training seed has its own run
     # directories (the inputs and ICT of the workdir are shared).
@@ -621,7 +622,7 @@ class Bench:
 
   def _tokenize_questions(self):
     from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
-    from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import qa_inputs  # pylint: disable=g-import-not-at-top
     return qa_inputs.tokenize_questions(
         Tokenizer(), [e.question for e in self.world.questions],
         self.query_config.query_length)

@@ -134,16 +134,16 @@ def dense_index(params, model, tag: str, stores, workdir):
   """The published index of a dense retriever over the last of `stores`:
   the leads indexed once (one-shot builder, exact MIPS), then the other
   blocks added without re-embedding the leads (`index.extend`)."""
-  from realm_jax.index import builder, extend, publish  # pylint: disable=g-import-not-at-top
-  config = builder.IndexBuildConfig(searcher="exact")
+  from realm_jax.index import build, extend, publish  # pylint: disable=g-import-not-at-top
+  config = build.IndexBuildConfig(searcher="exact")
   vital, union = stores
   leads_root = os.path.join(workdir, f"index_{tag}_vital")
   name = os.path.basename(os.fspath(union.path).rstrip("/"))
   union_root = os.path.join(workdir, f"index_{tag}_{name}")
   if publish.read_latest(leads_root) is None:
-    builder.build_and_publish(retriever_params=params["retriever"],
-                              retriever_config=model.retriever, store=vital,
-                              root=leads_root, step=0, config=config)
+    build.build_and_publish(retriever_params=params["retriever"],
+                            retriever_config=model.retriever, store=vital,
+                            root=leads_root, step=0, config=config)
   if publish.read_latest(union_root) is None:
     extend.extend_index(index_root=leads_root, base_store=vital,
                         union_store=union,

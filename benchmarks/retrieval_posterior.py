@@ -75,7 +75,7 @@ def main(argv=None) -> None:
   from realm_jax.eval import pretrain_eval  # pylint: disable=g-import-not-at-top
   from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import qa_inputs  # pylint: disable=g-import-not-at-top
 
   gin_cli.parse(args.gin_file, [
       "WORKDIR = ''", "BLOCK_STORE = ''", "QUERIES = ''",

@@ -42,7 +42,7 @@ import numpy as np
 
 import timing
 from realm_jax.data import block_store, query_cache
-from realm_jax.training import realm_inputs
+from realm_jax.data import realm_inputs
 
 
 def block_per_query(store, queries) -> np.ndarray:

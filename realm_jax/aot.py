@@ -51,11 +51,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from realm_jax.core import checks, parallel
+from realm_jax.data import realm_inputs
+from realm_jax.index import build as build_lib
 from realm_jax.index import builder as builder_lib
 from realm_jax.index import device_search, embed
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
-from realm_jax.training import finetune, ict, loop, pretrain, realm_inputs
+from realm_jax.training import finetune, ict, loop, pretrain
 from realm_jax.training import optimizer as optimizer_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -399,7 +401,7 @@ def finetune_step(config: finetune.FinetuneConfig, model: RealmConfig,
               f"{lq}, reader {lr}")
 
 
-def embed_step(build: builder_lib.IndexBuildConfig, model: RealmConfig,
+def embed_step(build: build_lib.IndexBuildConfig, model: RealmConfig,
                aot: AotConfig, topo: Topology) -> Step:
   """The index builder's document tower (`embed.make_embed_fn`) over ONE
   host's chips, as `embed.embed_block_store` runs it on every host (each
@@ -732,7 +734,7 @@ def build_steps(aot: AotConfig, topo: Topology, configs: dict[str, Any],
       steps.append((finetune_step(config, model, aot, mesh),
                     config.total_steps(aot.num_questions)))
     elif job == "embed":
-      steps.append((embed_step(config or builder_lib.IndexBuildConfig(),
+      steps.append((embed_step(config or build_lib.IndexBuildConfig(),
                                model, aot, topo), None))
     else:
       steps.append((search_step(model, aot, mesh), None))

@@ -22,7 +22,7 @@ from realm_jax.data import block_store as block_store_lib
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel
 from realm_jax.index import publish
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 
 def checkpoint_directory(path: str) -> str:

@@ -38,7 +38,7 @@ from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult
 from realm_jax.model.realm import RealmConfig
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 
 def ask(question: str, qa_model: QAModel, top_k: int = 5) -> QAResult:

@@ -22,9 +22,10 @@ import pytest
 import helpers
 from realm_jax import aot
 from realm_jax.data import examples
-from realm_jax.index import builder
+from realm_jax.index import build
 from realm_jax.testing import tiny
-from realm_jax.training import finetune, ict, pretrain, qa_inputs
+from realm_jax.data import qa_inputs
+from realm_jax.training import finetune, ict, pretrain
 
 pytest.importorskip("libtpu")
 
@@ -46,7 +47,7 @@ def _configs():
           num_train_steps=10, num_epochs=None,
           qa=qa_inputs.QAConfig(question_length=8, num_retrieved=8,
                                 num_reader_blocks=2, reader_length=24)),
-      "embed": builder.IndexBuildConfig(batch_size_per_device=2),
+      "embed": build.IndexBuildConfig(batch_size_per_device=2),
   }
 
 

@@ -18,7 +18,7 @@ from realm_jax.eval import qa_model
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import tiny
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
                                num_reader_blocks=3, reader_length=48)

@@ -22,7 +22,7 @@ def _what_ask_answers_with(ask_gin: str):
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import RealmConfig  # pylint: disable=g-import-not-at-top
-  from realm_jax.training import qa_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import qa_inputs  # pylint: disable=g-import-not-at-top
   gin.clear_config()
   try:
     gin_cli.parse([ask_gin], [])

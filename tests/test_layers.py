@@ -16,7 +16,10 @@ which only fails when that function runs, is caught here too.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import realm_jax
 
@@ -162,3 +165,73 @@ def test_the_walk_sees_function_level_imports_and_skips_main_blocks():
   # `nope` is no module, so the import names its package.
   assert found == {"realm_jax.core.io_utils", "realm_jax.eval.qa_eval",
                    "realm_jax.index"}
+
+
+# ----------------------------------------------------------------------------
+# Serving loads no training code (issue 55, item 5)
+# ----------------------------------------------------------------------------
+
+# Serving module -> the modules it must not reach, directly or through any
+# chain of imports (module level or in a function body: the static walk
+# above, followed transitively).
+SERVING = {
+    "realm_jax.api": ("realm_jax.training",),
+    "realm_jax.ask": ("realm_jax.training",),
+    "realm_jax.eval.qa_model": ("realm_jax.training",),
+    # The library half of the index builder (`index.build`), not the job.
+    "realm_jax.index.service": ("realm_jax.training",
+                                "realm_jax.index.builder"),
+    "realm_jax.index.extend": ("realm_jax.training",
+                               "realm_jax.index.builder"),
+}
+
+
+def _path_of(module: str) -> pathlib.Path:
+  path = ROOT.parent.joinpath(*module.split("."))
+  return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _chains(start: str) -> dict[str, list[str]]:
+  """Every realm_jax module `start` reaches -> one import chain to it
+  (packages count as the modules their `__init__` is)."""
+  chains, todo = {start: [start]}, [start]
+  while todo:
+    module = todo.pop()
+    path = _path_of(module)
+    tree = ast.parse(path.read_text(), str(path))
+    for _, imported in _imports(tree, module, path.name == "__init__.py"):
+      parts = imported.split(".")
+      if parts[0] != PACKAGE:
+        continue
+      # `import realm_jax.a.b` runs realm_jax/a/__init__.py too.
+      for i in range(2, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name not in chains and _is_module(name):
+          chains[name] = chains[module] + [name]
+          todo.append(name)
+  return chains
+
+
+def test_serving_modules_reach_no_training_module():
+  problems = []
+  for module, banned in SERVING.items():
+    for reached, chain in sorted(_chains(module).items()):
+      if any(reached == b or reached.startswith(b + ".") for b in banned):
+        problems.append(" -> ".join(chain))
+  assert not problems, "serving imports what it must not:\n" + "\n".join(
+      problems)
+
+
+def test_importing_serving_loads_no_training_module():
+  """The same, as Python runs it: what `sys.modules` holds after the
+  imports. (optax is there all the same: flax.nnx imports it itself.)"""
+  code = ("import sys\n"
+          + "".join(f"import {m}\n" for m in SERVING)
+          + "print('\\n'.join(m for m in sys.modules if "
+            "m.startswith(('realm_jax.training', 'realm_jax.index.builder'))"
+            "))\n")
+  out = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True,
+      check=True, cwd=ROOT.parent, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3"))
+  assert out.stdout.split() == [], out.stdout

@@ -25,7 +25,7 @@ import numpy as np
 from realm_jax import export
 from realm_jax.core import checkpoints, io_utils
 from realm_jax.data import wikipedia
-from realm_jax.index import builder
+from realm_jax.index import build
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
@@ -53,11 +53,11 @@ for mask in sys.argv[3:]:
   checkpoints.write_done_marker(ckpt_dir, 1)
   io_utils.append_jsonl(os.path.join(workdir, "metrics.jsonl"), {"step": 1})
   io_utils.write_json(os.path.join(workdir, "history.json"), {"steps": [1]})
-  for kind, searcher in (("exact", builder.IndexBuildConfig(
-      searcher="exact")), ("scann", builder.IndexBuildConfig(
+  for kind, searcher in (("exact", build.IndexBuildConfig(
+      searcher="exact")), ("scann", build.IndexBuildConfig(
           searcher_config=(("num_leaves", 2), ("num_leaves_to_search", 2),
                            ("training_sample_size", 20))))):
-    builder.build_and_publish(
+    build.build_and_publish(
         retriever_params=params["retriever"],
         retriever_config=config.retriever, store=store,
         root=os.path.join(out, "index-" + kind), step=1, config=searcher)

@@ -54,7 +54,7 @@ from realm_jax.index import embed as embed_lib
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.training import gate as gate_lib
-from realm_jax.training import qa_inputs, realm_inputs
+from realm_jax.data import qa_inputs, realm_inputs
 
 
 @functools.lru_cache(maxsize=8)

@@ -66,7 +66,7 @@ from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
 from realm_jax.index import publish, rankers
 from realm_jax.model.realm import RealmConfig
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 DEFAULT_RECALL_KS = (1, 5, 10, 20, 50, 100)
 LEDGER = "eval_ledger.json"

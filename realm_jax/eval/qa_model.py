@@ -34,12 +34,12 @@ import numpy as np
 from realm_jax.checkpoint_import import core, exported
 from realm_jax.core import checkpoints, checks, dataclass_json, parallel
 from realm_jax.data import qa as qa_lib
+from realm_jax.data import qa_inputs
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import embed, publish, rankers
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
-from realm_jax.training import finetune, qa_inputs
 
 
 # ----------------------------------------------------------------------------
@@ -301,8 +301,8 @@ def _run_qa_config(meta: dict[str, Any], where: str
   runs, and checkpoints written before configs were saved)."""
   if meta.get("task_class") != "FinetuneConfig":
     return None
-  return finetune.config_from_dict(meta.get("task_config") or {},
-                                   f"{where}:task_config").qa
+  return qa_inputs.qa_config_of_task(meta.get("task_config") or {},
+                                     f"{where}:task_config")
 
 
 def run_configs(directory: str, step: int) -> tuple[
@@ -422,7 +422,7 @@ class QAModel:
     E.g. "orqa:<ckpt>" (a released fine-tuned checkpoint), "hf_realm:...",
     "realm:<embedder>,<bert>" or "checkpoint:<dir>[@step]". For released
     weights the index comes from their `block_emb`, published with
-    `builder.publish_embeddings` (or `python -m realm_jax.index.builder
+    `build.publish_embeddings` (or `python -m realm_jax.index.builder
     ... --gin.builder.BuilderConfig.init_from="'block_emb:<ckpt>'"`).
     """
     both_heads = dataclasses.replace(model_config, reader=dataclasses.replace(

@@ -2,7 +2,7 @@
 
 The host path of a REALM step copies query embeddings to the host, searches
 there, gathers block tokens from the memory-mapped store and builds the batch
-in numpy (`realm_jax.training.realm_inputs`). Here all of that runs on the
+in numpy (`realm_jax.data.realm_inputs`). Here all of that runs on the
 devices: a `DeviceIndex` keeps, sharded by rows over the mesh's `data` axis,
 
 - the block embeddings (float32 or bfloat16),

@@ -11,7 +11,7 @@ manifest's `params_sha256`), appends them to the index's embeddings, builds
 the searcher on the merged embeddings (ScaNN's tree and codebooks are
 trained again on them; exact search needs nothing) and publishes the
 result over `union` under another index root, as the builder publishes
-(`builder.publish_embeddings`: manifest, checksums, LATEST). The result is
+(`build.publish_embeddings`: manifest, checksums, LATEST). The result is
 what a full rebuild on `union` gives (tests/index/test_extend.py), at the
 cost of embedding the new blocks only.
 
@@ -33,7 +33,7 @@ import numpy as np
 from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store
-from realm_jax.index import builder
+from realm_jax.index import build
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish
 from realm_jax.model.realm import RetrieverConfig
@@ -73,7 +73,7 @@ def extend_bm25(base_store, union_store) -> bool:
 def extend_index(*, index_root: str, base_store, union_store,
                  retriever_params: Any, retriever_config: RetrieverConfig,
                  output_root: str, step: int | None = None,
-                 config: builder.IndexBuildConfig = builder.IndexBuildConfig(),
+                 config: build.IndexBuildConfig = build.IndexBuildConfig(),
                  devices=None) -> str:
   """Publishes the index of `index_root` extended to `union_store`'s blocks.
 
@@ -139,7 +139,7 @@ def _extend(base: publish.PublishedIndex, checksum: str, *, index_root,
   logging.info("extending index %d: %d blocks + %d new ones", base.step,
                len(base_store), new.shape[0])
   extend_bm25(base_store, union_store)
-  return builder.publish_embeddings(
+  return build.publish_embeddings(
       embeddings=embeddings, store=union_store, root=output_root,
       step=base.step, config=config, params_sha256=checksum,
       start_time=start, extra={

@@ -22,8 +22,7 @@ from typing import Any, Callable
 from absl import logging
 
 from realm_jax.core import io_utils, parallel
-from realm_jax.index import builder as builder_lib
-from realm_jax.index import publish
+from realm_jax.index import build, publish
 
 MODES = ("builder", "inline")
 
@@ -70,7 +69,7 @@ class IndexService:
 
   def __init__(self, *, root: str, store, retriever_config, mode: str,
                expect: publish.Expectation,
-               build_config: builder_lib.IndexBuildConfig,
+               build_config: build.IndexBuildConfig,
                wait_seconds: float, last_step: int, refresh_every: int = 1,
                frozen: bool = False,
                staleness: dict[str, Any] | None = None,
@@ -124,7 +123,7 @@ class IndexService:
   def refresh(self, step: int, state, ckpt) -> None:
     """Inline mode: embeds the corpus with `state`'s retriever, publishes."""
     ckpt.wait_until_finished()  # Index s only after checkpoint s is durable.
-    builder_lib.build_and_publish(
+    build.build_and_publish(
         retriever_params=parallel.host_copy(state.params["retriever"]),
         retriever_config=self.retriever_config, store=self.store,
         root=self.root, step=step, config=self.build_config)

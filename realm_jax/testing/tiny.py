@@ -40,7 +40,7 @@ def indexed_tiny_corpus(tmp_path_factory, name: str):
   """
   # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store
-  from realm_jax.index import builder
+  from realm_jax.index import build
   from realm_jax.model import functional
   from realm_jax.model.realm import Realm
   from realm_jax.testing import corpus
@@ -51,10 +51,10 @@ def indexed_tiny_corpus(tmp_path_factory, name: str):
   store = block_store.BlockStore.open(store_dir)
   config = tiny_realm(vocab_size=30522, pooling="mean")
   graphdef, params = functional.init(lambda r: Realm(config, rngs=r), 0)
-  builder.build_and_publish(
+  build.build_and_publish(
       retriever_params=params["retriever"], retriever_config=config.retriever,
       store=store, root=str(workdir / "index"), step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
   return store, config, graphdef, params, workdir
 
 

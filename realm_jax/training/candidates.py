@@ -32,7 +32,7 @@ import numpy as np
 
 from realm_jax.core import distributed, parallel
 from realm_jax.index import device_search, embed
-from realm_jax.training import realm_inputs
+from realm_jax.data import realm_inputs
 from realm_jax.training.pretrain_config import RetrievalConfig
 
 

@@ -54,7 +54,8 @@ from realm_jax.index import embed, publish
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
-from realm_jax.training import loop, qa_inputs
+from realm_jax.data import qa_inputs
+from realm_jax.training import loop
 from realm_jax.training import optimizer as optimizer_lib
 
 # Batch features the per-core step reads (retrieved ids stay on the host).
@@ -118,29 +119,21 @@ class FinetuneConfig(loop.TrainConfig):
                             / self.batch_size))
 
 
-# The QA sizes FinetuneConfig held as its own fields before `qa`.
-_FLAT_QA_FIELDS = ("question_length", "num_retrieved", "num_reader_blocks",
-                   "reader_length")
 
 
 def config_from_dict(data: dict[str, Any], where: str) -> FinetuneConfig:
   """The `FinetuneConfig` a checkpoint carries (its `task_config` JSON).
 
   Checkpoints written before `FinetuneConfig.qa` hold the QA sizes as flat
-  fields (question_length, num_retrieved, num_reader_blocks,
-  reader_length, max_span_width): the first four become `qa`, and
-  max_span_width (None or, by a check of the time, the reader's) is
-  dropped: the width is the model's `ReaderConfig.max_span_width`.
+  fields; `qa_inputs.nest_qa_fields` moves them under `qa` (serving reads
+  that part alone, with `qa_inputs.qa_config_of_task`).
 
   Args:
     data: `dataclass_json.to_dict` of a FinetuneConfig, old or new.
     where: names the source in errors.
   """
-  data = dict(data)
-  if "qa" not in data:
-    data.pop("max_span_width", None)
-    data["qa"] = {k: data.pop(k) for k in _FLAT_QA_FIELDS if k in data}
-  return dataclass_json.from_dict(FinetuneConfig, data, where)
+  return dataclass_json.from_dict(FinetuneConfig,
+                                  qa_inputs.nest_qa_fields(data), where)
 
 
 # ----------------------------------------------------------------------------

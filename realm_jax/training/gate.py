@@ -19,7 +19,7 @@ from realm_jax.core import distributed, io_utils, parallel, records
 from realm_jax.data import query_cache
 from realm_jax.model import functional, losses
 from realm_jax.training import optimizer as optimizer_lib
-from realm_jax.training import realm_inputs
+from realm_jax.data import realm_inputs
 from realm_jax.training.pretrain_config import GateConfig
 
 

@@ -42,7 +42,7 @@ from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.training import candidates as candidates_lib
 from realm_jax.training import collapse, loop
-from realm_jax.training import realm_inputs
+from realm_jax.data import realm_inputs
 from realm_jax.training import gate as gate_lib
 from realm_jax.training import optimizer as optimizer_lib
 from realm_jax.training import recall_guard as recall_guard_lib

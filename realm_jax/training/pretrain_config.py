@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 
 from realm_jax.core import checks
-from realm_jax.index import builder
-from realm_jax.training import loop, realm_inputs
+from realm_jax.index import build
+from realm_jax.data import realm_inputs
+from realm_jax.training import loop
 
 INDEX_MODES = ("inline", "builder")
 SEARCHES = ("host", "device")
@@ -376,7 +377,7 @@ class PretrainConfig(loop.TrainConfig):
   index_mode: str = "builder"
   refresh_every: int | None = None
   index_wait_seconds: float = 600.0
-  index_build: builder.IndexBuildConfig = builder.IndexBuildConfig()
+  index_build: build.IndexBuildConfig = build.IndexBuildConfig()
   retrieval: RetrievalConfig = RetrievalConfig()
   retriever: RetrieverScheduleConfig = RetrieverScheduleConfig()
   gate: GateConfig = GateConfig()

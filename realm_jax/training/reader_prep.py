@@ -55,7 +55,8 @@ from realm_jax.data import block_store, query_cache
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig
-from realm_jax.training import loop, realm_inputs
+from realm_jax.data import realm_inputs
+from realm_jax.training import loop
 
 
 # Queries the warm start reads (a seeded sample of the query cache:

@@ -11,11 +11,11 @@ import helpers
 from realm_jax import aot
 from realm_jax import gin_cli
 from realm_jax.eval import qa_eval
-from realm_jax.index import builder
+from realm_jax.index import build, builder
 from realm_jax.model import cpu as model_cpu
 from realm_jax.model import realm
-from realm_jax.training import (finetune, ict, pretrain, qa_inputs, reader_prep,
-                                realm_inputs)
+from realm_jax.data import qa_inputs, realm_inputs
+from realm_jax.training import finetune, ict, pretrain, reader_prep
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
 GIN_FILES = sorted(glob.glob(os.path.join(GIN_DIR, "**", "*.gin"),
@@ -129,9 +129,9 @@ def test_one_binding_sets_how_the_trainer_and_the_builder_build_an_index():
     job = gin.get_configurable(builder.BuilderConfig)().index_build
   finally:
     gin.clear_config()
-  assert trainer == job == builder.IndexBuildConfig(
+  assert trainer == job == build.IndexBuildConfig(
       searcher="exact", batch_size_per_device=2, bfloat16=True)
-  build_fields = {f.name for f in dataclasses.fields(builder.IndexBuildConfig)}
+  build_fields = {f.name for f in dataclasses.fields(build.IndexBuildConfig)}
   for cls in (pretrain.PretrainConfig, builder.BuilderConfig):
     names = {f.name for f in dataclasses.fields(cls)}
     assert not (build_fields | {"searcher_kind"}) & names, cls

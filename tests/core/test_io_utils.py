@@ -18,7 +18,7 @@ from realm_jax.core import io_utils
 from realm_jax.data import beam_utils, block_store, blocks, corpus_job
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import builder, publish, searchers
+from realm_jax.index import build, publish, searchers
 from realm_jax.testing import ram_fs
 from realm_jax.core import checkpoints
 from realm_jax.training import loop
@@ -329,9 +329,9 @@ def test_builder_publishes_to_any_root(store_dir, tmp_path, root_kind):
           "ram": _ram("i")}[root_kind]
   emb = np.random.default_rng(0).normal(size=(len(store), 4)).astype(
       np.float32)
-  path = builder.publish_embeddings(
+  path = build.publish_embeddings(
       embeddings=emb, store=store, root=root, step=5,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
   assert path == io_utils.join(root, "5")
   index = publish.load_index(root, expect=publish.Expectation(
       store.fingerprint, len(store), 4), cache_dir=tmp_path / "cache")

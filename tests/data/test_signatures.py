@@ -12,7 +12,7 @@ from realm_jax.data import qa as qa_lib
 from realm_jax.data import signatures
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.testing import corpus
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 
 @pytest.fixture(scope="module")

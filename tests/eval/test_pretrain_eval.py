@@ -12,7 +12,7 @@ from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import Realm, RealmConfig, ReaderConfig
 from realm_jax.model.realm import RetrieverConfig
 from realm_jax.testing import knowledge_world
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 
 @pytest.fixture(scope="module")

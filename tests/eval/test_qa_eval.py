@@ -22,10 +22,10 @@ from realm_jax.core import checkpoints, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval, qa_model
-from realm_jax.index import builder, publish
+from realm_jax.index import build, publish
 from realm_jax.model import functional
 from realm_jax.testing import tiny
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
                                num_reader_blocks=3, reader_length=48)
@@ -523,11 +523,11 @@ def test_squad_json_questions_get_gold_paragraph_recall(setup, tmp_path):
       input_path=path, input_format="squad", max_block_len=24,
       output_dir=str(tmp_path / "store"))
   config = setup["config"]
-  builder.build_and_publish(
+  build.build_and_publish(
       retriever_params=setup["params"]["retriever"],
       retriever_config=config.retriever, store=store,
       root=str(tmp_path / "index"), step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
   index = publish.load_frozen_index(str(tmp_path / "index"), store, config)
   model = qa_model.QAModel(config, setup["params"], index, store,
                            dataclasses.replace(QA_CONFIG, num_retrieved=4),

@@ -23,7 +23,7 @@ from realm_jax.core import checkpoints, dataclass_json, io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer, default_model_dir
-from realm_jax.index import builder, embed, publish
+from realm_jax.index import build, builder, embed, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
 from realm_jax.testing import tiny
@@ -36,7 +36,7 @@ TEXTS = [
     ("Delta", "A delta is where a river meets the sea. The Nile has one."),
 ]
 CONFIG = tiny.tiny_realm(vocab_size=30522)
-EXACT = builder.IndexBuildConfig(searcher="exact")
+EXACT = build.IndexBuildConfig(searcher="exact")
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +166,13 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
 
 def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
   with pytest.raises(ValueError, match="row i must be block i"):
-    builder.publish_embeddings(embeddings=np.zeros((3, 16), np.float32),
-                               store=store, root=str(tmp_path), step=0)
+    build.publish_embeddings(embeddings=np.zeros((3, 16), np.float32),
+                             store=store, root=str(tmp_path), step=0)
   emb = np.random.default_rng(0).normal(size=(len(store), 16)).astype(
       np.float32)
-  builder.publish_embeddings(
+  build.publish_embeddings(
       embeddings=emb, store=store, root=str(tmp_path), step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
   np.testing.assert_array_equal(publish.load_index(str(tmp_path)).embeddings,
                                 emb)
 
@@ -184,9 +184,9 @@ def test_builder_publishes_a_sharded_scann_index(store, tmp_path):
   global ids equal exact search's."""
   emb = np.random.default_rng(1).normal(size=(len(store), 16)).astype(
       np.float32)
-  builder.publish_embeddings(
+  build.publish_embeddings(
       embeddings=emb, store=store, root=str(tmp_path), step=0,
-      config=builder.IndexBuildConfig(searcher_config=(
+      config=build.IndexBuildConfig(searcher_config=(
           ("num_shards", 2), ("reordering_dtype", "bfloat16"))))
   index = publish.load_index(str(tmp_path))
   assert index.searcher.kind == "sharded"
@@ -216,7 +216,7 @@ def test_a_build_records_its_progress_for_a_waiting_trainer(store, tmp_path):
   it; the record names this process."""
   root = str(tmp_path / "index")
   progress = _Recorded(root, 5, every_seconds=0.0)
-  builder.build_and_publish(
+  build.build_and_publish(
       retriever_params=_params(0)["retriever"],
       retriever_config=CONFIG.retriever, store=store, root=root, step=5,
       config=dataclasses.replace(EXACT, batch_size_per_device=1),
@@ -249,21 +249,21 @@ def test_publication_retries_then_fails_loudly(store, tmp_path,
     return real(*args, **kwargs)
 
   monkeypatch.setattr(publish, "publish_index", flaky)
-  config = builder.IndexBuildConfig(searcher="exact", publish_attempts=3,
-                                    retry_seconds=0.01)
+  config = build.IndexBuildConfig(searcher="exact", publish_attempts=3,
+                                  retry_seconds=0.01)
   root = str(tmp_path / "index")
-  builder.publish_embeddings(embeddings=emb, store=store, root=root, step=0,
-                             config=config)
+  build.publish_embeddings(embeddings=emb, store=store, root=root, step=0,
+                           config=config)
   assert publish.read_latest(root) == 0 and len(failures) == 2
 
   def broken(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(publish, "publish_index", broken)
-  with pytest.raises(builder.PublishFailedError, match="failed 3 times"):
-    builder.publish_embeddings(embeddings=emb, store=store, root=root, step=1,
-                               config=config,
-                               progress=publish.BuildProgress(root, 1))
+  with pytest.raises(build.PublishFailedError, match="failed 3 times"):
+    build.publish_embeddings(embeddings=emb, store=store, root=root, step=1,
+                             config=config,
+                             progress=publish.BuildProgress(root, 1))
   assert publish.read_latest(root) == 0
   # A waiting trainer hears that the builder is failing, and why.
   record = publish.read_progress(root)
@@ -386,7 +386,7 @@ def test_an_index_build_config_is_checked_when_built(bad, message):
   searcher lacks, fails when the config is built (the builder job's and an
   inline trainer's alike)."""
   with pytest.raises(ValueError, match=message):
-    builder.IndexBuildConfig(**bad)
+    build.IndexBuildConfig(**bad)
 
 
 def test_the_builder_embeds_with_the_checkpoints_own_retriever_config(

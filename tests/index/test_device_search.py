@@ -9,7 +9,7 @@ from realm_jax.core import parallel
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import device_search, searchers
 from realm_jax.testing import corpus
-from realm_jax.training import realm_inputs
+from realm_jax.data import realm_inputs
 
 ARTICLES = {
     **corpus.SHORT_ARTICLES,

@@ -12,7 +12,7 @@ from realm_jax.core import io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import progress
 from realm_jax.data import wikipedia
-from realm_jax.index import builder, extend, publish
+from realm_jax.index import build, extend, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
@@ -48,17 +48,17 @@ def _retriever(seed=0):
 
 
 SEARCHERS = {
-    "exact": builder.IndexBuildConfig(searcher="exact",
-                                      batch_size_per_device=2),
+    "exact": build.IndexBuildConfig(searcher="exact",
+                                    batch_size_per_device=2),
     # A real tree (4 leaves) and asymmetric hashing, trained again on the
     # merged embeddings. Two ScaNN builds on the same embeddings need not
     # agree when some leaves are skipped (its k-means is not reproducible
     # run to run), so every leaf is searched and every candidate
     # re-ordered: then both return the exact top-k, built either way.
-    "scann": builder.IndexBuildConfig(searcher_config=(
+    "scann": build.IndexBuildConfig(searcher_config=(
         ("num_leaves", 4), ("num_leaves_to_search", 4),
         ("reordering_num_neighbors", 200), ("training_sample_size", 200)),
-                                      batch_size_per_device=2),
+                                    batch_size_per_device=2),
 }
 
 
@@ -67,18 +67,18 @@ def test_extended_index_equals_a_full_rebuild(stores, tmp_path, kind):
   base, union, _ = stores
   config, params = SEARCHERS[kind], _retriever()
   assert len(union) > len(base) + 20
-  builder.build_and_publish(retriever_params=params,
-                            retriever_config=CONFIG.retriever, store=base,
-                            root=str(tmp_path / "base"), step=7,
-                            config=config)
+  build.build_and_publish(retriever_params=params,
+                          retriever_config=CONFIG.retriever, store=base,
+                          root=str(tmp_path / "base"), step=7,
+                          config=config)
   path = extend.extend_index(
       index_root=str(tmp_path / "base"), base_store=base, union_store=union,
       retriever_params=params, retriever_config=CONFIG.retriever,
       output_root=str(tmp_path / "merged"), config=config)
-  builder.build_and_publish(retriever_params=params,
-                            retriever_config=CONFIG.retriever, store=union,
-                            root=str(tmp_path / "full"), step=7,
-                            config=config)
+  build.build_and_publish(retriever_params=params,
+                          retriever_config=CONFIG.retriever, store=union,
+                          root=str(tmp_path / "full"), step=7,
+                          config=config)
   merged = publish.load_index(str(tmp_path / "merged"), expect=(
       publish.Expectation(union.fingerprint, len(union))))
   full = publish.load_index(str(tmp_path / "full"))
@@ -103,10 +103,10 @@ def test_refuses_other_parameters_stores_and_the_same_root(stores,
   base, union, other = stores
   params = _retriever()
   root = str(tmp_path / "base")
-  builder.build_and_publish(retriever_params=params,
-                            retriever_config=CONFIG.retriever, store=base,
-                            root=root, step=0,
-                            config=SEARCHERS["exact"])
+  build.build_and_publish(retriever_params=params,
+                          retriever_config=CONFIG.retriever, store=base,
+                          root=root, step=0,
+                          config=SEARCHERS["exact"])
   common = dict(index_root=root, base_store=base,
                 retriever_config=CONFIG.retriever,
                 output_root=str(tmp_path / "out"))
@@ -131,10 +131,10 @@ def test_extension_logs_its_progress(stores, tmp_path, monkeypatch, caplog):
   (`core.progress`, here every batch), then the total time."""
   base, union, _ = stores
   config, params = SEARCHERS["exact"], _retriever()
-  builder.build_and_publish(retriever_params=params,
-                            retriever_config=CONFIG.retriever, store=base,
-                            root=str(tmp_path / "base"), step=3,
-                            config=config)
+  build.build_and_publish(retriever_params=params,
+                          retriever_config=CONFIG.retriever, store=base,
+                          root=str(tmp_path / "base"), step=3,
+                          config=config)
   monkeypatch.setattr(progress, "_every_seconds", [1e-9])
   with caplog.at_level(logging.INFO):
     extend.extend_index(
@@ -154,9 +154,9 @@ def test_an_alias_of_the_base_or_a_leased_root_is_refused(stores, tmp_path):
   base, union, _ = stores
   params = _retriever()
   root = str(tmp_path / "index")
-  builder.build_and_publish(retriever_params=params,
-                            retriever_config=CONFIG.retriever, store=base,
-                            root=root, step=6, config=SEARCHERS["exact"])
+  build.build_and_publish(retriever_params=params,
+                          retriever_config=CONFIG.retriever, store=base,
+                          root=root, step=6, config=SEARCHERS["exact"])
   before = sorted(os.listdir(root)), (tmp_path / "index" / "6" /
                                       "manifest.json").read_bytes()
   os.symlink(root, tmp_path / "alias")

@@ -18,11 +18,12 @@ from realm_jax import gin_cli
 from realm_jax.data import block_store, blocks, wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import builder, publish
+from realm_jax.index import build, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
-from realm_jax.training import finetune, qa_inputs
+from realm_jax.data import qa_inputs
+from realm_jax.training import finetune
 from realm_jax.core import checkpoints, dataclass_json, parallel
 
 STEPS = 12
@@ -59,10 +60,10 @@ def setup(tmp_path_factory):
   store = block_store.BlockStore.open(store_dir)
   _, params = functional.init(lambda r: Realm(model, rngs=r), 0)
   index_root = str(root / "index")
-  builder.build_and_publish(
+  build.build_and_publish(
       retriever_params=params["retriever"], retriever_config=model.retriever,
       store=store, root=index_root, step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
   return {"root": root, "store_dir": store_dir, "store": store,
           "qa": qa_path, "index": index_root, "model": model}
 
@@ -241,21 +242,21 @@ def test_index_of_another_corpus_or_size_is_refused(setup, tmp_path):
   store = setup["store"]
   other_root = str(tmp_path / "other_index")
   other = block_store.BlockStore.open(other_store)
-  builder.publish_embeddings(
+  build.publish_embeddings(
       embeddings=np.random.default_rng(0).normal(
           size=(len(other), 128)).astype(np.float32),
       store=other, root=other_root, step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
   config = _config(setup, tmp_path / "w1", index_dir=other_root)
   with pytest.raises(publish.IndexRejectedError,
                      match="corpus_fingerprint.*block_store"):
     finetune.train(config=config, model=setup["model"])
   narrow_root = str(tmp_path / "narrow_index")
-  builder.publish_embeddings(
+  build.publish_embeddings(
       embeddings=np.random.default_rng(0).normal(
           size=(len(store), 16)).astype(np.float32),
       store=store, root=narrow_root, step=0,
-      config=builder.IndexBuildConfig(searcher="exact"))
+      config=build.IndexBuildConfig(searcher="exact"))
   config = _config(setup, tmp_path / "w2", index_dir=narrow_root)
   with pytest.raises(publish.IndexRejectedError,
                      match=r"dim is 16 .*expects 128.*embedding size 128"):
@@ -298,10 +299,17 @@ def test_configs_of_old_checkpoints_read_their_flat_qa_fields():
           reader_length=48))
   saved = dataclass_json.to_dict(config)
   assert finetune.config_from_dict(saved, "new") == config
+  # What serving reads of it (no training module): the QA sizes alone.
+  assert qa_inputs.qa_config_of_task(saved, "new") == config.qa
   old = {k: v for k, v in saved.items() if k != "qa"}
   for max_span_width in (None, 10):
     old.update(saved["qa"], max_span_width=max_span_width)
     assert finetune.config_from_dict(old, "old") == config
+    assert qa_inputs.qa_config_of_task(old, "old") == config.qa
+  with pytest.raises(ValueError, match=r"new\.qa: unknown QAConfig fields "
+                     r"\['depth'\]"):
+    qa_inputs.qa_config_of_task(dict(saved, qa=dict(saved["qa"], depth=3)),
+                                "new")
   with pytest.raises(ValueError, match="old: unknown FinetuneConfig fields "
                      r"\['num_blocks'\]"):
     finetune.config_from_dict(dict(old, num_blocks=3), "old")

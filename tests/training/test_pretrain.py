@@ -167,16 +167,16 @@ def test_an_inline_run_builds_its_index_as_index_build_says(
   PretrainConfig.index_build (bound as builder.IndexBuildConfig, the
   builder job's class): searcher and searcher_config, the embedding batch
   and dtype, and retention, not just the searcher's name."""
-  from realm_jax.index import builder, publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import build, publish  # pylint: disable=g-import-not-at-top
   embedded_with = []
-  real = builder.embed_lib.embed_block_store
+  real = build.embed_lib.embed_block_store
 
   def embed(*args, **kwargs):
     embedded_with.append((kwargs["batch_size_per_device"],
                           kwargs["bfloat16"]))
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(builder.embed_lib, "embed_block_store", embed)
+  monkeypatch.setattr(build.embed_lib, "embed_block_store", embed)
   workdir = str(tmp_path / "run")
   config, model = _configs(_bindings(
       workdir, tiny_corpus, num_train_steps=2, checkpoint_every=1) + [
@@ -186,7 +186,7 @@ def test_an_inline_run_builds_its_index_as_index_build_says(
           "builder.IndexBuildConfig.bfloat16 = True",
           "builder.IndexBuildConfig.keep = 1"])
   gin.clear_config()
-  assert config.index_build == builder.IndexBuildConfig(
+  assert config.index_build == build.IndexBuildConfig(
       searcher="scann", searcher_config=(("num_shards", 2),),
       batch_size_per_device=1, bfloat16=True, keep=1)
   history = pretrain.train(config=config, model=model)
@@ -244,7 +244,7 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
   names the index directory."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
-  from realm_jax.index import builder  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import build, builder  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path / "run")
   config, model = _configs(_bindings(
       workdir, tiny_corpus, num_train_steps=20, checkpoint_every=1,
@@ -258,7 +258,7 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
         workdir=workdir, store=block_store.BlockStore.open(config.block_store),
         retriever_config=model.retriever,
         config=builder.BuilderConfig(
-            index_build=builder.IndexBuildConfig(searcher="exact"),
+            index_build=build.IndexBuildConfig(searcher="exact"),
             poll_seconds=0.1),
         max_indices=1, timeout=helpers.HANG_SECONDS))
 

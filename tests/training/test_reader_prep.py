@@ -13,7 +13,7 @@ import pytest
 
 from realm_jax.data import examples, query_cache
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import builder
+from realm_jax.index import build
 from realm_jax.model import functional
 from realm_jax.model.realm import (Realm, RealmConfig, ReaderConfig,
                                    RetrieverConfig)
@@ -136,7 +136,7 @@ def test_pretraining_starts_from_the_prepared_reader(world, tmp_path):
       retrieval=pretrain.RetrievalConfig(num_candidates=2), reader_length=96,
       checkpoint_every=1,
       index_mode="inline",
-      index_build=builder.IndexBuildConfig(searcher="exact")), model=model)
+      index_build=build.IndexBuildConfig(searcher="exact")), model=model)
   start = checkpoints.restore_items(checkpoints.checkpoint_dir(workdir), 0,
                                     checkpoints.PARAM_ITEMS)
   for a, b in zip(jax.tree_util.tree_leaves(start),

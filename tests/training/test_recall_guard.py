@@ -24,7 +24,8 @@ from realm_jax.index import embed
 from realm_jax.data import query_cache
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
-from realm_jax.training import ict, pretrain, realm_inputs, recall_guard
+from realm_jax.data import realm_inputs
+from realm_jax.training import ict, pretrain, recall_guard
 
 STEPS = 12
 

@@ -21,15 +21,15 @@ Per question (batched over many questions):
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from realm_jax.core import checks
+from realm_jax.core import checks, dataclass_json
 from realm_jax.data import qa as qa_lib
+from realm_jax.data import realm_inputs
 from realm_jax.data import signatures
 from realm_jax.data.tokenizer import tokenize_questions  # pylint: disable=unused-import
-from realm_jax.training import realm_inputs
 
 
 # What `Realm.qa_logits` reads from a `qa_batch`.
@@ -69,6 +69,39 @@ class QAConfig:
       raise ValueError("reader_length must exceed question_length.")
     checks.at_least(self, "question_length", "num_retrieved",
                     "num_reader_blocks")
+
+
+# The QA sizes a fine-tuning run's config (`training.finetune.FinetuneConfig`)
+# held as its own fields before it had `qa`.
+_FLAT_QA_FIELDS = ("question_length", "num_retrieved", "num_reader_blocks",
+                   "reader_length")
+
+
+def nest_qa_fields(task_config: dict[str, Any]) -> dict[str, Any]:
+  """A fine-tuning run's task config JSON (`dataclass_json.to_dict` of a
+  FinetuneConfig, which a checkpoint carries), with its QA sizes under
+  `qa` as today's FinetuneConfig holds them.
+
+  Checkpoints written before `FinetuneConfig.qa` hold them as flat fields
+  (question_length, num_retrieved, num_reader_blocks, reader_length,
+  max_span_width): the first four become `qa`, and max_span_width (None
+  or, by a check of the time, the reader's) is dropped: the width is the
+  model's `ReaderConfig.max_span_width`. A new config is returned as it is.
+  """
+  data = dict(task_config)
+  if "qa" not in data:
+    data.pop("max_span_width", None)
+    data["qa"] = {k: data.pop(k) for k in _FLAT_QA_FIELDS if k in data}
+  return data
+
+
+def qa_config_of_task(task_config: dict[str, Any], where: str) -> QAConfig:
+  """The `QAConfig` of a fine-tuning run's task config JSON, old or new
+  (`nest_qa_fields`). Serving (eval, ask, `realm_jax.load`) reads only
+  this part, so it needs no training module. `where` names the source in
+  errors."""
+  return dataclass_json.from_dict(
+      QAConfig, nest_qa_fields(task_config)["qa"], f"{where}.qa")
 
 
 def span_positives(reader_ids: np.ndarray, block_start: np.ndarray,

@@ -6,7 +6,7 @@ import pytest
 from realm_jax.data import blocks
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.testing import corpus
-from realm_jax.training import realm_inputs
+from realm_jax.data import realm_inputs
 
 ARTICLES = corpus.SHORT_ARTICLES
 

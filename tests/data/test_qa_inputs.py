@@ -10,7 +10,7 @@ from realm_jax.data import block_store
 from realm_jax.model import functional, losses
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
-from realm_jax.training import qa_inputs
+from realm_jax.data import qa_inputs
 
 CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
                             num_reader_blocks=3, reader_length=48)
