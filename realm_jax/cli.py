@@ -17,6 +17,7 @@ SCRIPTS = {
     "pretrain": "realm_jax.training.pretrain",
     "finetune": "realm_jax.training.finetune",
     "index_builder": "realm_jax.index.builder",
+    "index_extend": "realm_jax.index.extend_job",
     "qa_eval": "realm_jax.eval.qa_eval",
     "ask": "realm_jax.ask",
     "export": "realm_jax.export",

@@ -16,8 +16,8 @@ import helpers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("realm-demo", "realm-corpus", "realm-annotate", "realm-query-cache",
            "realm-ict", "realm-reader-prep", "realm-pretrain",
-           "realm-finetune", "realm-index-builder", "realm-eval", "realm-ask",
-           "realm-export", "realm-aot")
+           "realm-finetune", "realm-index-builder", "realm-index-extend",
+           "realm-eval", "realm-ask", "realm-export", "realm-aot")
 
 
 def _build_wheel(tmp_path) -> str:

@@ -11,7 +11,7 @@ import helpers
 from realm_jax import aot
 from realm_jax import gin_cli
 from realm_jax.eval import qa_eval
-from realm_jax.index import build, builder
+from realm_jax.index import build, builder, extend_job
 from realm_jax.model import cpu as model_cpu
 from realm_jax.model import realm
 from realm_jax.data import qa_inputs, realm_inputs
@@ -38,7 +38,8 @@ REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
             "QUERIES = '/tmp/a'", "TRAIN_JSONL = '/tmp/q.jsonl'",
             "INDEX_DIR = '/tmp/i'", "INIT_FROM = 'scratch'",
             "OUTPUT_DIR = '/tmp/o'", "ANNOTATED = '/tmp/a/*'",
-            "GATE_QUERIES = '/tmp/g'", "TOPOLOGY = 'v5e:2x2'"]
+            "GATE_QUERIES = '/tmp/g'", "TOPOLOGY = 'v5e:2x2'",
+            "UNION_STORE = '/tmp/u'"]
 
 
 @pytest.mark.parametrize("path", GIN_FILES, ids=os.path.basename)
@@ -77,6 +78,9 @@ def test_gin_file_parses(path):
       gin.get_configurable(realm.RealmConfig)()
     if "/runs/index_builder" in path:
       assert gin.get_configurable(builder.BuilderConfig)().index_build.keep >= 1
+    if "/runs/index_extend" in path:
+      config = gin.get_configurable(extend_job.ExtendConfig)()
+      assert (config.union_store, config.index_build.keep) == ("/tmp/u", 3)
     if name in EXPECTED_MODELS:
       config = gin.get_configurable(realm.RealmConfig)()
       b = config.retriever.bert

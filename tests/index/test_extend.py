@@ -4,15 +4,20 @@ retraining return what a full rebuild on the union returns."""
 import logging
 import os
 import re
+import subprocess
+import sys
 
+import gin
 import numpy as np
 import pytest
 
-from realm_jax.core import io_utils
+import helpers
+from realm_jax import gin_cli
+from realm_jax.core import checkpoints, dataclass_json, io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import progress
 from realm_jax.data import wikipedia
-from realm_jax.index import build, extend, publish
+from realm_jax.index import build, extend, extend_job, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, tiny
@@ -187,3 +192,108 @@ def test_an_alias_of_the_base_or_a_leased_root_is_refused(stores, tmp_path):
   assert (tmp_path / "out" / "LATEST").read_text() == "6.1\n"
   assert publish.load_index(out).manifest["new_rows"] == (
       len(union) - len(base))
+
+
+def _run_with_checkpoint(workdir, step):
+  """A pre-training run's workdir with checkpoint `step` (carrying its
+  model config, as every run's does); its retriever parameters, restored
+  as the index builder restores them."""
+  ckpt_dir = checkpoints.checkpoint_dir(str(workdir))
+  ckpt = checkpoints.TrainCheckpointer(ckpt_dir, keep=5, async_save=False)
+  params = functional.init(lambda r: Realm(CONFIG, rngs=r), step)[1]
+  ckpt.save(step, params, {"count": np.zeros(())},
+            {"model_config": dataclass_json.to_dict(CONFIG)}, force=True)
+  ckpt.wait_until_finished()
+  return checkpoints.restore_retriever(ckpt_dir, step)
+
+
+def test_the_extend_job_publishes_what_a_full_rebuild_gives(stores,
+                                                            tmp_path):
+  """`python -m realm_jax.index.extend_job` (realm-index-extend) on the
+  index a run's builder published: with no INIT_FROM it embeds the new
+  blocks with the run's checkpoint of the index's step, and the published
+  index equals a full rebuild over the union store."""
+  base, union, _ = stores
+  workdir = tmp_path / "run"
+  params = _run_with_checkpoint(workdir, 5)
+  config = SEARCHERS["exact"]
+  index_root = checkpoints.index_root(str(workdir))
+  build.build_and_publish(retriever_params=params,
+                          retriever_config=CONFIG.retriever, store=base,
+                          root=index_root, step=5, config=config)
+  out = tmp_path / "extended"
+  result = subprocess.run(
+      [sys.executable, "-m", "realm_jax.index.extend_job",
+       f"--gin.INDEX_DIR='{index_root}'", f"--gin.BLOCK_STORE='{base.path}'",
+       f"--gin.UNION_STORE='{union.path}'", f"--gin.OUTPUT_DIR='{out}'",
+       "--gin.builder.IndexBuildConfig.searcher='exact'",
+       "--gin.builder.IndexBuildConfig.batch_size_per_device=2"],
+      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  new = len(union) - len(base)
+  assert f"{new} new blocks over {len(base)}" in result.stdout
+  build.build_and_publish(retriever_params=params,
+                          retriever_config=CONFIG.retriever, store=union,
+                          root=str(tmp_path / "full"), step=5, config=config)
+  merged = publish.load_index(str(out), expect=publish.Expectation(
+      union.fingerprint, len(union)))
+  full = publish.load_index(str(tmp_path / "full"))
+  assert merged.step == 5 and merged.manifest["new_rows"] == new
+  assert merged.manifest["params_sha256"] == full.manifest["params_sha256"]
+  np.testing.assert_allclose(merged.embeddings, full.embeddings, atol=1e-5)
+  queries = np.asarray(full.embeddings) + np.random.default_rng(1).normal(
+      scale=0.01, size=full.embeddings.shape).astype(np.float32)
+  ids_m, scores_m = merged.search(queries, 5)
+  ids_f, scores_f = full.search(queries, 5)
+  np.testing.assert_array_equal(ids_m, ids_f)
+  np.testing.assert_allclose(scores_m, scores_f, rtol=1e-4, atol=1e-4)
+  # The base index is untouched: still one index, over the base store.
+  assert publish.published_steps(index_root) == [5]
+  assert publish.load_index(index_root).manifest["corpus_fingerprint"] == (
+      base.fingerprint)
+
+
+def _job(bindings):
+  """The job's `_job(False)` as its command line runs it."""
+  gin.clear_config()
+  try:
+    gin_cli.parse(["runs/index_extend.gin"], bindings)
+    extend_job._job(False)
+  finally:
+    gin.clear_config()
+
+
+def test_the_extend_job_names_a_bad_input_and_writes_nothing(stores,
+                                                            tmp_path):
+  base, union, _ = stores
+  workdir = tmp_path / "run"
+  index_root = checkpoints.index_root(str(workdir))
+  build.build_and_publish(retriever_params=_retriever(),
+                          retriever_config=CONFIG.retriever, store=base,
+                          root=index_root, step=2, config=SEARCHERS["exact"])
+  out = tmp_path / "extended"
+  paths = [f"INDEX_DIR = '{index_root}'", f"BLOCK_STORE = '{base.path}'",
+           f"OUTPUT_DIR = '{out}'",
+           "builder.IndexBuildConfig.searcher = 'exact'"]
+  missing = tmp_path / "no_such_store"
+  with pytest.raises(SystemExit, match=(
+      f"ExtendConfig.union_store='{missing}' is no block store .*"
+      r"--gin.UNION_STORE=")):
+    _job(paths + [f"UNION_STORE = '{missing}'"])
+  with pytest.raises(SystemExit, match=r"ExtendConfig.output_dir is not set"
+                     r".*--gin.OUTPUT_DIR="):
+    _job(paths[:2] + [f"UNION_STORE = '{union.path}'", "OUTPUT_DIR = None"])
+  # No INIT_FROM, and the run has no checkpoint 2 (the index came from
+  # elsewhere): the job asks which retriever built it.
+  with pytest.raises(SystemExit, match=(
+      r"init_from is not set and .*checkpoints holds no checkpoint 2 .*"
+      r"--gin.INIT_FROM=")):
+    _job(paths + [f"UNION_STORE = '{union.path}'"])
+  # Weights other than the index's: refused by its params_sha256.
+  _run_with_checkpoint(workdir, 2)
+  with pytest.raises(SystemExit, match="was built with parameters"):
+    _job(paths + [f"UNION_STORE = '{union.path}'"])
+  assert not out.exists()
+  with pytest.raises(ValueError, match="no document tower"):
+    extend_job.ExtendConfig(init_from="block_emb:/x/encoded.ckpt")
