@@ -47,8 +47,11 @@ def test_gin_file_parses(path):
   gin.clear_config()
   try:
     pod = "/pods/" in path  # A pod recipe binds its TOPOLOGY itself.
+    # The extend job refuses init_from='scratch' (no trained document
+    # tower); its default (None) is the run's checkpoint.
+    extend = ["INIT_FROM = None"] if "/runs/index_extend" in path else []
     gin_cli.parse([path], [b for b in REQUIRED
-                           if not (pod and b.startswith("TOPOLOGY"))])
+                           if not (pod and b.startswith("TOPOLOGY"))] + extend)
     name = os.path.basename(path)
     if pod:
       _check_pod_recipe(name)

@@ -67,6 +67,19 @@ SEARCHERS = {
 }
 
 
+def _assert_same_index(merged, full) -> np.ndarray:
+  """`merged` holds `full`'s embeddings and returns its top 5 for every
+  block's embedding, nudged (ties are unlikely); its top-5 ids."""
+  np.testing.assert_allclose(merged.embeddings, full.embeddings, atol=1e-5)
+  queries = np.asarray(full.embeddings) + np.random.default_rng(0).normal(
+      scale=0.01, size=full.embeddings.shape).astype(np.float32)
+  ids_m, scores_m = merged.search(queries, 5)
+  ids_f, scores_f = full.search(queries, 5)
+  np.testing.assert_array_equal(ids_m, ids_f)
+  np.testing.assert_allclose(scores_m, scores_f, rtol=1e-4, atol=1e-4)
+  return ids_m
+
+
 @pytest.mark.parametrize("kind", sorted(SEARCHERS))
 def test_extended_index_equals_a_full_rebuild(stores, tmp_path, kind):
   base, union, _ = stores
@@ -91,14 +104,7 @@ def test_extended_index_equals_a_full_rebuild(stores, tmp_path, kind):
   assert merged.manifest["new_rows"] == len(union) - len(base)
   assert merged.manifest["extends"]["rows"] == len(base)
   assert merged.searcher.kind == full.searcher.kind == kind
-  np.testing.assert_allclose(merged.embeddings, full.embeddings, atol=1e-5)
-  # Queries: every block's embedding, nudged (ties are unlikely).
-  queries = np.asarray(full.embeddings) + np.random.default_rng(0).normal(
-      scale=0.01, size=full.embeddings.shape).astype(np.float32)
-  ids_m, scores_m = merged.search(queries, 5)
-  ids_f, scores_f = full.search(queries, 5)
-  np.testing.assert_array_equal(ids_m, ids_f)
-  np.testing.assert_allclose(scores_m, scores_f, rtol=1e-4, atol=1e-4)
+  ids_m = _assert_same_index(merged, full)
   # The new blocks are retrieved.
   assert (ids_m[:, 0] >= len(base)).sum() > 3
 
@@ -241,13 +247,7 @@ def test_the_extend_job_publishes_what_a_full_rebuild_gives(stores,
   full = publish.load_index(str(tmp_path / "full"))
   assert merged.step == 5 and merged.manifest["new_rows"] == new
   assert merged.manifest["params_sha256"] == full.manifest["params_sha256"]
-  np.testing.assert_allclose(merged.embeddings, full.embeddings, atol=1e-5)
-  queries = np.asarray(full.embeddings) + np.random.default_rng(1).normal(
-      scale=0.01, size=full.embeddings.shape).astype(np.float32)
-  ids_m, scores_m = merged.search(queries, 5)
-  ids_f, scores_f = full.search(queries, 5)
-  np.testing.assert_array_equal(ids_m, ids_f)
-  np.testing.assert_allclose(scores_m, scores_f, rtol=1e-4, atol=1e-4)
+  _assert_same_index(merged, full)
   # The base index is untouched: still one index, over the base store.
   assert publish.published_steps(index_root) == [5]
   assert publish.load_index(index_root).manifest["corpus_fingerprint"] == (
