@@ -26,7 +26,7 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   left out), averaged over the queries: how far apart the retriever holds
   the blocks. It falls when the blocks' embeddings fold onto one shared
   direction, as moving a small retriever on real text did (see
-  `benchmarks/learning.py`'s results).
+  `benchmarks.learning`'s results).
 
 Without known evidence blocks (real text) the recall and gold-document
 metrics are left out; given open-domain questions, `qa_recall@k` is the
@@ -36,7 +36,7 @@ question by question, where the first such block ranks (0 = first; the
 largest k where none is in the top k), so that two checkpoints can be
 compared on the same questions.
 
-Nothing here trains; `benchmarks/learning.py` runs it on every checkpoint.
+Nothing here trains; `benchmarks.learning` runs it on every checkpoint.
 """
 
 from __future__ import annotations

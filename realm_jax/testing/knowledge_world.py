@@ -7,7 +7,7 @@ corpus X is a separate article per person ("Letters of <name>") whose
 sentences name the person with the city OR the year as the only salient
 span. People are split: the X articles of `num_heldout` people are never
 trained on; their sentences are the held-out queries of the learning
-benchmark (`benchmarks/learning.py`).
+benchmark (`benchmarks.learning`).
 
 Because the facts are random, a reader cannot guess them from the query:
 without the biography it can only learn the prior (1/50 for a city), and on

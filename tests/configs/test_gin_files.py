@@ -7,13 +7,13 @@ import os
 import gin
 import pytest
 
-import helpers
 from realm_jax import aot
 from realm_jax import gin_cli
 from realm_jax.eval import qa_eval
 from realm_jax.index import builder
 from realm_jax.model import cpu as model_cpu
 from realm_jax.model import realm
+from realm_jax.testing import timeouts
 from realm_jax.training import (finetune, ict, pretrain, qa_inputs, reader_prep,
                                 realm_inputs)
 
@@ -234,7 +234,7 @@ def test_run_sets_the_gin_xla_flag_before_jax_starts(tmp_path):
         [sys.executable, "-c", code, f"--gin_file={name}",
          f"--gin.WORKDIR='{tmp_path}'", "--gin.BLOCK_STORE='/tmp/b'"],
         env=env, check=True, capture_output=True, text=True,
-        timeout=helpers.HANG_SECONDS)
+        timeout=timeouts.HANG_SECONDS)
     flags[name] = [line for line in out.stdout.splitlines()
                    if line.startswith("XLA_FLAGS=")][0]
   assert gin_cli.CPU_XLA_FLAG in flags["experiments/ict_tiny_cpu.gin"]
@@ -255,7 +255,7 @@ def test_importing_the_jobs_does_not_start_jax():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                        capture_output=True, text=True,
-                       timeout=helpers.HANG_SECONDS)
+                       timeout=timeouts.HANG_SECONDS)
   assert gin_cli.CPU_XLA_FLAG in out.stdout  # realm_jax.demo sets it.
 
 

@@ -13,13 +13,12 @@ from etils import epath
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax.core import io_utils
 from realm_jax.data import beam_utils, block_store, blocks, corpus_job
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import builder, publish, searchers
-from realm_jax.testing import ram_fs
+from realm_jax.testing import ram_fs, timeouts
 from realm_jax.core import checkpoints
 from realm_jax.training import loop
 
@@ -157,7 +156,7 @@ def test_remote_publish_load_round_trip(tmp_path):
                                  loader=lambda r, s, e: publish.load_index(
                                      r, s, e, cache_dir=cache))
   try:
-    assert watcher.wait_for_index(timeout=helpers.HANG_SECONDS).step == 3
+    assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).step == 3
   finally:
     watcher.close()
   # Re-publishing the live step rewrites it behind a LATEST moved back.
