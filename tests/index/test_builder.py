@@ -20,7 +20,7 @@ from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core, importers
 from realm_jax.core import checkpoints, dataclass_json, io_utils
 from realm_jax.core import lease as lease_lib
-from realm_jax.data import block_store, blocks, wikipedia
+from realm_jax.data import block_store_writer, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer, default_model_dir
 from realm_jax.index import builder, embed, publish
 from realm_jax.model import functional
@@ -42,7 +42,7 @@ EXACT = builder.IndexBuildConfig(searcher="exact")
 def store(tmp_path_factory):
   tok = Tokenizer()
   docs = [wikipedia.Document(t, x) for t, x in TEXTS]
-  return block_store.write_block_store(
+  return block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16),
       str(tmp_path_factory.mktemp("s") / "store"),
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
@@ -335,7 +335,7 @@ def test_one_shot_job_logs_progress_to_a_file_and_records_it(tmp_path):
   tok = Tokenizer()
   docs = [wikipedia.Document(f"{t} {i}", x) for i in range(12)
           for t, x in TEXTS]
-  big = block_store.write_block_store(
+  big = block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16),
       str(tmp_path / "store"), tokenizer_vocab_path=tok.vocab_path,
       source="test", max_block_len=16)
