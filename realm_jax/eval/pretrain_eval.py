@@ -143,8 +143,15 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   Raises:
     ValueError: on mismatched sizes or too small a corpus.
   """
-  gold = _checked_gold(gold_block_ids, len(queries["query_ids"]), store,
-                       num_candidates)
+  n = len(queries["query_ids"])
+  gold = None if gold_block_ids is None else np.asarray(gold_block_ids,
+                                                        np.int64)
+  if gold is not None and gold.shape != (n,):
+    raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
+                     f"({n},), one evidence block per query.")
+  if len(store) <= num_candidates:
+    raise ValueError(f"{store.path}: {len(store)} blocks, too few for "
+                     f"{num_candidates} candidates.")
   queries = _used_mask_slots(queries)
   block_emb = _block_embeddings(params, model, store, block_emb)
   ranking, spread = _ranking(params, model, store, queries, block_emb,
@@ -159,21 +166,6 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     metrics.update(recall_at(ranks, qa_ks))
     metrics["qa_answer_rank"] = ranks.tolist()
   return metrics
-
-
-def _checked_gold(gold_block_ids: np.ndarray | None, num_queries: int,
-                  store, num_candidates: int) -> np.ndarray | None:
-  """`gold_block_ids` as int64, checked with the store's size (see
-  `evaluate`)."""
-  gold = None if gold_block_ids is None else np.asarray(gold_block_ids,
-                                                        np.int64)
-  if gold is not None and gold.shape != (num_queries,):
-    raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
-                     f"({num_queries},), one evidence block per query.")
-  if len(store) <= num_candidates:
-    raise ValueError(f"{store.path}: {len(store)} blocks, too few for "
-                     f"{num_candidates} candidates.")
-  return gold
 
 
 def _used_mask_slots(queries: dict[str, np.ndarray]
