@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from benchmarks.learning import cli, conditions, prepare, tables, worlds
-from benchmarks.learning import worlds_table
+from benchmarks.learning import cli, conditions, plots, prepare, tables
+from benchmarks.learning import worlds, worlds_table
 from realm_jax.data import examples
 from realm_jax.testing import public_data
 
@@ -121,6 +121,38 @@ def test_paired_table_compares_each_condition_on_the_same_questions():
   assert tables.paired_table(
       [{k: v for k, v in r.items() if k != "qa_answer_rank"}
        for r in rows]) == ""
+
+
+def test_the_plot_has_a_panel_per_metric_and_per_log(tmp_path, monkeypatch):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+
+  def row(condition, step, ranks):
+    return {"condition": condition, "step": step, "qa_recall@1": 0.25,
+            "qa_recall@5": 0.5, "hubness": 0.1, "qa_answer_rank": ranks}
+  rows = [row("ict", 600, [20, 0, 20, 3]), row("realm", 100, [0, 5, 20, 3]),
+          row("realm", 200, [0, 0, 20, 3]),
+          {"condition": "realm", "summary": True,
+           "gate": [{"step": 100, "utility": 0.01, "evidence_z": 3.0}],
+           "recall_guard": [{"step": 100, "recall@5": 0.4, "probe": "answer",
+                             "rolled_back": True, "baseline": 0.5}]}]
+  saved = []
+  real_savefig = pyplot.Figure.savefig
+
+  def savefig(fig, path, **kwargs):
+    saved.append([ax.get_title() for ax in fig.axes if ax.get_visible()])
+    real_savefig(fig, path, **kwargs)
+  monkeypatch.setattr(pyplot.Figure, "savefig", savefig)
+  plots.plot(rows, str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  titles = saved[0]
+  assert titles[:2] == ["held-out qa_recall@1", "held-out qa_recall@5"]
+  assert titles[-4:] == [
+      "qa_recall@5 minus ICT's, on the same questions (+- 1 s.e.)",
+      "gate: utility on its queries (nats)",
+      "gate: evidence z on its queries",
+      "recall guard: recall on its probes"]
 
 
 # Eight leads: the towns 0 (dev), 1 and 5 (held out) split by article.
