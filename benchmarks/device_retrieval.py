@@ -36,7 +36,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from benchmarks import timing  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realm_jax.core import parallel  # pylint: disable=g-import-not-at-top,wrong-import-position
-from realm_jax.data import block_store, blocks  # pylint: disable=g-import-not-at-top,wrong-import-position
+from realm_jax.data import block_store_writer, blocks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realm_jax.data.tokenizer import default_vocab_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realm_jax.index import device_search, searchers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realm_jax.data import realm_inputs  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -66,7 +66,7 @@ def main():
   rng = np.random.default_rng(0)
   mesh = parallel.make_mesh()
   start = time.perf_counter()
-  store = block_store.write_block_store(
+  store = block_store_writer.write_block_store(
       synthetic_blocks(args.num_blocks, args.doc_len, rng),
       os.path.join(tempfile.mkdtemp(prefix="device_retrieval_"), "store"),
       tokenizer_vocab_path=default_vocab_path(), source="synthetic",

@@ -57,7 +57,7 @@ def emit(**record):
 
 def build_store(cache_dir: str) -> str:
   """The gensim Wikipedia slice, three times, in 288-wordpiece blocks."""
-  from realm_jax.data import block_store, blocks, wikipedia  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store, block_store_writer, blocks, wikipedia  # pylint: disable=g-import-not-at-top
   from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
   path = os.path.join(cache_dir, "wiki_x3_288")
   manifest = os.path.join(path, "manifest.json")
@@ -71,7 +71,7 @@ def build_store(cache_dir: str) -> str:
   # ~2.4k blocks per copy: three copies hold more than K = 5000.
   docs += [wikipedia.Document(f"{d.title} (copy {i})", d.text)
            for i in (1, 2) for d in docs]
-  block_store.write_block_store(
+  block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=288), path,
       tokenizer_vocab_path=tok.vocab_path, source="gensim slice x3",
       max_block_len=288, overwrite=True)
@@ -229,7 +229,7 @@ def main():
   with open("/proc/loadavg") as f:
     load = f.read().split()[:3]
   import jax  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store, block_store_writer  # pylint: disable=g-import-not-at-top
   emit(kind="machine", cpus=os.cpu_count(), load_average=load,
        devices=jax.device_count(), platform=jax.devices()[0].platform)
   store_dir = build_store(args.cache_dir)

@@ -5,7 +5,7 @@ mass the reader's posterior moves between candidates. `training.gate`'s
 `gate_statistics` sums it over the answer-bearing candidates (those whose
 text holds the masked span): `evidence` per query, and its z-score over the
 queries that retrieved one. While the reader ignores the blocks it is
-exactly 0. This reads a `benchmarks/learning.py` run's checkpoints and,
+exactly 0. This reads a `benchmarks.learning` run's checkpoints and,
 for each step, measures it (with `eval.pretrain_eval`, the checkpoint's own
 exact index, k candidates + null) on the first --train_queries of the
 training query cache (the queries the retriever's gradient comes from)
@@ -42,7 +42,7 @@ def _head(path: str, n: int):
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", required=True,
-                      help="A benchmarks/learning.py --workdir.")
+                      help="A benchmarks.learning --workdir.")
   parser.add_argument("--condition", default="realm")
   parser.add_argument("--steps", required=True, help="Comma-separated.")
   parser.add_argument("--gin_file", default="experiments/pretrain_world_cpu.gin")

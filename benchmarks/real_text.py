@@ -18,12 +18,12 @@ questions is asked (none is ever trained on), with these retrievers:
   minilm  MiniLM-L6 in both towers (models/minilm_l6.gin: mean pooling,
           L2 norm; `init_from="minilm"`), as the demo starts: the index of
           the leads is published by the one-shot builder path
-          (`builder.build_and_publish`), then the SQuAD paragraphs are
+          (`build.build_and_publish`), then the SQuAD paragraphs are
           added without re-embedding the leads (`index.extend`), and the
           questions are searched in the merged index (exact MIPS).
   --checkpoints=name=<dir>[@step]
           a trained retriever (e.g. ICT or REALM from
-          `benchmarks/learning.py --world=vital`), of the model
+          `benchmarks.learning --world=vital`), of the model
           `--gin_file` configures, indexed the same way: its leads' index
           extended with the paragraphs, which it never saw in training.
 
@@ -69,9 +69,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
 from realm_jax import gin_cli  # pylint: disable=wrong-import-position
-
-gin_cli.add_cpu_xla_flag()
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 KS = (1, 5, 20, 100)
 RETRIEVERS = ("bm25", "minilm")
@@ -202,7 +199,7 @@ def checkpoint_weights(name: str, spec: str, gin_file: str,
                        question_length: int) -> Weights:
   """A trained retriever, `spec` = <checkpoints dir>[@<step>] (default its
   last step), of the model `gin_file` configures (e.g. a
-  benchmarks/learning.py --world=vital run's ict or realm checkpoints)."""
+  benchmarks.learning --world=vital run's ict or realm checkpoints)."""
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
   path, _, step = spec.partition("@")
@@ -416,7 +413,7 @@ def main(argv=None) -> None:
   parser.add_argument("--max_block_len", type=int, default=128)
   parser.add_argument("--num_documents", type=int, default=0,
                       help="Z = the first N leads only (0: all), as "
-                      "learning.py --num_documents (the scale curve); "
+                      "benchmarks.learning --num_documents (the scale curve); "
                       "the cloze prompts about other leads are left out.")
   parser.add_argument("--max_questions", type=int, default=0,
                       help="Only the first N questions (0: all).")
@@ -604,4 +601,8 @@ def tune_fusion(data_dir: str, workdir: str, max_block_len: int,
 
 
 if __name__ == "__main__":
+  # Before JAX starts its backends (nothing has imported it yet); not on
+  # import, so that a test importing this module leaves its environment.
+  gin_cli.add_cpu_xla_flag()
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   main()

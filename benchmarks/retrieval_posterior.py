@@ -6,7 +6,7 @@ in [-1, 1], and the top candidates' cosines lie close together, so at
 `RetrieverConfig.score_scale = 1` the softmax is nearly uniform and the
 retriever's gradient (p(z|x, y) - p(z|x)) nearly vanishes. This measures
 it on held-out questions about the Wikipedia slice, with a pre-training
-run's query tower and index (e.g. one of `benchmarks/learning.py
+run's query tower and index (e.g. one of `benchmarks.learning
 --world=wiki --start=minilm`), and prints one JSON line:
 
   top_cosines      mean f(x, z) / score_scale of the top k blocks

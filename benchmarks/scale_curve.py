@@ -1,12 +1,14 @@
 r"""The scale curve of issue 47 (item 6): ICT vs ICT + REALM as Z grows.
 
-    python benchmarks/scale_curve.py --runs=1000=$D/n1k.jsonl,10033=$D/n.jsonl \
+    python -m benchmarks.scale_curve \
+        --runs=1000=$D/n1k.jsonl,10033=$D/n.jsonl \
         --baselines=1000=$D/bm25_1000.jsonl,10033=$D/bm25.jsonl \
         --plot=$D/scale.png
 
 `--runs`: for each number of leads, the JSON lines of one
-`benchmarks/learning.py --world=vital --num_documents=N` run (its "ict"
-condition and one or more REALM conditions, with per-question ranks).
+`python -m benchmarks.learning --world=vital --num_documents=N` run (its
+"ict" condition and one or more REALM conditions, with per-question
+ranks).
 `--baselines`: the SQuAD rows of `benchmarks/real_text.py
 --num_documents=N` over the same blocks (BM25, MiniLM).
 
@@ -26,7 +28,7 @@ import re
 
 import numpy as np
 
-from learning import paired_difference  # (benchmarks/ is on the path)
+from benchmarks.learning.tables import paired_difference
 
 KS = (1, 5, 20, 100)
 PAIRED_KS = (5, 20)
@@ -50,7 +52,7 @@ def _read(path: str) -> list[dict]:
 
 
 def run_rows(leads: int, rows: list[dict], path: str) -> list[dict]:
-  """One learning.py run -> a row per condition (its last ranked
+  """One learning benchmark run -> a row per condition (its last ranked
   checkpoint), REALM conditions paired against "ict"."""
   last = {r["condition"]: r for r in rows if "qa_answer_rank" in r}
   summaries = {r["condition"]: r for r in rows if "summary" in r}
@@ -165,9 +167,11 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks.scale_curve",
+      description=__doc__.split("\n")[0])
   parser.add_argument("--runs", required=True,
-                      help="N=<learning.py --world=vital jsonl>,...")
+                      help="N=<benchmarks.learning --world=vital jsonl>,...")
   parser.add_argument("--baselines", default="",
                       help="N=<real_text.py jsonl>,...")
   parser.add_argument("--plot", default=None, help="A PNG here.")

@@ -25,7 +25,7 @@ seconds per batch of `--batch_size` queries, one JSON line each.
 Inputs: a learning benchmark's workdir on the embedded Wikipedia slice
 (96 articles, 5,448 blocks of 128), e.g.
 
-    python benchmarks/learning.py --world=wiki --start=random \
+    python -m benchmarks.learning --world=wiki --start=random \
         --workdir=$D --prepare_only
     python benchmarks/trivial_candidates.py --workdir=$D
 """

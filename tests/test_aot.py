@@ -19,11 +19,10 @@ import sys
 
 import pytest
 
-import helpers
 from realm_jax import aot
 from realm_jax.data import examples
 from realm_jax.index import build
-from realm_jax.testing import tiny
+from realm_jax.testing import timeouts, tiny
 from realm_jax.data import qa_inputs
 from realm_jax.training import finetune, ict, pretrain
 
@@ -194,7 +193,7 @@ def test_v4_train_step_with_remat_and_bfloat16_is_refused_not_crashed():
 def _realm_aot(*args: str, env=None) -> subprocess.CompletedProcess:
   return subprocess.run(
       [sys.executable, "-m", "realm_jax.aot", *args], capture_output=True,
-      text=True, timeout=helpers.HANG_SECONDS, cwd=ROOT, env=env, check=False)
+      text=True, timeout=timeouts.HANG_SECONDS, cwd=ROOT, env=env, check=False)
 
 
 def test_cli_compiles_a_job_recipe_and_prints_a_json_line():

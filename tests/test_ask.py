@@ -10,14 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax import ask as ask_lib
 from realm_jax.core import checkpoints
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_model
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
-from realm_jax.testing import tiny
+from realm_jax.testing import timeouts, tiny
 from realm_jax.data import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
@@ -190,7 +189,7 @@ def test_cli_refuses_an_empty_question(setup):
        "--gin_file=runs/eval.gin", *_cli_bindings(setup),
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'", QUESTIONS[0], "  "],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode != 0
   assert "Question 2 of 2 is empty ('  '); ask something" in proc.stderr
@@ -205,7 +204,7 @@ def test_cli_json(setup):
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'", "--json", "--top_k=2",
        QUESTIONS[0], QUESTIONS[4], LONG_QUESTION],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines()
@@ -220,7 +219,7 @@ def test_cli_json(setup):
       [sys.executable, "-m", "realm_jax.ask", "--dry_run",
        "--gin.BLOCK_STORE='/nonexistent'", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *bindings],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert dry.returncode == 0, dry.stderr[-3000:]
   assert "RealmConfig(" in dry.stdout and "QAConfig(" in dry.stdout
@@ -647,7 +646,7 @@ def test_cli_hybrid_shows_which_ranker_found_each_block(setup, tmp_path):
        "--gin.qa_eval.EvalConfig.ranker='hybrid'",
        f"--gin.qa_eval.EvalConfig.bm25_dir='{tmp_path / 'bm25'}'",
        "--top_k=4", QUESTIONS[0]],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   found = [line for line in proc.stdout.splitlines() if "found by" in line]
@@ -660,7 +659,7 @@ def test_cli_hybrid_shows_which_ranker_found_each_block(setup, tmp_path):
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'",
        "--gin.qa_eval.EvalConfig.ranker='bm52'", QUESTIONS[0]],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert bad.returncode != 0
   assert "'bm52' is not a ranker" in bad.stderr

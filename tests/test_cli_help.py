@@ -22,7 +22,8 @@ import tomllib
 
 import pytest
 
-import helpers
+from realm_jax.testing import timeouts
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "realm_jax"
@@ -74,7 +75,7 @@ def _results() -> dict[str, subprocess.CompletedProcess]:
 
   def help_of(command):
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=helpers.HANG_SECONDS, check=False)
+                          env=env, timeout=timeouts.HANG_SECONDS, check=False)
 
   commands = _commands()
   with concurrent.futures.ThreadPoolExecutor(

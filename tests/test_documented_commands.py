@@ -15,9 +15,9 @@ Each command that runs something of this repo is dry-run:
     configs, print them, do nothing); a module must have a `__main__`
     block (one without exits 0 and does nothing). A bound number or
     boolean must show in the printed config;
-  * `python benchmarks/<x>.py`: its own argparse / absl parser reads the
-    flags (an unknown flag or a bad value fails) and the script stops
-    there;
+  * `python benchmarks/<x>.py` and `python -m benchmarks.<x>`: its own
+    argparse / absl parser reads the flags (an unknown flag or a bad value
+    fails) and the script stops there;
   * `python -m pytest`: the test files, and the tests a node id names,
     exist; `-n` needs pytest-xdist;
   * `python launch/tpu_pod.py` with `--dry_run` and `launch/local.sh` with
@@ -37,6 +37,10 @@ arguments, or with capitalised parameter names (`launch/local.sh WORKDIR
 Commands that cannot be dry-run are skipped through `_SKIPPED`; those whose
 documented outcome is a failure are checked for it through `_FAILS`.
 `_STALE` holds stale commands that the checks must refuse.
+
+docs/results/learning_log.md is left out: a verbatim log whose commands
+ran at the code of their own day (its header says so; tests/test_doc_names.py
+leaves it out too).
 
 The `python -m` / `python -c` commands run in children forked from one
 process that has imported the heavy libraries (`_FORK_SERVER`), 4 at a
@@ -66,11 +70,11 @@ import tomllib
 import pytest
 
 # The neighbouring tests and their helpers (pytest puts tests/ on sys.path).
-import helpers
 import test_cli_help
 import test_cli_hints
 import test_gin_examples
 from realm_jax import gin_cli
+from realm_jax.testing import timeouts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -204,6 +208,8 @@ def _classify(words: list[str]) -> tuple[str, str, list[str]] | None:
     if len(rest) >= 2 and rest[0] == "-m":
       if rest[1] == "realm_jax" or rest[1].startswith("realm_jax."):
         return "job", rest[1], rest[2:]
+      if rest[1] == "benchmarks" or rest[1].startswith("benchmarks."):
+        return "benchmark", rest[1], rest[2:]
       if rest[1] == "pytest":
         return "pytest", "pytest", rest[2:]
       if rest[1] == "pip":
@@ -362,6 +368,7 @@ def _documented() -> tuple[list[Command], dict[str, str]]:
   files: dict[str, str] = {}
   paths = [ROOT / "README.md", ROOT / "BUILD.md",
            *sorted((ROOT / "docs").rglob("*.md")), ROOT / "launch/README.md"]
+  paths.remove(ROOT / "docs" / "results" / "learning_log.md")
   commands = [c for p in paths for c in _markdown(p, files)]
   return commands + _launcher_examples(), files
 
@@ -371,6 +378,15 @@ def _documented() -> tuple[list[Command], dict[str, str]]:
 
 def _module_path(module: str) -> pathlib.Path:
   return ROOT.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def _benchmark_path(target: str) -> pathlib.Path:
+  """The file a benchmark command runs: a script's path, or a module's
+  file (a package's `__main__.py`)."""
+  if "/" in target:
+    return ROOT / target
+  package = ROOT.joinpath(*target.split("."))
+  return package / "__main__.py" if package.is_dir() else _module_path(target)
 
 
 def _job_problem(module: str) -> str:
@@ -411,10 +427,16 @@ def run(main, argv=None, **kwargs):
   flags.FLAGS(sys.argv if argv is None else argv)  # Raises on a bad flag.
   stop()
 app.run = run
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(script))
-runpy.run_path(script, run_name="__main__")
+if sys.argv[1] == "-m":  # -m ROOT MODULE ARGS: `python -m MODULE ARGS`
+  root, module = sys.argv[2:4]
+  sys.argv = sys.argv[3:]
+  sys.path.insert(0, root)
+  runpy.run_module(module, run_name="__main__", alter_sys=True)
+else:  # SCRIPT ARGS: `python SCRIPT ARGS`
+  script = sys.argv[1]
+  sys.argv = sys.argv[1:]
+  sys.path.insert(0, os.path.dirname(script))
+  runpy.run_path(script, run_name="__main__")
 sys.exit("the script ran without reading flags through argparse or absl")
 """
 
@@ -548,7 +570,7 @@ class _ForkServer:
 
   def close(self):
     self.process.stdin.close()
-    self.process.wait(timeout=helpers.HANG_SECONDS)
+    self.process.wait(timeout=timeouts.HANG_SECONDS)
     self.log.close()
 
 
@@ -565,9 +587,9 @@ class _Runner:
 
   def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
     if self.server and argv[0] == sys.executable and argv[1] in {"-m", "-c"}:
-      return self.server.run(argv, timeout=helpers.HANG_SECONDS)
+      return self.server.run(argv, timeout=timeouts.HANG_SECONDS)
     return subprocess.run(argv, capture_output=True, text=True, cwd=self.tmp,
-                          env=self.env, timeout=helpers.HANG_SECONDS,
+                          env=self.env, timeout=timeouts.HANG_SECONDS,
                           check=False)
 
   def run(self, argv: list[str]) -> subprocess.CompletedProcess:
@@ -671,15 +693,18 @@ def _check_pip(command: Command) -> list[str]:
 
 def _check_benchmark(command: Command, args: list[str],
                      runner: _Runner) -> list[str]:
-  path = ROOT / command.target
+  path, module = _benchmark_path(command.target), "/" not in command.target
   if not path.exists():
-    return [f"no script {command.target}"]
+    return [f"no {'module' if module else 'script'} {command.target} "
+            f"({path.relative_to(ROOT)})"]
   source = path.read_text(encoding="utf-8")
-  if "parse_args(" not in source and "app.run(" not in source:
+  if not module and "parse_args(" not in source and "app.run(" not in source:
     return [f"{command.target} reads no flags through argparse or absl: "
             "this test cannot dry-run it"]
-  result = runner.run([sys.executable, "-c", _PARSE_ONLY, str(path), *args])
-  shown = shlex.join(["python", command.target, *args])
+  run = ["-m", str(ROOT), command.target] if module else [str(path)]
+  result = runner.run([sys.executable, "-c", _PARSE_ONLY, *run, *args])
+  shown = shlex.join(["python", *(["-m"] if module else []), command.target,
+                      *args])
   if result.returncode != 0 or "FLAGS PARSED" not in result.stdout:
     return [_failed(result, shown)]
   return []
@@ -733,6 +758,9 @@ def _check_mention(command: Command) -> list[str]:
   if command.target.startswith("realm-"):
     return ([] if command.target in _console_scripts() else
             [f"no console script {command.target} (pyproject.toml)"])
+  if command.target.split(".")[0] == "benchmarks":  # `python -m benchmarks.x`
+    path = _benchmark_path(command.target)
+    return [] if path.exists() else [f"no benchmark {command.target}"]
   return [] if (ROOT / command.target).exists() else [
       f"no file {command.target}"]
 
@@ -787,7 +815,9 @@ _STALE = [
     ("python -m pytest tests/core/test_parallel.py::test_nothing_here",
      "has no test test_nothing_here"),
     ("python benchmarks/mips.py --num_rowz=5", "num_rowz"),
-    ("python benchmarks/learning.py --no_such_flag", "no_such_flag"),
+    ("python -m benchmarks.learning --no_such_flag", "no_such_flag"),
+    ("python -m benchmarks.no_such_benchmark --steps=2",
+     "no module benchmarks.no_such_benchmark"),
     ("pip install -e \".[demo,no_such_extra]\" -c constraints.txt",
      "no extra 'no_such_extra'"),
     ("realm-ask --gin_file=experiments/eval_tiny_cpu.gin --topk=2 'Who?'",

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import helpers
 from realm_jax import gin_cli
+from realm_jax.testing import timeouts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,7 @@ def _run(args, **env):
   return subprocess.run(
       [sys.executable, *args], capture_output=True, text=True, cwd=REPO,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env),
-      timeout=helpers.HANG_SECONDS,
+      timeout=timeouts.HANG_SECONDS,
       check=False)
 
 

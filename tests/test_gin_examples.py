@@ -32,8 +32,8 @@ import sys
 
 import pytest
 
-import helpers
 from realm_jax import gin_cli
+from realm_jax.testing import timeouts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "realm_jax"
@@ -183,7 +183,7 @@ def results(tmp_path_factory):
     command = _as_run(module, flags, refined, tmp)
     return command, subprocess.run(command, capture_output=True, text=True,
                                    cwd=tmp, env=env,
-                                   timeout=helpers.HANG_SECONDS, check=False)
+                                   timeout=timeouts.HANG_SECONDS, check=False)
 
   with concurrent.futures.ThreadPoolExecutor(
       max_workers=max(2, os.cpu_count() or 2)) as pool:

@@ -1,41 +1,23 @@
-"""benchmarks/learning.py --prepare_only: a workdir that trains without
-TensorFlow (the held-out queries and the questions kept as .npz)."""
+"""benchmarks.learning --prepare_only: a workdir that trains without
+TensorFlow (the held-out queries and the questions kept as .npz); its
+conditions, tables and the worlds table."""
 
-import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
 
-import helpers
-
+from benchmarks.learning import cli, conditions, plots, prepare, tables
+from benchmarks.learning import worlds, worlds_table
 from realm_jax.data import examples
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _learning(monkeypatch):
-  # Importing it adds to $XLA_FLAGS and sets $TF_CPP_MIN_LOG_LEVEL: both
-  # are restored after the test.
-  for name in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
-    monkeypatch.setenv(name, os.environ.get(name, ""))
-  spec = importlib.util.spec_from_file_location(
-      "learning", os.path.join(_ROOT, "benchmarks", "learning.py"))
-  module = importlib.util.module_from_spec(spec)
-  # (Registered while it runs: its dataclasses look their module up.)
-  monkeypatch.setitem(sys.modules, "learning", module)
-  spec.loader.exec_module(module)
-  return module
+from realm_jax.testing import public_data
 
 
-def test_prepare_only_builds_the_inputs_and_trains_nothing(
-    tmp_path, capsys, monkeypatch):
-  learning = _learning(monkeypatch)
+def test_prepare_only_builds_the_inputs_and_trains_nothing(tmp_path, capsys):
   workdir = tmp_path / "w"
-  learning.main([f"--workdir={workdir}", "--people=24", "--heldout=6",
-                 "--dev=3", "--conditions=realm,query_side",
-                 "--prepare_only"])
+  cli.main([f"--workdir={workdir}", "--people=24", "--heldout=6",
+            "--dev=3", "--conditions=realm,query_side",
+            "--prepare_only"])
   assert "inputs prepared" in capsys.readouterr().out
   names = set(os.listdir(workdir))
   assert {"world", "queries_salient"} <= names
@@ -51,21 +33,19 @@ def test_prepare_only_builds_the_inputs_and_trains_nothing(
   assert (got["mlm_weights"].sum(1) >= 1).all()
   # Prepared again, it is the same file with the same arrays (kept when
   # there, rebuilt identically when not).
-  learning.main([f"--workdir={workdir}", "--people=24", "--heldout=6",
-                 "--dev=3", "--conditions=realm", "--prepare_only"])
+  cli.main([f"--workdir={workdir}", "--people=24", "--heldout=6",
+            "--dev=3", "--conditions=realm", "--prepare_only"])
   assert set(os.listdir(workdir)) == names
   os.remove(workdir / kept[0])
-  learning.main([f"--workdir={workdir}", "--people=24", "--heldout=6",
-                 "--dev=3", "--conditions=realm", "--prepare_only"])
+  cli.main([f"--workdir={workdir}", "--people=24", "--heldout=6",
+            "--dev=3", "--conditions=realm", "--prepare_only"])
   with np.load(workdir / kept[0], allow_pickle=False) as f:
     for k in got:
       np.testing.assert_array_equal(f[k], got[k])
 
 
-def test_the_data_scale_probe_thins_training_articles_only(
-    tmp_path, monkeypatch):
+def test_the_data_scale_probe_thins_training_articles_only(tmp_path):
   from realm_jax.data import salient_spans  # pylint: disable=g-import-not-at-top
-  learning = _learning(monkeypatch)
   train = str(tmp_path / "train.tfr.gz")
   docs = [salient_spans.AnnotatedDocument(
       title=f"Article {i}", text=f"Article {i} was written in 19{i:02d}.",
@@ -73,8 +53,8 @@ def test_the_data_scale_probe_thins_training_articles_only(
       span_byte_starts=(23,), span_byte_limits=(27,), span_types=("DATE",))
           for i in range(10)]
   salient_spans.write_annotated(train, docs)
-  assert learning._every_nth_article(train, 1) == train
-  thinned = learning._every_nth_article(train, 4)
+  assert worlds.every_nth_article(train, 1) == train
+  thinned = worlds.every_nth_article(train, 4)
   assert sorted(os.listdir(tmp_path)) == ["train.tfr.gz",
                                           "train_every4.tfr.gz"]
   got = list(salient_spans.read_annotated([thinned]))
@@ -83,26 +63,25 @@ def test_the_data_scale_probe_thins_training_articles_only(
   # The full split is untouched; the thinned one is kept, not rebuilt.
   assert len(list(salient_spans.read_annotated([train]))) == 10
   mtime = os.path.getmtime(thinned)
-  assert learning._every_nth_article(train, 4) == thinned
+  assert worlds.every_nth_article(train, 4) == thinned
   assert os.path.getmtime(thinned) == mtime
 
 
-def test_every_condition_binds_a_config(monkeypatch):
+def test_every_condition_binds_a_config():
   import argparse  # pylint: disable=g-import-not-at-top
   from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
-  learning = _learning(monkeypatch)
   macros = ["WORKDIR = '/w'", "BLOCK_STORE = '/b'", "QUERIES = '/q'",
             "GATE_QUERIES = '/g'"]
-  names = [c for c in learning.CONDITIONS + learning.EXTRA_CONDITIONS
+  names = [c for c in conditions.CONDITIONS + conditions.EXTRA_CONDITIONS
            if c not in ("init", "ict")]  # evaluated, never pre-trained
   for recipe in ("experiments/pretrain_world_cpu.gin",
                  "experiments/pretrain_wiki_small_cpu.gin"):
     args = argparse.Namespace(refresh_every=20, rerank=32,
                               gin_file=[recipe])
     for name in names:
-      gin, model = learning._configs(
-          learning._gin_files(name, args),
-          macros + learning._bindings(name, args))
+      gin, model = prepare.configs(
+          conditions.gin_files(name, args),
+          macros + conditions.bindings(name, args))
       config = gin.get_configurable(pretrain.PretrainConfig)()
       if config.retriever.training == "query_side":  # pretrain.train's rule
         assert not model.retriever.share_towers, (recipe, name)
@@ -117,16 +96,14 @@ def test_every_condition_binds_a_config(monkeypatch):
         assert config.recall_guard.enabled
 
 
-def test_paired_table_compares_each_condition_on_the_same_questions(
-    monkeypatch):
-  learning = _learning(monkeypatch)
+def test_paired_table_compares_each_condition_on_the_same_questions():
   # recall@5 hits: base 0 1 0 1, a 1 0 0 1: differences +1 -1 0 0.
   base, a = [20, 0, 20, 3], [0, 5, 20, 3]
-  d, se = learning.paired_difference(a, base, 5)
+  d, se = tables.paired_difference(a, base, 5)
   assert d == 0.0 and abs(se - (2 / 3) ** 0.5 / 2) < 1e-12
-  assert learning.paired_difference(a, base, 21) == (0.0, 0.0)
+  assert tables.paired_difference(a, base, 21) == (0.0, 0.0)
   with pytest.raises(ValueError, match="the same questions"):
-    learning.paired_difference(a, base[:3], 5)
+    tables.paired_difference(a, base[:3], 5)
 
   def row(condition, step, ranks):
     return {"condition": condition, "step": step, "qa_recall@1": 0.0,
@@ -134,16 +111,48 @@ def test_paired_table_compares_each_condition_on_the_same_questions(
   rows = [row("ict", 600, base), row("realm", 100, a),
           row("realm", 400, [0, 0, 20, 3]),
           {"condition": "realm", "summary": True}]
-  got = learning.paired_table(rows).splitlines()
+  got = tables.paired_table(rows).splitlines()
   assert got[0].startswith("Against ict (step 600), on the same 4 ")
   # The last checkpoint of each condition: one question more at @1 and
   # @5 (differences 1 0 0 0: +0.25, sample std 0.5, se 0.25).
   assert got[3] == "| realm | 400 | +0.250 +- 0.250 | +0.250 +- 0.250 |"
   assert len(got) == 4
   # Rows without per-question ranks (older results) give no table.
-  assert learning.paired_table(
+  assert tables.paired_table(
       [{k: v for k, v in r.items() if k != "qa_answer_rank"}
        for r in rows]) == ""
+
+
+def test_the_plot_has_a_panel_per_metric_and_per_log(tmp_path, monkeypatch):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+
+  def row(condition, step, ranks):
+    return {"condition": condition, "step": step, "qa_recall@1": 0.25,
+            "qa_recall@5": 0.5, "hubness": 0.1, "qa_answer_rank": ranks}
+  rows = [row("ict", 600, [20, 0, 20, 3]), row("realm", 100, [0, 5, 20, 3]),
+          row("realm", 200, [0, 0, 20, 3]),
+          {"condition": "realm", "summary": True,
+           "gate": [{"step": 100, "utility": 0.01, "evidence_z": 3.0}],
+           "recall_guard": [{"step": 100, "recall@5": 0.4, "probe": "answer",
+                             "rolled_back": True, "baseline": 0.5}]}]
+  saved = []
+  real_savefig = pyplot.Figure.savefig
+
+  def savefig(fig, path, **kwargs):
+    saved.append([ax.get_title() for ax in fig.axes if ax.get_visible()])
+    real_savefig(fig, path, **kwargs)
+  monkeypatch.setattr(pyplot.Figure, "savefig", savefig)
+  plots.plot(rows, str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  titles = saved[0]
+  assert titles[:2] == ["held-out qa_recall@1", "held-out qa_recall@5"]
+  assert titles[-4:] == [
+      "qa_recall@5 minus ICT's, on the same questions (+- 1 s.e.)",
+      "gate: utility on its queries (nats)",
+      "gate: evidence z on its queries",
+      "recall guard: recall on its probes"]
 
 
 # Eight leads: the towns 0 (dev), 1 and 5 (held out) split by article.
@@ -153,17 +162,16 @@ _TOWNS = [
      "description": "", "topic": "Geography"}
     for i, place in enumerate(("Kessar", "Orrin", "Port Vell", "Amber",
                                "Tarn", "Esk"))]
-VITAL_LEADS = [helpers.LEADS[0], _TOWNS[0], helpers.LEADS[1]] + _TOWNS[1:]
+VITAL_LEADS = ([public_data.LEADS[0], _TOWNS[0], public_data.LEADS[1]]
+               + _TOWNS[1:])
 
 
-def test_the_vital_world_is_prepared_from_the_public_data(
-    tmp_path, capsys, monkeypatch):
+def test_the_vital_world_is_prepared_from_the_public_data(tmp_path, capsys):
   from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
-  learning = _learning(monkeypatch)
-  data = helpers.write_public_data(tmp_path / "data", VITAL_LEADS)
+  data = public_data.write_public_data(tmp_path / "data", VITAL_LEADS)
   workdir = tmp_path / "w"
-  learning.main(["--world=vital", f"--data_dir={tmp_path / 'data'}",
-                 f"--workdir={workdir}", "--prepare_only"])
+  cli.main(["--world=vital", f"--data_dir={tmp_path / 'data'}",
+            f"--workdir={workdir}", "--prepare_only"])
   out = capsys.readouterr().out
   assert "cloze probe: 1 prompts" in out and "inputs prepared" in out
   vital = workdir / "vital"
@@ -188,35 +196,32 @@ def test_the_vital_world_is_prepared_from_the_public_data(
     # Held out: leads 3 and 7, by the article split.
     assert 1 <= len(f["query_ids"]) <= 4
   with pytest.raises(SystemExit):
-    learning.main(["--world=vital", f"--workdir={workdir}",
-                   "--prepare_only"])  # no --data_dir
+    cli.main(["--world=vital", f"--workdir={workdir}",
+              "--prepare_only"])  # no --data_dir
 
 
-def test_the_vital_world_prepares_for_minilm_plus_realm(
-    tmp_path, capsys, monkeypatch):
+def test_the_vital_world_prepares_for_minilm_plus_realm(tmp_path, capsys):
   # Target (a)'s path: MiniLM in both towers, no ICT; prepared on this
   # machine, trained on an accelerator host.
-  learning = _learning(monkeypatch)
-  helpers.write_public_data(tmp_path / "data", VITAL_LEADS)
+  public_data.write_public_data(tmp_path / "data", VITAL_LEADS)
   workdir = tmp_path / "w"
-  learning.main(["--world=vital", "--start=minilm", "--conditions=query_side",
-                 f"--data_dir={tmp_path / 'data'}", f"--workdir={workdir}",
-                 "--prepare_only"])
+  cli.main(["--world=vital", "--start=minilm", "--conditions=query_side",
+            f"--data_dir={tmp_path / 'data'}", f"--workdir={workdir}",
+            "--prepare_only"])
   assert "inputs prepared" in capsys.readouterr().out
   names = set(os.listdir(workdir))
   assert {"queries_salient", "queries_dev"} <= names
   assert not {"ict", "query_side"} & names
   with pytest.raises(SystemExit):  # MiniLM has no ICT warm start
-    learning.main(["--world=vital", "--start=minilm", "--conditions=ict",
-                   f"--data_dir={tmp_path / 'data'}", f"--workdir={workdir}",
-                   "--prepare_only"])
+    cli.main(["--world=vital", "--start=minilm", "--conditions=ict",
+              f"--data_dir={tmp_path / 'data'}", f"--workdir={workdir}",
+              "--prepare_only"])
 
 
-def test_the_targets_table_reports_the_minimum_over_worlds(monkeypatch):
-  """learning_worlds.targets_table: per world, ICT's last recall@1, the
+def test_the_targets_table_reports_the_minimum_over_worlds():
+  """worlds_table.targets_table: per world, ICT's last recall@1, the
   default recipe's final and worst over its evaluated steps, its release
   and rollback steps; then the minimum over worlds (not the mean)."""
-  worlds = helpers.benchmark_module(monkeypatch, "learning_worlds")
 
   def run(world, ict, realm, release=None, rollback=None):
     rows = [{"world": world, "condition": "ict", "step": 100,
@@ -234,7 +239,7 @@ def test_the_targets_table_reports_the_minimum_over_worlds(monkeypatch):
                 rollback=200)
           + [{"world": "running", "condition": "ict", "step": 100,
               "recall@1": 0.5}])
-  lines = worlds.targets_table(rows).splitlines()
+  lines = worlds_table.targets_table(rows).splitlines()
   assert lines[2:] == [
       "| gains | 0.500 | 0.700 (+0.200) | 0.460 (-0.040) | 200 | - | met |",
       "| holds | 0.400 | 0.400 (+0.000) | 0.400 (+0.000) | never | - | met |",

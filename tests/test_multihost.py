@@ -12,10 +12,9 @@ import gin
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax import gin_cli
 from realm_jax.index import publish
-from realm_jax.testing import corpus
+from realm_jax.testing import corpus, timeouts
 from realm_jax.training import pretrain
 
 STEPS = 4
@@ -64,7 +63,7 @@ def test_two_processes_match_one(tmp_path):
        f"--process_id={i}", "--", *_bindings(multi, store, queries)],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
-  outputs = [p.communicate(timeout=helpers.HANG_SECONDS)[0] for p in procs]
+  outputs = [p.communicate(timeout=timeouts.HANG_SECONDS)[0] for p in procs]
   for p, out in zip(procs, outputs):
     assert p.returncode == 0, out[-3000:]
   assert "process 0 of 2 done with 8 devices" in outputs[0]

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import zipfile
 
-import helpers
+from realm_jax.testing import timeouts
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("realm-demo", "realm-corpus", "realm-annotate", "realm-query-cache",
@@ -77,6 +78,6 @@ def test_wheel_holds_configs_data_and_console_scripts(tmp_path):
        "--gin.WORKDIR='/nonexistent/w'", "--gin.BLOCK_STORE='/nonexistent/b'",
        "--gin.QUERIES='/nonexistent/q'", "--dry_run"],
       cwd=tmp_path, env=env, capture_output=True, text=True,
-      timeout=helpers.HANG_SECONDS)
+      timeout=timeouts.HANG_SECONDS)
   assert job.returncode == 0, job.stderr[-3000:]
   assert "/nonexistent/q" in job.stdout + job.stderr

@@ -8,16 +8,12 @@ import os
 import numpy as np
 import pytest
 
-import helpers
+from benchmarks import real_text
+from realm_jax.testing import public_data
 
 
-def _module(monkeypatch):
-  return helpers.benchmark_module(monkeypatch, "real_text")
-
-
-def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
-  real_text = _module(monkeypatch)
-  data = helpers.write_public_data(tmp_path / "data")
+def test_bm25_and_minilm_rows(tmp_path, capsys):
+  data = public_data.write_public_data(tmp_path / "data")
   output = tmp_path / "rows.jsonl"
   real_text.main([f"--data_dir={tmp_path / 'data'}",
                   f"--workdir={tmp_path / 'w'}", f"--output={output}",
@@ -62,12 +58,11 @@ def test_bm25_and_minilm_rows(tmp_path, monkeypatch, capsys):
 
 
 def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
-    tmp_path, monkeypatch, capsys):
+    tmp_path, capsys):
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   from realm_jax.model import functional  # pylint: disable=g-import-not-at-top
   from realm_jax.model.realm import Realm  # pylint: disable=g-import-not-at-top
-  real_text = _module(monkeypatch)
-  helpers.write_public_data(tmp_path / "data")
+  public_data.write_public_data(tmp_path / "data")
   # The default --gin_file: the vital world's recipe (its paths unset).
   model = real_text._model(  # pylint: disable=protected-access
       "experiments/pretrain_wiki_small_cpu.gin")
@@ -109,10 +104,9 @@ def test_a_trained_checkpoint_is_ranked_through_the_extended_index(
     real_text.main(common + [f"--checkpoints=a_b={tmp_path / 'ckpts'}"])
 
 
-def test_the_first_n_leads_make_a_smaller_corpus(tmp_path, monkeypatch):
+def test_the_first_n_leads_make_a_smaller_corpus(tmp_path):
   # The scale curve's BM25 rows: Z = the first --num_documents leads.
-  real_text = _module(monkeypatch)
-  data = helpers.write_public_data(tmp_path / "data")
+  data = public_data.write_public_data(tmp_path / "data")
   output = tmp_path / "rows.jsonl"
   args = [f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'w'}",
           f"--output={output}", "--max_block_len=24", "--retrievers=bm25",
@@ -144,11 +138,9 @@ def test_the_first_n_leads_make_a_smaller_corpus(tmp_path, monkeypatch):
                     "--retrievers=bm25", "--tasks=cloze", "--num_documents=1"])
 
 
-def test_hybrid_rows_and_fusion_weights_chosen_on_a_dev_set(
-    tmp_path, monkeypatch):
+def test_hybrid_rows_and_fusion_weights_chosen_on_a_dev_set(tmp_path):
   from realm_jax.index import rankers  # pylint: disable=g-import-not-at-top
-  real_text = _module(monkeypatch)
-  helpers.write_public_data(tmp_path / "data")
+  public_data.write_public_data(tmp_path / "data")
   output = tmp_path / "rows.jsonl"
   common = [f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'w'}",
             f"--output={output}", "--max_block_len=24"]
@@ -182,8 +174,7 @@ def test_hybrid_rows_and_fusion_weights_chosen_on_a_dev_set(
       [b for b in row if b >= 0] for row in want.ids.tolist()]
   # The weights chosen on a dev set (here the SQuAD fixture as a SQuAD
   # JSON file), asked over the leads + its paragraphs.
-  dev = os.path.join(os.path.dirname(os.path.abspath(helpers.__file__)),
-                     "fixtures", "squad", "tiny_v1.json")
+  dev = public_data.SQUAD_FIXTURE
   output.unlink()
   real_text.main(common + [f"--tune_fusion={dev}"])
   rows = [json.loads(x) for x in output.read_text().splitlines()]

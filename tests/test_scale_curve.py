@@ -1,16 +1,12 @@
-"""benchmarks/scale_curve.py: the scale curve's table from learning.py's
-and real_text.py's JSON lines."""
+"""benchmarks.scale_curve: the scale curve's table from the learning
+benchmark's and real_text.py's JSON lines."""
 
 import json
 
 import numpy as np
 import pytest
 
-import helpers
-
-
-def _module(monkeypatch):
-  return helpers.benchmark_module(monkeypatch, "scale_curve")
+from benchmarks import scale_curve
 
 
 def _row(condition, step, ranks):
@@ -26,8 +22,7 @@ def _write(path, rows):
   return path
 
 
-def test_each_realm_run_is_paired_with_its_ict(tmp_path, monkeypatch, capsys):
-  scale_curve = _module(monkeypatch)
+def test_each_realm_run_is_paired_with_its_ict(tmp_path, capsys):
   rng = np.random.default_rng(0)
   ict = rng.integers(0, 200, size=50)
   realm = np.where(rng.random(50) < 0.3, 0, ict)  # found first more often

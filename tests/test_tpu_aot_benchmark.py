@@ -1,7 +1,8 @@
 """benchmarks/tpu_aot.py: the staleness it derives from realm-aot's lines,
 its table, and where the bytes go in an optimized HLO module."""
 
-import helpers
+from benchmarks import tpu_aot
+
 
 _HLO = """\
 HloModule jit_step
@@ -21,8 +22,7 @@ ENTRY %main (a: f32[4,8], b: bf16[16]) -> (f32[4,8], bf16[16]) {
 """
 
 
-def test_hlo_traffic_counts_operand_and_result_bytes(monkeypatch):
-  tpu_aot = helpers.benchmark_module(monkeypatch, "tpu_aot")
+def test_hlo_traffic_counts_operand_and_result_bytes():
   found = tpu_aot.hlo_traffic(_HLO)
   # fusion: reads and writes 4 x 8 float32; all-reduce: 16 bf16 each way;
   # the parameters and the tuple move nothing.
@@ -41,9 +41,7 @@ def _line(job, topology, seconds, fits=True, **extra):
               **extra)
 
 
-def test_staleness_pairs_pretraining_with_the_refresh_of_its_generation(
-    monkeypatch):
-  tpu_aot = helpers.benchmark_module(monkeypatch, "tpu_aot")
+def test_staleness_pairs_pretraining_with_the_refresh_of_its_generation():
   lines = [_line("pretrain", "v5e:8x8", 0.4),
            _line("embed", "v5e:4x4", 0.2, estimated_refresh_seconds=600.0),
            _line("embed", "v4:2x2x4", 0.1, estimated_refresh_seconds=60.0),

@@ -46,7 +46,7 @@ import numpy as np
 from realm_jax.core import checks, io_utils
 from realm_jax.core import progress as progress_lib
 from realm_jax.data import beam_utils
-from realm_jax.data import block_store
+from realm_jax.data import block_store, block_store_writer
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.data import wikipedia
@@ -296,7 +296,7 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
                    keep_captions=config.keep_captions)), "corpus"))
     report.merge(out.load(reader_stats))
     stats = sorted(out.load(out.stats, []), key=lambda s: s["shard"])
-    store = block_store.write_block_store(
+    store = block_store_writer.write_block_store(
         _merged_blocks(out, stats, report), out.output_dir,
         tokenizer_vocab_path=vocab_path, source=input_path,
         max_block_len=config.max_block_len, overwrite=config.overwrite,
@@ -305,7 +305,8 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
   logging.info("corpus: %s: %d articles, %d blocks, fingerprint %s",
                out.output_dir, store.num_documents, len(store),
                store.fingerprint)
-  report.log_summary(io_utils.join(out.output_dir, block_store.DROPPED_FILE))
+  report.log_summary(io_utils.join(out.output_dir,
+                                   block_store_writer.DROPPED_FILE))
   return store, report
 
 

@@ -493,26 +493,11 @@ def gold_spans_batch(
     ValueError: on mismatched shapes.
   """
   ids = np.asarray(block_token_ids)
-  _check_batch(ids, answer_token_ids, max_span_width)
-  num_blocks, seq_len = ids.shape
-  mask_cumsum, followed_by_piece = _span_filters(ids, token_mask,
-                                                 continuation_mask)
-  by_length = _answers_by_length(answer_token_ids,
-                                 min(max_span_width, seq_len))
-  rows, starts, widths = _match_spans(ids, by_length, mask_cumsum,
-                                      followed_by_piece, max_span_width)
-  return _padded_spans(rows, starts, widths, num_blocks, max_spans)
-
-
-def _check_batch(ids: np.ndarray,
-                 answer_token_ids: Sequence[Sequence[np.ndarray]],
-                 max_span_width: int) -> None:
-  """Raises the ValueError of `gold_spans_batch` for mismatched shapes."""
   if ids.ndim != 2:
     raise ValueError(
         f"block_token_ids must be [num_blocks, seq_len], got shape {ids.shape}"
         "; use gold_spans() for one block.")
-  num_blocks = len(ids)
+  num_blocks, seq_len = ids.shape
   if len(answer_token_ids) != num_blocks:
     raise ValueError(
         f"answer_token_ids has {len(answer_token_ids)} rows but there are "
@@ -520,6 +505,13 @@ def _check_batch(ids: np.ndarray,
         "([answer_ids] * num_blocks for blocks of one question).")
   if max_span_width < 1:
     raise ValueError(f"max_span_width must be >= 1, got {max_span_width}.")
+  mask_cumsum, followed_by_piece = _span_filters(ids, token_mask,
+                                                 continuation_mask)
+  by_length = _answers_by_length(answer_token_ids,
+                                 min(max_span_width, seq_len))
+  rows, starts, widths = _match_spans(ids, by_length, mask_cumsum,
+                                      followed_by_piece, max_span_width)
+  return _padded_spans(rows, starts, widths, num_blocks, max_spans)
 
 
 def _span_filters(

@@ -16,7 +16,8 @@ With 1024 bits and ~150 distinct wordpieces per 288-piece block, a random
 single-piece answer passes the filter of ~14% of blocks, a two-piece one
 ~2%.
 
-Stores written by `block_store.write_block_store` carry the signatures as
+Stores written by `block_store_writer.write_block_store` carry the
+signatures as
 `body_signatures.npy` (uint64 [num_blocks, 16], listed under the manifest's
 "signatures" entry, outside the content fingerprint: they are derived from
 `body_ids`). Older stores get them computed in memory on first use.

@@ -26,7 +26,7 @@ checkpoint's own index (every block re-embedded, exact search) and reports:
   left out), averaged over the queries: how far apart the retriever holds
   the blocks. It falls when the blocks' embeddings fold onto one shared
   direction, as moving a small retriever on real text did (see
-  `benchmarks/learning.py`'s results).
+  `benchmarks.learning`'s results).
 
 Without known evidence blocks (real text) the recall and gold-document
 metrics are left out; given open-domain questions, `qa_recall@k` is the
@@ -36,7 +36,7 @@ question by question, where the first such block ranks (0 = first; the
 largest k where none is in the top k), so that two checkpoints can be
 compared on the same questions.
 
-Nothing here trains; `benchmarks/learning.py` runs it on every checkpoint.
+Nothing here trains; `benchmarks.learning` runs it on every checkpoint.
 """
 
 from __future__ import annotations
@@ -143,8 +143,15 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
   Raises:
     ValueError: on mismatched sizes or too small a corpus.
   """
-  gold = _checked_gold(gold_block_ids, len(queries["query_ids"]), store,
-                       num_candidates)
+  n = len(queries["query_ids"])
+  gold = None if gold_block_ids is None else np.asarray(gold_block_ids,
+                                                        np.int64)
+  if gold is not None and gold.shape != (n,):
+    raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
+                     f"({n},), one evidence block per query.")
+  if len(store) <= num_candidates:
+    raise ValueError(f"{store.path}: {len(store)} blocks, too few for "
+                     f"{num_candidates} candidates.")
   queries = _used_mask_slots(queries)
   block_emb = _block_embeddings(params, model, store, block_emb)
   ranking, spread = _ranking(params, model, store, queries, block_emb,
@@ -159,21 +166,6 @@ def evaluate(params: dict[str, Any], model: RealmConfig, store,
     metrics.update(recall_at(ranks, qa_ks))
     metrics["qa_answer_rank"] = ranks.tolist()
   return metrics
-
-
-def _checked_gold(gold_block_ids: np.ndarray | None, num_queries: int,
-                  store, num_candidates: int) -> np.ndarray | None:
-  """`gold_block_ids` as int64, checked with the store's size (see
-  `evaluate`)."""
-  gold = None if gold_block_ids is None else np.asarray(gold_block_ids,
-                                                        np.int64)
-  if gold is not None and gold.shape != (num_queries,):
-    raise ValueError(f"gold_block_ids has shape {gold.shape}; expected "
-                     f"({num_queries},), one evidence block per query.")
-  if len(store) <= num_candidates:
-    raise ValueError(f"{store.path}: {len(store)} blocks, too few for "
-                     f"{num_candidates} candidates.")
-  return gold
 
 
 def _used_mask_slots(queries: dict[str, np.ndarray]

@@ -478,7 +478,6 @@ def _unreadable_checkpoint(follower: follow.CheckpointFollower,
    else follower.retry)(step)
 
 
-# Over 60 lines: half docstring; the loop's skips and stops read as one.
 def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  examples: Sequence[qa_lib.QAExample],
                  model_config: RealmConfig, index: publish.PublishedIndex,

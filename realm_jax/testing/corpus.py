@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from realm_jax.data import block_store, blocks, salient_spans, wikipedia
+from realm_jax.data import block_store_writer, blocks, salient_spans, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
 ARTICLES = [
@@ -53,7 +53,7 @@ def small_blocks(path: str, articles: dict[str, str]):
 def write_store(path: str, docs, max_block_len: int):
   """A block store of `docs` (`wikipedia.Document`s), written at `path`."""
   tok = Tokenizer()
-  return block_store.write_block_store(
+  return block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=max_block_len), str(path),
       tokenizer_vocab_path=tok.vocab_path, source="test",
       max_block_len=max_block_len)
@@ -72,7 +72,7 @@ def make_tiny_corpus(directory: str, *, max_block_len: int = 32,
           for i in range(copies) for t, x in ARTICLES]
   store_dir = os.path.join(directory, "blocks")
   if not os.path.exists(store_dir):
-    block_store.write_block_store(
+    block_store_writer.write_block_store(
         blocks.pack_blocks(docs, tok, max_block_len=max_block_len), store_dir,
         tokenizer_vocab_path=tok.vocab_path, source="tiny test corpus",
         max_block_len=max_block_len)

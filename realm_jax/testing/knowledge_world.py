@@ -7,7 +7,7 @@ corpus X is a separate article per person ("Letters of <name>") whose
 sentences name the person with the city OR the year as the only salient
 span. People are split: the X articles of `num_heldout` people are never
 trained on; their sentences are the held-out queries of the learning
-benchmark (`benchmarks/learning.py`).
+benchmark (`benchmarks.learning`).
 
 Because the facts are random, a reader cannot guess them from the query:
 without the biography it can only learn the prior (1/50 for a city), and on
@@ -28,7 +28,8 @@ import os
 import numpy as np
 
 from realm_jax.core import io_utils
-from realm_jax.data import block_store, blocks, salient_spans, wikipedia
+from realm_jax.data import block_store, block_store_writer, blocks
+from realm_jax.data import salient_spans, wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 
 # Single wordpieces in BERT's uncased vocabulary (checked by the tests).
@@ -239,7 +240,7 @@ def write_world(directory: str, *, num_people: int = 300,
   if not os.path.exists(files.block_store):
     tokenizer = Tokenizer()
     docs = [wikipedia.Document(p.name, p.biography) for p in people]
-    block_store.write_block_store(
+    block_store_writer.write_block_store(
         blocks.pack_blocks(docs, tokenizer, max_block_len=max_block_len),
         files.block_store, tokenizer_vocab_path=tokenizer.vocab_path,
         source=f"knowledge world seed {seed}", max_block_len=max_block_len)

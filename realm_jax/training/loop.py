@@ -330,7 +330,6 @@ class Run:
 
   # -- The loop ---------------------------------------------------------------
 
-  # Over 60 lines: half docstring; the step loop and its state read as one.
   def loop(self, state: TrainState, train_step, make_batch: Callable[
       [int, TrainState], Mapping[str, jax.Array]], *,
            meta: Mapping[str, Any],

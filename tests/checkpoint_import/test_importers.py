@@ -489,14 +489,14 @@ def test_hf_block_emb_feeds_the_index_builder(tmp_path):
   import gin  # pylint: disable=g-import-not-at-top
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import block_store, blocks, wikipedia  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store_writer, blocks, wikipedia  # pylint: disable=g-import-not-at-top
   from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
   from realm_jax.index import builder, publish  # pylint: disable=g-import-not-at-top
   tok = Tokenizer()
   docs = [wikipedia.Document("Alpha", "Alpha is the first Greek letter."),
           wikipedia.Document("Beta", "Beta is the second letter. It follows "
                              "alpha in the alphabet.")]
-  store = block_store.write_block_store(
+  store = block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=8),
       str(tmp_path / "store"), tokenizer_vocab_path=tok.vocab_path,
       source="test", max_block_len=8)

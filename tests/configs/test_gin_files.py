@@ -7,7 +7,6 @@ import os
 import gin
 import pytest
 
-import helpers
 from realm_jax import aot
 from realm_jax import gin_cli
 from realm_jax.eval import qa_eval
@@ -15,6 +14,7 @@ from realm_jax.index import build, builder, extend_job
 from realm_jax.model import cpu as model_cpu
 from realm_jax.model import realm
 from realm_jax.data import qa_inputs, realm_inputs
+from realm_jax.testing import timeouts
 from realm_jax.training import finetune, ict, pretrain, reader_prep
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "gin_configs")
@@ -241,7 +241,7 @@ def test_run_sets_the_gin_xla_flag_before_jax_starts(tmp_path):
         [sys.executable, "-c", code, f"--gin_file={name}",
          f"--gin.WORKDIR='{tmp_path}'", "--gin.BLOCK_STORE='/tmp/b'"],
         env=env, check=True, capture_output=True, text=True,
-        timeout=helpers.HANG_SECONDS)
+        timeout=timeouts.HANG_SECONDS)
     flags[name] = [line for line in out.stdout.splitlines()
                    if line.startswith("XLA_FLAGS=")][0]
   assert gin_cli.CPU_XLA_FLAG in flags["experiments/ict_tiny_cpu.gin"]
@@ -262,7 +262,7 @@ def test_importing_the_jobs_does_not_start_jax():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                        capture_output=True, text=True,
-                       timeout=helpers.HANG_SECONDS)
+                       timeout=timeouts.HANG_SECONDS)
   assert gin_cli.CPU_XLA_FLAG in out.stdout  # realm_jax.demo sets it.
 
 

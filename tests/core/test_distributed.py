@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax.core import distributed
+from realm_jax.testing import timeouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV_VARS = (distributed.ENV_DISTRIBUTED, distributed.ENV_COORDINATOR_ADDRESS,
@@ -43,7 +43,7 @@ def _run_python(code: str, env_updates: dict[str, str]) -> str:
   env.update(env_updates, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
                           env=env, capture_output=True, text=True,
-                          timeout=helpers.HANG_SECONDS, check=False)
+                          timeout=timeouts.HANG_SECONDS, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 

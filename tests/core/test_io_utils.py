@@ -13,13 +13,13 @@ from etils import epath
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax.core import io_utils
-from realm_jax.data import beam_utils, block_store, blocks, corpus_job
+from realm_jax.data import beam_utils, block_store, block_store_writer
+from realm_jax.data import blocks, corpus_job
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import build, publish, searchers
-from realm_jax.testing import ram_fs
+from realm_jax.testing import ram_fs, timeouts
 from realm_jax.core import checkpoints
 from realm_jax.training import loop
 
@@ -157,7 +157,7 @@ def test_remote_publish_load_round_trip(tmp_path):
                                  loader=lambda r, s, e: publish.load_index(
                                      r, s, e, cache_dir=cache))
   try:
-    assert watcher.wait_for_index(timeout=helpers.HANG_SECONDS).step == 3
+    assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).step == 3
   finally:
     watcher.close()
   # Re-publishing the live step rewrites it behind a LATEST moved back.
@@ -226,7 +226,7 @@ def store_dir(tmp_path_factory):
   docs = [wikipedia.Document("Alpha", "Alpha is a letter. It comes first."),
           wikipedia.Document("Beta", "Beta is the second letter.")]
   path = str(tmp_path_factory.mktemp("s") / "store")
-  block_store.write_block_store(
+  block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16), path,
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
   return path
@@ -268,7 +268,7 @@ def test_block_store_written_to_a_remote_directory(tmp_path, monkeypatch):
   kwargs = dict(tokenizer_vocab_path=tok.vocab_path, source="test",
                 max_block_len=16)
   remote = _ram("written")
-  store = block_store.write_block_store(
+  store = block_store_writer.write_block_store(
       store_blocks("Alpha is a letter.", "Beta is too."), remote, **kwargs)
   assert store.path == remote and len(store) == 2
   assert (io_utils.as_path(remote) / "manifest.json").exists()
@@ -280,9 +280,10 @@ def test_block_store_written_to_a_remote_directory(tmp_path, monkeypatch):
   assert again.local_path == store.local_path and again.text(1) == (
       "Beta is too.")
   with pytest.raises(FileExistsError, match="overwrite"):
-    block_store.write_block_store(store_blocks("Gamma."), remote, **kwargs)
-  replaced = block_store.write_block_store(store_blocks("Gamma."), remote,
-                                           overwrite=True, **kwargs)
+    block_store_writer.write_block_store(store_blocks("Gamma."), remote,
+                                         **kwargs)
+  replaced = block_store_writer.write_block_store(
+      store_blocks("Gamma."), remote, overwrite=True, **kwargs)
   assert len(replaced) == 1 and replaced.fingerprint != store.fingerprint
   assert block_store.BlockStore.open(remote).text(0) == "Gamma."
 
@@ -294,7 +295,7 @@ def test_block_store_written_to_a_remote_directory(tmp_path, monkeypatch):
   broken = _ram("broken")
   before = sorted(os.listdir(tmp_path / "cache"))
   with pytest.raises(RuntimeError, match="killed"):
-    block_store.write_block_store(failing(), broken, **kwargs)
+    block_store_writer.write_block_store(failing(), broken, **kwargs)
   assert not io_utils.as_path(broken).exists()
   assert sorted(os.listdir(tmp_path / "cache")) == before
   # So does an upload that fails half-way (no manifest was uploaded).
@@ -308,7 +309,8 @@ def test_block_store_written_to_a_remote_directory(tmp_path, monkeypatch):
 
   monkeypatch.setattr(io_utils, "copy_file", flaky_copy)
   with pytest.raises(OSError, match="connection reset"):
-    block_store.write_block_store(store_blocks("Delta."), broken, **kwargs)
+    block_store_writer.write_block_store(store_blocks("Delta."), broken,
+                                         **kwargs)
   assert not io_utils.as_path(broken).exists()
   assert sorted(os.listdir(tmp_path / "cache")) == before
 

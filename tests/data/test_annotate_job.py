@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-import helpers
 from realm_jax.data import salient_spans as ss
+from realm_jax.testing import timeouts
 
 
 def test_command_line(tmp_path):
@@ -24,7 +24,7 @@ def test_command_line(tmp_path):
        "--direct_num_workers=1"],  # a Beam option
       capture_output=True, text=True, cwd=tmp_path, check=False,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-      timeout=helpers.HANG_SECONDS)
+      timeout=timeouts.HANG_SECONDS)
   assert result.returncode == 0, result.stderr[-2000:]
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert summary["documents"] == 2 and summary["num_shards"] == 2

@@ -10,7 +10,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from realm_jax.data import block_store, blocks
+from realm_jax.data import block_store, block_store_writer, blocks
 from realm_jax.data import examples
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
@@ -182,7 +182,7 @@ def test_title_hash():
 
 
 def _write(documents, tokenizer, out_dir, max_block_len=64, **kwargs):
-  return block_store.write_block_store(
+  return block_store_writer.write_block_store(
       blocks.pack_blocks(documents, tokenizer, max_block_len=max_block_len),
       str(out_dir), tokenizer_vocab_path=tokenizer.vocab_path,
       source="test", max_block_len=max_block_len, **kwargs)
@@ -294,7 +294,7 @@ def test_options_and_passage_ids_are_in_the_fingerprint(tokenizer,
 
   packed = _pack(documents, tokenizer, 64)
   ids = [f"psg-{i}-é" for i in range(len(packed))]
-  with_ids = block_store.write_block_store(
+  with_ids = block_store_writer.write_block_store(
       [dataclasses.replace(b, passage_id=i) for b, i in zip(packed, ids)],
       str(tmp_path / "ids"), tokenizer_vocab_path=tokenizer.vocab_path,
       source="test", max_block_len=64)
@@ -304,7 +304,7 @@ def test_options_and_passage_ids_are_in_the_fingerprint(tokenizer,
   block_store.BlockStore.open(str(tmp_path / "ids"), verify=True)
   mixed = [dataclasses.replace(packed[0], passage_id="1")] + packed[1:]
   with pytest.raises(ValueError, match="block 1 .*passage_id"):
-    block_store.write_block_store(
+    block_store_writer.write_block_store(
         mixed, str(tmp_path / "mixed"),
         tokenizer_vocab_path=tokenizer.vocab_path, source="t",
         max_block_len=64)
@@ -316,7 +316,7 @@ def test_report_lists_every_dropped_article(tokenizer, tmp_path):
   long_title = "Title " * 30  # no room for a body in 24 wordpieces
   documents = [Document(f"Empty {i}", " ") for i in range(5)] + [
       Document(long_title, "Text."), Document("Kept", "Some text.")]
-  store = block_store.write_block_store(
+  store = block_store_writer.write_block_store(
       blocks.pack_blocks(documents, tokenizer, max_block_len=24,
                          report=report),
       str(tmp_path / "store"), tokenizer_vocab_path=tokenizer.vocab_path,
@@ -342,9 +342,9 @@ def test_failed_write_leaves_no_store(tokenizer, tmp_path):
 
   out = tmp_path / "store"
   with pytest.raises(RuntimeError, match="killed"):
-    block_store.write_block_store(failing(), str(out),
-                                  tokenizer_vocab_path=tokenizer.vocab_path,
-                                  source="test", max_block_len=64)
+    block_store_writer.write_block_store(
+        failing(), str(out), tokenizer_vocab_path=tokenizer.vocab_path,
+        source="test", max_block_len=64)
   assert os.listdir(tmp_path) == []
   with pytest.raises(FileNotFoundError, match=re.escape(str(out))):
     block_store.BlockStore.open(str(out))
@@ -365,13 +365,13 @@ def test_writer_rejects_bad_blocks(tokenizer, tmp_path):
   too_long = blocks.Block(0, "T", np.array([1]), "x", np.arange(10),
                           np.array([0]))
   with pytest.raises(ValueError, match="over max_block_len 8"):
-    block_store.write_block_store([too_long], str(tmp_path / "s"),
-                                  tokenizer_vocab_path=tokenizer.vocab_path,
-                                  source="t", max_block_len=8)
+    block_store_writer.write_block_store(
+        [too_long], str(tmp_path / "s"),
+        tokenizer_vocab_path=tokenizer.vocab_path, source="t", max_block_len=8)
   with pytest.raises(ValueError, match="no blocks"):
-    block_store.write_block_store([], str(tmp_path / "s"),
-                                  tokenizer_vocab_path=tokenizer.vocab_path,
-                                  source="t")
+    block_store_writer.write_block_store(
+        [], str(tmp_path / "s"), tokenizer_vocab_path=tokenizer.vocab_path,
+        source="t")
   # A first block numbered -1 (not 0) was taken for the article's second
   # block and failed with an UnboundLocalError.
   for doc_index in (-1, 1):
@@ -379,7 +379,7 @@ def test_writer_rejects_bad_blocks(tokenizer, tmp_path):
                          np.array([0]))
     with pytest.raises(ValueError, match=f"block 0 .*doc_index {doc_index}"
                        ".*numbered from 0"):
-      block_store.write_block_store(
+      block_store_writer.write_block_store(
           [first], str(tmp_path / "s"),
           tokenizer_vocab_path=tokenizer.vocab_path, source="t")
   assert os.listdir(tmp_path) == []
@@ -508,7 +508,7 @@ def test_orqa_round_trip(tokenizer, tmp_path):
   assert len(packed[3].text) < len(records[3][1])
   assert len(packed[4].text) < len(records[4][1])
   assert report.notes == {"block_truncated": 2}
-  store = block_store.write_block_store(
+  store = block_store_writer.write_block_store(
       iter(packed), str(tmp_path / "store"),
       tokenizer_vocab_path=tokenizer.vocab_path, source=blocks_tfr,
       max_block_len=64)

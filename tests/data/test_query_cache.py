@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax.data import blocks
 from realm_jax.data import examples as ex
 from realm_jax.data import query_cache as qc
 from realm_jax.data import salient_spans as ss
 from realm_jax.data import tokenizer as tokenizer_lib
+from realm_jax.testing import timeouts
 
 CONFIG = ex.RealmQueryConfig()
 
@@ -338,7 +338,7 @@ def test_command_line_masks_as_bound_and_the_trainer_reads_it(annotated,
        "--direct_num_workers=1"],  # a Beam option
       capture_output=True, text=True, cwd=tmp_path, check=False,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-      timeout=helpers.HANG_SECONDS)
+      timeout=timeouts.HANG_SECONDS)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "realm_jax.training" not in result.stderr
   for hosts in (1, 2, 4):

@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core
 from realm_jax.core import checkpoints, parallel
@@ -24,7 +23,7 @@ from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval, qa_model
 from realm_jax.index import build, publish
 from realm_jax.model import functional
-from realm_jax.testing import tiny
+from realm_jax.testing import timeouts, tiny
 from realm_jax.data import qa_inputs
 
 QA_CONFIG = qa_inputs.QAConfig(question_length=16, num_retrieved=6,
@@ -359,7 +358,7 @@ def test_eval_job_evaluates_each_checkpoint_once_across_restarts(
   # The trainer goes on, then finishes; the eval job is restarted.
   _save(ckpt_dir, 2, _shift_span_scores(setup["params"], 1.0))
   checkpoints.write_done_marker(ckpt_dir, 2)
-  second = qa_eval.run_eval_job(timeout=helpers.HANG_SECONDS, **kwargs)
+  second = qa_eval.run_eval_job(timeout=timeouts.HANG_SECONDS, **kwargs)
   assert second.evaluated == [2] and second.stopped == "done"
   assert calls == [1, 2]  # Step 1 was not evaluated again.
   with open(os.path.join(out, qa_eval.LEDGER)) as f:
@@ -380,7 +379,7 @@ def test_eval_job_evaluates_each_checkpoint_once_across_restarts(
                              [r["score"] for r in steps[2]], atol=1e-4)
 
   # Restarted after DONE with nothing new: stops at once.
-  third = qa_eval.run_eval_job(timeout=helpers.HANG_SECONDS, **kwargs)
+  third = qa_eval.run_eval_job(timeout=timeouts.HANG_SECONDS, **kwargs)
   assert third.evaluated == [] and third.stopped == "done"
   assert calls == [1, 2]
   # A ledger is tied to its evaluation set.
@@ -419,7 +418,7 @@ def test_eval_cli_one_step(setup, tmp_path):
        f"--gin.BLOCK_STORE='{setup['store'].path}'",
        f"--gin.QA_FILE='{qa_file}'", "--gin.EvalConfig.step=5",
        f"--gin.EvalConfig.output_dir='{tmp_path / 'ev'}'"],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
       env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   printed = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,17 +16,16 @@ import jax
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core, importers
 from realm_jax.core import checkpoints, dataclass_json, io_utils
 from realm_jax.core import lease as lease_lib
-from realm_jax.data import block_store, blocks, wikipedia
+from realm_jax.data import block_store_writer, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer, default_model_dir
 from realm_jax.index import build, builder, embed, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
-from realm_jax.testing import tiny
+from realm_jax.testing import timeouts, tiny
 
 TEXTS = [
     ("Alpha", "Alpha is a letter. It comes first in the Greek alphabet."),
@@ -43,7 +42,7 @@ EXACT = build.IndexBuildConfig(searcher="exact")
 def store(tmp_path_factory):
   tok = Tokenizer()
   docs = [wikipedia.Document(t, x) for t, x in TEXTS]
-  return block_store.write_block_store(
+  return block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16),
       str(tmp_path_factory.mktemp("s") / "store"),
       tokenizer_vocab_path=tok.vocab_path, source="test", max_block_len=16)
@@ -152,7 +151,7 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
   checkpoints.write_done_marker(ckpt_dir, 4)
   published = builder.run_builder(workdir=epath.Path(workdir), store=store,
                                   retriever_config=CONFIG.retriever,
-                                  config=config, timeout=helpers.HANG_SECONDS)
+                                  config=config, timeout=timeouts.HANG_SECONDS)
   assert published == [4]
   assert publish.read_latest(root) == 4
   assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
@@ -161,7 +160,7 @@ def test_builder_skips_superseded_resumes_and_stops_on_done(store, tmp_path):
   assert builder.run_builder(
       workdir=workdir, store=store, retriever_config=CONFIG.retriever,
       config=dataclasses.replace(config, done_grace_seconds=0.0),
-      timeout=helpers.HANG_SECONDS) == []
+      timeout=timeouts.HANG_SECONDS) == []
 
 
 def test_publishing_imported_embeddings_checks_rows(store, tmp_path):
@@ -336,7 +335,7 @@ def test_one_shot_job_logs_progress_to_a_file_and_records_it(tmp_path):
   tok = Tokenizer()
   docs = [wikipedia.Document(f"{t} {i}", x) for i in range(12)
           for t, x in TEXTS]
-  big = block_store.write_block_store(
+  big = block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=16),
       str(tmp_path / "store"), tokenizer_vocab_path=tok.vocab_path,
       source="test", max_block_len=16)
@@ -358,7 +357,7 @@ def test_one_shot_job_logs_progress_to_a_file_and_records_it(tmp_path):
          "--gin.builder.IndexBuildConfig.searcher='exact'",
          "--gin.builder.IndexBuildConfig.batch_size_per_device=1",
          "--progress_seconds=0.001"], stdout=subprocess.DEVNULL,
-        stderr=err, check=True, timeout=helpers.HANG_SECONDS)
+        stderr=err, check=True, timeout=timeouts.HANG_SECONDS)
   text = log.read_text()
   batches = -(-n // (8 * 1))  # 8 devices (conftest), one block each.
   lines = re.findall(
@@ -468,7 +467,7 @@ def _finished_run(store, tmp_path):
   assert builder.run_builder(workdir=workdir, store=store,
                              retriever_config=CONFIG.retriever,
                              config=config,
-                             timeout=helpers.HANG_SECONDS) == [12]
+                             timeout=timeouts.HANG_SECONDS) == [12]
   return workdir, ckpt
 
 
@@ -497,11 +496,11 @@ def test_a_leftover_done_does_not_end_an_extended_run(store, tmp_path, first):
   trainer = threading.Thread(target=_extend, args=(workdir, ckpt, leased))
   if first == "trainer":  # No grace: the trainer's lease alone keeps it.
     trainer.start()
-    assert leased.wait(helpers.HANG_SECONDS)
+    assert leased.wait(timeouts.HANG_SECONDS)
     config = dataclasses.replace(config, done_grace_seconds=0.0)
   job = threading.Thread(target=lambda: published.extend(builder.run_builder(
       workdir=workdir, store=store, retriever_config=CONFIG.retriever,
-      config=config, timeout=helpers.HANG_SECONDS)))
+      config=config, timeout=timeouts.HANG_SECONDS)))
   job.start()
   if first == "builder":
     time.sleep(0.5)  # The builder has seen the old DONE by now.
@@ -541,7 +540,7 @@ def test_the_final_index_is_built_when_done_lands_after_the_listing(
                                  done_grace_seconds=0.0)
   published = builder.run_builder(workdir=workdir, store=store,
                                   retriever_config=CONFIG.retriever,
-                                  config=config, timeout=helpers.HANG_SECONDS)
+                                  config=config, timeout=timeouts.HANG_SECONDS)
   assert finished  # the race happened
   assert published == [1, 2]
   assert publish.read_latest(root) == 2
@@ -562,7 +561,7 @@ def test_a_damaged_checkpoint_is_skipped_not_fatal(store, tmp_path, caplog):
     assert builder.run_builder(workdir=workdir, store=store,
                                retriever_config=CONFIG.retriever,
                                config=config, max_indices=1,
-                               timeout=helpers.HANG_SECONDS) == [1]
+                               timeout=timeouts.HANG_SECONDS) == [1]
   assert re.search(r"checkpoints/2 does not restore", caplog.text)
 
 

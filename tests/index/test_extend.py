@@ -11,7 +11,6 @@ import gin
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax import gin_cli
 from realm_jax.core import checkpoints, dataclass_json, io_utils
 from realm_jax.core import lease as lease_lib
@@ -20,7 +19,7 @@ from realm_jax.data import wikipedia
 from realm_jax.index import build, extend, extend_job, publish
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
-from realm_jax.testing import corpus, tiny
+from realm_jax.testing import corpus, timeouts, tiny
 
 CONFIG = tiny.tiny_realm(vocab_size=30522)
 _WORDS = ("river lake hill fort mapped surveyor glacial northern garrison "
@@ -234,7 +233,7 @@ def test_the_extend_job_publishes_what_a_full_rebuild_gives(stores,
        f"--gin.UNION_STORE='{union.path}'", f"--gin.OUTPUT_DIR='{out}'",
        "--gin.builder.IndexBuildConfig.searcher='exact'",
        "--gin.builder.IndexBuildConfig.batch_size_per_device=2"],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS,
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
       check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   new = len(union) - len(base)

@@ -16,9 +16,9 @@ import types
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax.core import lease as lease_lib
 from realm_jax.index import publish, searchers
+from realm_jax.testing import timeouts
 
 FINGERPRINT = "corpus-abc"
 
@@ -103,7 +103,7 @@ def test_bad_indices_are_refused(tmp_path, damage):
   # damage done below).
   watcher = publish.IndexWatcher(
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=3600)
-  assert watcher.wait_for_index(timeout=helpers.HANG_SECONDS).step == 1
+  assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).step == 1
   if damage == "corrupt":
     _publish(root, 2)
     path = os.path.join(root, "2", "embeddings.npy")
@@ -209,7 +209,7 @@ def test_watcher_swaps_under_a_running_loop(tmp_path):
   watcher = publish.IndexWatcher(
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=0.02)
   try:
-    first = watcher.wait_for_index(timeout=helpers.HANG_SECONDS)
+    first = watcher.wait_for_index(timeout=timeouts.HANG_SECONDS)
     assert first.step == 10
     served = []
 
@@ -257,7 +257,7 @@ def test_watcher_retries_after_a_filesystem_error(tmp_path):
   watcher = publish.IndexWatcher(root, poll_seconds=0.02,
                                  loader=flaky_loader)
   try:
-    assert watcher.wait_for_index(timeout=helpers.HANG_SECONDS).step == 4
+    assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).step == 4
     assert failures == [1] and not watcher.rejected
   finally:
     watcher.close()

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-import helpers
+from realm_jax.testing import timeouts
+
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -67,7 +68,7 @@ def _launch(tmp_path, steps=1000, name="run"):
   return proc, workdir
 
 
-def _wait_for_step(workdir, step, proc, timeout=helpers.HANG_SECONDS):
+def _wait_for_step(workdir, step, proc, timeout=timeouts.HANG_SECONDS):
   path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.time() + timeout
   while time.time() < deadline:
@@ -95,9 +96,9 @@ def test_sigterm_stops_both_cleanly_and_publishes_the_last_index(tmp_path):
     children = _children_of(proc.pid)
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
-    _, log = proc.communicate(timeout=helpers.HANG_SECONDS)
+    _, log = proc.communicate(timeout=timeouts.HANG_SECONDS)
     assert proc.returncode == 0, log[-3000:]
-    assert time.time() - t0 < helpers.HANG_SECONDS
+    assert time.time() - t0 < timeouts.HANG_SECONDS
   finally:
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
@@ -122,7 +123,7 @@ def test_a_dead_builder_ends_the_run_with_its_status(tmp_path):
                          capture_output=True, text=True).stdout.split()
     assert len(out) == 1, out
     os.kill(int(out[0]), signal.SIGKILL)
-    _, log = proc.communicate(timeout=helpers.HANG_SECONDS)
+    _, log = proc.communicate(timeout=timeouts.HANG_SECONDS)
   finally:
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)

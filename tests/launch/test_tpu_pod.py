@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-import helpers
 from realm_jax.core import distributed
 from realm_jax import gin_cli
+from realm_jax.testing import timeouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -92,7 +92,7 @@ def test_create_from_the_command_line():
       [sys.executable, TOOL, "create", *POD, "--accelerator_type=v4-64",
        "--version=tpu-ubuntu2204-base", "--spot", "--project=my-proj",
        "--dry_run"],
-      capture_output=True, text=True, check=True, timeout=helpers.HANG_SECONDS)
+      capture_output=True, text=True, check=True, timeout=timeouts.HANG_SECONDS)
   assert result.stdout.splitlines() == [
       "gcloud compute tpus tpu-vm create realm-v4 --zone=us-central2-b "
       "--accelerator-type=v4-64 --version=tpu-ubuntu2204-base --spot "
@@ -145,7 +145,7 @@ def test_setup_archive_holds_the_package(tmp_path):
   cmd = tpu_pod.setup_commands(cfg)[0]
   out = tmp_path / "src.tar.gz"
   cmd = [f"--output={out}" if a.startswith("--output=") else a for a in cmd]
-  subprocess.run(cmd, check=True, timeout=helpers.HANG_SECONDS)
+  subprocess.run(cmd, check=True, timeout=timeouts.HANG_SECONDS)
   names = subprocess.run(["tar", "-tzf", str(out)], capture_output=True,
                          text=True, check=True).stdout.split()
   assert "setup.py" in names and "realm_jax/__init__.py" in names
@@ -436,7 +436,7 @@ def test_start_script_starts_the_job_in_the_background(tmp_path):
   def start():
     return subprocess.run(["bash", "-c", script], cwd=tmp_path,
                           capture_output=True, text=True,
-                          timeout=helpers.HANG_SECONDS, check=False)
+                          timeout=timeouts.HANG_SECONDS, check=False)
 
   started = checkout / "started.json"
   pid = None

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from realm_jax import gin_cli
-from realm_jax.data import block_store, blocks, wikipedia
+from realm_jax.data import block_store, block_store_writer, blocks, wikipedia
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import build, publish
@@ -73,7 +73,7 @@ def _write_store(directory, max_block_len):
   salient-span annotation fine-tuning does not need)."""
   tok = Tokenizer()
   docs = [wikipedia.Document(t, x) for t, x in corpus.ARTICLES]
-  block_store.write_block_store(
+  block_store_writer.write_block_store(
       blocks.pack_blocks(docs, tok, max_block_len=max_block_len), directory,
       tokenizer_vocab_path=tok.vocab_path, source="tiny test corpus",
       max_block_len=max_block_len)

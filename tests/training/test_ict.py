@@ -15,14 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax import gin_cli
 
 from realm_jax.core import io_utils
 from realm_jax.data import block_store, examples
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, Retriever
-from realm_jax.testing import corpus, ram_fs, tiny
+from realm_jax.testing import corpus, ram_fs, timeouts, tiny
 from realm_jax.training import ict
 from realm_jax.core import checkpoints, parallel
 from realm_jax.checkpoint_import import init_from as init_lib
@@ -294,7 +293,7 @@ def test_main_dry_run_prints_the_config(tmp_path, store_dir):
        "--gin_file=experiments/ict_tiny_cpu.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store_dir}'",
        "--dry_run"], capture_output=True, text=True,
-      timeout=helpers.HANG_SECONDS, check=False)
+      timeout=timeouts.HANG_SECONDS, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   assert f"IctTrainConfig(workdir='{workdir}'" in out.stdout
   assert "realm.RetrieverConfig.pooling = 'mean'" in out.stdout

@@ -14,9 +14,9 @@ import numpy as np
 import optax
 import pytest
 
-import helpers
 from realm_jax.core import checkpoints, parallel
 from realm_jax.model.realm import RealmConfig
+from realm_jax.testing import timeouts
 from realm_jax.training import loop
 
 
@@ -227,9 +227,9 @@ def test_a_failed_checkpoint_save_ends_the_trainer(tmp_path):
   done = subprocess.run(
       [sys.executable, "-c", _FAILING_SAVE, str(workdir),
        os.path.dirname(__file__)],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS)
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS)
   assert done.returncode != 0, done.stderr[-3000:]
-  assert time.time() - t0 < helpers.HANG_SECONDS
+  assert time.time() - t0 < timeouts.HANG_SECONDS
   assert (f"CheckpointSaveError: Saving a checkpoint to "
           f"{workdir / 'checkpoints'} failed" in done.stderr), (
               done.stderr[-3000:])

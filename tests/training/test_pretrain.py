@@ -19,9 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-import helpers
 from realm_jax import gin_cli
-from realm_jax.testing import corpus
+from realm_jax.testing import corpus, timeouts
 from realm_jax.training import candidates as candidates_lib
 from realm_jax.training import pretrain
 from realm_jax.core import checkpoints
@@ -143,7 +142,7 @@ def test_kill_9_then_restart_reproduces_the_loss_trajectory(
   ckpt_dir = checkpoints.checkpoint_dir(workdir)
   try:
     assert _wait_for(lambda: os.path.isdir(os.path.join(ckpt_dir, "4")),
-                     helpers.HANG_SECONDS,
+                     timeouts.HANG_SECONDS,
                      proc), "the trainer never checkpointed step 4"
   finally:
     proc.send_signal(signal.SIGKILL)
@@ -152,7 +151,7 @@ def test_kill_9_then_restart_reproduces_the_loss_trajectory(
   killed_at = max(_losses(workdir))
   assert killed_at < STEPS
   subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
-                 stderr=subprocess.DEVNULL, timeout=helpers.HANG_SECONDS)
+                 stderr=subprocess.DEVNULL, timeout=timeouts.HANG_SECONDS)
   assert checkpoints.is_done(ckpt_dir)
   got = _losses(workdir)
   assert sorted(got) == list(range(1, STEPS + 1))
@@ -206,7 +205,7 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
   store, _ = tiny_corpus
   bindings = _bindings(workdir, tiny_corpus, num_train_steps=24,
                        index_mode="builder", keep_checkpoints=5,
-                       index_wait_seconds=helpers.HANG_SECONDS, log_every=1)
+                       index_wait_seconds=timeouts.HANG_SECONDS, log_every=1)
   trainer = subprocess.Popen(_pretrain_cmd(bindings),
                              stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
@@ -216,11 +215,11 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
        "--gin.builder.IndexBuildConfig.searcher='exact'",
        "--gin.builder.BuilderConfig.poll_seconds=0.2",
-       f"--gin.builder.BuilderConfig.timeout_seconds={helpers.HANG_SECONDS}"],
+       f"--gin.builder.BuilderConfig.timeout_seconds={timeouts.HANG_SECONDS}"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
-    _, trainer_log = trainer.communicate(timeout=helpers.HANG_SECONDS)
-    _, builder_log = builder.communicate(timeout=helpers.HANG_SECONDS)
+    _, trainer_log = trainer.communicate(timeout=timeouts.HANG_SECONDS)
+    _, builder_log = builder.communicate(timeout=timeouts.HANG_SECONDS)
   finally:
     for p in (trainer, builder):
       if p.poll() is None:
@@ -260,7 +259,7 @@ def test_a_dead_builder_is_noticed(tmp_path, tiny_corpus, monkeypatch):
         config=builder.BuilderConfig(
             index_build=build.IndexBuildConfig(searcher="exact"),
             poll_seconds=0.1),
-        max_indices=1, timeout=helpers.HANG_SECONDS))
+        max_indices=1, timeout=timeouts.HANG_SECONDS))
 
   import threading  # pylint: disable=g-import-not-at-top
   thread = threading.Thread(target=one_index)

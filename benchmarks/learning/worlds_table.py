@@ -1,6 +1,6 @@
-"""Tables and a plot of `benchmarks/learning.py` runs on several worlds.
+"""Tables and a plot of learning benchmark runs on several worlds.
 
-    python benchmarks/learning_worlds.py \\
+    python -m benchmarks.learning.worlds_table \\
         --run="1000 people, seed 1, templates a=/tmp/gate/w1000_s1_a.jsonl" \\
         --run="300 people, seed 2, templates b=/tmp/gate/w300_s2_b.jsonl" \\
         --output=docs/results/learning_gate.jsonl \\
@@ -10,9 +10,9 @@ Merges the runs' JSON lines into one file (each line tagged with its
 `world`), prints one Markdown table of every (world, condition) at its last
 step next to ICT's, with the retriever's release step, and one of the
 default recipe's targets (`realm`'s final and worst recall@1 against ICT,
-the minimum over worlds), and draws held-out recall@1, retrieval utility and hubness per
-step (and the evidence the reader gives the retriever, where the rows
-have it), one row of panels per world.
+the minimum over worlds), and draws held-out recall@1, retrieval utility
+and hubness per step (and the evidence the reader gives the retriever,
+where the rows have it), one row of panels per world.
 """
 
 from __future__ import annotations
@@ -152,9 +152,12 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks.learning.worlds_table",
+      description=__doc__.split("\n")[0])
   parser.add_argument("--run", action="append", required=True,
-                      help="LABEL=path of a learning.py --output file.")
+                      help="LABEL=path of a `python -m benchmarks.learning` "
+                      "--output file.")
   parser.add_argument("--output", default=None)
   parser.add_argument("--plot", default=None)
   args = parser.parse_args(argv)
