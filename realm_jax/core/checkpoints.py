@@ -104,10 +104,27 @@ class _DrainingEventLoop(asyncio.SelectorEventLoop):
     super().close()
 
 
-class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
+  """`base`, except that new loops are `_DrainingEventLoop`s (the loops
+  threads have set stay theirs)."""
+
+  def __init__(self, base: asyncio.AbstractEventLoopPolicy):
+    self._base = base
 
   def new_event_loop(self) -> asyncio.AbstractEventLoop:
     return _DrainingEventLoop()
+
+  def get_event_loop(self) -> asyncio.AbstractEventLoop:
+    return self._base.get_event_loop()
+
+  def set_event_loop(self, loop) -> None:
+    self._base.set_event_loop(loop)
+
+  def get_child_watcher(self):
+    return self._base.get_child_watcher()
+
+  def set_child_watcher(self, watcher) -> None:
+    self._base.set_child_watcher(watcher)
 
 
 _policy_lock = threading.Lock()
@@ -118,12 +135,13 @@ def _reads_finished_before_close():
   """Orbax's restores in this block run in `_DrainingEventLoop`s.
 
   Orbax makes its loops with `asyncio.new_event_loop()`, which asks the
-  process's event loop policy: that policy is swapped for the block (and
-  put back after; loops made meanwhile by other threads only drain too).
+  process's event loop policy: that policy is wrapped for the block (and
+  put back after); loops made meanwhile by other threads only drain too,
+  and the loops threads have set are untouched.
   """
   with _policy_lock:
     previous = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(_DrainingPolicy())
+    asyncio.set_event_loop_policy(_DrainingPolicy(previous))
     try:
       yield
     finally:
