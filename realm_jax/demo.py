@@ -26,7 +26,10 @@ the configs of two experiment files (`experiments/demo_pretrain.gin`,
   7. three held-out questions answered, each beside its gold answer;
   8. what pre-training changed: the held-out questions' retrieval recall@1
      and @5 with the retriever (and its index) at the start and at the end
-     of pre-training, and after fine-tuning with its exact match.
+     of pre-training, and after fine-tuning with its exact match, with
+     each ranker: the dense retriever, BM25 over the block store, and
+     their hybrid (`index.rankers`; `realm-ask` takes the same
+     `ranker=` binding).
 It prints one JSON line per stage and per logged step, as they happen, and
 ends with a `done` line, what the numbers mean and the commands to go on.
 The corpus and its annotation are kept in the workdir (keyed by their
@@ -385,12 +388,18 @@ def retrieval_change(store, paths: dict[str, str], model, question_length: int
 
 
 def _change_table(change: dict[str, dict[str, float]],
-                  dev: dict[str, float]) -> str:
+                  dev: dict[str, float],
+                  by_ranker: dict[str, dict[str, float]]) -> str:
+  """The closing table: the retriever's recall at pre-training's first and
+  last checkpoint, then the fine-tuned model's with each ranker (dense:
+  the retriever; BM25; their hybrid, `rankers.FusionConfig`'s default)."""
   rows = [("start of pre-training (step "
            f"{change['start']['step']})", change["start"], ""),
           (f"end of pre-training (step {change['end']['step']})",
            change["end"], ""),
-          ("after fine-tuning", dev, f"{dev['exact_match']:.3f}")]
+          ("after fine-tuning (dense)", dev, f"{dev['exact_match']:.3f}")]
+  rows += [(f"after fine-tuning, {name} ranker", r,
+            f"{r['exact_match']:.3f}") for name, r in by_ranker.items()]
   lines = [f"What pre-training changed, on the {dev['num_examples']} "
            "held-out questions (an answer-bearing block in the top k):",
            f"  {'retriever':<34}{'recall@1':>9}{'recall@5':>9}{'EM':>7}"]
@@ -472,6 +481,27 @@ def _evaluate(store, paths: dict[str, str], run, model
   return qa_model, results
 
 
+def _evaluate_rankers(store, paths: dict[str, str], run, model
+                      ) -> dict[str, dict[str, float]]:
+  """The fine-tuned model on the dev split with the other rankers (BM25
+  over the block store, and its hybrid with the dense retriever), logged;
+  predictions to `predictions_dev_<ranker>.jsonl`."""
+  examples = qa_lib.read_qa_jsonl(demo_qa.path("dev"), strict=True)
+  out = {}
+  for ranker in ("bm25", "hybrid"):
+    qa_model = qa_model_lib.load_qa_model(
+        model_config=model, store=store, workdir=run.workdir,
+        index_dir=checkpoints.index_root(paths["pretrain"]),
+        batch_size=run.batch_size, ranker=ranker)
+    out[ranker] = _round(qa_eval.evaluate(
+        qa_model, examples, recall_ks=(1, 5, 20),
+        predictions_path=os.path.join(paths["eval"],
+                                      f"predictions_dev_{ranker}.jsonl")))
+    _log("eval", split="dev", ranker=ranker, step=qa_model.params_step,
+         **out[ranker])
+  return out
+
+
 def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   """Runs the stages; returns the final summary."""
   t0 = time.time()
@@ -501,6 +531,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
 
   t = time.time()
   qa_model, results = _evaluate(store, paths, run, model)
+  by_ranker = _evaluate_rankers(store, paths, run, model)
   eval_seconds = time.time() - t
   print(flush=True)
   right = _showcase(qa_model)
@@ -521,10 +552,12 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
       finetune_last_loss=round(ft_history[-1]["loss"], 4),
       dev_exact_match=dev["exact_match"], dev_recall_at_5=dev["recall@5"],
       dev_questions=dev["num_examples"],
+      **{f"dev_recall_at_5_{name}": r["recall@5"]
+         for name, r in by_ranker.items()},
       train_exact_match=results["train"]["exact_match"],
       train_recall_at_5=results["train"]["recall@5"],
       showcase_right=right, workdir=config.workdir)
-  print(_change_table(change, dev), flush=True)
+  print(_change_table(change, dev, by_ranker), flush=True)
   _explain(config, results, paths, right, run.num_train_steps)
   return summary
 

@@ -101,6 +101,16 @@ def test_demo_runs_every_stage(tmp_path, capsys):
   assert float(table[2].split()[-2]) == change["start_recall@1"]
   assert table[4].split()[-1] == f"{summary['dev_exact_match']:.3f}"
   assert float(table[4].split()[-2]) == summary["dev_recall_at_5"]
+  # Then the same model with the BM25 and the hybrid ranker.
+  evals = {l.get("ranker"): l for l in lines
+           if l["stage"] == "eval" and l["split"] == "dev"}
+  for row, ranker in zip(table[5:7], ("bm25", "hybrid")):
+    assert row.split()[:4] == ["after", "fine-tuning,", ranker, "ranker"]
+    assert summary[f"dev_recall_at_5_{ranker}"] == evals[ranker]["recall@5"]
+    assert row.split()[-2] == f"{evals[ranker]['recall@5']:.3f}"
+    assert row.split()[-3] == f"{evals[ranker]['recall@1']:.3f}"
+    assert row.split()[-1] == f"{evals[ranker]['exact_match']:.3f}"
+  assert (tmp_path / "eval" / "predictions_dev_hybrid.jsonl").exists()
   # A healthy run raises no alarm.
   assert "WARNING" not in out + capsys.readouterr().err
   assert 0.0 <= summary["dev_exact_match"] <= 1.0

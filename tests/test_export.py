@@ -223,3 +223,18 @@ def test_a_killed_exports_temporary_is_removed_by_the_next(tmp_path):
   assert sorted(os.listdir(tmp_path)) == sorted(
       ["out", "victim", os.path.basename(live), os.path.basename(
           left).replace(str(child.pid), str(child.pid) + "9", 1)])
+
+
+def test_a_crashed_exports_temporary_is_removed(tmp_path):
+  """An export that fails mid-write on bad input (a vocabulary path that
+  is a directory: copied after the retriever's weights are written)
+  leaves neither the output nor its temporary behind."""
+  config = RealmConfig(retriever=RetrieverConfig(bert=BERT),
+                       reader=ReaderConfig(bert=BERT))
+  _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
+  parent = tmp_path / "exports"
+  parent.mkdir()
+  with pytest.raises(IsADirectoryError):
+    export.export_model(params, config, str(parent / "e"),
+                        vocab_path=str(tmp_path))
+  assert os.listdir(parent) == []

@@ -16,6 +16,8 @@ trainer on where things are without importing one another.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import numbers
 import os
@@ -75,6 +77,75 @@ def _exit_when_main_thread_ends(code: int, grace_seconds: float) -> None:
 
   threading.Thread(target=watch, daemon=True,
                    name="exit-after-failed-checkpoint").start()
+
+
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+  """An event loop that finishes its tasks before it closes.
+
+  Orbax runs each restore in a fresh loop and closes it as soon as the
+  restore's `asyncio.gather` raises; the other arrays' reads are still in
+  flight then. When TensorStore completes one, its callback finds the
+  loop closed: a `RuntimeError: Event loop is closed` traceback on stderr
+  per read, and an `Exception ignored in <coroutine ...>` with a spec dump
+  per unfinished coroutine, dozens in all after the one clear error. This
+  loop cancels what is left and waits for it to end first, as
+  `asyncio.run` does.
+  """
+
+  def close(self) -> None:
+    if not self.is_closed() and not self.is_running():
+      pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+      for task in pending:
+        task.cancel()
+      if pending:
+        # Their errors are the failed restore's, already on their way up.
+        self.run_until_complete(
+            asyncio.gather(*pending, return_exceptions=True))
+    super().close()
+
+
+class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
+  """`base`, except that new loops are `_DrainingEventLoop`s (the loops
+  threads have set stay theirs)."""
+
+  def __init__(self, base: asyncio.AbstractEventLoopPolicy):
+    self._base = base
+
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    return _DrainingEventLoop()
+
+  def get_event_loop(self) -> asyncio.AbstractEventLoop:
+    return self._base.get_event_loop()
+
+  def set_event_loop(self, loop) -> None:
+    self._base.set_event_loop(loop)
+
+  def get_child_watcher(self):
+    return self._base.get_child_watcher()
+
+  def set_child_watcher(self, watcher) -> None:
+    self._base.set_child_watcher(watcher)
+
+
+_policy_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _reads_finished_before_close():
+  """Orbax's restores in this block run in `_DrainingEventLoop`s.
+
+  Orbax makes its loops with `asyncio.new_event_loop()`, which asks the
+  process's event loop policy: that policy is wrapped for the block (and
+  put back after); loops made meanwhile by other threads only drain too,
+  and the loops threads have set are untouched.
+  """
+  with _policy_lock:
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy(previous))
+    try:
+      yield
+    finally:
+      asyncio.set_event_loop_policy(previous)
 
 
 def checkpoint_dir(workdir: io_utils.PathLike) -> str:
@@ -242,13 +313,15 @@ class TrainCheckpointer:
   def restore(self, step: int, abstract_params: dict[str, Any],
               abstract_opt_state: Any) -> tuple[dict, Any, dict]:
     """Restores everything of `step` into the given structures/shardings."""
-    out = self._manager.restore(
-        step,
-        args=ocp.args.Composite(
-            retriever=ocp.args.StandardRestore(abstract_params["retriever"]),
-            reader=ocp.args.StandardRestore(abstract_params["reader"]),
-            opt_state=ocp.args.StandardRestore(abstract_opt_state),
-            meta=ocp.args.JsonRestore()))
+    with _reads_finished_before_close():
+      out = self._manager.restore(
+          step,
+          args=ocp.args.Composite(
+              retriever=ocp.args.StandardRestore(
+                  abstract_params["retriever"]),
+              reader=ocp.args.StandardRestore(abstract_params["reader"]),
+              opt_state=ocp.args.StandardRestore(abstract_opt_state),
+              meta=ocp.args.JsonRestore()))
     return ({"retriever": out.retriever, "reader": out.reader},
             out.opt_state, dict(out.meta))
 
@@ -283,9 +356,12 @@ class TrainCheckpointer:
       except Exception as e:  # pylint: disable=broad-except
         # Orbax and TensorStore raise many kinds (ValueError, JSON errors,
         # OUT_OF_RANGE / DATA_LOSS statuses): any failure is this step's.
-        logging.warning("checkpoint %s does not restore (%s: %s); trying an "
-                        "older one.", path, type(e).__name__, e)
-        broken.append((step, path, e))
+        failure = f"{type(e).__name__}: {_brief(e)}"
+        logging.warning("checkpoint %s does not restore (%s); trying an "
+                        "older one.", path, failure)
+        logging.debug("checkpoint restore failed", exc_info=e)
+        # The message only: the error would keep orbax's frames alive.
+        broken.append((step, path, failure))
         continue
       if broken:
         if jax.process_index() == 0:
@@ -301,7 +377,7 @@ class TrainCheckpointer:
       return None
     raise CheckpointRestoreError(
         f"No checkpoint under {self.directory} restores: " + "; ".join(
-            f"{path}: {type(e).__name__}: {e}" for _, path, e in broken)
+            f"{path}: {failure}" for _, path, failure in broken)
         + ". If the config changed since they were written, restore it; "
         "if the files are damaged, move the step directories out of "
         f"{self.directory} to start over (or to resume from a copy).")
@@ -408,8 +484,9 @@ def _restore_from(manager, step: int, names: tuple[str, ...],
           lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
                                          sharding=device),
           metadata[name])
-  out = manager.restore(step, args=ocp.args.Composite(**{
-      name: ocp.args.StandardRestore(abstract[name]) for name in names}))
+  with _reads_finished_before_close():
+    out = manager.restore(step, args=ocp.args.Composite(**{
+        name: ocp.args.StandardRestore(abstract[name]) for name in names}))
   return {name: out[name] for name in names}
 
 

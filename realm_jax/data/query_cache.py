@@ -64,6 +64,12 @@ FORMAT_VERSION = 1
 # the trainer's host count, at most its global batch size).
 DEFAULT_SHARDS = 8
 MANIFEST = "manifest.json"
+# The held-out dev split of a cache, one shard in `<cache>/dev/`: the
+# queries of a seeded share of the documents (`QueryCacheConfig.dev_share`,
+# by document, so no sentence of a dev article is trained on). The gate and
+# the recall guard read it (`held_out`).
+DEV_DIR = "dev"
+DEFAULT_DEV_SHARE = 0.05
 # Random access: one record per chunk, no read-ahead. The chunk index stays
 # in memory (~14 bytes a row of this host's shards): the "offloaded" index
 # re-reads it from the footer on every access, 100x slower at 125k rows.
@@ -245,6 +251,22 @@ def _epoch_key(seed: int, shard: int, epoch: int) -> list[int]:
       4, np.uint64).tolist()
 
 
+def in_dev_split(doc_hash: int, seed: int, dev_share: float) -> bool:
+  """Whether document `doc_hash` (a query's `source_doc_hash`) is held out:
+  a seeded hash of the document below `dev_share`, the same for every
+  sentence of it, whatever file or worker it comes from."""
+  if dev_share <= 0:
+    return False
+  h = _mix64(np.array([doc_hash], np.int64).view(np.uint64) ^ _dev_salt(seed))
+  return float(h[0]) / 2.0**64 < dev_share
+
+
+@functools.lru_cache(maxsize=8)
+def _dev_salt(seed: int) -> np.uint64:
+  return np.random.SeedSequence([seed, 0x6465765F]).generate_state(
+      1, np.uint64)[0]
+
+
 def output_shard(source_index: int, index_in_source: int, num_shards: int
                  ) -> int:
   """The cache shard of query `index_in_source` of annotated file
@@ -256,6 +278,28 @@ def output_shard(source_index: int, index_in_source: int, num_shards: int
 # -----------------------------------------------------------------------------
 # The manifest.
 # -----------------------------------------------------------------------------
+
+
+def held_out(cache_dir: str, what: str) -> str:
+  """The cache a held-out measurement reads for `cache_dir`: its dev split
+  `<cache_dir>/dev` when it has one, else `cache_dir` itself; the log says
+  which (`what`: the setting, e.g. "GateConfig.queries")."""
+  manifest = read_manifest(cache_dir)
+  dev = manifest.get("dev")
+  if isinstance(dev, dict) and dev.get("dir") == DEV_DIR:
+    path = os.path.join(cache_dir, DEV_DIR)
+    logging.info("%s: reading %s, the held-out dev split of %s (%s queries "
+                 "of %s%% of its documents, never trained on).", what, path,
+                 cache_dir, dev.get("num_queries"),
+                 round(100 * float(dev.get("share", 0)), 2))
+    return path
+  logging.info(
+      "%s: reading %s itself: it has no held-out dev split (a cache built "
+      "with dev_share=0, or one given for the purpose). For a training "
+      "cache that means training queries; the query-cache job holds out "
+      "a dev split by default (QueryCacheConfig.dev_share).", what,
+      cache_dir)
+  return cache_dir
 
 
 def read_manifest(cache_dir: str) -> dict[str, Any]:
@@ -503,14 +547,20 @@ def _expand(annotated: str | Sequence[str]) -> list[str]:
 
 
 def write_shard(item, *, tmp_dir: str, num_shards: int) -> dict[str, int]:
-  """(shard, [(file, index, record)]) -> one ArrayRecord file; its stats."""
+  """(shard, [(file, index, record)]) -> one ArrayRecord file; its stats.
+
+  Shard `num_shards` is the dev split's one shard, in `tmp_dir/dev/`.
+  """
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   k, rows = item
   rows = sorted(rows, key=lambda r: (r[0], r[1]))
   name = shard_name(k, num_shards)
+  if k == num_shards:
+    name = DEV_DIR + "/" + shard_name(0, 1)
+    io_utils.makedirs(io_utils.join(tmp_dir, DEV_DIR))
   local = io_utils.is_local(tmp_dir)
   path = (os.path.join(tmp_dir, name) if local else
-          os.path.join(tempfile.mkdtemp(), name))
+          os.path.join(tempfile.mkdtemp(), os.path.basename(name)))
   writer = array_record_module.ArrayRecordWriter(path, _WRITER_OPTIONS)
   size = 0
   for _, _, record in rows:
@@ -549,12 +599,16 @@ def _preprocess_transform():
   return PreprocessAnnotated
 
 
-def _to_record(example: dict[str, Any], num_shards: int):
+def _to_record(example: dict[str, Any], num_shards: int, seed: int = 0,
+               dev_share: float = 0.0):
+  """(shard, (file, index, record)); shard `num_shards` is the dev split."""
   from seqio import beam_utils  # pylint: disable=g-import-not-at-top
   source = int(example[beam_utils.SOURCE_SHARD_ID_PROVENANCE_KEY])
   index = int(example[beam_utils.ID_WITHIN_SHARD_PROVENANCE_KEY])
-  return (output_shard(source, index, num_shards),
-          (source, index, encode_query(example)))
+  shard = (num_shards if in_dev_split(int(example["source_doc_hash"]), seed,
+                                      dev_share)
+           else output_shard(source, index, num_shards))
+  return shard, (source, index, encode_query(example))
 
 
 def _task_registration(files: Sequence[str], vocab_path: str | None,
@@ -593,6 +647,7 @@ def build_query_cache(
     lower_case: bool = True,
     pipeline_args: Sequence[str] = (),
     overwrite: bool = False,
+    dev_share: float = 0.0,
 ) -> dict[str, Any]:
   """Annotated TFRecords -> a query cache directory (a Beam pipeline).
 
@@ -608,6 +663,10 @@ def build_query_cache(
     vocab_path: BERT vocab.txt (default `tokenizer.default_vocab_path()`);
       must be the block store's. `lower_case`: as in `tokenizer.Tokenizer`.
     pipeline_args: Beam options (`--runner=...`); default DirectRunner.
+    dev_share: the share of documents whose queries go to the held-out dev
+      split `<output_dir>/dev/` (one shard, a cache of its own) instead of
+      the training shards (`in_dev_split`); 0: none (the command line's
+      default is `DEFAULT_DEV_SHARE`).
 
   Returns the manifest written. Raises FileExistsError (`output_dir` exists
   and not `overwrite`), FileNotFoundError (a pattern matches no file) or
@@ -619,6 +678,8 @@ def build_query_cache(
 
   if num_shards < 1:
     raise ValueError(f"num_shards={num_shards} must be >= 1.")
+  if not 0 <= dev_share < 1:
+    raise ValueError(f"dev_share={dev_share} must be in [0, 1).")
   output = beam_utils.ShardedOutput(output_dir, marker=MANIFEST,
                                     overwrite=overwrite)
   files = _expand(annotated)
@@ -628,13 +689,14 @@ def build_query_cache(
   start = time.time()
   with output as out:
     _run_pipeline(pipeline_args, out, task, register, num_files=len(files),
-                  num_shards=num_shards, seed=seed)
+                  num_shards=num_shards, seed=seed, dev_share=dev_share)
     manifest = finish_cache(
         out.tmp_dir, out.output_dir, out.load(out.stats, []),
         num_shards=num_shards, query_config=query_config, seed=seed,
         vocab_sha256=vocab_sha256, source_files=files,
         extra={"lower_case": lower_case, "seqio_task": register["name"],
-               "build_seconds": round(time.time() - start, 1)})
+               "build_seconds": round(time.time() - start, 1)},
+        dev_share=dev_share)
   logging.info("query cache %s: %d queries in %d shards (%.0f s)",
                out.output_dir, manifest["num_queries"], num_shards,
                time.time() - start)
@@ -643,7 +705,7 @@ def build_query_cache(
 
 def _run_pipeline(pipeline_args: Sequence[str], out, task,
                   register: dict[str, Any], *, num_files: int,
-                  num_shards: int, seed: int) -> None:
+                  num_shards: int, seed: int, dev_share: float) -> None:
   """Runs the Beam pipeline that writes the cache's shards into `out`."""
   import apache_beam as beam  # pylint: disable=g-import-not-at-top
   from realm_jax.data import beam_utils  # pylint: disable=g-import-not-at-top
@@ -657,22 +719,26 @@ def _run_pipeline(pipeline_args: Sequence[str], out, task,
         | "Queries" >> _preprocess_transform()(
             task, "train", preprocessors_seed=seed, add_provenance=True,
             setup_fn=_Register(register))
-        | "Encode" >> beam.Map(_to_record, num_shards)
+        | "Encode" >> beam.Map(_to_record, num_shards, seed, dev_share)
         | "Write" >> out.write_shards(
             functools.partial(write_shard, tmp_dir=out.tmp_dir,
                               num_shards=num_shards),
-            "query_cache", num_shards))
+            "query_cache", num_shards + (dev_share > 0)))
 
 
 def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
                  *, num_shards: int,
                  query_config: examples_lib.RealmQueryConfig, seed: int,
                  vocab_sha256: str, source_files: Sequence[str],
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                 extra: dict[str, Any] | None = None,
+                 dev_share: float = 0.0) -> dict[str, Any]:
   """Writes the manifest of the shards in `tmp_dir` (`stats`: what
-  `write_shard` returned for each) and publishes them at `output_dir`;
-  returns the manifest. Raises ValueError for no query at all or a shard
-  without queries."""
+  `write_shard` returned for each; shard `num_shards` is the dev split's)
+  and publishes them at `output_dir`; returns the manifest. Raises
+  ValueError for no query at all, a shard without queries, or a
+  `dev_share` that held out no query."""
+  dev = [s for s in stats if int(s["shard"]) == num_shards]
+  stats = [s for s in stats if int(s["shard"]) != num_shards]
   by_shard = {int(s["shard"]): s for s in stats}
   total = sum(s["rows"] for s in stats)
   if not total:
@@ -683,27 +749,52 @@ def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
     raise ValueError(
         f"{len(empty)} of {num_shards} shards got no query ({total} queries "
         "in all); build the cache with fewer shards (num_shards).")
-  manifest = {
-      "format_version": FORMAT_VERSION,
-      "num_shards": num_shards,
-      "num_queries": total,
-      "shard_rows": [by_shard[k]["rows"] for k in range(num_shards)],
-      "shard_bytes": [by_shard[k]["bytes"] for k in range(num_shards)],
-      "shard_files": [shard_name(k, num_shards) for k in range(num_shards)],
-      "record_format": "tf.train.Example; ArrayRecord " + _WRITER_OPTIONS,
-      "features": query_features(query_config),
-      "query_config": dataclasses.asdict(query_config),
-      "seed": seed,
-      "vocab_sha256": vocab_sha256,
-      "source_files": list(source_files),
-      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      **(extra or {}),
-  }
+  if dev_share > 0 and not dev:
+    raise ValueError(
+        f"dev_share={dev_share} held out no document of the {total} "
+        "queries' (the dev split would be empty): raise "
+        "QueryCacheConfig.dev_share, or set it to 0 for no dev split.")
+
+  def manifest_of(rows, files):
+    return {
+        "format_version": FORMAT_VERSION,
+        "num_shards": len(files),
+        "num_queries": sum(r["rows"] for r in rows),
+        "shard_rows": [r["rows"] for r in rows],
+        "shard_bytes": [r["bytes"] for r in rows],
+        "shard_files": files,
+        "record_format": "tf.train.Example; ArrayRecord " + _WRITER_OPTIONS,
+        "features": query_features(query_config),
+        "query_config": dataclasses.asdict(query_config),
+        "seed": seed,
+        "vocab_sha256": vocab_sha256,
+        "source_files": list(source_files),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(extra or {}),
+    }
+
+  manifest = manifest_of([by_shard[k] for k in range(num_shards)],
+                         [shard_name(k, num_shards) for k in range(num_shards)])
+  files = list(manifest["shard_files"])
+  if dev:
+    dev_manifest = dict(manifest_of(dev, [shard_name(0, 1)]),
+                        split="dev", dev_share=dev_share)
+    manifest["dev"] = {"dir": DEV_DIR, "share": dev_share,
+                       "num_queries": dev_manifest["num_queries"]}
+    # Inside the cache: published with it, its manifest before the cache's.
+    io_utils.atomic_write_text(io_utils.join(tmp_dir, DEV_DIR, MANIFEST),
+                               json.dumps(dev_manifest, indent=1))
+    files += [f"{DEV_DIR}/{shard_name(0, 1)}", f"{DEV_DIR}/{MANIFEST}"]
+
+  def check(directory):  # Refuse what is unreadable.
+    QueryStream(directory, seed=0, batch_size=num_shards).close()
+    if dev:
+      QueryStream(os.path.join(directory, DEV_DIR), seed=0,
+                  batch_size=1).close()
+
   from realm_jax.data import beam_utils  # pylint: disable=g-import-not-at-top
   beam_utils.publish(tmp_dir, output_dir, MANIFEST,
-                     json.dumps(manifest, indent=1), manifest["shard_files"],
-                     check=lambda d: QueryStream(  # refuse what is unreadable
-                         d, seed=0, batch_size=num_shards).close())
+                     json.dumps(manifest, indent=1), files, check=check)
   return manifest
 
 
@@ -741,9 +832,13 @@ class QueryCacheConfig:
       step's batch, so it needs at most its global batch size, and a
       multiple of its host count (`QueryStream`); `DEFAULT_SHARDS` (8)
       suits any batch of at least 8 on up to 8 hosts.
-    seed: the masking seed.
+    seed: the masking seed (and the dev split's).
     vocab_path: the wordpiece vocabulary (default: the bundled one).
     overwrite: replace an existing cache.
+    dev_share: the share of documents held out as the cache's dev split
+      (`<output_dir>/dev/`, one shard): their queries are never trained
+      on, and the retriever gate and the recall guard read them
+      (`held_out`). 0: no dev split.
   """
   annotated: str
   output_dir: str
@@ -753,11 +848,15 @@ class QueryCacheConfig:
   seed: int = 0
   vocab_path: str | None = None
   overwrite: bool = False
+  dev_share: float = DEFAULT_DEV_SHARE
 
   def __post_init__(self):
     if self.num_shards < 1:
       raise ValueError(f"QueryCacheConfig.num_shards={self.num_shards} must "
                        "be >= 1.")
+    if not 0 <= self.dev_share < 1:
+      raise ValueError(f"QueryCacheConfig.dev_share={self.dev_share} must "
+                       "be in [0, 1) (0: no dev split).")
 
 
 def run(config: QueryCacheConfig, pipeline_args: Sequence[str]) -> None:
@@ -766,9 +865,11 @@ def run(config: QueryCacheConfig, pipeline_args: Sequence[str]) -> None:
       config.annotated, config.output_dir, query_config=config.query_config,
       seed=config.seed, num_shards=config.num_shards,
       vocab_path=config.vocab_path, pipeline_args=pipeline_args,
-      overwrite=config.overwrite)
-  print(json.dumps({k: manifest[k] for k in ("num_shards", "num_queries",
-                                             "build_seconds")}))
+      overwrite=config.overwrite, dev_share=config.dev_share)
+  print(json.dumps({**{k: manifest[k] for k in ("num_shards", "num_queries",
+                                                "build_seconds")},
+                    "dev_queries": manifest.get("dev", {}).get(
+                        "num_queries", 0)}))
 
 
 if __name__ == "__main__":

@@ -447,11 +447,22 @@ def _remove_old_indices(root: PathLike, step: int, keep: int) -> None:
 
 @dataclasses.dataclass
 class PublishedIndex:
-  """A verified index, ready to search."""
+  """A verified index, ready to search.
+
+  `revision`: which publication of `step` it is (n of its directory
+  `<step>.<n>`, 0 for `<step>`): a re-publication of a step (an extend
+  onto the same output, a rebuild) is another index of the same step.
+  """
   step: int
   manifest: dict[str, Any]
   embeddings: np.ndarray
   searcher: Any
+  revision: int = 0
+
+  @property
+  def key(self) -> tuple[int, int]:
+    """(step, revision): orders publications, newest last."""
+    return self.step, self.revision
 
   def search(self, queries: np.ndarray, k: int):
     return self.searcher.search_batched(queries, k)
@@ -537,8 +548,10 @@ def load_index(index_root: PathLike, step: int | None = None,
     searcher = searchers.load_searcher(os.path.join(local, SEARCHER_DIR))
   except Exception as e:
     raise IndexRejectedError(f"{directory}: searcher unreadable: {e}") from e
+  _, revision = _parse_index_name(os.path.basename(directory)) or (step, 0)
   return PublishedIndex(step=int(step), manifest=manifest,
-                        embeddings=embeddings, searcher=searcher)
+                        embeddings=embeddings, searcher=searcher,
+                        revision=revision)
 
 
 def resolve_index_root(index_dir: PathLike) -> str:
@@ -682,13 +695,22 @@ def builder_status(index_root: PathLike) -> tuple[bool, str]:
   return True, f"{who} is {doing} ({age:.0f} s ago)"
 
 
+def _label(index: PublishedIndex) -> str:
+  """`6`, or `6 (revision 6.1)` for a re-publication, for the logs."""
+  if not index.revision:
+    return str(index.step)
+  return f"{index.step} (revision {index.step}.{index.revision})"
+
+
 class IndexWatcher:
   """Trainer side: loads new indices in the background, swaps between steps.
 
-  A daemon thread polls LATEST; a new step is loaded and verified off the
-  training thread and held as pending. The trainer calls `maybe_swap()`
-  between steps. A partial, corrupt or mismatched index is never used: the
-  old one stays live and the reason is logged (once per step).
+  A daemon thread polls LATEST; a new publication, a newer step or a
+  re-publication of the served one (`<step>.<n>`), is loaded and verified
+  off the training thread and held as pending. The trainer calls
+  `maybe_swap()` between steps. A partial, corrupt or mismatched index is
+  never used: the old one stays live and the reason is logged (once per
+  publication).
   """
 
   def __init__(self, index_root: PathLike,
@@ -702,50 +724,57 @@ class IndexWatcher:
     self._lock = threading.Lock()
     self._current: PublishedIndex | None = None
     self._pending: PublishedIndex | None = None
-    self._seen: set[int] = set()
+    # Publications looked at, as (step, revision) (`PublishedIndex.key`).
+    self._seen: set[tuple[int, int]] = set()
     self.rejected: dict[int, str] = {}
     # (index step, loaded and verified at, swapped in at), wall-clock.
     self.swap_log: list[tuple[int, float, float]] = []
-    self._loaded_at: dict[int, float] = {}
+    self._loaded_at: dict[tuple[int, int], float] = {}
     self._stop = threading.Event()
     self._new = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True,
                                     name="index-watcher")
     self._thread.start()
 
-  def _newest_known(self) -> int:
-    steps = [i.step for i in (self._current, self._pending) if i is not None]
-    return max(steps, default=-1)
+  def _newest_known(self) -> tuple[int, int]:
+    keys = [i.key for i in (self._current, self._pending) if i is not None]
+    return max(keys, default=(-1, -1))
 
   def poll_once(self) -> None:
     """One look at LATEST (also called by the thread)."""
     try:
-      step = read_latest(self.index_root)
+      name = _read_latest_name(self.index_root)
     except IndexRejectedError as e:
       logging.warning("Index watcher: %s", e)
       return
-    if step is None or step in self._seen or step <= self._newest_known():
+    if name is None:
       return
-    self._seen.add(step)
+    key = _parse_index_name(name)
+    if key in self._seen or key <= self._newest_known():
+      return
+    self._seen.add(key)
+    step = key[0]
     try:
       index = self._loader(self.index_root, step, self.expect)
     except (IndexRejectedError, OSError) as e:
       self.rejected[step] = str(e)
-      logging.warning("Index watcher: refusing index %d, keeping %s: %s",
-                      step, self.current_step, e)
+      logging.warning("Index watcher: refusing index %s, keeping %s: %s",
+                      name, self.current_step, e)
       return
     except Exception as e:  # pylint: disable=broad-except
       # Another filesystem error (e.g. tf.errors from GCS): maybe transient,
-      # so the step is tried again at the next poll.
-      self._seen.discard(step)
-      logging.warning("Index watcher: could not load index %d (%r); will "
-                      "retry.", step, e)
+      # so the publication is tried again at the next poll.
+      self._seen.discard(key)
+      logging.warning("Index watcher: could not load index %s (%r); will "
+                      "retry.", name, e)
       return
     with self._lock:
       self._pending = index
-      self._loaded_at[step] = time.time()
+      self.rejected.pop(step, None)  # A later publication of it is fine.
+      self._loaded_at[index.key] = time.time()
     self._new.set()
-    logging.info("Index watcher: index %d loaded and verified.", step)
+    logging.info("Index watcher: index %s loaded and verified.",
+                 _label(index))
 
   def _run(self) -> None:
     while not self._stop.is_set():
@@ -764,9 +793,10 @@ class IndexWatcher:
       self._current, self._pending = self._pending, None
       self._new.clear()
       self.swap_log.append((self._current.step,
-                            self._loaded_at.get(self._current.step, 0.0),
+                            self._loaded_at.get(self._current.key, 0.0),
                             time.time()))
-    logging.info("Index watcher: now serving index %d.", self._current.step)
+    logging.info("Index watcher: now serving index %s.",
+                 _label(self._current))
     return True
 
   def _waiting_for(self) -> str:

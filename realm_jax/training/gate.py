@@ -248,10 +248,24 @@ class RetrieverGate:
 def _gate_queries(config: GateConfig, query_config, seed: int
                   ) -> dict[str, np.ndarray]:
   """The first `num_queries` of the gate's cache; its errors say that the
-  cache at fault is `GateConfig.queries`."""
+  cache at fault is `GateConfig.queries`.
+
+  The utility gate reads the cache's held-out dev split where it has one
+  (`query_cache.held_out`): it measures reading on sentences never
+  trained on. The evidence gate reads the training queries, whose
+  gradient the retriever follows (on held-out ones it was backwards,
+  docs/results/learning.md).
+  """
   try:
+    if config.mode == "utility":
+      path = query_cache.held_out(config.queries, "GateConfig.queries")
+    else:
+      path = config.queries
+      logging.info("GateConfig.queries: the %s gate reads %s as given (the "
+                   "training queries, for the evidence gate; not a dev "
+                   "split).", config.mode, path)
     stream = query_cache.QueryStream(
-        config.queries, seed=seed, batch_size=max(config.num_queries, 1))
+        path, seed=seed, batch_size=max(config.num_queries, 1))
     try:
       stream.check(query_config)
       return stream.head(config.num_queries)

@@ -176,8 +176,10 @@ class GateConfig:
         positive at a z-score >= `min_evidence_z` over the queries that
         retrieved one (`gate.gate_statistics`; exactly 0 while the reader
         ignores the blocks). Measured on the training queries (`queries`
-        = the run's, ~2,000 of them): that is the signal the retriever
-        follows, and it is there before any held-out gain;
+        = the run's, ~2,000 of them; not its dev split): that is the
+        signal the retriever follows, and it is there before any
+        held-out gain (a held-out evidence gate was backwards,
+        docs/results/learning.md, "Negative results");
       - "utility": significant when the retrieval utility is >=
         `min_utility` (held-out queries: articles never trained on).
       Every evaluation (both statistics) goes to the log and gate.jsonl.
@@ -185,8 +187,10 @@ class GateConfig:
       latest: "steps" releases it there; a measured gate may release it
       earlier. None: only on the gate's evidence (never on a step count).
     queries: the gate's query cache, masked like the run's queries: for
-      "evidence", the run's `queries` itself; for "utility", sentences
-      never trained on.
+      "evidence", the run's `queries` (its training queries); for
+      "utility", sentences never trained on: a cache with a dev split
+      (`<cache>/dev`, as the query-cache job writes by default) is read
+      there (`query_cache.held_out`), so the run's `queries` will do.
     every: evaluations every this many steps.
     num_queries: the first this many queries of `queries` (fewer if the
       cache has fewer; a multiple of the devices).
@@ -282,8 +286,9 @@ class RecallGuardConfig:
 
   Attributes:
     queries: a query cache of masked sentences (masked like the run's
-      queries; held out where there is a dev split, e.g. the utility
-      gate's): turns the recall guard on. Every `every` steps (full
+      queries; its dev split `<cache>/dev` is read where it has one, as
+      the run's own cache has when the query-cache job wrote it:
+      `query_cache.held_out`): turns the recall guard on. Every `every` steps (full
       training on an inline index: on refresh steps only,
       `recall_guard.guard_every`) it searches the served index with the
       current query tower and measures recall@`k` of the first

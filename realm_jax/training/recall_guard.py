@@ -241,10 +241,12 @@ class _AnswerBearing(_Probes):
 
 def _sentences(config: RecallGuardConfig, query_config, seed: int
                ) -> dict[str, np.ndarray]:
-  """The first `num_queries` of the guard's cache, masked as the run's
-  queries (`query_config`)."""
-  stream = query_cache.QueryStream(config.queries, seed=seed,
-                                   batch_size=config.num_queries)
+  """The first `num_queries` of the guard's cache (its held-out dev split
+  where it has one, `query_cache.held_out`), masked as the run's queries
+  (`query_config`)."""
+  stream = query_cache.QueryStream(
+      query_cache.held_out(config.queries, "RecallGuardConfig.queries"),
+      seed=seed, batch_size=config.num_queries)
   try:
     stream.check(query_config)
     return stream.head(config.num_queries)

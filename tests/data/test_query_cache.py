@@ -1,6 +1,7 @@
 """Tests of realm_jax.data.query_cache: the Beam job and QueryStream."""
 
 import collections
+import dataclasses
 import hashlib
 import json
 import os
@@ -316,17 +317,15 @@ def test_beam_job_is_deterministic(beam_cache, annotated, tmp_path):
       assert a.read() == b.read()
 
 
-def test_command_line_masks_as_bound_and_the_trainer_reads_it(annotated,
-                                                              tmp_path):
-  """The masking is examples.RealmQueryConfig's gin binding, written into
-  the manifest; the trainer's stream reads it from there. The job finds
-  runs/query_cache.gin itself, which imports nothing from training/."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+@pytest.fixture(scope="module")
+def job_cache(annotated, tmp_path_factory):
+  """The command line's cache of the 24 articles, with the job's defaults
+  but for the masking and shard count: (cache dir, the job's stderr)."""
   gin_file = os.path.join(os.path.dirname(__file__), "..", "..",
                           "gin_configs", "runs", "query_cache.gin")
   with open(gin_file, encoding="utf-8") as f:
     assert "realm_jax.training" not in f.read()
+  tmp_path = tmp_path_factory.mktemp("job")
   out = tmp_path / "cache"
   result = subprocess.run(
       [sys.executable, "-m", "realm_jax.data.query_cache",
@@ -340,16 +339,98 @@ def test_command_line_masks_as_bound_and_the_trainer_reads_it(annotated,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
       timeout=timeouts.HANG_SECONDS)
   assert result.returncode == 0, result.stderr[-2000:]
+  return str(out), result
+
+
+def test_command_line_masks_as_bound_and_the_trainer_reads_it(job_cache):
+  """The masking is examples.RealmQueryConfig's gin binding, written into
+  the manifest; the trainer's stream reads it from there. The job finds
+  runs/query_cache.gin itself, which imports nothing from training/."""
+  out, result = job_cache
   assert "realm_jax.training" not in result.stderr
   for hosts in (1, 2, 4):
-    stream = qc.QueryStream(str(out), seed=0, batch_size=4,
+    stream = qc.QueryStream(out, seed=0, batch_size=4,
                             process_count=hosts)
     assert stream.query_config == ex.RealmQueryConfig(
         query_length=32, max_masks=2, mask_limit=30)
     assert stream.batch(0)["query_ids"].shape == (4 // hosts, 32)
     stream.close()
   assert stream.manifest["num_shards"] == 4
-  assert stream.manifest["num_queries"] == 48
+
+
+def _doc_hashes(cache):
+  stream = qc.QueryStream(cache, seed=0,
+                          batch_size=qc.read_manifest(cache)["num_shards"])
+  try:
+    return collections.Counter(
+        stream.head(len(stream))["source_doc_hash"].tolist())
+  finally:
+    stream.close()
+
+
+def test_the_job_holds_out_a_dev_split_of_whole_documents(job_cache):
+  """By default the job writes the training cache and, in its `dev/`, a
+  one-shard cache of the queries of a seeded 5% of the documents: every
+  query is in one of them, and no document in both."""
+  out, result = job_cache
+  manifest = qc.read_manifest(out)
+  dev = os.path.join(out, qc.DEV_DIR)
+  assert manifest["dev"] == {"dir": "dev", "share": qc.DEFAULT_DEV_SHARE,
+                             "num_queries": qc.read_manifest(dev)[
+                                 "num_queries"]}
+  assert json.loads(result.stdout.strip().splitlines()[-1])[
+      "dev_queries"] == manifest["dev"]["num_queries"]
+  train, held = _doc_hashes(out), _doc_hashes(dev)
+  assert not set(train) & set(held)
+  everything = {blocks.title_hash(f"Article {k}") for k in range(24)}
+  assert set(train) | set(held) == everything
+  assert sum(train.values()) + sum(held.values()) == 48  # nothing lost
+  # The split is the documents' seeded hash (5 of these 24 at seed 0).
+  assert set(held) == {h for h in everything
+                       if qc.in_dev_split(h, 0, qc.DEFAULT_DEV_SHARE)}
+  assert len(held) == 5
+  assert qc.read_manifest(dev)["split"] == "dev"
+
+
+def test_the_utility_gate_and_the_recall_guard_read_the_dev_split(
+    job_cache, beam_cache, caplog):
+  """Pointed at a cache with a dev split (runs/pretrain.gin binds both to
+  QUERIES), the utility gate and the recall guard read its held-out
+  queries, and say so; the evidence gate reads the training queries (its
+  signal is the retriever's own gradient). At a cache without a dev split
+  (built with dev_share=0) they read the cache itself, and the log says
+  that it has none."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from realm_jax.training import gate, pretrain_config, recall_guard  # pylint: disable=g-import-not-at-top
+  out, _ = job_cache
+  query_config = ex.RealmQueryConfig(**qc.read_manifest(out)["query_config"])
+  held = _doc_hashes(os.path.join(out, qc.DEV_DIR))
+  utility = pretrain_config.GateConfig(
+      mode="utility", latest_release=None, queries=out, num_queries=2048)
+  guard = pretrain_config.RecallGuardConfig(queries=out, num_queries=1024)
+  with caplog.at_level(logging.INFO):
+    read = [gate._gate_queries(utility, query_config, 0),  # pylint: disable=protected-access
+            recall_guard._sentences(guard, query_config, 0)]  # pylint: disable=protected-access
+  for queries in read:
+    assert collections.Counter(
+        queries["source_doc_hash"].tolist()) == held
+  said = [r.getMessage() for r in caplog.records]
+  for what in ("GateConfig.queries", "RecallGuardConfig.queries"):
+    assert any(m.startswith(f"{what}: reading {out}/dev, the held-out dev "
+                            f"split of {out}") for m in said), said
+  evidence = dataclasses.replace(utility, mode="evidence")
+  trained = gate._gate_queries(evidence, query_config, 0)  # pylint: disable=protected-access
+  assert collections.Counter(
+      trained["source_doc_hash"].tolist()) == _doc_hashes(out)
+  caplog.clear()
+  no_dev, _ = beam_cache
+  with caplog.at_level(logging.INFO):
+    queries = gate._gate_queries(dataclasses.replace(  # pylint: disable=protected-access
+        utility, queries=no_dev, num_queries=16), CONFIG, 0)
+  assert len(queries["query_ids"]) == 16
+  assert any(r.getMessage().startswith(
+      f"GateConfig.queries: reading {no_dev} itself: it has no held-out dev "
+      "split") for r in caplog.records)
 
 
 def test_query_config_defaults_and_shard_count():
@@ -361,6 +442,9 @@ def test_query_config_defaults_and_shard_count():
   assert config.query_config == ex.RealmQueryConfig()
   with pytest.raises(ValueError, match="num_shards=0 must be >= 1"):
     qc.QueryCacheConfig(annotated="a", output_dir="o", num_shards=0)
+  assert config.dev_share == qc.DEFAULT_DEV_SHARE == 0.05
+  with pytest.raises(ValueError, match=r"dev_share=1.0 must be in \[0, 1\)"):
+    qc.QueryCacheConfig(annotated="a", output_dir="o", dev_share=1.0)
 
 
 @pytest.mark.parametrize("batch_size", [8, 12, 24, 512])

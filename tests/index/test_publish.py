@@ -233,6 +233,36 @@ def test_watcher_swaps_under_a_running_loop(tmp_path):
     watcher.close()
 
 
+def test_watcher_swaps_in_a_republication_of_the_served_step(tmp_path):
+  """Step 6 published again (an extend onto the same output, a rebuild)
+  is written as `6.1/` and LATEST switches to it: a running trainer's
+  watcher swaps it in, though the step is the one it serves; a newer step
+  is swapped in after it."""
+  root = str(tmp_path / "index")
+  first = _publish(root, 6)
+  watcher = publish.IndexWatcher(
+      root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=3600)
+  try:
+    # The thread's first poll; then it sleeps, and the test polls.
+    assert watcher.wait_for_index(timeout=helpers.HANG_SECONDS).key == (6, 0)
+    np.testing.assert_array_equal(watcher.current.embeddings, first)
+    watcher.poll_once()
+    assert not watcher.maybe_swap()  # Nothing new.
+    second = _publish(root, 6, seed=5)
+    assert (tmp_path / "index" / "LATEST").read_text() == "6.1\n"
+    watcher.poll_once()
+    assert watcher.maybe_swap()
+    assert watcher.current.key == (6, 1) and watcher.current_step == 6
+    np.testing.assert_array_equal(watcher.current.embeddings, second)
+    assert [step for step, _, _ in watcher.swap_log] == [6, 6]
+    third = _publish(root, 7)
+    watcher.poll_once()
+    assert watcher.maybe_swap() and watcher.current.key == (7, 0)
+    np.testing.assert_array_equal(watcher.current.embeddings, third)
+  finally:
+    watcher.close()
+
+
 def test_manifest_is_json_with_checksums(tmp_path):
   root = str(tmp_path / "index")
   _publish(root, 3)
