@@ -244,7 +244,7 @@ def test_watcher_swaps_in_a_republication_of_the_served_step(tmp_path):
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=3600)
   try:
     # The thread's first poll; then it sleeps, and the test polls.
-    assert watcher.wait_for_index(timeout=helpers.HANG_SECONDS).key == (6, 0)
+    assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).key == (6, 0)
     np.testing.assert_array_equal(watcher.current.embeddings, first)
     watcher.poll_once()
     assert not watcher.maybe_swap()  # Nothing new.

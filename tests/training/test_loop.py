@@ -240,7 +240,7 @@ def test_a_damaged_checkpoint_is_reported_once_on_stderr(tmp_path):
   directory = tmp_path / "checkpoints"
   done = subprocess.run(
       [sys.executable, "-c", _DAMAGED_RESUME, str(directory)],
-      capture_output=True, text=True, timeout=helpers.HANG_SECONDS)
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS)
   assert done.returncode == 1, done.stderr[-3000:]
   assert done.stdout.strip() == "resumed from 2"
   assert f"checkpoint {directory / '4'} does not restore (" in done.stderr
