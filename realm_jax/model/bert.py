@@ -324,13 +324,9 @@ def _attend_flash(q, k, v, attention_bias, dropout_rng, c: BertConfig):
     raise ValueError("BertConfig.attention='flash' takes a padding mask "
                      f"over keys ([..., 1, 1, L]), got attention bias "
                      f"{attention_bias.shape}.")
-  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
-  # pylint: enable=g-import-not-at-top
   lead, (length, heads, head_dim) = q.shape[:-3], q.shape[-3:]
   n = math.prod(lead)
   pad = -length % _FLASH_LANES
-  padded = length + pad
 
   def heads_first(t):  # [..., L, h, d] -> [n, h, L + pad, d]
     t = t.reshape(n, length, heads, head_dim).transpose(0, 2, 1, 3)
@@ -339,19 +335,82 @@ def _attend_flash(q, k, v, attention_bias, dropout_rng, c: BertConfig):
   real = jnp.broadcast_to(attention_bias[..., 0, 0, :] == 0, lead + (length,))
   segments = jnp.pad(real.reshape(n, length).astype(jnp.int32),
                      ((0, 0), (0, pad)))
-  # One block per sequence (BERT's L <= 512): its scores fit on chip.
-  block = padded if padded <= 512 else _FLASH_LANES
-  blocks = pallas_flash.BlockSizes(
-      block_q=block, block_k_major=block, block_k=block, block_b=1,
-      block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block,
-      block_q_dkv=block, block_k_major_dq=block, block_k_dq=block,
-      block_q_dq=block)
-  context = pallas_flash.flash_attention(
-      heads_first(q), heads_first(k), heads_first(v),
-      segment_ids=pallas_flash.SegmentIds(segments, segments),
-      sm_scale=1.0 / math.sqrt(head_dim), block_sizes=blocks)
+  context = _flash_kernel(heads_first(q), heads_first(k), heads_first(v),
+                          segments)
   context = context[:, :, :length].transpose(0, 2, 1, 3)
   return context.reshape(q.shape).astype(c.compute_dtype)
+
+
+def _flash_call(q, k, v, segments):
+  """The Pallas kernel on [n, heads, L, d], L a multiple of 128."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+  length = q.shape[2]
+  # One block per sequence (BERT's L <= 512): its scores fit on chip.
+  b = length if length <= 512 else _FLASH_LANES
+  blocks = pallas_flash.BlockSizes(
+      block_q=b, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=b,
+      block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b, block_k_major_dq=b,
+      block_k_dq=b, block_q_dq=b)
+  return pallas_flash.flash_attention(
+      q, k, v, segment_ids=pallas_flash.SegmentIds(segments, segments),
+      sm_scale=1.0 / math.sqrt(q.shape[-1]), block_sizes=blocks)
+
+
+# The jobs' steps run BERT inside `shard_map` (core/parallel.py), which
+# types every value as varying or not over the mesh axes (`check_vma`).
+# The Pallas kernel declares its outputs without that type, which
+# `pallas_call` refuses under the check. `_flash_kernel` therefore runs the
+# kernel, forward and backward, with the check off, on per-device values
+# (which is what they are), and types its outputs as varying over the same
+# axes as its inputs. The type is the only thing changed: no collective is
+# added or removed.
+
+
+def _varying_axes(x) -> tuple[str, ...]:
+  mat = getattr(jax.typeof(x), "mat", None)
+  return tuple(sorted(getattr(mat, "varying", ())))
+
+
+def _as_varying(x, axes: tuple[str, ...]):
+  return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _unchecked():
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import config as jax_config
+  return jax_config._check_vma(False)  # pylint: disable=protected-access
+
+
+def _untyped(*xs):
+  """The same values, outside the varying-type check (`x * 1` retyped)."""
+  return tuple(x * 1 for x in xs)
+
+
+@jax.custom_vjp
+def _flash_kernel(q, k, v, segments):
+  axes = _varying_axes(q)
+  with _unchecked():
+    out = _flash_call(*_untyped(q, k, v, segments))
+  return _as_varying(out, axes)
+
+
+def _flash_kernel_fwd(q, k, v, segments):
+  axes = _varying_axes(q)
+  with _unchecked():
+    q, k, v, segments = _untyped(q, k, v, segments)
+    out, pullback = jax.vjp(lambda *qkv: _flash_call(*qkv, segments), q, k, v)
+  return _as_varying(out, axes), pullback
+
+
+def _flash_kernel_bwd(pullback, g):
+  axes = _varying_axes(g)
+  with _unchecked():
+    grads = pullback(*_untyped(g))
+  return tuple(_as_varying(x, axes) for x in grads) + (None,)
+
+
+_flash_kernel.defvjp(_flash_kernel_fwd, _flash_kernel_bwd)
 
 
 # Whole-batch attention scores above this size miss a CPU's caches.

@@ -134,27 +134,32 @@ def test_per_sequence_attention_equals_the_whole_batch(monkeypatch):
 
 def test_flash_attention_equals_xla_attention_in_tpu_interpret_mode():
   # attention="flash" is jax's Pallas TPU kernel; Pallas's TPU interpret
-  # mode runs it on CPU. Same outputs and gradients as the default, with
-  # padding (the kernel's segment ids) and a length padded to 128.
+  # mode runs it on CPU. Same loss and gradients as the default, with
+  # padding (the kernel's segment ids) and a length padded to 128, through
+  # the jobs' own gradient function (`shard_map` over a one-device mesh,
+  # its varying types checked), as the training steps run it.
   from jax.experimental.pallas import tpu as pltpu
   rng = np.random.default_rng(0)
-  ids = jnp.asarray(rng.integers(5, 97, (2, 12)), jnp.int32)
-  mask = jnp.asarray(np.arange(12)[None, :] < np.array([[12], [5]]),
-                     jnp.int32)
+  batch = {"ids": jnp.asarray(rng.integers(5, 97, (2, 12)), jnp.int32),
+           "mask": jnp.asarray(np.arange(12)[None, :] < np.array([[12], [5]]),
+                               jnp.int32)}
+  mesh = parallel.make_mesh(jax.devices()[:1])
   results = {}
   for attention in ("xla", "flash"):
     cfg = tiny.tiny_bert(num_layers=1, num_heads=2, attention=attention)
     g, params = functional.init(lambda r, c=cfg: Bert(c, rngs=r), 0)
 
-    def loss(p, g=g):
-      h, pooled = functional.bind(g, p)(ids, mask)
-      return jnp.sum(jnp.sin(h) * mask[..., None]) + jnp.sum(pooled ** 2)
+    def loss_fn(p, b, rng, g=g):
+      del rng
+      h, pooled = functional.bind(g, p)(b["ids"], b["mask"])
+      loss = jnp.sum(jnp.sin(h) * b["mask"][..., None]) + jnp.sum(pooled ** 2)
+      return loss, jnp.float32(1.0), {}
 
-    step = jax.value_and_grad(loss)
+    step = parallel.data_parallel_value_and_grad(loss_fn, mesh)
     with pltpu.force_tpu_interpret_mode():
-      results[attention] = jax.jit(step)(params)
+      results[attention] = jax.jit(step)(params, batch)[:2]
     # The kernels (forward, dK/dV, dQ) are what runs.
-    kernels = str(jax.make_jaxpr(step)(params)).count("pallas_call")
+    kernels = str(jax.make_jaxpr(step)(params, batch)).count("pallas_call")
     assert bool(kernels) == (attention == "flash")
   value, grads = results["flash"]
   want_value, want_grads = results["xla"]
