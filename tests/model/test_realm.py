@@ -132,6 +132,7 @@ def test_per_sequence_attention_equals_the_whole_batch(monkeypatch):
   _assert_close_per_leaf(grads, want_grads, 1e-5)
 
 
+@pytest.mark.slow  # The interpreter: ~40 s on 2 loaded cores.
 def test_flash_attention_equals_xla_attention_in_tpu_interpret_mode():
   # attention="flash" is jax's Pallas TPU kernel; Pallas's TPU interpret
   # mode runs it on CPU. Same loss and gradients as the default, with
