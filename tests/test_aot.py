@@ -190,6 +190,26 @@ def test_v4_train_step_with_remat_and_bfloat16_is_refused_not_crashed():
                     {"ict": _configs()["ict"]}, model)
 
 
+def test_pretrain_step_with_flash_attention_compiles_for_tpu(tmp_path):
+  # BertConfig.attention="flash": jax's Pallas TPU kernel, forward and
+  # backward, inside the step's shard_map, compiled by libtpu.
+  bert = tiny.tiny_bert(attention="flash")
+  model = tiny.tiny_realm(vocab_size=97)
+  model = dataclasses.replace(
+      model, retriever=dataclasses.replace(model.retriever, bert=bert),
+      reader=dataclasses.replace(model.reader, bert=bert))
+  config = aot.AotConfig(topology="v5e:2x2", jobs=("pretrain",),
+                         query_length=12, num_masks=3, block_length=16)
+  topo = aot.topology("v5e:2x2")
+  (step, n), = aot.build_steps(config, topo,
+                               {"pretrain": _configs()["pretrain"]}, model)
+  r = aot.compile_step(step, topo, num_train_steps=n,
+                       serialize_dir=str(tmp_path))
+  _check(r, "v5e:2x2", 4, 1)
+  hlo = (tmp_path / "pretrain_v5e_2x2.hlo.txt").read_text()
+  assert "tpu_custom_call" in hlo
+
+
 def _realm_aot(*args: str, env=None) -> subprocess.CompletedProcess:
   return subprocess.run(
       [sys.executable, "-m", "realm_jax.aot", *args], capture_output=True,

@@ -26,6 +26,10 @@ from realm_jax.core import checks
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION_BATCHINGS = ("whole_batch", "per_sequence")
+ATTENTIONS = ("xla", "flash")
+# The Pallas TPU flash-attention kernel tiles keys in multiples of the TPU's
+# 128 lanes; shorter or ragged lengths are padded up to one.
+_FLASH_LANES = 128
 DROPOUT_MASK_BITS = (32, 16)
 
 
@@ -72,6 +76,18 @@ class BertConfig:
       training, and on 2 CPU cores this made the MiniLM reader's training
       step 1.41x faster (docs/benchmarks/dropout.md). Another random stream
       than 32 bits.
+    attention: "xla" (default): `_attend`, the scores and probabilities
+      materialised in float32 ([..., heads, L, L]), which XLA fuses
+      around. "flash", for TPU only: jax's Pallas TPU flash-attention
+      kernel (`jax.experimental.pallas.ops.tpu.flash_attention`, forward
+      and backward), which keeps each sequence's scores in the chip's
+      on-chip memory instead of writing them to HBM: the largest share of
+      the HBM traffic of BERT steps at REALM's lengths
+      (docs/benchmarks/tpu_aot.md). The padding mask becomes the kernel's
+      segment ids; lengths are padded to a multiple of 128. It has no
+      attention dropout: training with it needs attention_dropout = 0.
+      It does not run on CPU (tests run it in Pallas's TPU interpret
+      mode).
   """
 
   vocab_size: int = 30522
@@ -90,6 +106,7 @@ class BertConfig:
   remat: bool = False
   attention_batching: str = "whole_batch"
   dropout_mask_bits: int = 32
+  attention: str = "xla"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -113,6 +130,9 @@ class BertConfig:
       raise ValueError("BertConfig.attention_batching must be one of "
                        f"{ATTENTION_BATCHINGS}, got "
                        f"{self.attention_batching!r}.")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"BertConfig.attention must be one of {ATTENTIONS}, "
+                       f"got {self.attention!r}.")
     if self.dropout_mask_bits not in DROPOUT_MASK_BITS:
       raise ValueError("BertConfig.dropout_mask_bits must be one of "
                        f"{DROPOUT_MASK_BITS}, got {self.dropout_mask_bits!r}.")
@@ -260,7 +280,9 @@ class BertAttention(nnx.Module):
     split = lambda t: t.reshape(*t.shape[:-1], c.num_heads, c.head_dim)
     q, k, v = (split(f(x_in)) for f in (self.query, self.key, self.value))
     rng = _fold(dropout_rng, 0)
-    if _attends_per_sequence(c, q.shape):
+    if c.attention == "flash":
+      context = _attend_flash(q, k, v, attention_bias, rng, c)
+    elif _attends_per_sequence(c, q.shape):
       context = _attend_per_sequence(q, k, v, attention_bias, rng, c)
     else:
       context = _attend(q, k, v, attention_bias, rng, c)
@@ -281,6 +303,114 @@ def _attend(q, k, v, attention_bias, dropout_rng, c: BertConfig):
                   c.dropout_mask_bits)
   return jnp.einsum("...hqk,...khd->...qhd", probs.astype(c.compute_dtype),
                     v)
+
+
+def _attend_flash(q, k, v, attention_bias, dropout_rng, c: BertConfig):
+  """`_attend` by jax's Pallas TPU flash-attention kernel (`attention="flash"`).
+
+  The kernel takes [sequences, heads, L, d] and, for masking, segment ids:
+  a query attends to the keys of its own segment. A real token's segment
+  is 1 and padding's 0, so a real token attends to exactly the real keys,
+  as the additive -1e9 bias of `_attend` makes it (padding positions, whose
+  outputs nothing reads, attend to padding instead). Lengths are padded to
+  a multiple of 128 (segment 0) and cut back after.
+  """
+  if dropout_rng is not None and c.attention_dropout > 0.0:
+    raise ValueError(
+        "BertConfig.attention='flash' has no attention dropout, but this "
+        f"step trains with attention_dropout={c.attention_dropout}: set "
+        "bert.BertConfig.attention_dropout = 0.0, or attention = 'xla'.")
+  if attention_bias.shape[-3:-1] != (1, 1):
+    raise ValueError("BertConfig.attention='flash' takes a padding mask "
+                     f"over keys ([..., 1, 1, L]), got attention bias "
+                     f"{attention_bias.shape}.")
+  lead, (length, heads, head_dim) = q.shape[:-3], q.shape[-3:]
+  n = math.prod(lead)
+  pad = -length % _FLASH_LANES
+
+  def heads_first(t):  # [..., L, h, d] -> [n, h, L + pad, d]
+    t = t.reshape(n, length, heads, head_dim).transpose(0, 2, 1, 3)
+    return jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0)))
+
+  real = jnp.broadcast_to(attention_bias[..., 0, 0, :] == 0, lead + (length,))
+  segments = jnp.pad(real.reshape(n, length).astype(jnp.int32),
+                     ((0, 0), (0, pad)))
+  context = _flash_kernel(heads_first(q), heads_first(k), heads_first(v),
+                          segments)
+  context = context[:, :, :length].transpose(0, 2, 1, 3)
+  return context.reshape(q.shape).astype(c.compute_dtype)
+
+
+def _flash_call(q, k, v, segments):
+  """The Pallas kernel on [n, heads, L, d], L a multiple of 128."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+  length = q.shape[2]
+  # One block per sequence (BERT's L <= 512): its scores fit on chip.
+  b = length if length <= 512 else _FLASH_LANES
+  blocks = pallas_flash.BlockSizes(
+      block_q=b, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=b,
+      block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b, block_k_major_dq=b,
+      block_k_dq=b, block_q_dq=b)
+  return pallas_flash.flash_attention(
+      q, k, v, segment_ids=pallas_flash.SegmentIds(segments, segments),
+      sm_scale=1.0 / math.sqrt(q.shape[-1]), block_sizes=blocks)
+
+
+# The jobs' steps run BERT inside `shard_map` (core/parallel.py), which
+# types every value as varying or not over the mesh axes (`check_vma`).
+# The Pallas kernel declares its outputs without that type, which
+# `pallas_call` refuses under the check. `_flash_kernel` therefore runs the
+# kernel, forward and backward, with the check off, on per-device values
+# (which is what they are), and types its outputs as varying over the same
+# axes as its inputs. The type is the only thing changed: no collective is
+# added or removed.
+
+
+def _varying_axes(x) -> tuple[str, ...]:
+  mat = getattr(jax.typeof(x), "mat", None)
+  return tuple(sorted(getattr(mat, "varying", ())))
+
+
+def _as_varying(x, axes: tuple[str, ...]):
+  return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _unchecked():
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import config as jax_config
+  return jax_config._check_vma(False)  # pylint: disable=protected-access
+
+
+def _untyped(*xs):
+  """The same values, outside the varying-type check (`x * 1` retyped)."""
+  return tuple(x * 1 for x in xs)
+
+
+@jax.custom_vjp
+def _flash_kernel(q, k, v, segments):
+  axes = _varying_axes(q)
+  with _unchecked():
+    out = _flash_call(*_untyped(q, k, v, segments))
+  return _as_varying(out, axes)
+
+
+def _flash_kernel_fwd(q, k, v, segments):
+  axes = _varying_axes(q)
+  with _unchecked():
+    q, k, v, segments = _untyped(q, k, v, segments)
+    out, pullback = jax.vjp(lambda *qkv: _flash_call(*qkv, segments), q, k, v)
+  return _as_varying(out, axes), pullback
+
+
+def _flash_kernel_bwd(pullback, g):
+  axes = _varying_axes(g)
+  with _unchecked():
+    grads = pullback(*_untyped(g))
+  return tuple(_as_varying(x, axes) for x in grads) + (None,)
+
+
+_flash_kernel.defvjp(_flash_kernel_fwd, _flash_kernel_bwd)
 
 
 # Whole-batch attention scores above this size miss a CPU's caches.

@@ -66,6 +66,7 @@ def test_defaults_are_the_plain_implementations():
   # otherwise (gin_configs/models/cpu.gin).
   assert BertConfig().attention_batching == "whole_batch"
   assert BertConfig().dropout_mask_bits == 32
+  assert BertConfig().attention == "xla"
   assert ReaderConfig().span_head_batching == "whole_batch"
 
 
@@ -129,6 +130,52 @@ def test_per_sequence_attention_equals_the_whole_batch(monkeypatch):
   want_value, want_grads = results["whole_batch"]
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
   _assert_close_per_leaf(grads, want_grads, 1e-5)
+
+
+@pytest.mark.slow  # The interpreter: ~40 s on 2 loaded cores.
+def test_flash_attention_equals_xla_attention_in_tpu_interpret_mode():
+  # attention="flash" is jax's Pallas TPU kernel; Pallas's TPU interpret
+  # mode runs it on CPU. Same loss and gradients as the default, with
+  # padding (the kernel's segment ids) and a length padded to 128, through
+  # the jobs' own gradient function (`shard_map` over a one-device mesh,
+  # its varying types checked), as the training steps run it.
+  from jax.experimental.pallas import tpu as pltpu
+  rng = np.random.default_rng(0)
+  batch = {"ids": jnp.asarray(rng.integers(5, 97, (2, 12)), jnp.int32),
+           "mask": jnp.asarray(np.arange(12)[None, :] < np.array([[12], [5]]),
+                               jnp.int32)}
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  results = {}
+  for attention in ("xla", "flash"):
+    cfg = tiny.tiny_bert(num_layers=1, num_heads=2, attention=attention)
+    g, params = functional.init(lambda r, c=cfg: Bert(c, rngs=r), 0)
+
+    def loss_fn(p, b, rng, g=g):
+      del rng
+      h, pooled = functional.bind(g, p)(b["ids"], b["mask"])
+      loss = jnp.sum(jnp.sin(h) * b["mask"][..., None]) + jnp.sum(pooled ** 2)
+      return loss, jnp.float32(1.0), {}
+
+    step = parallel.data_parallel_value_and_grad(loss_fn, mesh)
+    with pltpu.force_tpu_interpret_mode():
+      results[attention] = jax.jit(step)(params, batch)[:2]
+    # The kernels (forward, dK/dV, dQ) are what runs.
+    kernels = str(jax.make_jaxpr(step)(params, batch)).count("pallas_call")
+    assert bool(kernels) == (attention == "flash")
+  value, grads = results["flash"]
+  want_value, want_grads = results["xla"]
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  _assert_close_per_leaf(grads, want_grads, 1e-5)
+
+
+def test_flash_attention_refuses_attention_dropout_and_bad_names():
+  with pytest.raises(ValueError, match="'xla', 'flash'"):
+    BertConfig(attention="splash")
+  cfg = tiny.tiny_bert(attention="flash", attention_dropout=0.1)
+  g, params = functional.init(lambda r: Bert(cfg, rngs=r), 0)
+  ids = jnp.ones((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match="attention_dropout = 0.0"):
+    functional.bind(g, params)(ids, ids, dropout_rng=jax.random.key(0))
 
 
 @pytest.mark.parametrize("bits", [32, 16])
