@@ -120,11 +120,13 @@ def test_the_gates_cache_errors_name_gate_queries(tmp_path, broken):
   if broken == "corrupt":
     cache.mkdir()
     (cache / "manifest.json").write_text("{not json")
-  config = types.SimpleNamespace(queries=str(cache), num_queries=8)
-  with pytest.raises((OSError, ValueError), match=(
-      r"^GateConfig.queries='.*gate_cache' \(the retriever gate's query "
-      r"cache\): .*gate_cache")):
-    gate._gate_queries(config, None, seed=0)
+  for mode in ("evidence", "utility"):  # training queries; the dev split
+    config = types.SimpleNamespace(queries=str(cache), num_queries=8,
+                                   mode=mode)
+    with pytest.raises((OSError, ValueError), match=(
+        r"^GateConfig.queries='.*gate_cache' \(the retriever gate's query "
+        r"cache\): .*gate_cache")):
+      gate._gate_queries(config, None, seed=0)
 
 
 # The two held-out 1,000-person worlds that the evidence gate alone
