@@ -30,7 +30,9 @@ Placeholders become temporary paths: shell variables (`$D`, `$WORKDIR`;
 one defined as a command, `T="python launch/tpu_pod.py"`, is expanded),
 `<tag>`, `...` inside a value; a `...` standing for more flags gets the
 job's must-set gin macros; `[--optional=flag]` is checked as a flag;
-`--flag=N` becomes 2. A block whose first line is `# NAME.ext` and whose
+`--flag=N` becomes 2. A file a job writes and a command then reads
+(the demo's `<workdir>/ask.gin`) is written there first, as the job
+writes it (`_WRITTEN_BY_A_JOB`). A block whose first line is `# NAME.ext` and whose
 lines are flags is that file (`@pod.args`). An inline span with no
 arguments, or with capitalised parameter names (`launch/local.sh WORKDIR
 ...`), names a command: its module, script or file must exist.
@@ -765,9 +767,32 @@ def _check_mention(command: Command) -> list[str]:
       f"no file {command.target}"]
 
 
+def _demo_ask_gin(path: pathlib.Path) -> None:
+  from realm_jax import demo  # pylint: disable=g-import-not-at-top
+  config = demo.DemoConfig(workdir=str(path.parent))
+  demo.write_ask_gin(config, dict(demo._paths(config), ask_gin=str(path)))  # pylint: disable=protected-access
+
+
+# Files that a documented command reads and a job writes, by the name a
+# placeholder path ends in (`<workdir>/ask.gin`): the writer, called with
+# the temporary path, writes it as that job does (the demo's ask.gin names
+# its run's checkpoint, index and blocks).
+_WRITTEN_BY_A_JOB = {"ask.gin": _demo_ask_gin}
+
+
+def _write_job_outputs(args: list[str], tmp: pathlib.Path) -> None:
+  for arg in args:
+    value = pathlib.Path(arg.partition("=")[2] or arg)
+    writer = _WRITTEN_BY_A_JOB.get(value.name)
+    if writer and tmp in value.parents and not value.exists():
+      value.parent.mkdir(parents=True, exist_ok=True)
+      writer(value)
+
+
 def check(command: Command, runner: _Runner) -> list[str]:
   """What is wrong with `command` ([] when it runs as documented)."""
   args = _substituted(command.args, runner.tmp)
+  _write_job_outputs(args, runner.tmp)
   if command.kind == "skipped":
     return []
   if command.kind == "broken":
