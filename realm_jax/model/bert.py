@@ -280,12 +280,13 @@ class BertAttention(nnx.Module):
     split = lambda t: t.reshape(*t.shape[:-1], c.num_heads, c.head_dim)
     q, k, v = (split(f(x_in)) for f in (self.query, self.key, self.value))
     rng = _fold(dropout_rng, 0)
-    if c.attention == "flash":
-      context = _attend_flash(q, k, v, attention_bias, rng, c)
-    elif _attends_per_sequence(c, q.shape):
-      context = _attend_per_sequence(q, k, v, attention_bias, rng, c)
-    else:
-      context = _attend(q, k, v, attention_bias, rng, c)
+    with jax.named_scope("attention_scores"):
+      if c.attention == "flash":
+        context = _attend_flash(q, k, v, attention_bias, rng, c)
+      elif _attends_per_sequence(c, q.shape):
+        context = _attend_per_sequence(q, k, v, attention_bias, rng, c)
+      else:
+        context = _attend(q, k, v, attention_bias, rng, c)
     context = context.reshape(*context.shape[:-2], c.hidden_size)
     out = dropout(self.output(context), c.hidden_dropout,
                   _fold(dropout_rng, 1), c.dropout_mask_bits)
@@ -470,12 +471,14 @@ class BertLayer(nnx.Module):
 
   def __call__(self, x, attention_bias, dropout_rng):
     c = self.config
-    x = self.attention(x, attention_bias, _fold(dropout_rng, 0))
-    h = jax.nn.gelu(self.intermediate(x.astype(c.compute_dtype)),
-                    approximate=c.gelu_approximate)
-    h = dropout(self.output(h), c.hidden_dropout, _fold(dropout_rng, 1),
-                c.dropout_mask_bits)
-    return self.layer_norm(h.astype(jnp.float32) + x)
+    with jax.named_scope("attention"):
+      x = self.attention(x, attention_bias, _fold(dropout_rng, 0))
+    with jax.named_scope("ffn"):
+      h = jax.nn.gelu(self.intermediate(x.astype(c.compute_dtype)),
+                      approximate=c.gelu_approximate)
+      h = dropout(self.output(h), c.hidden_dropout, _fold(dropout_rng, 1),
+                  c.dropout_mask_bits)
+      return self.layer_norm(h.astype(jnp.float32) + x)
 
 
 @nnx.remat
@@ -519,8 +522,9 @@ class Bert(nnx.Module):
     # Additive mask over keys, broadcast over heads and queries.
     attention_bias = jnp.where(input_mask[..., None, None, :] > 0, 0.0,
                                -1e9).astype(jnp.float32)
-    h = self.embeddings(token_ids, segment_ids,
-                        _fold(dropout_rng, self.config.num_layers))
+    with jax.named_scope("embeddings"):
+      h = self.embeddings(token_ids, segment_ids,
+                          _fold(dropout_rng, self.config.num_layers))
     for i in range(self.config.num_layers):
       layer = getattr(self, f"layer_{i}")
       if self.config.remat:

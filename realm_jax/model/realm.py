@@ -238,14 +238,17 @@ class Retriever(nnx.Module):
 
   def embed_queries(self, token_ids, input_mask, segment_ids=None, *,
                     dropout_rng=None):
-    return self.query_embedder(token_ids, input_mask, segment_ids,
-                               dropout_rng=dropout_rng)
+    with jax.named_scope("query_tower"):
+      return self.query_embedder(token_ids, input_mask, segment_ids,
+                                 dropout_rng=dropout_rng)
 
   def embed_documents(self, token_ids, input_mask, segment_ids=None, *,
                       dropout_rng=None):
     tower = (self.query_embedder if self.config.share_towers
              else self.document_embedder)
-    return tower(token_ids, input_mask, segment_ids, dropout_rng=dropout_rng)
+    with jax.named_scope("document_tower"):
+      return tower(token_ids, input_mask, segment_ids,
+                   dropout_rng=dropout_rng)
 
   def __call__(self, query_ids, query_mask, candidate_ids, candidate_mask,
                candidate_segment_ids, *, null_document: bool = False,
@@ -504,11 +507,14 @@ class Reader(nnx.Module):
     if not self.config.mlm_head:
       raise ValueError("This reader was built without an MLM head "
                        "(ReaderConfig.mlm_head=False).")
-    hidden, _ = self.bert(token_ids, input_mask, segment_ids,
-                          dropout_rng=dropout_rng)
-    at_masks = jnp.take_along_axis(hidden, mlm_positions[..., None], axis=-2)
-    return self.mlm_head(
-        at_masks, self.bert.embeddings.word_embeddings.embedding[...])
+    with jax.named_scope("reader"):
+      hidden, _ = self.bert(token_ids, input_mask, segment_ids,
+                            dropout_rng=dropout_rng)
+    with jax.named_scope("mlm_head"):
+      at_masks = jnp.take_along_axis(hidden, mlm_positions[..., None],
+                                     axis=-2)
+      return self.mlm_head(
+          at_masks, self.bert.embeddings.word_embeddings.embedding[...])
 
   def span_logits(self, token_ids, input_mask, segment_ids, block_start,
                   block_end, *, dropout_rng=None) -> jax.Array:
@@ -521,9 +527,11 @@ class Reader(nnx.Module):
     if not self.config.span_head:
       raise ValueError("This reader was built without a span head "
                        "(ReaderConfig.span_head=False).")
-    hidden, _ = self.bert(token_ids, input_mask, segment_ids,
-                          dropout_rng=dropout_rng)
-    scores = self.span_head(hidden)
+    with jax.named_scope("reader"):
+      hidden, _ = self.bert(token_ids, input_mask, segment_ids,
+                            dropout_rng=dropout_rng)
+    with jax.named_scope("span_head"):
+      scores = self.span_head(hidden)
     valid = span_mask(token_ids.shape[-1], block_start, block_end,
                       self.config.max_span_width)
     return jnp.where(valid, scores, -jnp.inf)

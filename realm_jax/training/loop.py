@@ -159,9 +159,10 @@ def make_train_step(loss_fn: parallel.LossFn, optimizer, mesh,
   def train_step(state: TrainState, batch, rng):
     step_rng = jax.random.fold_in(rng, state.step)
     loss, grads, metrics = grad_fn(state.params, batch, step_rng)
-    updates, opt_state = optimizer.update(grads, state.opt_state,
-                                          state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = optimizer.update(grads, state.opt_state,
+                                            state.params)
+      params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     for group in grad_norm_groups:
       metrics[f"grad_norm_{group}"] = optax.tree.norm(grads[group])

@@ -68,8 +68,10 @@ def make_loss_fn(graphdef, null_document: bool = True):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(
         batch, null_document=null_document, dropout_rng=dropout_rng)
-    return losses.pretraining_loss(retrieval_logits, mlm_logits,
-                                   batch["mlm_targets"], batch["mlm_weights"])
+    with jax.named_scope("marginal_loss"):
+      return losses.pretraining_loss(retrieval_logits, mlm_logits,
+                                     batch["mlm_targets"],
+                                     batch["mlm_weights"])
   return loss_fn
 
 
