@@ -110,6 +110,30 @@ def _shape_bytes(text: str) -> int:
              for t, dims in _SHAPE.findall(text))
 
 
+# The step's parts, by the model's named scopes (realm_jax/model: the
+# towers, the reader and its heads; pretrain's loss; the loop's optimizer)
+# in an instruction's op_name, and the part of a BERT each one is in.
+_COMPONENTS = ("query_tower", "document_tower", "reader", "mlm_head",
+               "span_head", "marginal_loss", "optimizer")
+_LAYER_PARTS = ("embeddings", "attention_scores", "attention", "ffn")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                "collective-permute")
+
+
+def _scope(op: str, source: str) -> tuple[str, str, str]:
+  """(component, layer part, pass) of an instruction, from its op and the
+  JAX op_name that made it: `transpose(` marks the backward pass."""
+  base = op.split(":")[0].removesuffix("-start")
+  if base in _COLLECTIVES:
+    return "collectives", base, ""
+  if op in ("copy-start", "slice-start"):  # Between HBM and on-chip memory.
+    return "memory-space copies", base, ""
+  words = set(re.findall(r"\w+", source))
+  component = next((c for c in _COMPONENTS if c in words), "other")
+  part = next((p for p in _LAYER_PARTS if p in words), "")
+  return component, part, "backward" if "transpose(" in source else "forward"
+
+
 def hlo_traffic(text: str, top: int = 15) -> dict:
   """Where the bytes go in an optimized HLO module's ENTRY computation:
   each top-level instruction's operand + result bytes (a proxy for its
@@ -133,15 +157,18 @@ def hlo_traffic(text: str, top: int = 15) -> dict:
     op = m["op"] + (f":{kind[1]}" if kind else "")
     source = re.search(r'op_name="([^"]+)"', m["rest"])
     rows.append((traffic, op, m["name"], source[1] if source else ""))
-  by_op = {}
-  for traffic, op, _, _ in rows:
-    count, total = by_op.get(op, (0, 0))
-    by_op[op] = (count + 1, total + traffic)
+  by_op, by_scope = {}, {}
+  for traffic, op, _, source in rows:
+    for totals, key in ((by_op, op), (by_scope, _scope(op, source))):
+      count, total = totals.get(key, (0, 0))
+      totals[key] = (count + 1, total + traffic)
   rows.sort(reverse=True)
   return {
       "total_bytes": sum(r[0] for r in rows),
       "by_op": sorted(([op, n, b] for op, (n, b) in by_op.items()),
                       key=lambda r: -r[2]),
+      "by_scope": sorted(([*key, n, b] for key, (n, b) in by_scope.items()),
+                         key=lambda r: -r[-1]),
       "top": [[b, op, name, source] for b, op, name, source in rows[:top]]}
 
 

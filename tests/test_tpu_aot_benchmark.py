@@ -32,6 +32,33 @@ def test_hlo_traffic_counts_operand_and_result_bytes():
                              "jit(step)/neg"]
 
 
+_SCOPED = """\
+HloModule jit_train_step
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %f.1 = f32[4,8]{1,0} fusion(%a), kind=kLoop, calls=%c, metadata={op_name="jit(train_step)/shard_map/jvp(reader)/attention/attention_scores/exp"}
+  %f.2 = f32[4,8]{1,0} fusion(%f.1), kind=kLoop, calls=%c, metadata={op_name="jit(train_step)/shard_map/transpose(jvp(reader))/attention/attention_scores/mul"}
+  %f.3 = f32[4,8]{1,0} fusion(%f.2), kind=kOutput, calls=%c, metadata={op_name="jit(train_step)/shard_map/transpose(jvp(document_tower))/ffn/dot_general"}
+  %f.4 = f32[4,8]{1,0} fusion(%f.3), kind=kLoop, calls=%c, metadata={op_name="jit(train_step)/optimizer/mul"}
+  %all-reduce.5 = f32[4,8]{1,0} all-reduce(%f.4), replica_groups={}, to_apply=%add
+  ROOT %n = f32[4,8]{1,0} negate(%all-reduce.5)
+}
+"""
+
+
+def test_hlo_traffic_splits_the_bytes_by_the_models_named_scopes():
+  found = tpu_aot.hlo_traffic(_SCOPED)
+  assert found["total_bytes"] == 6 * 256
+  assert sorted(found["by_scope"]) == sorted([
+      ["reader", "attention_scores", "forward", 1, 256],
+      ["reader", "attention_scores", "backward", 1, 256],
+      ["document_tower", "ffn", "backward", 1, 256],
+      ["optimizer", "", "forward", 1, 256],
+      ["collectives", "all-reduce", "", 1, 256],
+      ["other", "", "forward", 1, 256]])
+
+
 def _line(job, topology, seconds, fits=True, **extra):
   return dict(job=job, topology=topology, fits=fits,
               estimated_step_seconds=seconds, chips=16, hosts=4,
