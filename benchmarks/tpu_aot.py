@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -215,6 +216,9 @@ def main() -> None:
                       help="Also print --output's lines as a markdown "
                       "table.")
   args = parser.parse_args()
+  # A SIGTERM ends the compile in flight too: subprocess.run kills its
+  # child when an exception (this SystemExit) interrupts it.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   if args.hlo:
     with open(args.hlo, encoding="utf-8") as f:
       print(json.dumps(hlo_traffic(f.read()), indent=1))
