@@ -1,15 +1,19 @@
 """benchmarks/data/fetch_public.py on tiny archives built here: a fake
 wheel and a fake sdist with the real archives' internal paths. pip runs for
-real, offline (--no-index --find-links to a local directory)."""
+real, offline (--no-index --find-links to a local directory); the sdist
+comes from a package index page served on localhost."""
 
 import dataclasses
+import functools
 import hashlib
+import http.server
 import importlib.util
 import io
 import json
 import os
 import sys
 import tarfile
+import threading
 import zipfile
 
 import pytest
@@ -87,18 +91,74 @@ def _sha(path):
     return hashlib.sha256(f.read()).hexdigest()
 
 
+@pytest.fixture(name="index")
+def _index(tmp_path):
+  """A package index on localhost (PEP 503 pages under simple/, the files
+  under files/): its directory and its simple URL."""
+  root = tmp_path / "index"
+  os.makedirs(root / "files")
+  handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                              directory=str(root))
+  handler.log_message = lambda *args: None
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  yield root, f"http://127.0.0.1:{server.server_address[1]}/simple/"
+  server.shutdown()
+  server.server_close()
+
+
+def _list(index_root, project: str, *filenames: str):
+  page = index_root / "simple" / project
+  os.makedirs(page, exist_ok=True)
+  (page / "index.html").write_text("<html><body>" + "".join(
+      f'<a href="../../files/{f}#sha256=x">{f}</a>' for f in filenames)
+                                   + "</body></html>")
+
+
 @pytest.fixture(name="setup")
-def _setup(tmp_path):
-  """(module, pins, cache dir with the sdist, links dir with the wheel)."""
+def _setup(tmp_path, index):
+  """(module, pins, cache dir with the sdist, links dir with the wheel);
+  the sdist is also on the index the module downloads from."""
   fetch = _module()
   links, cache = tmp_path / "links", tmp_path / "cache"
   os.makedirs(links)
   os.makedirs(cache / "pkgs")
   wheel = _wheel(links / fetch.WIKI.filename, json.dumps(_LEADS).encode())
   sdist = _sdist(cache / "pkgs" / fetch.BIGBENCH.filename, _squad_json())
+  index_root, fetch.INDEX_URL = index
+  with open(sdist, "rb") as f:
+    (index_root / "files" / fetch.BIGBENCH.filename).write_bytes(f.read())
+  _list(index_root, "bigbench", "bigbench-0.9.tar.gz",
+        fetch.BIGBENCH.filename)
   pins = (dataclasses.replace(fetch.WIKI, sha256=_sha(wheel)),
           dataclasses.replace(fetch.BIGBENCH, sha256=_sha(sdist)))
   return fetch, pins, str(cache), ["--no-index", "--find-links", str(links)]
+
+
+def test_the_sdist_comes_from_the_index_page_not_through_pip(
+    setup, index, tmp_path):
+  fetch, pins, cache, pip_args = setup
+  cached = os.path.join(cache, "pkgs", fetch.BIGBENCH.filename)
+  os.remove(cached)
+  sums = fetch.fetch(cache, str(tmp_path / "out"), packages=pins,
+                     pip_args=pip_args)
+  assert _sha(cached) == pins[1].sha256
+  assert sorted(sums) == sorted(fetch.OUTPUTS)
+  assert not [f for f in os.listdir(os.path.dirname(cached))
+              if f.endswith(".partial")]
+  # A page that does not list the pinned file names the file and the page.
+  os.remove(cached)
+  _list(index[0], "bigbench", "bigbench-0.9.tar.gz")
+  with pytest.raises(fetch.FetchError, match=(
+      r"http://127\.0\.0\.1:\d+/simple/bigbench/ lists no "
+      r"bigbench-1\.0\.0\.tar\.gz")):
+    fetch.fetch(cache, str(tmp_path / "again"), packages=pins,
+                pip_args=pip_args)
+  # No page at all (another index): the page and what to check.
+  with pytest.raises(fetch.FetchError, match="check --index_url"):
+    fetch.fetch(cache, str(tmp_path / "again"), packages=pins,
+                pip_args=pip_args, index_url=index[1] + "nothing/")
+  assert not (tmp_path / "again").exists() and not os.path.exists(cached)
 
 
 def test_fetch_downloads_checks_and_writes_deterministically(setup, tmp_path):
@@ -143,10 +203,10 @@ def test_bad_checksum_is_refused(setup, tmp_path):
     fetch.fetch(cache, str(tmp_path / "out"), packages=wrong,
                 pip_args=pip_args)
   assert not (tmp_path / "out").exists()
-  # A cached file with the wrong sum is downloaded again (here: not
-  # available, so pip's failure is reported).
+  # A cached file with the wrong sum is downloaded again (here: the
+  # index's file, whose sum is not the pin either).
   wrong = (pins[0], dataclasses.replace(pins[1], sha256="1" * 64))
-  with pytest.raises(fetch.FetchError, match="did not give"):
+  with pytest.raises(fetch.FetchError, match="pinned at 1111"):
     fetch.fetch(cache, str(tmp_path / "out"), packages=wrong,
                 pip_args=pip_args)
 

