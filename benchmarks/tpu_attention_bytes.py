@@ -5,10 +5,11 @@ Compiles the forward and backward pass of a BERT-base stack (bfloat16,
 `--layers` layers, `--sequences` sequences of `--length` per chip, replicated
 parameters, gradients summed over the `data` axis as the jobs' steps do)
 inside `shard_map` for a TPU slice, once per attention: XLA with attention
-dropout 0.1 (today's training), XLA without, and the Pallas flash kernel
-(which has none). Prints one JSON line each with the compiler's FLOPs,
-bytes accessed and temporaries per chip; `--hlo_dir` writes each optimized
-HLO for `benchmarks/tpu_aot.py --hlo`. Every figure is the compiler's
+dropout 0.1 (today's training), XLA without, the Pallas flash kernel
+(which has none), and XLA with dropout 0.1 and its softmax in bfloat16
+(`BertConfig.softmax_dtype = "compute"`). Prints one JSON line each with
+the compiler's FLOPs, bytes accessed and temporaries per chip; `--hlo_dir`
+writes each optimized HLO for `benchmarks/tpu_aot.py --hlo`. Every figure is the compiler's
 estimate, not a measurement. A 2-layer compile takes 6-9 min on two loaded
 cores.
 
@@ -38,17 +39,19 @@ from realm_jax.model import functional
 from realm_jax.model.bert import Bert, BertConfig
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-VARIANTS = (("xla", 0.1), ("xla", 0.0), ("flash", 0.0))
+VARIANTS = (("xla", 0.1, "float32"), ("xla", 0.0, "float32"),
+            ("flash", 0.0, "float32"), ("xla", 0.1, "compute"))
 
 
 def compile_bert_step(topology: str, attention: str, attention_dropout: float,
-                      *, length: int, sequences: int, layers: int,
-                      hlo_dir: str = "") -> dict:
+                      softmax_dtype: str = "float32", *, length: int,
+                      sequences: int, layers: int, hlo_dir: str = "") -> dict:
   """The compiler's cost of one BERT forward + backward pass per chip."""
   mesh = parallel.make_mesh(aot.topology(topology).devices)
   config = BertConfig(num_layers=layers, dtype="bfloat16",
                       attention=attention,
-                      attention_dropout=attention_dropout)
+                      attention_dropout=attention_dropout,
+                      softmax_dtype=softmax_dtype)
   graphdef, params = functional.abstract_init(
       lambda r: Bert(config, rngs=r))
 
@@ -78,13 +81,15 @@ def compile_bert_step(topology: str, attention: str, attention_dropout: float,
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   if hlo_dir:
     os.makedirs(hlo_dir, exist_ok=True)
-    path = os.path.join(hlo_dir, f"bert_{attention}_{attention_dropout}_"
-                        f"{topology.replace(':', '_')}.hlo.txt")
+    softmax = "" if softmax_dtype == "float32" else f"_softmax_{softmax_dtype}"
+    path = os.path.join(hlo_dir, f"bert_{attention}_{attention_dropout}"
+                        f"{softmax}_{topology.replace(':', '_')}.hlo.txt")
     with open(path, "w", encoding="utf-8") as f:
       f.write(compiled.as_text())
   return dict(
       benchmark="tpu_attention_bytes", topology=topology, attention=attention,
-      attention_dropout=attention_dropout, length=length,
+      attention_dropout=attention_dropout, softmax_dtype=softmax_dtype,
+      length=length,
       sequences_per_chip=sequences, layers=layers,
       flops_per_chip=cost.get("flops"),
       bytes_accessed_per_chip=cost.get("bytes accessed"),
@@ -104,14 +109,16 @@ def main() -> None:
                       "chip x 8 candidates: 64).")
   parser.add_argument("--layers", type=int, default=2)
   parser.add_argument("--variants", default=",".join(
-      f"{a}:{d}" for a, d in VARIANTS),
-                      help="attention:attention_dropout, comma-separated.")
+      ":".join(map(str, v)) for v in VARIANTS),
+                      help="attention:attention_dropout[:softmax_dtype], "
+                      "comma-separated.")
   parser.add_argument("--hlo_dir", default="")
   args = parser.parse_args()
   for variant in args.variants.split(","):
-    attention, dropout = variant.split(":")
+    attention, dropout, *softmax = variant.split(":")
     print(json.dumps(compile_bert_step(
-        args.topology, attention, float(dropout), length=args.length,
+        args.topology, attention, float(dropout), *softmax,
+        length=args.length,
         sequences=args.sequences, layers=args.layers,
         hlo_dir=args.hlo_dir)), flush=True)
 

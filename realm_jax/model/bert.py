@@ -31,6 +31,7 @@ ATTENTIONS = ("xla", "flash")
 # 128 lanes; shorter or ragged lengths are padded up to one.
 _FLASH_LANES = 128
 DROPOUT_MASK_BITS = (32, 16)
+SOFTMAX_DTYPES = ("float32", "compute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,13 @@ class BertConfig:
       attention dropout: training with it needs attention_dropout = 0.
       It does not run on CPU (tests run it in Pallas's TPU interpret
       mode).
+    softmax_dtype: the dtype of the "xla" attention's scores and
+      probabilities. "float32" (default): softmax in float32 whatever the
+      compute dtype. "compute": in `dtype`, as Flax's attention does by
+      default: with bfloat16 the [..., heads, L, L] tensors that a BERT
+      step writes to and reads from HBM (scores, probabilities, their
+      dropout and their gradients) take half the bytes. With dtype
+      float32 the two are the same program.
   """
 
   vocab_size: int = 30522
@@ -107,6 +115,7 @@ class BertConfig:
   attention_batching: str = "whole_batch"
   dropout_mask_bits: int = 32
   attention: str = "xla"
+  softmax_dtype: str = "float32"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -133,6 +142,13 @@ class BertConfig:
     if self.attention not in ATTENTIONS:
       raise ValueError(f"BertConfig.attention must be one of {ATTENTIONS}, "
                        f"got {self.attention!r}.")
+    if self.softmax_dtype not in SOFTMAX_DTYPES:
+      raise ValueError("BertConfig.softmax_dtype must be one of "
+                       f"{SOFTMAX_DTYPES}, got {self.softmax_dtype!r}.")
+    if self.attention == "flash" and self.softmax_dtype != "float32":
+      raise ValueError("BertConfig.softmax_dtype applies to attention="
+                       "'xla'; the flash kernel keeps its softmax in "
+                       "float32. Set softmax_dtype='float32'.")
     if self.dropout_mask_bits not in DROPOUT_MASK_BITS:
       raise ValueError("BertConfig.dropout_mask_bits must be one of "
                        f"{DROPOUT_MASK_BITS}, got {self.dropout_mask_bits!r}.")
@@ -295,10 +311,13 @@ class BertAttention(nnx.Module):
 
 def _attend(q, k, v, attention_bias, dropout_rng, c: BertConfig):
   """Scaled dot-product attention, q/k/v [..., L, heads, d] -> same."""
-  # [..., heads, query, key]; softmax in float32.
+  # [..., heads, query, key]; softmax in float32 unless
+  # softmax_dtype="compute".
+  dtype = jnp.float32 if c.softmax_dtype == "float32" else c.compute_dtype
   scores = jnp.einsum("...qhd,...khd->...hqk", q, k,
-                      preferred_element_type=jnp.float32)
-  scores = scores / jnp.sqrt(jnp.float32(c.head_dim)) + attention_bias
+                      preferred_element_type=dtype)
+  scores = (scores / jnp.sqrt(jnp.asarray(c.head_dim, dtype))
+            + attention_bias.astype(dtype))
   probs = jax.nn.softmax(scores, axis=-1)
   probs = dropout(probs, c.attention_dropout, dropout_rng,
                   c.dropout_mask_bits)

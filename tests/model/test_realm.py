@@ -1,6 +1,8 @@
 """Shapes, options and invariants of the BERT, retriever and reader modules."""
 
 import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -398,6 +400,39 @@ def test_bfloat16_compute_runs_and_stays_close():
   np.testing.assert_allclose(outs[0][1], outs[1][1], atol=0.1)
   # Parameters stay float32 whatever the compute dtype.
   assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+
+
+def test_softmax_dtype_compute_keeps_the_attention_tensors_in_bfloat16():
+  rng = np.random.default_rng(3)
+  ids = jnp.asarray(rng.integers(1, 97, (2, 24)), jnp.int32)
+  mask = jnp.asarray(np.arange(24)[None, :] < np.array([[24], [17]]),
+                     jnp.int32)
+  outs, texts = {}, {}
+  for dtype in ("float32", "bfloat16"):
+    for softmax in bert_lib.SOFTMAX_DTYPES:
+      cfg = tiny.tiny_bert(dtype=dtype, softmax_dtype=softmax)
+      g, params = functional.init(lambda r, c=cfg: Bert(c, rngs=r), 0)
+      fn = jax.jit(lambda p, g=g: functional.bind(g, p)(ids, mask)[0])
+      outs[dtype, softmax] = np.asarray(fn(params))
+      texts[dtype, softmax] = fn.lower(params).as_text()
+  # float32: one program, the same values.
+  np.testing.assert_array_equal(outs["float32", "float32"],
+                                outs["float32", "compute"])
+  # bfloat16: the [2, heads, 24, 24] softmax in bfloat16 instead of
+  # float32, and the output as close to float32's as float32 softmax's.
+  def exp_dtypes(text):  # of the softmax's exp over [2, heads, 24, 24]
+    return set(re.findall(r"stablehlo.exponential %\w+ : "
+                          r"tensor<2x4x24x24x(\w+)>", text))
+  assert exp_dtypes(texts["bfloat16", "compute"]) == {"bf16"}
+  assert exp_dtypes(texts["bfloat16", "float32"]) == {"f32"}
+  reference_out = outs["float32", "float32"]
+  for softmax in bert_lib.SOFTMAX_DTYPES:
+    error = np.abs(outs["bfloat16", softmax] - reference_out).max()
+    assert error < 0.1, (softmax, error)  # LayerNorm'd hidden states ~ 1.
+  with pytest.raises(ValueError, match="softmax_dtype applies to attention"):
+    tiny.tiny_bert(attention="flash", softmax_dtype="compute")
+  with pytest.raises(ValueError, match="softmax_dtype must be one of"):
+    tiny.tiny_bert(softmax_dtype="bfloat16")
 
 
 def _bert_grads(cfg, params, ids, mask, rng):
