@@ -127,7 +127,9 @@ def _scope(op: str, source: str) -> tuple[str, str, str]:
   base = op.split(":")[0].removesuffix("-start")
   if base in _COLLECTIVES:
     return "collectives", base, ""
-  if op in ("copy-start", "slice-start"):  # Between HBM and on-chip memory.
+  # The compiler's moves between memory spaces (HBM and on-chip), and
+  # the custom calls that join sliced copies again.
+  if op in ("copy-start", "slice-start", "custom-call:ConcatBitcast"):
     return "memory-space copies", base, ""
   words = set(re.findall(r"\w+", source))
   component = next((c for c in _COMPONENTS if c in words), "other")
@@ -154,8 +156,8 @@ def hlo_traffic(text: str, top: int = 15) -> dict:
       continue
     operands = re.findall(r"%([\w.-]+)", m["operands"])
     traffic = out + sum(shapes.get(o, 0) for o in operands)
-    kind = re.search(r"kind=(\w+)", m["rest"])
-    op = m["op"] + (f":{kind[1]}" if kind else "")
+    kind = re.search(r"kind=(\w+)|custom_call_target=\"(\w+)\"", m["rest"])
+    op = m["op"] + (f":{kind[1] or kind[2]}" if kind else "")
     source = re.search(r'op_name="([^"]+)"', m["rest"])
     rows.append((traffic, op, m["name"], source[1] if source else ""))
   by_op, by_scope = {}, {}
