@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from realm_jax.core import checkpoints, gin_config
+from realm_jax.core import checkpoints, checks, gin_config
 from realm_jax.eval import qa_eval
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult
@@ -115,12 +115,20 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
     raise SystemExit('Ask something: python -m realm_jax.ask ... "Where was '
                      'Mozart born?"')
   # Before the model loads (which takes a while): an empty argument is a
-  # mistake (an unset shell variable), never a question.
+  # mistake (an unset shell variable), never a question; so are bytes that
+  # are not UTF-8 (a Latin-1 terminal or file), which nothing could read.
   for i, question in enumerate(questions):
     if not question.strip():
       raise SystemExit(f"Question {i + 1} of {len(questions)} is empty "
                        f"({question!r}); ask something: python -m "
                        'realm_jax.ask ... "Where was Mozart born?"')
+    problem = checks.utf8_problem(question)
+    if problem:
+      raise SystemExit(
+          f"Question {i + 1} of {len(questions)} is {problem}: "
+          f"'{checks.shown_bytes(question)}'; ask it in UTF-8 (set "
+          "the terminal to UTF-8, or convert the file it came from: iconv "
+          "-f latin1 -t utf-8).")
   if f.top_k < 1:
     raise SystemExit(f"--top_k={f.top_k}: give how many evidence blocks to "
                      "show with each answer, at least 1.")

@@ -26,6 +26,7 @@ import numpy as np
 
 from realm_jax.checkpoint_import import core, exported, importers
 from realm_jax.core import checks, dataclass_json, gin_config, io_utils
+from realm_jax.core import outputs
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, RetrieverConfig
@@ -163,7 +164,8 @@ def _write_export(tmp: str, params: dict[str, Any], config: RealmConfig,
 def export_model(params: dict[str, Any], config: RealmConfig,
                  output_dir: str, *, vocab_path: str | None = None,
                  max_seq_length: int = 512,
-                 run_configs: dict[str, Any] | None = None) -> str:
+                 run_configs: dict[str, Any] | None = None,
+                 setting: str = "output_dir") -> str:
   """Writes `params` of `config` as an export directory (atomically).
 
   Args:
@@ -174,17 +176,25 @@ def export_model(params: dict[str, Any], config: RealmConfig,
     max_seq_length: the retriever's sentence-transformers max_seq_length.
     run_configs: extra JSON for realm_config.json (e.g. the task config
       and the operative gin of the run).
+    setting: how the caller names `output_dir`, for errors.
 
   Returns:
     output_dir.
   """
   vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
-  with io_utils.output_dir(output_dir, exists=(
-      f"{output_dir} exists; choose a new output directory (exports are "
-      "never overwritten).")) as tmp:
+  with outputs.output_dir(output_dir, kind=outputs.EXPORT, setting=setting,
+                          exists=_exists(output_dir)) as tmp:
     _write_export(tmp, params, config, vocab_path, max_seq_length,
                   run_configs)
   return output_dir
+
+
+def _exists(output_dir: str) -> str:
+  return (f"{output_dir} exists; choose a new output directory (exports are "
+          "never overwritten).")
+
+
+_SETTING = "ExportConfig.output_dir (--gin.OUTPUT_DIR)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +225,8 @@ def export_checkpoint(config: ExportConfig) -> str:
   # Inside the checkpoints (by any name) an export would look like a step.
   io_utils.check_apart(config.output_dir, "output_dir",
                        {"the checkpoints of workdir": directory})
+  outputs.check(config.output_dir, outputs.EXPORT, _SETTING, overwrite=False,
+                exists=_exists(config.output_dir))
   step = (checkpoints.newest_step(directory) if config.step is None
           else config.step)
   model = dataclass_json.from_dict(RealmConfig, saved["model_config"],
@@ -223,7 +235,7 @@ def export_checkpoint(config: ExportConfig) -> str:
   # A pre-training checkpoint carries an untrained span head: the export
   # says so, and whatever loads it answers with the notice.
   trained = qa_model.span_head_trained(checkpoints.read_meta(directory, step))
-  out = export_model(params, model, config.output_dir,
+  out = export_model(params, model, config.output_dir, setting=_SETTING,
                      vocab_path=config.vocab_path, run_configs=dict(
                          saved, source=f"{directory}/{step}",
                          **({} if trained is None else

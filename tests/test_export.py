@@ -103,8 +103,10 @@ def test_refuses_to_overwrite_and_names_a_missing_config(tmp_path):
                        reader=ReaderConfig(bert=BERT))
   _, params = functional.init(lambda r: Realm(config, rngs=r), 0)
   (tmp_path / "taken").mkdir()
-  with pytest.raises(FileExistsError, match="taken"):
+  (tmp_path / "taken" / "notes.txt").write_text("the user's")
+  with pytest.raises(FileExistsError, match="taken.*holds notes.txt"):
     export.export_model(params, config, str(tmp_path / "taken"))
+  assert os.listdir(tmp_path / "taken") == ["notes.txt"]
   with pytest.raises(FileNotFoundError, match="realm_config.json"):
     exported.load_exported(str(tmp_path / "taken"))
 

@@ -244,3 +244,32 @@ def string_list(value: Any, name: str, *, what: str = "strings",
                       f"({type(x).__name__}); {name} takes a list of "
                       f"{what}, each a str.")
   return out
+
+
+def utf8_problem(text: str) -> str | None:
+  """Why `text` is not valid UTF-8, or None.
+
+  A str holds lone surrogates where its bytes were not UTF-8: Python
+  decodes command-line arguments with surrogateescape (the byte 0xff
+  becomes '\\udcff'), and JSON can spell one ("\\ud800"). Such text
+  can be neither tokenized nor written out as UTF-8 JSON.
+  """
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    code = ord(text[e.start])
+    what = (f"the byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff
+            else f"a lone surrogate U+{code:04X}")
+    return f"not valid UTF-8 ({what} at character {e.start + 1})"
+  return None
+
+
+def shown_bytes(text: str, limit: int = 60) -> str:
+  """`text` for a message: its start, with bytes that are not UTF-8 as
+  \\xNN escapes (lone surrogates as \\uNNNN)."""
+  text = text[:limit] + ("..." if len(text) > limit else "")
+  try:
+    raw = text.encode("utf-8", "surrogateescape")
+  except UnicodeEncodeError:  # A surrogate that stands for no byte.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+  return raw.decode("utf-8", "backslashreplace")

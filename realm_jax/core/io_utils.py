@@ -19,7 +19,6 @@ What differs between the two kinds of storage, and how it is handled:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import importlib.util
@@ -402,8 +401,8 @@ def new_output_tmp(directory: PathLike, *, overwrite: bool = False,
                    exists: str = "") -> str:
   """A fresh, empty temporary sibling of local output `directory`.
 
-  The first half of `output_dir` for jobs that cannot use a `with` block:
-  finish with `replace_local_dir(tmp, directory)`, or on failure
+  The first half of `outputs.output_dir` (which also checks who owns
+  `directory` and marks the temporary; jobs call that one): finish with `replace_local_dir(tmp, directory)`, or on failure
   `discard_output_tmp(tmp)`.
 
   Raises:
@@ -453,29 +452,6 @@ def discard_output_tmp(tmp_dir: str) -> None:
       os.path.basename(tmp_dir)) or os.path.islink(tmp_dir):
     raise ValueError(f"{tmp_dir} is not a temporary of new_output_tmp.")
   shutil.rmtree(tmp_dir, ignore_errors=True)  # Checked: ours.
-
-
-@contextlib.contextmanager
-def output_dir(directory: PathLike, *, overwrite: bool = False,
-               exists: str = "") -> Iterator[str]:
-  """Writes a job's local output directory whole, or not at all.
-
-  Yields a fresh temporary sibling that this call created itself
-  (`new_output_tmp`); when the block ends it becomes `directory`
-  (`replace_local_dir`), and if the block raises it is deleted. Nothing is
-  written or deleted through a link, and no directory the job did not
-  create is deleted (an existing output only with `overwrite`).
-
-  Raises:
-    LinkRefusedError, FileExistsError: as `new_output_tmp`.
-  """
-  tmp = new_output_tmp(directory, overwrite=overwrite, exists=exists)
-  try:
-    yield tmp
-    replace_local_dir(tmp, os.path.abspath(os.fspath(directory)))
-  except BaseException:
-    discard_output_tmp(tmp)
-    raise
 
 
 def cache_root() -> str:

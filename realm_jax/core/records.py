@@ -15,12 +15,16 @@ read goes through `read_records`, under one rule:
   * Files are read as bytes and each line decoded by itself, so a byte
     that is not UTF-8 is a damaged record (or a torn last one) like any
     other; so is a record whose `step` is not an integer.
+  * A line ends at LF, CRLF or a lone CR (old Mac style), as when the
+    files were read as text (universal newlines): a file saved with
+    CR-only line ends keeps its records, and a rewrite ends them with LF.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -28,6 +32,8 @@ from absl import logging
 from realm_jax.core import io_utils
 
 Record = dict[str, Any]
+# Line ends as universal newlines reads them: CRLF, LF or a lone CR.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 class RecordError(ValueError):
@@ -60,7 +66,7 @@ def _parse(line: bytes, required: Sequence[str]
 def _scan(path: io_utils.PathLike, data: bytes, required: Sequence[str]
           ) -> tuple[list[Record], bytes | None]:
   """The whole records of `data` and the torn last line (None if none)."""
-  lines = data.split(b"\n")
+  lines = _LINE_END.split(data)
   records = []
   for number, line in enumerate(lines, start=1):
     if not line.strip():

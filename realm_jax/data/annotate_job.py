@@ -44,7 +44,7 @@ import uuid
 from absl import logging
 import apache_beam as beam
 
-from realm_jax.core import checks, io_utils
+from realm_jax.core import checks, io_utils, outputs
 from realm_jax.data import beam_utils
 from realm_jax.data import salient_spans
 from realm_jax.data import wikipedia
@@ -183,8 +183,10 @@ def annotate_corpus(input_path: str | None, output_dir: str, *,
   input_path = io_utils.absolute(input_path or
                                  wikipedia.default_wikipedia_dump())
   beam_utils.check_input(input_path)
-  with beam_utils.ShardedOutput(output_dir, marker=REPORT,
-                                overwrite=config.overwrite) as out:
+  with beam_utils.ShardedOutput(
+      output_dir, marker=REPORT, kind=outputs.ANNOTATED,
+      setting="AnnotateConfig.output_dir (--gin.OUTPUT_DIR)",
+      overwrite=config.overwrite) as out:
     reader_stats = out.path(_READER_STATS)
     pipeline, runner = beam_utils.pipeline(pipeline_args)
     logging.info("annotate: %s -> %d shards in %s (runner %s)", input_path,
@@ -207,7 +209,7 @@ def annotate_corpus(input_path: str | None, output_dir: str, *,
     beam_utils.publish(out.tmp_dir, out.output_dir, REPORT, json.dumps(
         report, indent=2, sort_keys=True), [
             os.path.basename(salient_spans.shard_path("", k, num_shards))
-            for k in range(num_shards)])
+            for k in range(num_shards)], kind=outputs.ANNOTATED)
   logging.info("annotate: %s: %d documents, %d sentences, %d spans in %.1fs",
                out.output_dir, report["documents"], report["sentences"],
                report["spans"], seconds)

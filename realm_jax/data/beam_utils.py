@@ -20,6 +20,7 @@ import apache_beam as beam
 from apache_beam.options import pipeline_options
 
 from realm_jax.core import io_utils
+from realm_jax.core import outputs
 from realm_jax.core import progress as progress_lib
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import wikipedia
@@ -144,20 +145,20 @@ class ShardedOutput:
       with pipeline:
         _ = pipeline | ... | out.write_shards(write, job)  # (key, value)s
       stats = out.load(out.stats)  # what `write` returned for each key
-      publish(out.tmp_dir, out.output_dir, marker, marker_text, files)
+      publish(out.tmp_dir, out.output_dir, marker, marker_text, files,
+              kind=out.kind)
 
   Leaving the block removes `tmp_dir` (gone already once published).
   """
 
-  def __init__(self, output_dir: str, *, marker: str, overwrite: bool):
+  def __init__(self, output_dir: str, *, marker: str, kind: outputs.Kind,
+               setting: str, overwrite: bool):
     self.output_dir = io_utils.absolute(output_dir)
-    if io_utils.is_local(self.output_dir):  # Before the pipeline runs.
-      io_utils.refuse_output_link(self.output_dir)
-    if (io_utils.as_path(io_utils.join(self.output_dir, marker)).exists() or
-        (io_utils.is_local(self.output_dir) and
-         os.path.exists(self.output_dir))) and not overwrite:
-      raise FileExistsError(f"{self.output_dir} already exists; pass "
-                            "overwrite=True or another path.")
+    # Before the pipeline runs: only an output of `kind`, and a link never.
+    outputs.check(self.output_dir, kind, setting, overwrite=overwrite,
+                  exists=f"{self.output_dir} already exists; pass "
+                  "overwrite=True or another path.")
+    self.marker, self.kind = marker, kind
     # A fresh random name (Beam workers may be remote: no mkdtemp).
     self.tmp_dir = f"{self.output_dir}.tmp-{uuid.uuid4().hex}"
     self.stats = self.path(".shard_stats.json")
@@ -208,10 +209,13 @@ class ShardedOutput:
 
 
 def publish(tmp_dir: str, output_dir: str, marker: str, text: str,
-            files: Sequence[str],
+            files: Sequence[str], *, kind: outputs.Kind,
             check: Callable[[str], Any] | None = None) -> None:
   """Writes the marker file (`text`) last: then `tmp_dir` becomes
-  `output_dir` (`check(tmp_dir)` refuses what cannot be read back)."""
+  `output_dir` (`check(tmp_dir)` refuses what cannot be read back), with
+  the ownership marker of `kind` (`outputs.mark`)."""
+  outputs.mark(tmp_dir, kind)
+  files = [*files, outputs.MARKER]
   if io_utils.is_local(output_dir):
     io_utils.atomic_write_text(io_utils.join(tmp_dir, marker), text)
     if check:

@@ -22,6 +22,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
+from realm_jax.core import outputs
 from realm_jax.data import block_store
 from realm_jax.data import blocks as blocks_lib
 from realm_jax.data import signatures as token_signatures
@@ -180,10 +181,18 @@ def _write_store_files(blocks: Iterable[blocks_lib.Block], tmp_dir: str,
 def _local_tmp_dir(out_dir: str, overwrite: bool) -> str:
   """Refuses an existing `out_dir` unless `overwrite` (and a link always);
   makes a fresh, empty temporary sibling to build the store in."""
-  return io_utils.new_output_tmp(out_dir, overwrite=overwrite, exists=(
-      f"{out_dir} already exists; pass overwrite=True (the corpus job: "
-      "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
-      "output directory."))
+  return outputs.new_output_tmp(out_dir, kind=outputs.BLOCK_STORE,
+                                setting=SETTING, overwrite=overwrite,
+                                exists=_exists(out_dir))
+
+
+SETTING = "the block store's directory (the corpus job: --gin.OUTPUT_DIR)"
+
+
+def _exists(out_dir: str) -> str:
+  return (f"{out_dir} already exists; pass overwrite=True (the corpus job: "
+          "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
+          "output directory.")
 
 
 class _Writers(dict):
@@ -302,11 +311,8 @@ def _write_remote_store(blocks: Iterable[blocks_lib.Block], out_dir: str, *,
                         overwrite: bool, **kwargs) -> block_store.BlockStore:
   """`write_block_store` to a remote directory (see there)."""
   remote = io_utils.as_path(out_dir)
-  if (remote / "manifest.json").exists() and not overwrite:
-    raise FileExistsError(
-        f"{out_dir} already exists; pass overwrite=True (the corpus job: "
-        "--gin.CorpusConfig.overwrite=True) to replace it or choose another "
-        "output directory.")
+  outputs.check(out_dir, outputs.BLOCK_STORE, SETTING, overwrite=overwrite,
+                exists=_exists(out_dir))
   if remote.exists() and not (remote / "manifest.json").exists():
     logging.warning("%s has no manifest (an interrupted upload?); it will "
                     "be replaced.", out_dir)

@@ -43,7 +43,7 @@ from absl import logging
 import apache_beam as beam
 import numpy as np
 
-from realm_jax.core import checks, io_utils
+from realm_jax.core import checks, io_utils, outputs
 from realm_jax.core import progress as progress_lib
 from realm_jax.data import beam_utils
 from realm_jax.data import block_store, block_store_writer
@@ -274,8 +274,9 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
   reader = _reader_options(config, input_format, orqa)
   vocab_path = config.vocab_path or tokenizer_lib.default_vocab_path()
   report = wikipedia.Report()
-  with beam_utils.ShardedOutput(config.output_dir, marker="manifest.json",
-                                overwrite=config.overwrite) as out:
+  with beam_utils.ShardedOutput(
+      config.output_dir, marker="manifest.json", kind=outputs.BLOCK_STORE,
+      setting=block_store_writer.SETTING, overwrite=config.overwrite) as out:
     reader_stats = out.path(".reader_stats.json")
     pipeline, runner = beam_utils.pipeline(pipeline_args)
     logging.info("corpus: %s -> %s (max_block_len %d, runner %s)",

@@ -42,6 +42,8 @@ from typing import Iterable, NamedTuple, Sequence
 from absl import logging
 import numpy as np
 
+from realm_jax.core import checks
+
 # Malformed lines logged one by one per file; the rest only counted.
 _MAX_LOGGED_MALFORMED = 20
 # Malformed (file, line, reason) entries kept in a report.
@@ -145,6 +147,8 @@ def _parse_qa_line(text: str, regex_answers: bool) -> QAExample:
         f"'question' must be a string, got {type(question).__name__}")
   if not question.strip():
     raise _Malformed("'question' is empty")
+  if checks.utf8_problem(question):  # E.g. JSON's "\\udcff".
+    raise _Malformed(f"'question' is {checks.utf8_problem(question)}")
   if not isinstance(answers, list):
     raise _Malformed(
         f"'answer' must be a list of strings, got {type(answers).__name__}")
@@ -156,6 +160,9 @@ def _parse_qa_line(text: str, regex_answers: bool) -> QAExample:
           f"'answer' must hold strings only, got {type(a).__name__} {a!r}")
     if not a.strip():
       raise _Malformed("'answer' holds an empty string")
+    if checks.utf8_problem(a):
+      raise _Malformed(f"answer '{checks.shown_bytes(a)}' is "
+                       f"{checks.utf8_problem(a)}")
     if regex_answers:
       try:
         re.compile(a, flags=_ANSWER_FLAGS)

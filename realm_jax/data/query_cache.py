@@ -55,7 +55,7 @@ from typing import Any, Sequence
 from absl import logging
 import numpy as np
 
-from realm_jax.core import checks, io_utils
+from realm_jax.core import checks, io_utils, outputs
 from realm_jax.data import examples as examples_lib
 
 FORMAT_VERSION = 1
@@ -680,8 +680,10 @@ def build_query_cache(
     raise ValueError(f"num_shards={num_shards} must be >= 1.")
   if not 0 <= dev_share < 1:
     raise ValueError(f"dev_share={dev_share} must be in [0, 1).")
-  output = beam_utils.ShardedOutput(output_dir, marker=MANIFEST,
-                                    overwrite=overwrite)
+  output = beam_utils.ShardedOutput(
+      output_dir, marker=MANIFEST, kind=outputs.QUERY_CACHE,
+      setting="QueryCacheConfig.output_dir (--gin.OUTPUT_DIR)",
+      overwrite=overwrite)
   files = _expand(annotated)
   register, vocab_sha256 = _task_registration(files, vocab_path, lower_case,
                                               query_config)
@@ -794,7 +796,8 @@ def finish_cache(tmp_dir: str, output_dir: str, stats: list[dict[str, int]],
 
   from realm_jax.data import beam_utils  # pylint: disable=g-import-not-at-top
   beam_utils.publish(tmp_dir, output_dir, MANIFEST,
-                     json.dumps(manifest, indent=1), files, check=check)
+                     json.dumps(manifest, indent=1), files,
+                     kind=outputs.QUERY_CACHE, check=check)
   return manifest
 
 

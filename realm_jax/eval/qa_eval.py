@@ -58,7 +58,7 @@ from absl import logging
 import jax
 
 from realm_jax.core import checkpoints, checks, follow, gin_config, io_utils
-from realm_jax.core import parallel, records
+from realm_jax.core import outputs, parallel, records
 from realm_jax.core import progress as progress_lib
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
@@ -243,6 +243,9 @@ def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
   return h.hexdigest()
 
 
+OUTPUT_SETTING = "EvalConfig.output_dir (default <WORKDIR>/eval)"
+
+
 def predictions_file(output_dir: str, step: int,
                      suffix: str = ".jsonl") -> str:
   """<output_dir>/predictions/step_<step><suffix> (".dpr.json": DPR's)."""
@@ -346,8 +349,7 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
     FileNotFoundError: no such step.
   """
   start = time.time()
-  params = checkpoints.restore_items(checkpoint_dir, step,
-                                     checkpoints.PARAM_ITEMS)
+  params = qa_model_lib.checkpoint_params(checkpoint_dir, step)
   trained_on = checkpoints.read_meta(checkpoint_dir, step).get("index_step")
   if trained_on not in (None, index.step):
     logging.warning("checkpoint %d was fine-tuned against index %d but is "
@@ -517,6 +519,8 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
     ValueError: the ledger belongs to another checkpoint directory,
       evaluation set or index.
   """
+  # Before the lease creates anything there: only an eval directory.
+  outputs.claim(output_dir, outputs.EVAL_DIR, OUTPUT_SETTING)
   with contextlib.ExitStack() as cleanup:
     cleanup.enter_context(lease_lib.job_lease(output_dir, "evaluation job"))
     is_chief = jax.process_index() == 0
@@ -664,6 +668,15 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
   output_dir = config.output_dir or io_utils.join(
       workdir or os.fspath(io_utils.as_path(io_utils.absolute(
           checkpoint_dir or ".")).parent), "eval")
+  # Before any model loads: apart from every input, and an eval directory.
+  io_utils.check_apart(output_dir, OUTPUT_SETTING, {
+      "EvalConfig.checkpoint_dir (<WORKDIR>/checkpoints)": checkpoint_dir,
+      "INDEX_DIR": index_dir, "BLOCK_STORE": config.block_store,
+      "QA_FILE": config.qa_file, "EvalConfig.bm25_dir": config.bm25_dir},
+                       either_way=(
+                           "EvalConfig.checkpoint_dir (<WORKDIR>/checkpoints)",
+                           "INDEX_DIR", "BLOCK_STORE", "EvalConfig.bm25_dir"))
+  outputs.claim(output_dir, outputs.EVAL_DIR, OUTPUT_SETTING)
   store = block_store.BlockStore.open(config.block_store)
   examples = read_questions(config.qa_file,
                             regex_answers=config.regex_answers)

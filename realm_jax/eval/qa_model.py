@@ -249,6 +249,35 @@ def without_span_head(params: dict[str, Any]) -> dict[str, Any]:
                               if k != "span_head"})
 
 
+def checkpoint_params(checkpoint_dir: str, step: int,
+                      **kwargs) -> dict[str, Any]:
+  """The retriever and reader of checkpoint `step` to answer with, less a
+  span head that its meta says was never trained (a pre-training or ICT
+  checkpoint's), so that loading announces it (`without_span_head`).
+
+  Args:
+    checkpoint_dir, step: the checkpoint.
+    **kwargs: more `checkpoints.restore_items` arguments (`way_out`).
+  """
+  params = checkpoints.restore_items(checkpoint_dir, step,
+                                     checkpoints.PARAM_ITEMS, **kwargs)
+  if span_head_trained(checkpoints.read_meta(checkpoint_dir, step)) is False:
+    params = without_span_head(params)
+  return params
+
+
+def _span_head_left_fresh(fresh: dict[str, Any],
+                          params: dict[str, Any]) -> bool:
+  """Whether `params`' span head is `fresh`'s: the imported weights had
+  none. Compared by value: `initial_params` may hand back the fresh
+  leaves as copies (a Hugging Face BERT, `minilm`, is merged into the
+  whole fresh tree, as numpy arrays), so identity says nothing."""
+  span = ("reader", "span_head")
+  before, after = core.flatten(fresh), core.flatten(params)
+  return all(np.array_equal(np.asarray(after[p]), np.asarray(before[p]))
+             for p in before if p[:2] == span)
+
+
 def _init_checkpoint_untrained(init_from: str) -> bool:
   """Whether `init_from` is `checkpoint:<dir>[@step]` whose meta, or
   `export:<dir>` whose realm_config.json, says its span head was not
@@ -405,13 +434,10 @@ class QAModel:
     """From a realm_jax checkpoint directory (newest step by default);
     only its `retriever` and `reader` items are read."""
     step = checkpoints.newest_step(checkpoint_dir) if step is None else step
-    params = checkpoints.restore_items(
-        checkpoint_dir, step, checkpoints.PARAM_ITEMS, way_out=(
-            "answer with an older step: step={older} (realm_jax.load(..., "
-            "step={older}); realm-ask and the eval job: "
-            "--gin.qa_eval.EvalConfig.step={older})"))
-    if span_head_trained(checkpoints.read_meta(checkpoint_dir, step)) is False:
-      params = without_span_head(params)
+    params = checkpoint_params(checkpoint_dir, step, way_out=(
+        "answer with an older step: step={older} (realm_jax.load(..., "
+        "step={older}); realm-ask and the eval job: "
+        "--gin.qa_eval.EvalConfig.step={older})"))
     return cls(model_config, params, index, store, step=step, **kwargs)
 
   @classmethod
@@ -429,9 +455,7 @@ class QAModel:
         model_config.reader, mlm_head=True, span_head=True))
     _, fresh = functional.init(lambda r: Realm(both_heads, rngs=r), seed)
     params = init_lib.initial_params(both_heads, fresh, init_from)
-    span = ("reader", "span_head")
-    before, after = core.flatten(fresh), core.flatten(params)
-    if all(after[p] is before[p] for p in before if p[:2] == span) or (
+    if _span_head_left_fresh(fresh, params) or (
         _init_checkpoint_untrained(init_from)):
       # Left fresh by `initial_params` (MiniLM, BERT, REALM pre-training
       # have none), or a realm_jax checkpoint that says it was not trained.
@@ -680,6 +704,10 @@ def _refuse_non_question(question: Any, name: str) -> None:
   if not question.strip():
     raise ValueError(f"{name} {question!r} is empty; ask something, "
                      "e.g. 'Where was Mozart born?'.")
+  problem = checks.utf8_problem(question)
+  if problem:
+    raise ValueError(f"{name} is {problem}: '{checks.shown_bytes(question)}'; "
+                     "ask it in UTF-8.")
 
 
 def _short(value: Any, limit: int = 60) -> Any:

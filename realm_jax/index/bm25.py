@@ -33,6 +33,7 @@ silently. When blocks are added (a store that extends another,
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ import numpy as np
 
 from realm_jax.core import checks
 from realm_jax.core import io_utils
+from realm_jax.core import outputs
 from realm_jax.core import progress as progress_lib
 
 _WORD = re.compile(r"\w+")
@@ -205,10 +207,13 @@ class BM25Index:
 
   # -- Persistence.
 
-  def save(self, directory: str) -> None:
+  def save(self, directory: str, setting: str = "bm25_dir") -> None:
     """Writes the analysed terms and a manifest to local `directory`, whole
-    or not at all (an existing one is replaced)."""
-    with io_utils.output_dir(directory, overwrite=True) as tmp:
+    or not at all. An existing BM25 index there is replaced; any other
+    non-empty directory is refused (`outputs.OwnershipError`, naming
+    `setting`)."""
+    with outputs.output_dir(directory, kind=outputs.BM25_INDEX,
+                            setting=setting, overwrite=True) as tmp:
       io_utils.save_npy(os.path.join(tmp, "terms.npy"), self.flat)
       io_utils.save_npy(os.path.join(tmp, "offsets.npy"), self.offsets)
       io_utils.write_json(os.path.join(tmp, "vocab.json"), self.vocab)
@@ -221,31 +226,131 @@ class BM25Index:
   @classmethod
   def load(cls, directory: str, store=None) -> BM25Index:
     """The index `save` wrote; with `store`, refused unless it is that
-    store's (`BM25StoreMismatchError`, naming both fingerprints)."""
+    store's (`BM25StoreMismatchError`, naming both fingerprints).
+
+    Raises:
+      BM25IndexDamagedError: a file of `directory` is missing, truncated,
+        not what `save` writes, or disagrees with the manifest (the error
+        names the directory, the file and the way out: delete it to
+        rebuild, or another `bm25_dir`).
+    """
     manifest = read_manifest(directory)
     if store is not None:
       check_store(manifest, store, directory)
-    flat = np.load(os.path.join(directory, "terms.npy"), allow_pickle=False)
-    offsets = np.load(os.path.join(directory, "offsets.npy"),
-                      allow_pickle=False)
-    with open(os.path.join(directory, "vocab.json"), encoding="utf-8") as f:
-      vocab = json.load(f)
-    if (len(offsets) != manifest["num_rows"] + 1 or offsets[-1] != len(flat)
-        or len(vocab) != manifest["vocab_size"] or (
-            len(flat) and not 0 <= flat.min() <= flat.max() < len(vocab))):
-      raise ValueError(f"{directory}: terms.npy, offsets.npy and vocab.json "
-                       "disagree with its manifest; delete the directory "
-                       "and build the index again (bm25.for_store).")
+    flat = _load_ids(directory, "terms.npy", np.int32)
+    offsets = _load_ids(directory, "offsets.npy", np.int64)
+    vocab = _load_vocab(directory)
+    problem = (
+        f"offsets.npy has {len(offsets)} entries for manifest.json's "
+        f"{manifest['num_rows']} rows (+1)"
+        if len(offsets) != manifest["num_rows"] + 1 else
+        "offsets.npy does not start at 0 and rise to the length of "
+        f"terms.npy ({len(flat)})" if offsets[0] != 0 or offsets[-1] != len(
+            flat) or np.any(np.diff(offsets) < 0) else
+        f"vocab.json has {len(vocab)} terms, manifest.json says "
+        f"{manifest['vocab_size']}"
+        if len(vocab) != manifest["vocab_size"] else
+        f"terms.npy holds term ids outside vocab.json's 0-{len(vocab) - 1}"
+        if len(flat) and not 0 <= flat.min() <= flat.max() < len(vocab)
+        else None)
+    if problem:
+      raise BM25IndexDamagedError(_damaged(directory, problem))
     return cls(terms=(vocab, flat, offsets), k1=manifest["k1"],
                b=manifest["b"], fingerprint=manifest["store_fingerprint"])
 
 
+class BM25IndexDamagedError(ValueError):
+  """A persisted BM25 index whose files are missing or damaged."""
+
+
+def _damaged(directory: str, problem: str) -> str:
+  """The message of a damaged BM25 index: which, what, the way out."""
+  return (f"The BM25 index {directory} is damaged ({problem}). Delete it to "
+          f"rebuild (rm -r {directory}: the next run that ranks with BM25 "
+          "builds it again from the block store), or point bm25_dir at "
+          "another directory (EvalConfig.bm25_dir, the CLI's "
+          "--gin.qa_eval.EvalConfig.bm25_dir; realm_jax.load(..., "
+          "bm25_dir=)).")
+
+
+def _load_ids(directory: str, name: str, dtype) -> np.ndarray:
+  """`<directory>/<name>`, a 1-D integer .npy as `save` writes it, as
+  `dtype`; BM25IndexDamagedError for anything else."""
+  path = os.path.join(directory, name)
+  try:
+    with open(path, "rb") as f:
+      if f.read(6) != b"\x93NUMPY":  # (numpy would offer to unpickle it.)
+        raise ValueError("it is not a .npy file")
+      f.seek(0)
+      array = np.load(f, allow_pickle=False)
+  except (OSError, ValueError, EOFError, MemoryError) as e:
+    raise BM25IndexDamagedError(_damaged(
+        directory, f"{name} does not read as a .npy array: {e}")) from e
+  if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+    raise BM25IndexDamagedError(_damaged(
+        directory, f"{name} is a {array.dtype} array of shape "
+        f"{array.shape}, not a 1-D integer one"))
+  return array.astype(dtype, copy=False)
+
+
+def _load_vocab(directory: str) -> list[str]:
+  """`<directory>/vocab.json`, a JSON list of distinct strings;
+  BM25IndexDamagedError for anything else."""
+  path = os.path.join(directory, "vocab.json")
+  try:
+    with open(path, "rb") as f:
+      vocab = json.loads(f.read().decode("utf-8"))  # Written by `save`.
+  except (OSError, ValueError) as e:  # (JSON and UTF-8 errors are too.)
+    raise BM25IndexDamagedError(_damaged(
+        directory, f"vocab.json does not read as JSON: {e}")) from e
+  if not isinstance(vocab, list) or not all(
+      isinstance(t, str) for t in vocab) or len(set(vocab)) != len(vocab):
+    raise BM25IndexDamagedError(_damaged(
+        directory, "vocab.json is not a list of distinct terms"))
+  return vocab
+
+
+def _check_manifest_types(manifest: dict) -> None:
+  """TypeError unless the manifest's fields have the types `save` writes."""
+  counts = ("num_rows", "vocab_size")
+  if not isinstance(manifest, dict) or any(
+      not isinstance(manifest[k], int) or isinstance(manifest[k], bool)
+      or manifest[k] < 0 for k in counts) or any(
+          not isinstance(manifest[k], (int, float))
+          or isinstance(manifest[k], bool) for k in ("k1", "b")) or (
+              not isinstance(manifest["analyzer"], str)) or not isinstance(
+                  manifest["store_fingerprint"], (str, type(None))):
+    raise TypeError(
+        "num_rows and vocab_size must be counts, k1 and b numbers, "
+        "analyzer a string and store_fingerprint a string or null")
+  if not (0 <= manifest["k1"] < float("inf") and 0 <= manifest["b"] <= 1):
+    raise ValueError(f"k1={manifest['k1']} and b={manifest['b']} must be "
+                     "finite, k1 >= 0 and 0 <= b <= 1")
+
+
 def read_manifest(directory: str) -> dict:
-  return io_utils.read_manifest(
-      directory, what="BM25 index", format_version=FORMAT_VERSION,
-      build="build it with realm_jax.index.bm25.for_store(store)",
-      fields=("analyzer", "store_fingerprint", "num_rows", "k1", "b",
-              "vocab_size"))
+  """The manifest of the BM25 index in `directory`, checked.
+
+  Raises:
+    FileNotFoundError: no index there.
+    BM25IndexDamagedError: the manifest is not JSON, misses a field, has
+      a field of the wrong type or another format version.
+  """
+  try:
+    return io_utils.read_manifest(
+        directory, what="BM25 index", format_version=FORMAT_VERSION,
+        build="build it with realm_jax.index.bm25.for_store(store)",
+        fields=("analyzer", "store_fingerprint", "num_rows", "k1", "b",
+                "vocab_size"), check=_check_manifest_types)
+  except FileNotFoundError:
+    raise
+  except (OSError, ValueError, TypeError, KeyError) as e:
+    # io_utils' error carries the cause (not UTF-8, not JSON, a field
+    # missing or of another type); a format version has none.
+    cause = e.__cause__
+    raise BM25IndexDamagedError(_damaged(directory, (
+        f"manifest.json: {type(cause).__name__}: {cause}" if cause
+        else f"manifest.json: {type(e).__name__}: {e}"))) from e
 
 
 def check_store(manifest: dict, store, directory: str) -> None:
@@ -275,20 +380,43 @@ def default_dir(store) -> str:
   return os.path.join(io_utils.cache_root(), f"bm25-{key}")
 
 
-def for_store(store, directory: str | None = None, *,
-              build: bool = True) -> BM25Index:
+SETTING = ("bm25_dir (--gin.qa_eval.EvalConfig.bm25_dir; "
+           "realm_jax.load(..., bm25_dir=))")
+
+
+def for_store(store, directory: str | None = None, *, build: bool = True,
+              setting: str = SETTING) -> BM25Index:
   """The BM25 index of `store`, built once and persisted in `directory`
   (default `default_dir(store)`), loaded from there after.
+
+  A `directory` that holds anything but a BM25 index is never written
+  (`outputs.check`, before the blocks are analysed).
 
   Raises:
     BM25StoreMismatchError: `directory` holds the index of another store.
     FileNotFoundError: none there and not `build`.
+    outputs.OwnershipError: `directory` is a non-empty directory no BM25
+      build wrote (a workdir, the user's files), or not a directory.
+    io_utils.LinkRefusedError: `directory` is a symbolic link.
+    PermissionError: `directory` cannot be written (naming `setting`).
   """
+  default = directory is None
   directory = directory or default_dir(store)
   if os.path.exists(os.path.join(directory, "manifest.json")) or not build:
     return BM25Index.load(directory, store)
+  where = (f"{setting} (unset: beside the block store)" if default
+           else setting)
+  outputs.check(directory, outputs.BM25_INDEX, where)
   index = BM25Index.from_store(store)
-  index.save(directory)
+  try:
+    index.save(directory, where)
+  except OSError as e:
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+      raise
+    raise PermissionError(
+        f"Cannot write the BM25 index of block store {store.path} to "
+        f"{directory} ({e}); it is built once and kept. Point {setting} at "
+        "a writable directory.") from e
   return index
 
 
@@ -309,5 +437,6 @@ def extend(base_store, union_store, *, base_dir: str | None = None,
       terms=(list(vocab), np.concatenate([base.flat, flat]),
              np.concatenate([base.offsets, offsets[1:] + base.offsets[-1]])),
       k1=base.k1, b=base.b, fingerprint=union_store.fingerprint)
-  index.save(directory or default_dir(union_store))
+  index.save(directory or default_dir(union_store), "the union store's "
+             "BM25 directory")
   return index

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import time
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ from realm_jax.checkpoint_import import importers
 from realm_jax.checkpoint_import import init_from as init_lib
 from realm_jax.core import checkpoints, checks, dataclass_json, distributed
 from realm_jax.core import io_utils
+from realm_jax.core import outputs
 from realm_jax.index import embed as embed_lib
 from realm_jax.index import publish, search_base, searchers
 from realm_jax.model import functional
@@ -163,12 +165,26 @@ def build_and_publish(*, retriever_params: Any,
   return path
 
 
+def init_from_source(init_from: str) -> str | None:
+  """The file or directory an `init_from` ("checkpoint:<dir>@<step>",
+  "hf_bert:<dir>", ...) reads, or None when it names no path."""
+  source = init_from.partition(":")[2].split(",")[0] or None
+  if source and io_utils.is_local(source) and not os.path.exists(source):
+    # `<dir>@<step>`, or a name that is no path (the import says so).
+    source = source.rpartition("@")[0] or None
+    if source and not os.path.exists(source):
+      source = None
+  return source
+
+
 def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
                        step: int,
                        config: IndexBuildConfig = IndexBuildConfig(),
                        params_sha256: str = "", start_time: float | None
                        = None, extra: dict[str, Any] | None = None,
-                       progress: publish.BuildProgress | None = None) -> str:
+                       progress: publish.BuildProgress | None = None,
+                       kind: outputs.Kind = outputs.INDEX_ROOT,
+                       setting: str = "the index root") -> str:
   """Builds a searcher over given embeddings and publishes it.
 
   Also the path for an imported `block_emb` (REALM's encoded.ckpt): the
@@ -191,7 +207,8 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
       root, step, embeddings, searcher,
       corpus_fingerprint=store.fingerprint, params_sha256=params_sha256,
       build_seconds=time.time() - start_time, keep=config.keep,
-      extra=dict(extra or {}, searcher_build_seconds=round(build, 3))),
+      extra=dict(extra or {}, searcher_build_seconds=round(build, 3)),
+      kind=kind, setting=setting),
                    f"publishing index {step} to {root}", config,
                    on_retry=progress and progress.retrying)
   logging.info("published index %d (%d rows) to %s in %.1f s", step,

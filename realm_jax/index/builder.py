@@ -47,6 +47,7 @@ from realm_jax.checkpoint_import import importers
 from realm_jax.core import checkpoints, checks, distributed
 from realm_jax.core import follow, gin_config
 from realm_jax.core import io_utils
+from realm_jax.core import outputs
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
 from realm_jax.data import block_store
@@ -110,13 +111,9 @@ def check_places(root: str, workdir: str, store, init_from: str = ""
                  ) -> None:
   """Refuses an index root that is an input of the builder by another name
   (`io_utils.check_apart`): the checkpoints (publishing step 7 there would
-  replace checkpoint 7), the block store, or what `init_from` reads."""
-  source = init_from.partition(":")[2].split(",")[0] or None
-  if source and io_utils.is_local(source) and not os.path.exists(source):
-    # `<dir>@<step>`, or a name that is no path (the import says so).
-    source = source.rpartition("@")[0] or None
-    if source and not os.path.exists(source):
-      source = None
+  replace checkpoint 7), the block store, or what `init_from` reads; and
+  one that is not an index builder's root (`outputs.check`)."""
+  source = build.init_from_source(init_from)
   io_utils.check_apart(root, "the index root (<WORKDIR>/index)", {
       "the checkpoints (<WORKDIR>/checkpoints)":
           checkpoints.checkpoint_dir(workdir),
@@ -124,6 +121,7 @@ def check_places(root: str, workdir: str, store, init_from: str = ""
       "init_from": source}, either_way=(
           "the checkpoints (<WORKDIR>/checkpoints)", "BLOCK_STORE",
           "init_from"))
+  outputs.check(root, outputs.INDEX_ROOT, "the index root (<WORKDIR>/index)")
 
 
 def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,

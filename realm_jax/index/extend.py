@@ -31,6 +31,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
+from realm_jax.core import outputs
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store
 from realm_jax.index import build
@@ -70,11 +71,37 @@ def extend_bm25(base_store, union_store) -> bool:
   return True
 
 
+SETTING = "output_root (the extend job: --gin.OUTPUT_DIR)"
+
+
+def check_output(output_root: str, *, index_root: str, base_store,
+                 union_store, inputs: dict[str, str | None] | None = None
+                 ) -> None:
+  """Refuses an output root that is one of the job's inputs by any name
+  (`io_utils.check_apart`: the base index, both stores, and `inputs`,
+  e.g. the checkpoint the retriever is read from), or an existing
+  directory that is not an extended index root (`outputs.check`: a
+  builder's index root, a workdir, the user's files).
+
+  Raises:
+    io_utils.SamePlaceError, outputs.OwnershipError,
+    io_utils.LinkRefusedError.
+  """
+  inputs = dict(inputs or {})
+  io_utils.check_apart(output_root, "output_root", {
+      "index_root": index_root,
+      "base_store": getattr(base_store, "path", None),
+      "union_store": getattr(union_store, "path", None), **inputs},
+                       either_way=("index_root", *inputs))
+  outputs.check(output_root, outputs.EXTENDED_INDEX_ROOT, SETTING)
+
+
 def extend_index(*, index_root: str, base_store, union_store,
                  retriever_params: Any, retriever_config: RetrieverConfig,
                  output_root: str, step: int | None = None,
                  config: build.IndexBuildConfig = build.IndexBuildConfig(),
-                 devices=None) -> str:
+                 devices=None, inputs: dict[str, str | None] | None = None
+                 ) -> str:
   """Publishes the index of `index_root` extended to `union_store`'s blocks.
 
   Args:
@@ -89,6 +116,8 @@ def extend_index(*, index_root: str, base_store, union_store,
       published under the same step.
     config: how the searcher is built and published (as the builder's).
     devices: devices to embed on (default: local devices).
+    inputs: more inputs the output must be apart from ({how the user
+      names it: path}), e.g. the checkpoint `retriever_params` came from.
 
   Returns:
     The published directory.
@@ -96,18 +125,17 @@ def extend_index(*, index_root: str, base_store, union_store,
   Raises:
     ValueError: `union_store` does not extend `base_store`, or the
       parameters are not the index's.
-    io_utils.SamePlaceError: `output_root` is `index_root` (or a store)
-      under any name, or one holds the other.
+    io_utils.SamePlaceError: `output_root` is `index_root` (or a store,
+      or one of `inputs`) under any name, or one holds the other.
+    outputs.OwnershipError: `output_root` exists and is not an extended
+      index root (an index builder's root, a workdir, the user's files).
     lease.LeaseHeldError: another job (an index builder) publishes to
       `output_root`.
     publish.IndexRejectedError: the base index does not serve `base_store`.
   """
   # Another name for the base index (a link, `..`) is the same place.
-  io_utils.check_apart(output_root, "output_root", {
-      "index_root": index_root,
-      "base_store": getattr(base_store, "path", None),
-      "union_store": getattr(union_store, "path", None)},
-                       either_way=("index_root",))
+  check_output(output_root, index_root=index_root, base_store=base_store,
+               union_store=union_store, inputs=inputs)
   start = time.time()
   # Inputs are checked before anything is created under output_root.
   base, checksum = _base_index(index_root, step, base_store,
@@ -148,4 +176,5 @@ def _extend(base: publish.PublishedIndex, checksum: str, *, index_root,
               "corpus_fingerprint": base_store.fingerprint,
               "rows": len(base_store)},
           "new_rows": int(new.shape[0]),
-          "blocks_per_second": round(stats.blocks_per_second, 2)})
+          "blocks_per_second": round(stats.blocks_per_second, 2)},
+      kind=outputs.EXTENDED_INDEX_ROOT, setting=SETTING)

@@ -145,15 +145,20 @@ def _job(dry_run: bool) -> None:
       config, "union_store")
   index_root = publish.resolve_index_root(config.index_dir)
   init_from = config.init_from or _run_checkpoints(index_root, config.step)
-  retriever_config, params = retriever(init_from,
-                                       gin_config.configured(RealmConfig))
+  # The checkpoint the retriever is read from is an input too: checked with
+  # the others before anything is restored or written.
+  inputs = {"init_from": build.init_from_source(init_from)}
   try:
+    extend.check_output(config.output_dir, index_root=index_root,
+                        base_store=base, union_store=union, inputs=inputs)
+    retriever_config, params = retriever(init_from,
+                                         gin_config.configured(RealmConfig))
     path = extend.extend_index(
         index_root=index_root, base_store=base, union_store=union,
         retriever_params=params, retriever_config=retriever_config,
         output_root=config.output_dir, step=config.step,
-        config=config.index_build)
-  except (ValueError, lease_lib.LeaseHeldError) as e:
+        config=config.index_build, inputs=inputs)
+  except (ValueError, lease_lib.LeaseHeldError, OSError) as e:
     # Inputs that do not fit (another store, other parameters, the same
     # place, a root another job publishes to): named, nothing written.
     raise SystemExit(f"{type(e).__name__}: {e}") from None

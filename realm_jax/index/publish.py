@@ -46,6 +46,7 @@ from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
+from realm_jax.core import outputs
 from realm_jax.core import lease as lease_lib
 from realm_jax.index import search_base, searchers
 
@@ -322,7 +323,9 @@ def _check_files(directory: PathLike, manifest: dict[str, Any], *,
 def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
                   searcher, *, corpus_fingerprint: str, params_sha256: str,
                   build_seconds: float, keep: int = 3,
-                  extra: dict[str, Any] | None = None) -> str:
+                  extra: dict[str, Any] | None = None,
+                  kind: outputs.Kind = outputs.INDEX_ROOT,
+                  setting: str = "the index root") -> str:
   """Writes and verifies the index of `step`, then publishes it (LATEST).
 
   Args:
@@ -335,13 +338,16 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
     build_seconds: embedding + build time, for the manifest.
     keep: how many published indices to keep (>= 1; LATEST always kept).
     extra: more manifest fields.
+    kind: the index root's kind of output (`outputs.claim`: a root of
+      another kind, or a directory no job wrote, is refused).
+    setting: how the user names `index_root`, for that error.
 
   Returns the published directory.
   """
   if keep < 1:
     raise ValueError(f"keep={keep} must be >= 1.")
   root = io_utils.as_path(index_root)
-  root.mkdir(parents=True, exist_ok=True)
+  outputs.claim(root, kind, setting)
   final = _fresh_step_dir(root, step)
   local = io_utils.is_local(final)
   # ScaNN serializes to local files: a remote index is staged locally,

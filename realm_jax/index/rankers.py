@@ -17,6 +17,9 @@ One seam for every way the product finds blocks (the eval job, `ask`,
 
 Every ranking also says, for each block, at which rank each ranker found
 it (`Ranking.sources`; -1: not in that ranker's list), which `ask` shows.
+BM25 finds only the blocks it scores above 0 (a query term in them): the
+blocks of score 0 that fill its list to the depth asked (by id) are read,
+but BM25 claims no rank for them and a fusion takes nothing from them.
 
 The default fusion is a fixed rule, chosen without any questions: the
 weighted fusion with equal weights (dense 0.5, BM25 0.5), each ranker's
@@ -143,9 +146,14 @@ class BM25Ranker:
     return cls(bm25_lib.for_store(store, directory))
 
   def rank(self, questions: Sequence[str], depth: int) -> Ranking:
+    """The top `depth` blocks; those scored 0 (no query term in them) fill
+    the list but are not found by BM25 (`sources`: -1)."""
     questions = _questions(questions, "BM25Ranker.rank")
     ids, scores = self.index.search(questions, depth)
-    return _own(self.name, ids, scores)
+    ranking = _own(self.name, ids, scores)
+    ranking.sources[self.name] = np.where(scores > 0,
+                                          ranking.sources[self.name], -1)
+    return ranking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +200,23 @@ def _minmax(scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
   return np.where(found, out, 0.0)
 
 
+def _found_only(ranking: Ranking) -> Ranking:
+  """`ranking` with the blocks no source of it found (-1 in every source)
+  left out (id -1)."""
+  found = np.zeros(ranking.ids.shape, bool)
+  for ranks in ranking.sources.values():
+    found |= ranks >= 0
+  return Ranking(np.where(found, ranking.ids, -1), ranking.scores,
+                 ranking.sources)
+
+
 def fuse(rankings: Sequence[Ranking], weights: Sequence[float], depth: int,
          *, method: str = "weighted", rrf_k: float = 60.0) -> Ranking:
   """The top `depth` blocks of the fused rankings (module docstring).
+
+  A block that a ranking lists but that none of its sources found (BM25's
+  blocks of score 0) takes no part: it adds nothing to the fused scores,
+  nor to the min-max range.
 
   Returns:
     A `Ranking` whose scores are the fused scores and whose sources are
@@ -203,6 +225,7 @@ def fuse(rankings: Sequence[Ranking], weights: Sequence[float], depth: int,
   """
   if method not in FUSIONS:
     raise ValueError(f"fusion method {method!r} is not one of {FUSIONS}.")
+  rankings = [_found_only(r) for r in rankings]
   n = rankings[0].ids.shape[0]
   out_ids = np.full([n, depth], -1, np.int64)
   out_scores = np.full([n, depth], -np.inf, np.float32)

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Mapping, Type, TypeVar, Union
 from absl import logging
 import numpy as np
 
-from realm_jax.core import checks, io_utils
+from realm_jax.core import checks, io_utils, outputs
 
 FORMAT_VERSION = 1
 METADATA_FILE = "searcher.json"
@@ -467,7 +467,9 @@ class Searcher(abc.ABC):
     """
     require_local(directory)
     directory = os.path.abspath(directory)
-    with io_utils.output_dir(directory, overwrite=True) as tmp_dir:
+    with outputs.output_dir(directory, kind=outputs.SEARCHER,
+                            setting="the searcher directory",
+                            overwrite=True) as tmp_dir:
       extra = self._write(tmp_dir)
       metadata = {
           "format_version": FORMAT_VERSION,

@@ -13,7 +13,7 @@ from etils import epath
 import numpy as np
 import pytest
 
-from realm_jax.core import io_utils
+from realm_jax.core import io_utils, outputs
 from realm_jax.data import beam_utils, block_store, block_store_writer
 from realm_jax.data import blocks, corpus_job
 from realm_jax.data import wikipedia
@@ -133,7 +133,9 @@ def _publish(root, step, rows=50, dim=8, keep=3):
 
 
 def _names(root):
-  return sorted(p.name for p in epath.Path(root).iterdir())
+  """The entries of an index root, but its ownership marker."""
+  return sorted(p.name for p in epath.Path(root).iterdir()
+                if p.name != outputs.MARKER)
 
 
 def test_remote_publish_load_round_trip(tmp_path):
@@ -391,13 +393,15 @@ def test_job_outputs_go_through_a_fresh_temporary_never_a_link(tmp_path):
   victim.mkdir()
   (victim / "keep.txt").write_text("precious")
   os.symlink(victim, tmp_path / "out")
-  with pytest.raises(io_utils.LinkRefusedError, match="out is a symbolic"):
-    with io_utils.output_dir(str(tmp_path / "out"), overwrite=True):
+  with pytest.raises(io_utils.LinkRefusedError, match="out' is a symbolic"):
+    with outputs.output_dir(str(tmp_path / "out"), kind=outputs.EXPORT,
+                            setting="out", overwrite=True):
       pass
   with pytest.raises(io_utils.LinkRefusedError):
     io_utils.replace_local_dir(str(tmp_path), str(tmp_path / "out"))
   with pytest.raises(io_utils.LinkRefusedError):  # The Beam jobs' outputs.
     beam_utils.ShardedOutput(str(tmp_path / "out"), marker="manifest.json",
+                             kind=outputs.QUERY_CACHE, setting="out",
                              overwrite=True)
   # A planted file at the old temporary name of an atomic write.
   os.symlink(victim / "keep.txt",
@@ -407,16 +411,19 @@ def test_job_outputs_go_through_a_fresh_temporary_never_a_link(tmp_path):
   assert (tmp_path / "manifest.json").read_text() == "{}"
   # A failed job deletes only the temporary it made; no output appears.
   with pytest.raises(RuntimeError):
-    with io_utils.output_dir(str(tmp_path / "new")) as tmp:
+    with outputs.output_dir(str(tmp_path / "new"), kind=outputs.EXPORT,
+                            setting="new") as tmp:
       (tmp_path / "new.txt").write_text("not the job's")
       raise RuntimeError("the job failed")
   assert not os.path.exists(tmp) and not os.path.exists(tmp_path / "new")
-  with io_utils.output_dir(str(tmp_path / "new")) as tmp:
+  with outputs.output_dir(str(tmp_path / "new"), kind=outputs.EXPORT,
+                          setting="new") as tmp:
     with open(os.path.join(tmp, "v"), "w") as f:
       f.write("whole")
   assert (tmp_path / "new" / "v").read_text() == "whole"
-  with pytest.raises(FileExistsError, match="new exists"):
-    with io_utils.output_dir(str(tmp_path / "new")):
+  with pytest.raises(FileExistsError, match="already holds an export"):
+    with outputs.output_dir(str(tmp_path / "new"), kind=outputs.EXPORT,
+                            setting="new"):
       pass
   with pytest.raises(ValueError, match="not a temporary"):
     io_utils.discard_output_tmp(str(victim))

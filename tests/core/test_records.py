@@ -126,3 +126,26 @@ def test_a_torn_last_record_cut_inside_a_character_is_dropped(tmp_path):
   path.write_bytes(b'{"step": 0}\n' + line[:line.index(b"\xc3") + 1])
   assert records.keep_records(str(path)) == [{"step": 0}]
   assert path.read_bytes() == b'{"step": 0}\n'
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("end", [b"\r", b"\r\n"], ids=["CR", "CRLF"])
+def test_cr_only_and_crlf_line_ends_keep_their_records(tmp_path, kind, end):
+  """A record file saved with CR-only (old Mac) or CRLF line ends keeps
+  every record, as a file read as text did (issue 64, R4: split at LF
+  alone, a CR-only file was one torn "last record" and all were dropped);
+  a torn last record is still dropped, and the next append reads back."""
+  want = json.loads(json.dumps(KINDS[kind]))
+  lines = [json.dumps(r).encode() for r in KINDS[kind]]
+  path = tmp_path / kind
+  path.write_bytes(end.join(lines) + end)
+  assert json.dumps(records.read_records(str(path))) == json.dumps(want)
+  assert json.dumps(records.keep_records(str(path))) == json.dumps(want)
+  io_utils.append_jsonl(str(path), {"step": 99})
+  assert [r["step"] for r in records.read_records(str(path))] == [
+      r["step"] for r in want] + [99]
+  path.write_bytes(end.join(lines) + end + lines[0][:5])  # torn
+  assert json.dumps(records.keep_records(str(path))) == json.dumps(want)
+  with pytest.raises(records.RecordError, match=f"{path}, line 2: "):
+    path.write_bytes(end.join([lines[0], b"not json", lines[1]]))
+    records.read_records(str(path))

@@ -362,3 +362,26 @@ def test_qa_example_checks():
     qa.QAExample("q", "a")
   with pytest.raises(TypeError, match="strings"):
     qa.QAExample("q", ("a", 1))
+
+
+def test_a_question_escaping_a_lone_surrogate_is_malformed(tmp_path):
+  """Issue 64, H10: JSON can spell text that is not UTF-8 ("\\udcff", what
+  Python makes of the byte 0xff); such a question or answer is a
+  malformed line naming the file and line, not a crash of the tokenizer
+  after the model loaded."""
+  path = tmp_path / "qa.jsonl"
+  _write_lines(path, [
+      GOOD_1,
+      b'{"question": "where was mozart\\udcff born", "answer": ["x"]}',
+      b'{"question": "who", "answer": ["Salzb\\ud800urg"]}',
+      GOOD_2])
+  report = qa.QAReadReport()
+  assert len(qa.read_qa_jsonl(str(path), report)) == 2
+  reasons = dict((line, reason) for _, line, reason in report.malformed_lines)
+  assert reasons == {
+      2: "'question' is not valid UTF-8 (the byte 0xff at character 17)",
+      3: "answer 'Salzb\\ud800urg' is not valid UTF-8 (a lone surrogate "
+         "U+D800 at character 6)"}
+  with pytest.raises(qa.QADataError, match=re.escape(f"{path}:2: 'question' "
+                                                     "is not valid UTF-8")):
+    qa.read_qa_jsonl(str(path), strict=True)

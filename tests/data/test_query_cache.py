@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from realm_jax.core import outputs
 from realm_jax.data import blocks
 from realm_jax.data import examples as ex
 from realm_jax.data import query_cache as qc
@@ -265,8 +266,8 @@ def test_beam_job_end_to_end(beam_cache, annotated):
   out, manifest = beam_cache
   tok = tokenizer_lib.Tokenizer()
   assert manifest["num_queries"] == 48  # 2 sentences with spans x 24
-  assert sorted(os.listdir(out)) == sorted(manifest["shard_files"] +
-                                           ["manifest.json"])
+  assert sorted(os.listdir(out)) == sorted(manifest["shard_files"] + [
+      "manifest.json", outputs.MARKER])
   assert not [p for p in os.listdir(os.path.dirname(out)) if ".tmp-" in p]
   assert manifest["query_config"] == {
       "query_length": 96, "max_masks": 10, "mask_limit": 94,

@@ -225,3 +225,59 @@ def test_the_index_extension_extends_the_base_stores_bm25(tmp_path):
       bm25.for_store(union, build=False).scores(QUERIES[0]),
       bm25.BM25Index.from_store(union).scores(QUERIES[0]), rtol=1e-6)
   assert not extend.extend_bm25(base, union)  # already there
+
+
+def _npy(array):
+  import io  # pylint: disable=g-import-not-at-top
+  out = io.BytesIO()
+  np.save(out, array)
+  return out.getvalue()
+
+
+@pytest.mark.parametrize("name,damage", [
+    pytest.param("terms.npy", lambda b: b[:len(b) // 2], id="terms-half"),
+    pytest.param("terms.npy", lambda b: b[:-1], id="terms-short"),
+    pytest.param("terms.npy", lambda b: b"\x80\x04garbage", id="terms-pickle"),
+    pytest.param("terms.npy", lambda b: _npy(np.zeros((2, 2), np.int32)),
+                 id="terms-2d"),
+    pytest.param("offsets.npy", lambda b: b"", id="offsets-empty"),
+    pytest.param("offsets.npy", lambda b: _npy(np.zeros(3, np.float32)),
+                 id="offsets-float"),
+    pytest.param("vocab.json", lambda b: b[:len(b) // 2], id="vocab-half"),
+    pytest.param("vocab.json", lambda b: b"\xff\xfe garbage",
+                 id="vocab-garbage"),
+    pytest.param("vocab.json", lambda b: b'{"a": 1}', id="vocab-object"),
+    pytest.param("manifest.json", lambda b: b[:len(b) // 2],
+                 id="manifest-half"),
+    pytest.param("manifest.json", lambda b: b"\xff\xfe garbage",
+                 id="manifest-garbage"),
+    pytest.param("manifest.json", lambda b: b"[1, 2]", id="manifest-list"),
+    pytest.param("manifest.json",
+                 lambda b: b.replace(b'"num_rows"', b'"rows"'),
+                 id="manifest-no-num_rows"),
+    pytest.param("manifest.json",
+                 lambda b: b.replace(b'"k1": 0.9', b'"k1": "0.9"'),
+                 id="manifest-k1-string"),
+    pytest.param("manifest.json", lambda b: re.sub(
+        rb'"vocab_size": \d+', b'"vocab_size": 1', b),
+                 id="manifest-vocab_size"),
+])
+def test_a_damaged_index_names_its_directory_and_the_way_out(
+    store, tmp_path, name, damage):
+  """Issue 64, H9a/H9c: a truncated or garbage file of a persisted BM25
+  index, or a manifest that is not JSON or misses a field, is one error
+  naming the directory, the file, "delete it to rebuild" and the setting
+  that names another directory; nothing is rebuilt or changed."""
+  directory = tmp_path / "bm25"
+  bm25.for_store(store, str(directory))
+  path = directory / name
+  path.write_bytes(damage(path.read_bytes()))
+  before = {p.name: p.read_bytes() for p in directory.iterdir()}
+  with pytest.raises(bm25.BM25IndexDamagedError) as e:
+    bm25.for_store(store, str(directory))
+  message = str(e.value)
+  assert f"The BM25 index {directory} is damaged (" in message
+  assert name in message and "Delete it to rebuild" in message
+  assert "EvalConfig.bm25_dir" in message and "bm25_dir=" in message
+  assert "allow_pickle" not in message
+  assert {p.name: p.read_bytes() for p in directory.iterdir()} == before

@@ -16,6 +16,7 @@ import types
 import numpy as np
 import pytest
 
+from realm_jax.core import outputs
 from realm_jax.core import lease as lease_lib
 from realm_jax.index import publish, searchers
 from realm_jax.testing import timeouts
@@ -154,6 +155,14 @@ def _slow_publish(root, started, step=2):
                         build_seconds=0)
 
 
+def _listed(root):
+  """An index root's entries: its ownership marker (`outputs.MARKER`) and
+  whatever LATEST names, nothing else."""
+  names = sorted(os.listdir(root))
+  assert outputs.MARKER in names
+  return [n for n in names if n != outputs.MARKER]
+
+
 def test_a_killed_builder_leaves_nothing_visible(tmp_path):
   root = str(tmp_path / "index")
   emb = _publish(root, 1)
@@ -168,9 +177,9 @@ def test_a_killed_builder_leaves_nothing_visible(tmp_path):
   assert publish.published_steps(root) == [1]
   np.testing.assert_array_equal(publish.load_index(root).embeddings, emb)
   # The half-written step directory was never named by LATEST.
-  assert sorted(os.listdir(root)) == ["1", "2", "LATEST"]
+  assert _listed(root) == ["1", "2", "LATEST"]
   assert publish.clean_stale_temporaries(root) == ["2"]
-  assert sorted(os.listdir(root)) == ["1", "LATEST"]
+  assert _listed(root) == ["1", "LATEST"]
   _publish(root, 2)  # A restarted builder publishes the step again.
   assert publish.published_steps(root) == [1, 2]
 
@@ -189,13 +198,13 @@ def test_republishing_the_served_step_never_withdraws_it(tmp_path):
   child.join()
   assert publish.read_latest(root) == 1
   np.testing.assert_array_equal(publish.load_index(root).embeddings, emb)
-  assert sorted(os.listdir(root)) == ["1", "1.1", "LATEST"]
+  assert _listed(root) == ["1", "1.1", "LATEST"]
   assert publish.clean_stale_temporaries(root) == ["1.1"]
   # A finished re-publication becomes visible by LATEST's switch alone,
   # and the index it replaced goes after it.
   new = _publish(root, 1, seed=5)
   assert (tmp_path / "index" / "LATEST").read_text() == "1.1\n"
-  assert sorted(os.listdir(root)) == ["1.1", "LATEST"]
+  assert _listed(root) == ["1.1", "LATEST"]
   np.testing.assert_array_equal(publish.load_index(root).embeddings, new)
   _publish(root, 2)
   assert publish.published_steps(root) == [1, 2]

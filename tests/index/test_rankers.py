@@ -121,3 +121,38 @@ def test_hybrid_of_dense_and_bm25_over_a_store(tmp_path):
   assert rankers.make_ranker("bm25", store=store).rank(
       questions, 2).ids.tolist() == s.ids[:, :2].tolist()
   assert rankers.make_ranker("dense", dense=dense) is dense
+
+
+@pytest.mark.parametrize("method", rankers.FUSIONS)
+def test_blocks_bm25_scored_0_get_no_bm25_rank(tmp_path, method):
+  """Issue 64, H11: BM25 lists every block to fill the depth asked, the
+  blocks without a query term (score 0) last, by id. It claims no rank for
+  those (`sources`: -1), so neither does the hybrid's evidence, and the
+  fusion takes nothing from them: a question with no term in any block is
+  ranked by the dense ranker alone."""
+  docs = [wikipedia.Document(t, x) for t, x in corpus.ARTICLES]
+  store = corpus.write_store(tmp_path / "store", docs, 24)
+  n = len(store)
+  rng = np.random.default_rng(0)
+  emb = rng.normal(size=(n, 4)).astype(np.float32)
+  question_emb = rng.normal(size=(2, 4)).astype(np.float32)
+  dense = rankers.DenseRanker(_Index(emb), lambda qs: question_emb[:len(qs)])
+  questions = ["where was mozart born?", "qwzx vbnj"]
+  sparse = rankers.BM25Ranker.for_store(store)
+  _, scores = sparse.index.search(questions, n)
+  assert 0 < (scores[0] > 0).sum() < n and not (scores[1] > 0).any()
+  bm25_alone = sparse.rank(questions, n)
+  np.testing.assert_array_equal(bm25_alone.sources["bm25"] >= 0,
+                                bm25_alone.scores > 0)
+  hybrid = rankers.HybridRanker(dense, sparse, rankers.FusionConfig(
+      method=method, candidates=n))
+  ranking = hybrid.rank(questions, n)
+  for q in range(2):
+    ids, values = sparse.index.search([questions[q]], n)
+    score = dict(zip(ids[0].tolist(), values[0].tolist()))
+    claimed = [int(b) for b, k in zip(ranking.ids[q],
+                                      ranking.sources["bm25"][q]) if k >= 0]
+    assert claimed == [b for b in ranking.ids[q].tolist() if score[b] > 0]
+  # No term anywhere: the dense order, every block, no BM25 rank.
+  np.testing.assert_array_equal(ranking.ids[1], dense.rank(questions, n).ids[1])
+  assert (ranking.sources["bm25"][1] == -1).all()
