@@ -218,9 +218,13 @@ def main() -> None:
                       help="Also print --output's lines as a markdown "
                       "table.")
   args = parser.parse_args()
-  # A SIGTERM ends the compile in flight too: subprocess.run kills its
-  # child when an exception (this SystemExit) interrupts it.
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  # A SIGTERM or a SIGHUP (the terminal or ssh session closed) ends the
+  # compile in flight too: subprocess.run kills its child when an
+  # exception (this SystemExit, 128 + the signal) interrupts it. A signal
+  # ignored from the start stays ignored (`nohup` ignores SIGHUP).
+  for signum in (signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(signum) is not signal.SIG_IGN:
+      signal.signal(signum, lambda s, _: sys.exit(128 + s))
   if args.hlo:
     with open(args.hlo, encoding="utf-8") as f:
       print(json.dumps(hlo_traffic(f.read()), indent=1))

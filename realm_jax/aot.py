@@ -29,11 +29,38 @@ measurement.
 from __future__ import annotations
 
 import os
+import signal
+import sys
+
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, as a shell reports Ctrl-C.
+INTERRUPTED_MESSAGE = ("realm-aot: interrupted (Ctrl-C): stopped without "
+                       "waiting for the compile in flight.")
+
+
+def _interrupted(signum, frame) -> None:
+  """realm-aot's Ctrl-C (SIGINT): one line and exit status 130, at once.
+
+  Python runs a signal handler in the main thread between bytecodes, so a
+  KeyboardInterrupt would wait for the compiler's C++ call to return
+  (minutes for a BERT-base step) and then print a traceback. The compile
+  runs in a worker thread instead (`_in_worker`), the main thread waits
+  for it, and this handler ends the process with `os._exit`, the compile
+  still running. The reports printed before are flushed with their JSON
+  lines; an executable (`serialize_dir`) is written atomically.
+  """
+  del signum, frame
+  os.write(2, (INTERRUPTED_MESSAGE + "\n").encode())
+  os._exit(INTERRUPTED_EXIT_STATUS)  # pylint: disable=protected-access
+
 
 if __name__ == "__main__":
   # Only the compiler is needed: without this a host with libtpu and no TPU
   # spends ~7 s probing for one before it falls back to the CPU.
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # Before the imports below (seconds): Ctrl-C during them stops too. A
+  # SIGINT ignored from the start (a launcher's `nohup` or `&`) stays so.
+  if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+    signal.signal(signal.SIGINT, _interrupted)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
@@ -41,13 +68,14 @@ import importlib.util
 import json
 import math
 import re
-import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import NamedSharding
 
 from realm_jax.core import checks, parallel
@@ -68,6 +96,15 @@ ESTIMATE_METHOD = ("roofline: max(flops / peak bf16 FLOP/s, bytes accessed "
 JOBS = ("pretrain", "ict", "finetune", "embed", "search")
 # REALM's knowledge corpus: English Wikipedia in 288-wordpiece blocks.
 REALM_NUM_BLOCKS = 13_353_718
+# The largest count a step holds: positions, lengths, row ids, examples and
+# the step counter are int32 on the device (JAX runs without x64).
+INT32_MAX = 2**31 - 1
+# The largest array realm-aot gives the compiler, per chip: 1 PiB, over
+# 10,000 times any chip's HBM (v5p: 95 GiB), so whatever is refused here
+# could never fit. Past it libtpu's compile slows to minutes, and near
+# 2**62 bytes its int64 byte counts overflow and it aborts (SIGABRT in
+# heap_simulator); below it a step too big is a report that says so.
+MAX_BYTES_PER_CHIP = 1 << 50
 
 
 # ----------------------------------------------------------------------------
@@ -87,6 +124,8 @@ class Chip:
     chip_config_name: `get_topology_desc`'s name for one chip (v4 and v5p
       run as one megacore device per chip).
     dims: the topology's dimensions (2 for v5e, 3 for v4 and v5p).
+    pod_chips: chips in a whole pod, the largest slice (v4: 4,096; v5e:
+      256, 16x16; v5p: 8,960).
   """
   generation: str
   peak_bf16_flops: float
@@ -94,12 +133,13 @@ class Chip:
   hbm_bytes: int
   chip_config_name: str
   dims: int
+  pod_chips: int
 
 
 CHIPS = {
-    "v4": Chip("v4", 275e12, 1.2e12, 32 * GIB, "megacore", 3),
-    "v5e": Chip("v5e", 197e12, 819e9, 16 * GIB, "default", 2),
-    "v5p": Chip("v5p", 459e12, 2.76e12, 95 * GIB, "megacore", 3),
+    "v4": Chip("v4", 275e12, 1.2e12, 32 * GIB, "megacore", 3, 4096),
+    "v5e": Chip("v5e", 197e12, 819e9, 16 * GIB, "default", 2, 256),
+    "v5p": Chip("v5p", 459e12, 2.76e12, 95 * GIB, "megacore", 3, 8960),
 }
 # Chips per host along each topology axis: 4 chips per TPU VM host (v4,
 # v5p, and v5e pods larger than one host).
@@ -128,11 +168,20 @@ class Topology:
 _TOPOLOGY = re.compile(r"^(?P<gen>v4|v5e|v5p):(?P<dims>\d+(?:x\d+)+)$")
 
 
+def host_bounds(dims: Sequence[int]) -> tuple[int, int, int]:
+  """A host's chips along each axis of a slice of `dims`: a slice smaller
+  than a host (e.g. "v5e:1x1", "v4:2x2x1") is all on one."""
+  dims3 = tuple(dims) + (1,) * (3 - len(dims))
+  return tuple(min(b, d) for b, d in zip(CHIPS_PER_HOST_BOUNDS, dims3))
+
+
 def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
   """(chip, dims) of a topology name such as "v5e:4x4" or "v4:4x4x4".
 
   Raises:
-    ValueError: naming the field and the accepted forms.
+    ValueError: naming the field and the accepted forms; a slice larger
+      than its generation's pod, or whose chips do not divide into hosts
+      (`host_bounds`), before the TPU compiler sees it.
   """
   match = _TOPOLOGY.match(name or "")
   if not match:
@@ -148,6 +197,25 @@ def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
         f"AotConfig.topology={name!r}: a {chip.generation} topology has "
         f"{chip.dims} positive dimensions, e.g. '{chip.generation}:"
         f"{example}'.")
+  chips = math.prod(dims)
+  if chips > chip.pod_chips:
+    raise ValueError(
+        f"AotConfig.topology={name!r} names {chips:,} chips, more than a "
+        f"whole {chip.generation} pod ({chip.pod_chips:,}): realm-aot "
+        "compiles for one slice of one pod; use a smaller topology, e.g. "
+        f"'{chip.generation}:{'x'.join(['4'] * chip.dims)}'.")
+  bounds = host_bounds(dims)
+  dims3 = dims + (1,) * (3 - len(dims))
+  if any(d % b for d, b in zip(dims3, bounds)):
+    fixed = [-(-d // b) * b for d, b in zip(dims, bounds)]
+    raise ValueError(
+        f"AotConfig.topology={name!r} does not divide into hosts: its "
+        f"{'x'.join(map(str, dims))} chips do not tile into host bounds of "
+        f"{'x'.join(map(str, bounds))} chips (chips_per_host_bounds: a TPU "
+        f"VM host holds {'x'.join(map(str, CHIPS_PER_HOST_BOUNDS))}, fewer "
+        "only along an axis where the whole slice is smaller). Make its "
+        "first two dimensions 1 or multiples of 2, e.g. "
+        f"'{chip.generation}:{'x'.join(map(str, fixed))}'.")
   return chip, dims
 
 
@@ -163,8 +231,7 @@ def topology(name: str) -> Topology:
   # processes (or test workers) may run at once.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  dims3 = dims + (1,) * (3 - len(dims))
-  bounds = tuple(min(b, d) for b, d in zip(CHIPS_PER_HOST_BOUNDS, dims3))
+  bounds = host_bounds(dims)
   if importlib.util.find_spec("libtpu") is None:
     raise ValueError(
         "realm-aot needs the TPU compiler, which is not installed here: "
@@ -222,7 +289,8 @@ class AotConfig:
   search_k: int = 5000
   search_dtype: str = "float32"
   num_questions: int = 79_168
-  serialize_dir: str | None = None
+  serialize_dir: str | None = checks.path_setting(
+      "writes", "aot_executables", default=None)
   jsonl: str | None = None
 
   def __post_init__(self):
@@ -230,12 +298,45 @@ class AotConfig:
     unknown = sorted(set(self.jobs) - set(JOBS))
     if unknown:
       raise ValueError(f"AotConfig.jobs has {unknown}; choose from {JOBS}.")
-    checks.at_least(self, "query_length", "num_masks", "block_length",
-                    "num_blocks", "search_queries", "search_k",
-                    "num_questions")
+    counts = ("query_length", "num_masks", "block_length", "num_blocks",
+              "search_queries", "search_k", "num_questions")
+    checks.at_least(self, *counts)
+    for name in counts:
+      value = getattr(self, name)
+      if value > INT32_MAX:
+        raise ValueError(
+            f"AotConfig.{name} must be <= {INT32_MAX:,} (2**31 - 1: the "
+            "steps hold positions, lengths, row ids and step counts in "
+            f"int32), got {value!r}.")
     if self.search_dtype not in ("float32", "bfloat16"):
       raise ValueError("AotConfig.search_dtype must be 'float32' or "
                        f"'bfloat16', got {self.search_dtype!r}.")
+    if "search" in self.jobs:
+      self._check_search_sizes()
+
+  def _check_search_sizes(self) -> None:
+    """Refuses a search step whose arrays no chip could hold (past
+    `MAX_BYTES_PER_CHIP`), naming the fields that make them."""
+    if self.search_k > self.num_blocks:
+      raise ValueError(
+          f"AotConfig.search_k={self.search_k:,} must be <= num_blocks="
+          f"{self.num_blocks:,}: a search returns at most every block.")
+    chips = math.prod(parse_topology(self.topology)[1])
+    rows = -(-self.num_blocks // chips)
+    for what, elements, size, fields in (
+        ("float32 scores (every query against the chip's rows)",
+         self.search_queries * rows, 4, "search_queries or num_blocks"),
+        ("token ids (its rows x block_length, 2 bytes each at least)",
+         rows * self.block_length, 2, "block_length or num_blocks")):
+      if elements * size > MAX_BYTES_PER_CHIP:
+        raise ValueError(
+            f"AotConfig.{fields.replace(' or ', ' x ')} is too large: each "
+            f"of the {chips} chips of {self.topology} would hold "
+            f"{elements:,} {what}, {elements * size / 2**50:,.0f} PiB, past "
+            f"the {MAX_BYTES_PER_CHIP / 2**50:.0f} PiB realm-aot compiles "
+            "for one array (no chip holds a ten-thousandth of it; the "
+            f"compiler's byte counts overflow near 2**62): lower "
+            f"AotConfig.{fields}, or use a bigger topology.")
 
 
 # ----------------------------------------------------------------------------
@@ -278,8 +379,23 @@ def _abstract(tree, sharding):
       tree)
 
 
-def _batch(mesh, shapes: dict[str, tuple[tuple[int, ...], Any]]):
-  """A batch dict of ShapeDtypeStructs split over the data axis."""
+def _batch(mesh, shapes: dict[str, tuple[tuple[int, ...], Any]],
+           sizes: str):
+  """A batch dict of ShapeDtypeStructs split over the data axis.
+
+  Raises:
+    ValueError: an array would be past `MAX_BYTES_PER_CHIP` per device
+      (`sizes` names the fields that set the shapes, for the message).
+  """
+  for name, (shape, dtype) in shapes.items():
+    per_chip = math.prod(shape) // mesh.size * np.dtype(dtype).itemsize
+    if per_chip > MAX_BYTES_PER_CHIP:
+      raise ValueError(
+          f"The step's {name} would be {list(shape)}, {per_chip / 2**50:,.0f}"
+          f" PiB on each of its {mesh.size} chips, past the "
+          f"{MAX_BYTES_PER_CHIP / 2**50:.0f} PiB realm-aot compiles for one "
+          "array (no chip holds a ten-thousandth of it; the compiler's byte "
+          f"counts overflow near 2**62): lower {sizes}.")
   sharding = parallel.data_sharded(mesh)
   return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
           for name, (shape, dtype) in shapes.items()}
@@ -292,6 +408,10 @@ def _rng(mesh):
 
 
 def _check_batch(what: str, batch: int, devices: int) -> None:
+  if batch > INT32_MAX:
+    raise ValueError(
+        f"{what} must be <= {INT32_MAX:,} (2**31 - 1: the step counts its "
+        f"examples in int32), got {batch!r}.")
   if batch % devices:
     raise ValueError(
         f"{what}={batch} does not divide over the {devices} devices of the "
@@ -338,7 +458,12 @@ def pretrain_step(config: pretrain.PretrainConfig, model: RealmConfig,
     shapes["candidate_embeddings"] = (
         (b, c, model.retriever.embedding_size), jnp.float32)
   return Step("pretrain", step, (_train_state(params, tx, mesh),
-                                 _batch(mesh, shapes), _rng(mesh)),
+                                 _batch(mesh, shapes, (
+                                     "PretrainConfig.batch_size, "
+                                     "RetrievalConfig.num_candidates or "
+                                     "AotConfig's query_length, "
+                                     "block_length and num_masks")),
+                                 _rng(mesh)),
               global_batch=b, batch_arg=1, mesh_devices=mesh.size,
               notes=f"batch {b} x {c} candidates, query {lq}, blocks {ld}, "
               f"reader {lr}, {m} masks")
@@ -362,7 +487,10 @@ def ict_step(config: ict.IctTrainConfig, model: RealmConfig, aot: AotConfig,
             "block_segment_ids": ((b, lb), i32),
             "sentence_removed": ((b,), i32)}
   return Step("ict", step, (_train_state(params["retriever"], tx, mesh),
-                            _batch(mesh, shapes), _rng(mesh)),
+                            _batch(mesh, shapes, (
+                                "IctTrainConfig.batch_size or IctConfig's "
+                                "query_length and block_length")),
+                            _rng(mesh)),
               global_batch=b, batch_arg=1, mesh_devices=mesh.size,
               notes=f"batch {b} (in-batch negatives), query {lq}, "
               f"blocks {lb}")
@@ -395,7 +523,10 @@ def finetune_step(config: finetune.FinetuneConfig, model: RealmConfig,
       "gold_spans": ((b, r, lr, w), jnp.bool_)}
   assert set(shapes) == set(finetune.DEVICE_FEATURES), shapes
   return Step("finetune", step, (_train_state(params, tx, mesh),
-                                 _batch(mesh, shapes), _rng(mesh)),
+                                 _batch(mesh, shapes, (
+                                     "FinetuneConfig.batch_size or "
+                                     "QAConfig's sizes")),
+                                 _rng(mesh)),
               global_batch=b, batch_arg=1, mesh_devices=mesh.size,
               notes=f"batch {b}, K {k} retrieved, R {r} read, question "
               f"{lq}, reader {lr}")
@@ -415,7 +546,11 @@ def embed_step(build: build_lib.IndexBuildConfig, model: RealmConfig,
   _, params = functional.abstract_init(lambda r: Retriever(
       dataclasses.replace(retriever, null_score="embedding"), rngs=r))
   b, length = build.batch_size_per_device * mesh.size, aot.block_length
-  ids = _batch(mesh, {"x": ((b, length), jnp.int32)})["x"]
+  _check_batch(f"IndexBuildConfig.batch_size_per_device x {mesh.size} chips",
+               b, mesh.size)
+  ids = _batch(mesh, {"x": ((b, length), jnp.int32)}, (
+      "IndexBuildConfig.batch_size_per_device or AotConfig.block_length"))[
+          "x"]
   return Step("embed", fn, (_abstract(params, parallel.replicated(mesh)),
                             ids, ids, ids),
               global_batch=b, batch_arg=1, mesh_devices=mesh.size,
@@ -746,8 +881,15 @@ def check(aot: AotConfig, configs: dict[str, Any], model: RealmConfig, *,
   """Compiles every step of `aot` for its topology; prints each report
   and its JSON line to `out` (and `aot.jsonl`). Returns the reports."""
   topo = topology(aot.topology)
+  if aot.serialize_dir:  # Before minutes of compiling: a directory of ours.
+    from realm_jax.core import outputs  # pylint: disable=g-import-not-at-top
+    outputs.claim(aot.serialize_dir, outputs.AOT_EXECUTABLES,
+                  "AotConfig.serialize_dir")
   reports = []
   for step, num_train_steps in build_steps(aot, topo, configs, model):
+    logging.info("Compiling the %s step for %s (%d chips): minutes for a "
+                 "big model; Ctrl-C stops realm-aot.", step.job, topo.name,
+                 topo.chips)
     report = compile_step(step, topo, num_train_steps=num_train_steps,
                           num_blocks=aot.num_blocks,
                           serialize_dir=aot.serialize_dir)
@@ -815,11 +957,16 @@ def job(dry_run: bool) -> None:
   # The imported module's class: `python -m` runs this file as a second
   # copy (`__main__`) that gin has not registered.
   from realm_jax import aot as aot_lib  # pylint: disable=g-import-not-at-top
-  aot = gin_config.configured(
-      aot_lib.AotConfig, required=f"include {RUNS_FILE} and set TOPOLOGY.")
-  texts = gin_cli.included_gin_files(flags.FLAGS.gin_file).values()
-  configs = configured_jobs(list(texts))
-  model = gin_config.configured(RealmConfig)
+  try:
+    aot = gin_config.configured(
+        aot_lib.AotConfig, required=f"include {RUNS_FILE} and set TOPOLOGY.")
+    texts = gin_cli.included_gin_files(flags.FLAGS.gin_file).values()
+    configs = configured_jobs(list(texts))
+    model = gin_config.configured(RealmConfig)
+  except ValueError as e:  # A config's own check; gin appends its call.
+    message = re.sub(r"\n\s*In call to configurable .*", "", str(e),
+                     flags=re.S)
+    raise SystemExit(f"realm-aot: {message}") from e
   if dry_run:
     print(gin.operative_config_str())
     print(aot)
@@ -828,7 +975,7 @@ def job(dry_run: bool) -> None:
     print(model)
     return
   try:
-    reports = check(aot, configs, model)
+    reports = _in_worker(check, aot, configs, model)
   except ValueError as e:  # A config the job would refuse too.
     raise SystemExit(f"realm-aot: {e}") from e
   too_big = [r for r in reports if not r.fits]
@@ -837,6 +984,31 @@ def job(dry_run: bool) -> None:
         "Does not fit: " + "; ".join(
             f"{r.job} on {r.topology}: {r.error or 'needs ' + _gb(r.hbm_per_chip_bytes) + ' of ' + _gb(r.hbm_capacity_bytes)}"
             f". Change: {r.advice}" for r in too_big))
+
+
+def _in_worker(fn: Callable[..., Any], *args: Any) -> Any:
+  """`fn(*args)` in a worker thread, the main thread waiting for it.
+
+  Python runs signal handlers in the main thread only, between bytecodes:
+  with the compile (one C++ call, minutes for a big model) in the main
+  thread, Ctrl-C would wait for it to return. Waiting on a thread, the main
+  thread runs `_interrupted` at once. `fn`'s exception is raised here.
+  """
+  outcome = {}
+
+  def target():
+    try:
+      outcome["value"] = fn(*args)
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome["error"] = e
+
+  worker = threading.Thread(target=target, name="realm-aot-compile",
+                            daemon=True)
+  worker.start()
+  worker.join()
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -108,7 +108,7 @@ class DemoConfig:
       (the builder's searcher: "builder.IndexBuildConfig.searcher =
       'exact'").
   """
-  workdir: str = "/tmp/realm_demo"
+  workdir: str = checks.path_setting("home", default="/tmp/realm_demo")
   num_documents: int = 16
   max_block_len: int = 128
   train_steps: int | None = None

@@ -209,10 +209,10 @@ class ExportConfig:
     step: checkpoint step (default: the newest).
     vocab_path: the vocabulary to ship (default: BERT uncased).
   """
-  workdir: str
-  output_dir: str
+  workdir: str = checks.path_setting("reads")
+  output_dir: str = checks.path_setting("writes", "export")
   step: int | None = None
-  vocab_path: str | None = None
+  vocab_path: str | None = checks.path_setting("reads", default=None)
 
 
 def export_checkpoint(config: ExportConfig) -> str:
@@ -220,13 +220,13 @@ def export_checkpoint(config: ExportConfig) -> str:
   from realm_jax import api  # pylint: disable=g-import-not-at-top
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   from realm_jax.eval import qa_model  # pylint: disable=g-import-not-at-top
-  saved = api.config_of(config.workdir, config.step)
   directory = api.checkpoint_directory(config.workdir)
   # Inside the checkpoints (by any name) an export would look like a step.
   io_utils.check_apart(config.output_dir, "output_dir",
                        {"the checkpoints of workdir": directory})
   outputs.check(config.output_dir, outputs.EXPORT, _SETTING, overwrite=False,
                 exists=_exists(config.output_dir))
+  saved = api.config_of(config.workdir, config.step)
   step = (checkpoints.newest_step(directory) if config.step is None
           else config.step)
   model = dataclass_json.from_dict(RealmConfig, saved["model_config"],

@@ -27,7 +27,7 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from realm_jax.core import logs
+from realm_jax.core import io_utils, logs, outputs
 from realm_jax.core import progress
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -529,10 +529,16 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
       from realm_jax.core import distributed as dist  # pylint: disable=g-import-not-at-top
       dist.maybe_initialize()
       logs.hide_gpus_from_tensorflow()
-    if positional_args or pipeline_args:
-      job(f.dry_run, list(args[1:]))
-    else:
-      job(f.dry_run)
+    try:
+      if positional_args or pipeline_args:
+        job(f.dry_run, list(args[1:]))
+      else:
+        job(f.dry_run)
+    except (outputs.OwnershipError, io_utils.LinkRefusedError,
+            io_utils.SamePlaceError) as e:
+      # A refused output path: nothing was written; the message says which
+      # setting and what to do, a traceback would only hide it.
+      raise SystemExit(f"{type(e).__name__}: {e}") from None
 
   app.run(main, argv=argv, flags_parser=(
       (lambda a: flags.FLAGS(a, known_only=True)) if pipeline_args

@@ -14,8 +14,10 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -167,6 +169,93 @@ def test_bad_topology_names_the_field_and_the_form(name, message):
   assert "AotConfig.topology" in str(e.value)
 
 
+@pytest.mark.parametrize("name,bounds,fix", [
+    ("v5e:3x3", "2x2x1", "v5e:4x4"),
+    ("v5e:1x3", "1x2x1", "v5e:1x4"),
+    ("v4:3x2x2", "2x2x1", "v4:4x2x2"),
+    ("v5p:2x3x3", "2x2x1", "v5p:2x4x3"),
+])
+def test_topology_not_divisible_into_hosts_names_it_and_the_host_bounds(
+    name, bounds, fix):
+  # Refused by the config, before libtpu's JaxRuntimeError (INVALID_ARGUMENT
+  # ... not divisible by the given (or default) chips_per_host_bounds).
+  with pytest.raises(ValueError, match="does not divide into hosts") as e:
+    aot.AotConfig(topology=name)
+  for what in (f"AotConfig.topology={name!r}", f"host bounds of {bounds} "
+               "chips", f"e.g. '{fix}'"):
+    assert what in str(e.value), what
+  aot.parse_topology(fix)  # The suggestion is itself accepted.
+
+
+def test_topology_whose_third_dimension_is_odd_divides_into_hosts():
+  assert aot.parse_topology("v4:2x2x3")[1] == (2, 2, 3)
+
+
+@pytest.mark.parametrize("name", ["v5e:32x32", "v5e:99999999999999999999x2",
+                                  "v4:32x32x32"])
+def test_topology_larger_than_a_pod_is_refused(name):
+  with pytest.raises(ValueError, match=r"more than a whole v\w+ pod") as e:
+    aot.AotConfig(topology=name)
+  assert f"AotConfig.topology={name!r}" in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["query_length", "num_masks",
+                                   "block_length", "num_blocks",
+                                   "search_queries", "search_k",
+                                   "num_questions"])
+@pytest.mark.parametrize("value", [2**31, 2**63, 10**30])
+def test_numbers_that_overflow_are_refused_naming_the_field(field, value):
+  # Before: numpy's OverflowError (num_blocks), MLIR's TypeError for a
+  # shape past int64 (search_queries), top_k's ValueError (search_k).
+  with pytest.raises(ValueError, match=(
+      rf"^AotConfig\.{field} must be <= 2,147,483,647 \(2\*\*31 - 1: .*"
+      rf"int32\), got {value}\.$")):
+    aot.AotConfig(topology="v5e:2x2", jobs=("search",), **{field: value})
+
+
+@pytest.mark.parametrize("sizes,fields", [
+    (dict(search_queries=2**31 - 1, num_blocks=2**31 - 1),
+     "search_queries x num_blocks"),
+    (dict(block_length=2**31 - 1, num_blocks=2**31 - 1),
+     "block_length x num_blocks"),
+])
+def test_search_arrays_no_chip_could_hold_are_refused_naming_the_fields(
+    sizes, fields):
+  # Before: libtpu aborted the process (SIGABRT in its heap simulator) or
+  # compiled for minutes; a report said nothing of the fields.
+  with pytest.raises(ValueError, match=rf"^AotConfig\.{fields} is too "
+                     r"large: each of the 4 chips of v5e:2x2 .* PiB"):
+    aot.AotConfig(topology="v5e:2x2", jobs=("search",), **sizes)
+  # Other jobs do not build the search's arrays.
+  aot.AotConfig(topology="v5e:2x2", jobs=("ict",), **sizes)
+
+
+def test_search_k_past_the_blocks_is_refused():
+  with pytest.raises(ValueError, match=r"AotConfig\.search_k=5,000 must be "
+                     r"<= num_blocks=1,000"):
+    aot.AotConfig(topology="v5e:2x2", jobs=("search",), num_blocks=1000)
+
+
+def test_a_batch_that_overflows_is_refused_naming_the_field():
+  config = aot.AotConfig(topology="v5e:2x2", jobs=("pretrain",))
+  configs = {"pretrain": pretrain.PretrainConfig(
+      **_PATHS, queries="unused", batch_size=10**30, learning_rate=1e-3)}
+  with pytest.raises(ValueError, match=r"^PretrainConfig\.batch_size must "
+                     r"be <= 2,147,483,647"):
+    aot.build_steps(config, aot.topology("v5e:2x2"), configs,
+                    tiny.tiny_realm(vocab_size=97))
+  # A batch within int32 whose product with the lengths no chip holds.
+  config = aot.AotConfig(topology="v5e:2x2", jobs=("ict",))
+  configs = {"ict": ict.IctTrainConfig(
+      **_PATHS, batch_size=2**30, pairs=examples.IctConfig(
+          query_length=8, block_length=2**21))}
+  with pytest.raises(ValueError, match=r"block_ids would be \[1073741824, "
+                     r"2097152\], 2 PiB on each of its 4 chips.*lower "
+                     r"IctTrainConfig\.batch_size"):
+    aot.build_steps(config, aot.topology("v5e:2x2"), configs,
+                    tiny.tiny_realm(vocab_size=97))
+
+
 def test_batch_that_does_not_divide_is_refused():
   config = aot.AotConfig(topology="v5e:4x4", jobs=("pretrain",))
   configs = {"pretrain": pretrain.PretrainConfig(
@@ -247,3 +336,46 @@ def test_cli_dry_run_needs_no_paths_and_no_compiler_work():
   assert result.returncode == 0, result.stderr[-2000:]
   assert "AotConfig(topology='v4:4x4x4'" in result.stdout
   assert "workdir='unused-by-realm-aot'" in result.stdout
+
+
+# `realm-aot` as its console script runs it (`realm_jax.cli`), with Ctrl-C
+# as a terminal leaves it: a runner started in the background passes
+# SIGINT ignored, which realm-aot keeps.
+_REALM_AOT_WITH_CTRL_C = """
+import runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv[0] = "realm-aot"
+runpy.run_module("realm_jax.aot", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_cli_ctrl_c_stops_the_compile_at_once_without_a_traceback():
+  # The tiny pre-training step takes the compiler ~20 s on two idle cores;
+  # Ctrl-C as it starts ends realm-aot at once, not after it.
+  proc = subprocess.Popen(
+      [sys.executable, "-c", _REALM_AOT_WITH_CTRL_C,
+       "--gin_file=experiments/pretrain_tiny_cpu.gin",
+       "--gin.TOPOLOGY='v5e:2x2'"],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    before = []
+    for line in proc.stderr:  # Up to the compile's log line.
+      before.append(line)
+      if "Compiling the pretrain step for v5e:2x2" in line:
+        break
+    else:
+      pytest.fail("realm-aot ended before it compiled: "
+                  + "".join(before)[-3000:])
+    interrupted = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=timeouts.HANG_SECONDS)
+    seconds = time.monotonic() - interrupted
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == aot.INTERRUPTED_EXIT_STATUS, err[-3000:]
+  assert err.splitlines()[-1] == aot.INTERRUPTED_MESSAGE
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err
+  assert not out.strip()  # No report: the compile never finished.
+  assert seconds < 5, seconds

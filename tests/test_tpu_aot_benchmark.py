@@ -1,7 +1,19 @@
 """benchmarks/tpu_aot.py: the staleness it derives from realm-aot's lines,
-its table, and where the bytes go in an optimized HLO module."""
+its table, where the bytes go in an optimized HLO module, and the compile
+it ends when it is stopped."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
 
 from benchmarks import tpu_aot
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 _HLO = """\
@@ -79,3 +91,65 @@ def test_staleness_pairs_pretraining_with_the_refresh_of_its_generation():
   table = tpu_aot.table(lines)
   assert "| v5e:8x8 (16, 4) | yes | 2.00 GB of 16 GiB |" in table
   assert "| no | x |" in table
+
+
+# The benchmark with a stand-in for realm-aot: `sys.executable` (what it
+# runs `-m realm_jax.aot` with) is a script that writes its pid and sleeps,
+# as a compile of 20 minutes would. The signal is as a terminal leaves it
+# (a test runner started with `nohup` passes SIGHUP ignored, which the
+# benchmark keeps).
+_BENCHMARK = """
+import signal, sys
+from benchmarks import tpu_aot
+signal.signal(int(sys.argv[3]), signal.SIG_DFL)
+sys.executable = sys.argv[1]
+sys.argv = ["tpu_aot.py", "--recipes=pretrain_bert_base_v5e_8x8",
+            "--output=" + sys.argv[2]]
+tpu_aot.main()
+"""
+
+
+def _gone(pid: int) -> bool:
+  """Whether process `pid` has ended (a zombie has)."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+  except FileNotFoundError:
+    return True
+
+
+@pytest.mark.parametrize("signum,status", [
+    pytest.param(signal.SIGTERM, 143, id="SIGTERM"),
+    pytest.param(signal.SIGHUP, 129, id="SIGHUP"),
+])
+def test_a_stop_signal_ends_the_compile_in_flight(tmp_path, signum, status):
+  pid_file = tmp_path / "child.pid"
+  fake = tmp_path / "fake_python"
+  fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}.tmp\n"
+                  f"mv {pid_file}.tmp {pid_file}\nexec sleep 600\n")
+  fake.chmod(0o755)
+  bench = subprocess.Popen(
+      [sys.executable, "-c", _BENCHMARK, str(fake), str(tmp_path / "o"),
+       str(int(signum))],
+      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  child = None
+  try:
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+      assert bench.poll() is None, bench.stderr.read().decode()[-2000:]
+      assert time.monotonic() < deadline, "the stand-in never started"
+      time.sleep(0.05)
+    child = int(pid_file.read_text())
+    bench.send_signal(signum)
+    bench.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert _gone(child), f"{signum.name} left the compile running"
+    assert bench.returncode == status
+  finally:
+    for pid in (child,) if child and not _gone(child) else ():
+      os.kill(pid, signal.SIGKILL)
+    if bench.poll() is None:
+      bench.kill()
+      bench.wait()

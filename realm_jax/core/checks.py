@@ -62,6 +62,30 @@ class ConfigTypeError(TypeError, ValueError):
   """
 
 
+# Every config field that names a path says what the job does with it, in
+# its metadata (`path_setting`): "reads" it, "writes" an output of an
+# `outputs.Kind` there (created, replaced or deleted only as that kind), or
+# it is the job's "home" (a workdir: the job adds its own entries below
+# it). tests/core/test_output_settings.py finds the "writes" settings this
+# way and points each at the user's files, the workdir, the inputs, a
+# link, a FIFO and a read-only directory; a path-like field without a role
+# fails that test.
+PATH_ROLE = "path_role"
+OUTPUT_KIND = "output_kind"
+PATH_ROLES = ("reads", "writes", "home")
+
+
+def path_setting(role: str, kind: str | None = None, *,
+                 default: Any = dataclasses.MISSING) -> Any:
+  """A dataclass field naming a path, with its role (`PATH_ROLE`) and, for
+  "writes", the `outputs.Kind` name it writes (`OUTPUT_KIND`)."""
+  if role not in PATH_ROLES or (role == "writes") != (kind is not None):
+    raise ValueError(f"path_setting({role!r}, {kind!r}): role is one of "
+                     f"{PATH_ROLES}; a kind goes with 'writes' only.")
+  metadata = {PATH_ROLE: role, **({OUTPUT_KIND: kind} if kind else {})}
+  return dataclasses.field(default=default, metadata=metadata)
+
+
 # A float field that may hold inf or nan says so in its metadata:
 # `dataclasses.field(default=..., metadata={ALLOW_NONFINITE: True})`.
 ALLOW_NONFINITE = "allow_nonfinite"

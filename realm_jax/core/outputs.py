@@ -96,9 +96,11 @@ EXPORT = Kind("export", "an export", legacy=(
 EVAL_DIR = Kind("eval_dir", "an eval job's output directory", legacy=(
     "eval_ledger.json", "metrics.jsonl", "summaries", "predictions*",
     "retrieval*", "*.json", "*.jsonl"))
+AOT_EXECUTABLES = Kind("aot_executables", "realm-aot's serialized "
+                       "executables", legacy=("*.xla", "*.hlo.txt"))
 KINDS = {k.name: k for k in (BLOCK_STORE, QUERY_CACHE, ANNOTATED, INDEX_ROOT,
                              EXTENDED_INDEX_ROOT, SEARCHER, BM25_INDEX,
-                             EXPORT, EVAL_DIR)}
+                             EXPORT, EVAL_DIR, AOT_EXECUTABLES)}
 
 
 def _entries(directory: io_utils.PathLike) -> list[str]:

@@ -149,8 +149,8 @@ class AnnotateConfig:
     spacy_model: spaCy package name (installed on every worker).
     overwrite: replace an existing `output_dir`.
   """
-  output_dir: str
-  input_path: str | None = None
+  output_dir: str = checks.path_setting("writes", "annotated_corpus")
+  input_path: str | None = checks.path_setting("reads", default=None)
   num_shards: int = 8
   max_documents: int | None = None
   spacy_model: str = salient_spans.SPACY_MODEL

@@ -92,12 +92,12 @@ class CorpusConfig:
     documents_per_chunk: the unit of parallel work.
     overwrite: replace an existing store at `output_dir`.
   """
-  output_dir: str
-  input_path: str | None = None
-  vocab_path: str | None = None
+  output_dir: str = checks.path_setting("writes", "block_store")
+  input_path: str | None = checks.path_setting("reads", default=None)
+  vocab_path: str | None = checks.path_setting("reads", default=None)
   max_block_len: int = blocks_lib.DEFAULT_MAX_BLOCK_LEN
   max_documents: int | None = None
-  orqa_titles_path: str | None = None
+  orqa_titles_path: str | None = checks.path_setting("reads", default=None)
   max_article_chars: int = wikipedia.DEFAULT_MAX_ARTICLE_CHARS
   max_title_chars: int = wikipedia.DEFAULT_MAX_TITLE_CHARS
   allow_truncated: bool = False

@@ -843,13 +843,13 @@ class QueryCacheConfig:
       on, and the retriever gate and the recall guard read them
       (`held_out`). 0: no dev split.
   """
-  annotated: str
-  output_dir: str
+  annotated: str = checks.path_setting("reads")
+  output_dir: str = checks.path_setting("writes", "query_cache")
   query_config: examples_lib.RealmQueryConfig = (
       examples_lib.RealmQueryConfig())
   num_shards: int = DEFAULT_SHARDS
   seed: int = 0
-  vocab_path: str | None = None
+  vocab_path: str | None = checks.path_setting("reads", default=None)
   overwrite: bool = False
   dev_share: float = DEFAULT_DEV_SHARE
 

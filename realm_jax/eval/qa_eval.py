@@ -28,6 +28,13 @@ restarted job skips what is done; it stops on the trainer's DONE marker
 once every checkpoint is evaluated. Predictions go to
 `<output_dir>/predictions/step_<step>.jsonl`, metrics to `metrics.jsonl`
 and clu summaries. The index is frozen (fine-tuning's): loaded once.
+The ledger keys each evaluation by step and ranker (`ranker_tag`: the
+hybrid's with its fusion), and every metrics record says which ranker
+(and fusion) produced it, so that the same run evaluated with another
+`EvalConfig.ranker` is evaluated again, beside the first: predictions
+`step_<step>.<tag>.jsonl`, summaries under `eval_<tag>/`. Ledger entries
+written before rankers were recorded (keyed by the step alone) count as
+the dense ranker's, the default and until then the only one.
 
     python -m realm_jax.eval.qa_eval \\
         --gin_file=experiments/eval_tiny_cpu.gin --gin.WORKDIR="'W'" \\
@@ -64,6 +71,7 @@ from realm_jax.core import lease as lease_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
+from realm_jax.index import bm25 as bm25_lib
 from realm_jax.index import publish, rankers
 from realm_jax.model.realm import RealmConfig
 from realm_jax.data import qa_inputs
@@ -246,10 +254,13 @@ def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
 OUTPUT_SETTING = "EvalConfig.output_dir (default <WORKDIR>/eval)"
 
 
-def predictions_file(output_dir: str, step: int,
-                     suffix: str = ".jsonl") -> str:
-  """<output_dir>/predictions/step_<step><suffix> (".dpr.json": DPR's)."""
-  return io_utils.join(output_dir, "predictions", f"step_{step}{suffix}")
+def predictions_file(output_dir: str, step: int, suffix: str = ".jsonl",
+                     tag: str = "dense") -> str:
+  """<output_dir>/predictions/step_<step><suffix> (".dpr.json": DPR's);
+  another ranker's than the dense (`ranker_tag`): step_<step>.<tag><suffix>.
+  """
+  name = f"step_{step}" if tag == "dense" else f"step_{step}.{tag}"
+  return io_utils.join(output_dir, "predictions", f"{name}{suffix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,16 +298,17 @@ class EvalConfig:
     fusion: the hybrid's fusion (`rankers.FusionConfig`, runs/eval.gin).
     bm25_dir: the BM25 index (default: beside the block store).
   """
-  workdir: str | None = None
-  checkpoint_dir: str | None = None
-  index_dir: str | None = None
+  workdir: str | None = checks.path_setting("home", default=None)
+  checkpoint_dir: str | None = checks.path_setting("reads", default=None)
+  index_dir: str | None = checks.path_setting("reads", default=None)
   step: int | None = None
-  init_from: str | None = None
+  init_from: str | None = checks.path_setting("reads", default=None)
   index_step: int | None = None
-  block_store: str | None = None
-  qa_file: str | None = None
+  block_store: str | None = checks.path_setting("reads", default=None)
+  qa_file: str | None = checks.path_setting("reads", default=None)
   regex_answers: bool = False
-  output_dir: str | None = None
+  output_dir: str | None = checks.path_setting(
+      "writes", "eval_dir", default=None)
   timeout_seconds: float | None = None
   recall_ks: tuple[int, ...] = DEFAULT_RECALL_KS
   batch_size: int = 8
@@ -305,7 +317,8 @@ class EvalConfig:
   dpr_retrieval: bool = False
   ranker: str = "dense"
   fusion: rankers.FusionConfig = rankers.FusionConfig()
-  bm25_dir: str | None = None
+  bm25_dir: str | None = checks.path_setting(
+      "writes", "bm25_index", default=None)
 
   def __post_init__(self):
     rankers.check_name(self.ranker)
@@ -318,9 +331,50 @@ class EvalConfig:
 
 
 def ranker_kwargs(config: EvalConfig) -> dict[str, Any]:
-  """`QAModel`'s ranker arguments from `config`."""
+  """`QAModel`'s ranker arguments from `config`, after refusing a
+  `bm25_dir` the BM25 build may not write (before any model loads)."""
+  if config.ranker != "dense" and config.bm25_dir:
+    outputs.check(config.bm25_dir, outputs.BM25_INDEX, bm25_lib.SETTING)
   return {"ranker": config.ranker, "fusion": config.fusion,
           "bm25_dir": config.bm25_dir}
+
+
+def ranker_record(config: EvalConfig) -> dict[str, Any]:
+  """What a metrics record and a ledger entry say of the ranker that
+  produced them: {"ranker": name}, and the hybrid's {"fusion": {...}}."""
+  if config.ranker != "hybrid":
+    return {"ranker": config.ranker}
+  return {"ranker": config.ranker,
+          "fusion": dataclasses.asdict(config.fusion)}
+
+
+def ranker_tag(config: EvalConfig) -> str:
+  """The ranker an evaluation used, as the ledger keys it and its files
+  are named: "dense", "bm25", or "hybrid-<12 hex digits of the fusion's
+  sha256>" (each fusion its own; the ledger entry spells it out)."""
+  if config.ranker != "hybrid":
+    return config.ranker
+  fusion = json.dumps(dataclasses.asdict(config.fusion), sort_keys=True)
+  return f"hybrid-{hashlib.sha256(fusion.encode()).hexdigest()[:12]}"
+
+
+def ledger_key(step: int, tag: str) -> str:
+  """A ledger entry's key: "<step>" for the dense ranker (as every entry
+  was keyed before rankers were recorded), else "<step>:<tag>"."""
+  return str(int(step)) if tag == "dense" else f"{int(step)}:{tag}"
+
+
+def ledger_steps(ledger: dict[str, Any], tag: str
+                 ) -> dict[int, dict[str, Any]]:
+  """step -> entry, of the ledger's entries of ranker `tag` (an entry
+  keyed by its step alone, written before rankers were recorded, is the
+  dense ranker's)."""
+  out = {}
+  for key, entry in ledger["steps"].items():
+    step, _, entry_tag = key.partition(":")
+    if (entry_tag or "dense") == tag:
+      out[int(step)] = entry
+  return out
 
 
 def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
@@ -343,7 +397,8 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
     qa_model: a model to reuse (only its parameters are replaced).
 
   Returns:
-    (metrics with "step" and "eval_seconds", the model of that step).
+    (metrics with "step", "eval_seconds" and the ranker (`ranker_record`),
+    the model of that step).
 
   Raises:
     FileNotFoundError: no such step.
@@ -362,14 +417,16 @@ def evaluate_checkpoint(*, checkpoint_dir: str, step: int,
                        **ranker_kwargs(config))
   else:
     qa_model = qa_model.with_params(params, step)
-  chief = jax.process_index() == 0
+  chief, tag = jax.process_index() == 0, ranker_tag(config)
   metrics = evaluate(
       qa_model, examples, recall_ks=config.recall_ks,
-      predictions_path=predictions_file(output_dir, step) if chief else None,
-      dpr_path=predictions_file(output_dir, step, ".dpr.json")
+      predictions_path=predictions_file(output_dir, step, tag=tag)
+      if chief else None,
+      dpr_path=predictions_file(output_dir, step, ".dpr.json", tag)
       if chief and config.dpr_retrieval else None)
   return dict(metrics, step=int(step),
-              eval_seconds=round(time.time() - start, 3)), qa_model
+              eval_seconds=round(time.time() - start, 3),
+              **ranker_record(config)), qa_model
 
 
 # ----------------------------------------------------------------------------
@@ -383,7 +440,8 @@ class EvalJobResult:
 
   Attributes:
     evaluated: steps evaluated by this run, in order.
-    metrics: step -> metrics, for every step in the ledger.
+    metrics: step -> metrics, for every step in the ledger evaluated with
+      this run's ranker (and fusion).
     stopped: "done" (trainer DONE marker), "timeout", "max_evaluations" or
       "steps" (the requested steps are evaluated).
   """
@@ -409,24 +467,34 @@ def _read_ledger(path: str, identity: dict[str, Any]) -> dict[str, Any]:
 
 
 def _record(ledger, ledger_path: str, output_dir: str, writer, step: int,
-            metrics: dict[str, float], is_chief: bool) -> None:
-  """One evaluated step into the ledger, metrics.jsonl and the summaries."""
-  ledger["steps"][str(step)] = {
-      "metrics": metrics, "evaluated_at": time.time(),
-      "predictions": os.path.join("predictions", f"step_{step}.jsonl")}
+            metrics: dict[str, Any], is_chief: bool,
+            config: EvalConfig) -> None:
+  """One evaluated step into the ledger (keyed by step and ranker),
+  metrics.jsonl and the summaries (the dense ranker's under eval/, another
+  ranker's under eval_<tag>/)."""
+  tag = ranker_tag(config)
+  ledger["steps"][ledger_key(step, tag)] = {
+      "step": int(step), **ranker_record(config), "metrics": metrics,
+      "evaluated_at": time.time(),
+      "predictions": os.path.join("predictions", os.path.basename(
+          predictions_file(output_dir, step, tag=tag)))}
+  scalars = {k: v for k, v in metrics.items() if k != "step" and isinstance(
+      v, (int, float)) and not isinstance(v, bool)}
   if is_chief:
     io_utils.write_json(ledger_path, ledger)
     io_utils.append_jsonl(io_utils.join(output_dir, METRICS_JSONL), metrics)
-    writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()
-                                if k != "step"})
+    prefix = "eval" if tag == "dense" else f"eval_{tag}"
+    writer.write_scalars(step, {f"{prefix}/{k}": v
+                                for k, v in scalars.items()})
     writer.flush()
-  logging.info("step %d: %s", step, " ".join(
-      f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
+  logging.info("step %d (ranker %s): %s", step, tag, " ".join(
+      f"{k} {v:.4g}" for k, v in scalars.items()))
 
 
 def _open_job_outputs(output_dir: str, checkpoint_dir: str,
                       examples: Sequence[qa_lib.QAExample],
-                      index: publish.PublishedIndex, is_chief: bool):
+                      index: publish.PublishedIndex, is_chief: bool,
+                      tag: str = "dense"):
   """`run_eval_job`'s (ledger path, ledger, summary writer) in `output_dir`.
 
   Raises:
@@ -446,20 +514,21 @@ def _open_job_outputs(output_dir: str, checkpoint_dir: str,
   io_utils.check_no_links(summaries, output_dir)  # No writes through one.
   writer = metric_writers.create_default_writer(
       summaries, just_logging=not is_chief)
-  logging.info("eval job: %d examples, %d steps already in %s",
-               len(examples), len(ledger["steps"]), ledger_path)
+  logging.info("eval job: %d examples, %d steps already in %s with the "
+               "ranker %s", len(examples), len(ledger_steps(ledger, tag)),
+               ledger_path, tag)
   return ledger_path, ledger, writer
 
 
 def _follower(checkpoint_dir: str, ledger: dict[str, Any], *,
-              poll_seconds: float, timeout: float | None
+              poll_seconds: float, timeout: float | None, tag: str
               ) -> follow.CheckpointFollower:
   """Every new checkpoint of `checkpoint_dir` whose step is not (yet) in
-  `ledger`, ascending, until DONE or `timeout`."""
+  `ledger` for ranker `tag`, ascending, until DONE or `timeout`."""
   return follow.CheckpointFollower(
       checkpoint_dir, mode="every", poll_seconds=poll_seconds,
       timeout=timeout, name="eval job",
-      skip=lambda step: str(step) in ledger["steps"])
+      skip=lambda step: ledger_key(step, tag) in ledger["steps"])
 
 
 def _unreadable_checkpoint(follower: follow.CheckpointFollower,
@@ -493,8 +562,10 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  | None = None) -> EvalJobResult:
   """Evaluates each new checkpoint once, beside a trainer, until DONE.
 
-  Steps already in `<output_dir>/eval_ledger.json` are never re-evaluated
-  (restarts resume); new steps are taken in ascending order. A step deleted
+  Steps already in `<output_dir>/eval_ledger.json` with `config`'s ranker
+  (and fusion) are never re-evaluated (restarts resume); with another
+  ranker they are evaluated again, beside the first (`ranker_tag`). New
+  steps are taken in ascending order. A step deleted
   by the trainer's retention before it was read is skipped with a warning;
   one listed but unreadable is retried, and given up (for this run) after
   3 attempts. Runs under an exclusive lease on `output_dir`
@@ -524,16 +595,18 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
   with contextlib.ExitStack() as cleanup:
     cleanup.enter_context(lease_lib.job_lease(output_dir, "evaluation job"))
     is_chief = jax.process_index() == 0
+    tag = ranker_tag(config)
     ledger_path, ledger, writer = _open_job_outputs(
-        output_dir, checkpoint_dir, examples, index, is_chief)
+        output_dir, checkpoint_dir, examples, index, is_chief, tag)
     cleanup.callback(writer.close)  # (Also when an evaluation raises.)
     follower = None if steps is not None else _follower(
-        checkpoint_dir, ledger, timeout=timeout, poll_seconds=(
+        checkpoint_dir, ledger, timeout=timeout, tag=tag, poll_seconds=(
             config.poll_seconds if poll_seconds is None else poll_seconds))
     qa_model, evaluated, stopped = None, [], "steps"
     unreadable: dict[int, int] = {}  # step -> failed reads in this run
     for step in (follower if follower is not None else [
-        s for s in sorted(steps) if str(s) not in ledger["steps"]]):
+        s for s in sorted(steps)
+        if ledger_key(s, tag) not in ledger["steps"]]):
       try:
         metrics, qa_model = evaluate_checkpoint(
             checkpoint_dir=checkpoint_dir, step=step, examples=examples,
@@ -547,7 +620,7 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
         continue
       evaluated.append(step)
       _record(ledger, ledger_path, output_dir, writer, step, metrics,
-              is_chief)
+              is_chief, config)
       if on_evaluated:
         on_evaluated(step, metrics)
       if max_evaluations is not None and len(evaluated) >= max_evaluations:
@@ -560,7 +633,8 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                      evaluated)
     return EvalJobResult(
         evaluated=evaluated, stopped=stopped,
-        metrics={int(s): v["metrics"] for s, v in ledger["steps"].items()})
+        metrics={s: v["metrics"] for s, v in ledger_steps(ledger,
+                                                         tag).items()})
 
 
 # ----------------------------------------------------------------------------
@@ -688,13 +762,18 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
         index_dir=index_dir, index_step=config.index_step,
         qa_config=qa_config, batch_size=config.batch_size,
         num_evidence=config.num_evidence, mesh=mesh, **ranker_kwargs(config))
-    predictions = io_utils.join(output_dir, "predictions", "init_from")
+    tag = ranker_tag(config)
+    predictions = io_utils.join(output_dir, "predictions", "init_from" + (
+        "" if tag == "dense" else f".{tag}"))
     metrics = module.evaluate(
         qa_model, examples, recall_ks=config.recall_ks,
         predictions_path=predictions + ".jsonl",
         dpr_path=predictions + ".dpr.json" if config.dpr_retrieval else None)
-    io_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"),
-                         dict(metrics, init_from=config.init_from))
+    metrics = dict(metrics, **ranker_record(config))
+    io_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"
+                                      if tag == "dense" else
+                                      f"init_from_metrics.{tag}.json"),
+                        dict(metrics, init_from=config.init_from))
     print(json.dumps(metrics))
     return
   result = module.run_eval_job(

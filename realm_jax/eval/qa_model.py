@@ -266,16 +266,32 @@ def checkpoint_params(checkpoint_dir: str, step: int,
   return params
 
 
-def _span_head_left_fresh(fresh: dict[str, Any],
-                          params: dict[str, Any]) -> bool:
-  """Whether `params`' span head is `fresh`'s: the imported weights had
-  none. Compared by value: `initial_params` may hand back the fresh
-  leaves as copies (a Hugging Face BERT, `minilm`, is merged into the
-  whole fresh tree, as numpy arrays), so identity says nothing."""
-  span = ("reader", "span_head")
-  before, after = core.flatten(fresh), core.flatten(params)
-  return all(np.array_equal(np.asarray(after[p]), np.asarray(before[p]))
-             for p in before if p[:2] == span)
+_SPAN_HEAD = ("reader", "span_head")
+
+
+def _marked_span_head(fresh: dict[str, Any]) -> dict[str, Any]:
+  """`fresh` with its span head's leaves all NaN: what `initial_params`
+  leaves of them shows that the imported weights had none."""
+  flat = core.flatten(fresh)
+  return core.unflatten({
+      p: np.full(np.shape(v), np.nan, np.asarray(v).dtype)
+      if p[:2] == _SPAN_HEAD else v for p, v in flat.items()})
+
+
+def _span_head_imported(params: dict[str, Any], fresh: dict[str, Any]
+                        ) -> tuple[dict[str, Any], bool]:
+  """(`params` with `fresh`'s leaves back where the NaN mark of
+  `_marked_span_head` is left, whether `initial_params` filled the span
+  head from the imported weights). Neither identity (a Hugging Face BERT,
+  `minilm`, is merged into the whole fresh tree and comes back as copies)
+  nor the values of a fresh head (a trained head may start as one) could
+  tell."""
+  flat, before = core.flatten(params), core.flatten(fresh)
+  marked = {p for p, v in flat.items() if p[:2] == _SPAN_HEAD
+            and np.isnan(np.asarray(v)).all()}
+  imported = any(p[:2] == _SPAN_HEAD and p not in marked for p in flat)
+  flat.update({p: before[p] for p in marked})
+  return core.unflatten(flat), imported
 
 
 def _init_checkpoint_untrained(init_from: str) -> bool:
@@ -454,11 +470,12 @@ class QAModel:
     both_heads = dataclasses.replace(model_config, reader=dataclasses.replace(
         model_config.reader, mlm_head=True, span_head=True))
     _, fresh = functional.init(lambda r: Realm(both_heads, rngs=r), seed)
-    params = init_lib.initial_params(both_heads, fresh, init_from)
-    if _span_head_left_fresh(fresh, params) or (
-        _init_checkpoint_untrained(init_from)):
+    params, imported = _span_head_imported(init_lib.initial_params(
+        both_heads, _marked_span_head(fresh), init_from), fresh)
+    if not imported or _init_checkpoint_untrained(init_from):
       # Left fresh by `initial_params` (MiniLM, BERT, REALM pre-training
-      # have none), or a realm_jax checkpoint that says it was not trained.
+      # have none), or a realm_jax checkpoint that says it was not trained:
+      # dropped, and initialised again with a warning (`_fit_params`).
       params = without_span_head(params)
     return cls(model_config, params, index, store, **kwargs)
 

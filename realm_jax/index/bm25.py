@@ -402,11 +402,12 @@ def for_store(store, directory: str | None = None, *, build: bool = True,
   """
   default = directory is None
   directory = directory or default_dir(store)
-  if os.path.exists(os.path.join(directory, "manifest.json")) or not build:
-    return BM25Index.load(directory, store)
   where = (f"{setting} (unset: beside the block store)" if default
            else setting)
-  outputs.check(directory, outputs.BM25_INDEX, where)
+  # Read or written, it must be a BM25 index (or nothing yet): a block
+  # store's manifest is not one, and a workdir is never built over.
+  if outputs.check(directory, outputs.BM25_INDEX, where) or not build:
+    return BM25Index.load(directory, store)
   index = BM25Index.from_store(store)
   try:
     index.save(directory, where)

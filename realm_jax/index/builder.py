@@ -88,11 +88,11 @@ class BuilderConfig:
     index_build: how each index is built (searcher, batch, dtype, retention,
       retries), bound as `builder.IndexBuildConfig.<field>` in gin.
   """
-  workdir: str | None = None
-  block_store: str | None = None
+  workdir: str | None = checks.path_setting("home", default=None)
+  block_store: str | None = checks.path_setting("reads", default=None)
   one_shot: bool = False
   step: int | None = None
-  init_from: str | None = None
+  init_from: str | None = checks.path_setting("reads", default=None)
   timeout_seconds: float | None = None
   poll_seconds: float = 5.0
   done_grace_seconds: float = 60.0

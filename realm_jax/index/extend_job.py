@@ -61,12 +61,13 @@ class ExtendConfig:
     index_build: how the searcher is built and published (as the
       builder's: `builder.IndexBuildConfig.<field>` in gin).
   """
-  index_dir: str | None = None
-  block_store: str | None = None
-  union_store: str | None = None
-  output_dir: str | None = None
+  index_dir: str | None = checks.path_setting("reads", default=None)
+  block_store: str | None = checks.path_setting("reads", default=None)
+  union_store: str | None = checks.path_setting("reads", default=None)
+  output_dir: str | None = checks.path_setting(
+      "writes", "extended_index_root", default=None)
   step: int | None = None
-  init_from: str | None = None
+  init_from: str | None = checks.path_setting("reads", default=None)
   index_build: build.IndexBuildConfig = build.IndexBuildConfig()
 
   def __post_init__(self):

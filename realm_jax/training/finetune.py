@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.core import dataclass_json, distributed, parallel
+from realm_jax.core import checks, dataclass_json, distributed, parallel
 from realm_jax.data import block_store
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
@@ -94,7 +94,7 @@ class FinetuneConfig(loop.TrainConfig):
   """
 
   train_jsonl: str
-  index_dir: str
+  index_dir: str = checks.path_setting("reads")
   regex_answers: bool = False
   num_epochs: float | None = None
   batch_size: int = 16

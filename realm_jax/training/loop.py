@@ -64,9 +64,9 @@ class TrainConfig:
     seed: everything random derives from it.
   """
 
-  workdir: str
-  block_store: str
-  init_from: str | None = None
+  workdir: str = checks.path_setting("home")
+  block_store: str = checks.path_setting("reads")
+  init_from: str | None = checks.path_setting("reads", default=None)
   num_train_steps: int | None = None
   batch_size: int
   learning_rate: float

@@ -208,7 +208,7 @@ class GateConfig:
 
   mode: str = "steps"
   latest_release: int | None = 0
-  queries: str = ""
+  queries: str = checks.path_setting("reads", default="")
   every: int = 50
   num_queries: int = 2048
   min_utility: float = 0.005
@@ -308,7 +308,7 @@ class RecallGuardConfig:
     every, num_queries, k, max_drop, patience: see `queries`.
   """
 
-  queries: str = ""
+  queries: str = checks.path_setting("reads", default="")
   probe: str = "answer"
   every: int = 50
   num_queries: int = 1024
@@ -372,7 +372,7 @@ class PretrainConfig(loop.TrainConfig):
   both (e.g. query-side training with search "device").
   """
 
-  queries: str
+  queries: str = checks.path_setting("reads")
   num_train_steps: int = 200_000
   batch_size: int = 512
   learning_rate: float = 3e-5

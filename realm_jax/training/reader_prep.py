@@ -314,7 +314,7 @@ class ReaderPrepConfig(loop.TrainConfig):
     max_queries: queries encoded.
   """
 
-  queries: str
+  queries: str = checks.path_setting("reads")
   num_train_steps: int = 200
   batch_size: int = 256
   learning_rate: float = 3e-3

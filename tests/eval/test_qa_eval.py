@@ -500,9 +500,11 @@ def test_eval_reads_the_configured_rankers_blocks(setup, tmp_path):
   assert model.ranker_name == "bm25"
   ids, _ = bm25.BM25Index.from_store(setup["store"]).search(
       [q for q, _ in QUESTIONS], 6)
-  with open(qa_eval.predictions_file(str(tmp_path / "ev"), 3)) as f:
+  with open(qa_eval.predictions_file(str(tmp_path / "ev"), 3,
+                                     tag="bm25")) as f:
     rows = [json.loads(line) for line in f]
   assert [r["retrieved_ids"] for r in rows] == ids.tolist()
+  assert metrics["ranker"] == "bm25"
   hits = [[any(_contains(setup["store"].text(int(b)), x) for x in a)
            for b in row] for row, (_, a) in zip(ids, QUESTIONS)]
   assert metrics["recall@5"] == pytest.approx(
@@ -510,6 +512,65 @@ def test_eval_reads_the_configured_rankers_blocks(setup, tmp_path):
   with pytest.raises(ValueError, match="EvalConfig.ranker='BM25' is not a "
                      "ranker; use one of dense, bm25, hybrid"):
     qa_eval.EvalConfig(ranker="BM25")
+
+
+def test_another_ranker_evaluates_the_same_steps_again(setup, tmp_path):
+  """Issue 64, H15: the ledger keys each evaluation by step and ranker
+  (and the hybrid's fusion), and each metrics record says which produced
+  it: the same run evaluated with another EvalConfig.ranker is evaluated
+  again, beside the first, not skipped as already evaluated. A ledger
+  entry written before rankers were recorded counts as the dense one."""
+  from realm_jax.index import bm25, rankers  # pylint: disable=g-import-not-at-top
+  ckpt_dir, out = str(tmp_path / "checkpoints"), str(tmp_path / "eval")
+  _save(ckpt_dir, 1, setup["params"])
+  examples = [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS]
+  kwargs = dict(checkpoint_dir=ckpt_dir, output_dir=out, examples=examples,
+                model_config=setup["config"], index=setup["index"],
+                store=setup["store"], qa_config=QA_CONFIG, steps=[1])
+  configs = {name: qa_eval.EvalConfig(
+      recall_ks=(1, 5), batch_size=4, ranker=name.split("-")[0],
+      bm25_dir=str(tmp_path / "bm25"), fusion=rankers.FusionConfig(
+          method="rrf" if name.endswith("rrf") else "weighted"))
+             for name in ("dense", "bm25", "hybrid", "hybrid-rrf")}
+  assert qa_eval.run_eval_job(config=configs["dense"], **kwargs
+                              ).evaluated == [1]
+  # The ledger of an older version: the entry keyed by its step alone,
+  # without a ranker: the dense ranker's.
+  ledger_path = os.path.join(out, qa_eval.LEDGER)
+  with open(ledger_path) as f:
+    ledger = json.load(f)
+  ledger["steps"]["1"] = {k: v for k, v in ledger["steps"]["1"].items()
+                          if k not in ("step", "ranker")}
+  with open(ledger_path, "w") as f:
+    json.dump(ledger, f)
+  assert qa_eval.run_eval_job(config=configs["dense"], **kwargs
+                              ).evaluated == []
+  for name in ("bm25", "hybrid", "hybrid-rrf"):
+    result = qa_eval.run_eval_job(config=configs[name], **kwargs)
+    assert result.evaluated == [1], name
+    assert result.metrics[1]["ranker"] == name.split("-")[0]
+    assert qa_eval.run_eval_job(config=configs[name], **kwargs
+                                ).evaluated == [], name
+  tags = {n: qa_eval.ranker_tag(c) for n, c in configs.items()}
+  assert len(set(tags.values())) == 4
+  with open(ledger_path) as f:
+    ledger = json.load(f)
+  assert sorted(ledger["steps"]) == sorted(
+      qa_eval.ledger_key(1, t) for t in tags.values())
+  assert ledger["steps"][qa_eval.ledger_key(1, tags["hybrid-rrf"])][
+      "fusion"]["method"] == "rrf"
+  with open(os.path.join(out, qa_eval.METRICS_JSONL)) as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["ranker"] for r in rows] == ["dense", "bm25", "hybrid", "hybrid"]
+  assert [r.get("fusion", {}).get("method") for r in rows] == [
+      None, None, "weighted", "rrf"]
+  # Each ranker's predictions in a file of its own: BM25's are BM25's.
+  with open(qa_eval.predictions_file(out, 1, tag="bm25")) as f:
+    retrieved = [json.loads(line)["retrieved_ids"] for line in f]
+  ids, _ = bm25.BM25Index.from_store(setup["store"]).search(
+      [q for q, _ in QUESTIONS], 6)
+  assert retrieved == ids.tolist()
+  assert len(os.listdir(os.path.join(out, "predictions"))) == 4
 
 
 def test_squad_json_questions_get_gold_paragraph_recall(setup, tmp_path):
