@@ -17,7 +17,9 @@ a checkpoint's own model config and QA sizes are used
 (`qa_eval.checked_run_configs`). --json, --top_k and --snippet_chars only
 change how answers are shown. Weights whose span head was never trained
 (e.g. INIT_FROM='minilm') answer with a notice (JSON: "notice"). An empty
-question is an error; one longer than `QAConfig.question_length` is
+question is an error, and so is one that is not UTF-8 (bytes on the
+command line, or a line of a `--flagfile` of questions), before the model
+loads; one longer than `QAConfig.question_length` is
 answered from its first wordpieces with a warning saying how many were kept
 (JSON: "warning").
 
@@ -170,8 +172,50 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
       print(format_result(result, f.snippet_chars) + "\n", flush=True)
 
 
+def check_flagfiles(argv: Sequence[str]) -> None:
+  """Refuses a `--flagfile` (a file of questions: absl reads each line
+  that is not a flag or a comment as a positional argument) with a line
+  that is not UTF-8, naming the file, the line and the question's number
+  there, before absl stops on a UnicodeDecodeError.
+
+  Raises:
+    SystemExit: such a line.
+  """
+  paths, args = [], iter(argv[1:])
+  for arg in args:
+    if arg == "--":
+      break
+    if arg.lstrip("-").startswith("flagfile="):
+      paths.append(arg.split("=", 1)[1])
+    elif arg in ("--flagfile", "-flagfile"):
+      paths.append(next(args, ""))
+  for path in paths:
+    try:
+      with open(path, "rb") as f:
+        lines = f.read().splitlines()
+    except OSError:
+      continue  # absl says what is wrong with it.
+    number = 0
+    for line_number, raw in enumerate(lines, start=1):
+      line = raw.strip()
+      if not line or line.startswith((b"#", b"//")):
+        continue
+      question = not line.startswith(b"-")
+      number += question
+      text = raw.decode("utf-8", "surrogateescape")
+      problem = checks.utf8_problem(text)
+      if problem:
+        raise SystemExit(
+            f"{f'Question {number}' if question else 'A flag'} of "
+            f"--flagfile={path} (line {line_number}) is {problem}: "
+            f"'{checks.shown_bytes(text.strip())}'; save the file as UTF-8 "
+            f"(e.g. iconv -f latin1 -t utf-8 {path}).")
+
+
 if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
+  check_flagfiles(sys.argv)
   _define_flags()
   gin_cli.run(_job, positional_args=True, runs_file="runs/eval.gin",
               config_class="realm_jax.eval.qa_eval.EvalConfig")

@@ -535,7 +535,7 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
       else:
         job(f.dry_run)
     except (outputs.OwnershipError, io_utils.LinkRefusedError,
-            io_utils.SamePlaceError) as e:
+            io_utils.SamePlaceError, io_utils.NotRegularFileError) as e:
       # A refused output path: nothing was written; the message says which
       # setting and what to do, a traceback would only hide it.
       raise SystemExit(f"{type(e).__name__}: {e}") from None

@@ -17,6 +17,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -330,6 +331,22 @@ def test_cli_exits_1_naming_the_fix_when_a_step_does_not_fit():
   assert "search_queries" in result.stderr
 
 
+@pytest.mark.parametrize("binding,message", [
+    ("--gin.TOPOLOGY='v5e:3x3'",
+     "realm-aot: AotConfig.topology='v5e:3x3' does not divide into hosts"),
+    (f"--gin.aot.AotConfig.num_blocks={10**30}",
+     "realm-aot: AotConfig.num_blocks must be <= 2,147,483,647"),
+])
+def test_cli_refuses_a_bad_aot_config_in_one_line(binding, message):
+  # Before: a JaxRuntimeError's traceback (the topology), an OverflowError's
+  # from inside jax (num_blocks).
+  result = _realm_aot("--gin_file=models/tiny.gin", "--gin.TOPOLOGY='v5e:2x2'",
+                      "--gin.aot.AotConfig.jobs=('search',)", binding)
+  assert result.returncode == 1, result.stdout[-2000:]
+  assert result.stderr.splitlines()[-1].startswith(message), result.stderr
+  assert "Traceback" not in result.stderr
+
+
 def test_cli_dry_run_needs_no_paths_and_no_compiler_work():
   result = _realm_aot("--gin_file=experiments/pretrain_tiny_cpu.gin",
                       "--gin.TOPOLOGY='v4:4x4x4'", "--dry_run")
@@ -350,13 +367,19 @@ runpy.run_module("realm_jax.aot", run_name="__main__", alter_sys=True)
 
 
 def test_cli_ctrl_c_stops_the_compile_at_once_without_a_traceback():
-  # The tiny pre-training step takes the compiler ~20 s on two idle cores;
-  # Ctrl-C as it starts ends realm-aot at once, not after it.
+  # The tiny pre-training step takes the compiler ~20 s on two idle cores
+  # (no compilation cache: a cached step would not be compiled); Ctrl-C as
+  # it starts ends realm-aot at once, not after it.
+  env = dict(os.environ)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   proc = subprocess.Popen(
       [sys.executable, "-c", _REALM_AOT_WITH_CTRL_C,
        "--gin_file=experiments/pretrain_tiny_cpu.gin",
        "--gin.TOPOLOGY='v5e:2x2'"],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
+  watchdog = threading.Timer(timeouts.HANG_SECONDS, proc.kill)
+  watchdog.start()
   try:
     before = []
     for line in proc.stderr:  # Up to the compile's log line.
@@ -371,6 +394,7 @@ def test_cli_ctrl_c_stops_the_compile_at_once_without_a_traceback():
     out, err = proc.communicate(timeout=timeouts.HANG_SECONDS)
     seconds = time.monotonic() - interrupted
   finally:
+    watchdog.cancel()
     if proc.poll() is None:
       proc.kill()
       proc.wait()

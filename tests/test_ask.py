@@ -213,6 +213,23 @@ def test_cli_refuses_a_question_that_is_not_utf8(tmp_path):
   assert ("Question 2 of 2 is not valid UTF-8 (the byte 0xff at character "
           "17): 'Where was Mozart\\xff born?'; ask it in UTF-8") in stderr
   assert "Traceback" not in stderr and not proc.stdout.strip()
+  # A file of questions (absl's --flagfile: each line that is no flag is
+  # one), saved as Latin-1: named with its line, not a UnicodeDecodeError.
+  questions = tmp_path / "questions.txt"
+  questions.write_bytes(b"# Latin-1\n--top_k=2\nWhere was Mozart born?\n"
+                        b"Caf\xe9 de Flore?\n")
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+       "--gin_file=runs/eval.gin", f"--gin.WORKDIR='{tmp_path / 'none'}'",
+       f"--gin.BLOCK_STORE='{tmp_path / 'none'}'",
+       f"--flagfile={questions}"],
+      capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert (f"Question 2 of --flagfile={questions} (line 4) is not valid UTF-8 "
+          "(the byte 0xe9 at character 4): 'Caf\\xe9 de Flore?'; save the "
+          "file as UTF-8") in proc.stderr
+  assert "Traceback" not in proc.stderr and not proc.stdout.strip()
 
 
 def test_predict_refuses_a_question_that_is_not_utf8(setup):

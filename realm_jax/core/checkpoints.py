@@ -259,6 +259,8 @@ class TrainCheckpointer:
       raise ValueError(f"keep={keep} must be >= 1 (use >= 5 when an index "
                        "builder reads the checkpoints).")
     self.directory = io_utils.absolute(directory)
+    # Orbax would write (and prune old steps) through a planted link.
+    io_utils.check_own_dir(self.directory, "the checkpoint directory")
     self._failure: str | None = None
     self._manager = ocp.CheckpointManager(
         self.directory,

@@ -144,6 +144,11 @@ def mkdtemp(*, prefix: str, dir: str | None = None) -> str:  # pylint: disable=r
   return path
 
 
+class NotRegularFileError(ValueError):
+  """A job's own record file or directory is a FIFO, a device, a socket,
+  or of the other type."""
+
+
 class SamePlaceError(ValueError):
   """A job's output is one of its inputs under another name (a link, a
   `..`, a bind mount), or lies inside it."""
@@ -262,11 +267,12 @@ def append_text(path: PathLike, text: str) -> None:
   target = as_path(path)
   if is_local(target):
     target.parent.mkdir(parents=True, exist_ok=True)
+    check_own_file(target)  # (A FIFO would block the open below forever.)
     # O_NOFOLLOW: a log planted as a link would grow a file anywhere; an
     # existing file must be a plain one with one name (not a hard link).
     try:
       fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                   | os.O_NOFOLLOW, 0o666)
+                   | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as e:
       if e.errno != errno.ELOOP:
         raise
@@ -367,6 +373,72 @@ def copy_tree(src: PathLike, dst: PathLike, *,
           if s.startswith(child.name + "/")))
     else:
       copy_file(child, dst / child.name)
+
+
+def _file_kind(mode: int) -> str:
+  return ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if
+          stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode) else
+          "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+          "not a regular file")
+
+
+def check_own_file(path: PathLike) -> None:
+  """Refuses a job's own record file (metrics.jsonl, a ledger,
+  history.json, gate.jsonl) that is a link, has other names, or is not a
+  regular file (a FIFO would block the job forever; a device would be
+  written to). A missing file, or a remote one, passes.
+
+  Raises:
+    LinkRefusedError: a symbolic link, or a file with several hard links.
+    NotRegularFileError: a FIFO, a directory, a device or a socket.
+  """
+  if not is_local(path):
+    return
+  try:
+    info = os.lstat(path)
+  except FileNotFoundError:
+    return
+  if stat.S_ISLNK(info.st_mode):
+    raise LinkRefusedError(
+        f"{os.fspath(path)} is a symbolic link (to "
+        f"{os.readlink(path)!r}); a job reads and writes its own records "
+        "only, never through a link. Remove the link (or replace it with a "
+        "copy).")
+  if not stat.S_ISREG(info.st_mode):
+    raise NotRegularFileError(
+        f"{os.fspath(path)} is {_file_kind(info.st_mode)}, not the job's "
+        "record file; nothing was read or written. Remove it.")
+  if info.st_nlink != 1:
+    raise LinkRefusedError(
+        f"{os.fspath(path)} has {info.st_nlink} hard links (other names for "
+        "the same file, which the job would rewrite); remove it or replace "
+        "it with a copy.")
+
+
+def check_own_dir(path: PathLike, what: str) -> None:
+  """Refuses a job's own directory below its workdir (`checkpoints/`,
+  `index/`, `eval/`, `summaries/`) that is a link or not a directory; a
+  missing one, or a remote one, passes.
+
+  Raises:
+    LinkRefusedError, NotRegularFileError: naming `what` and the path.
+  """
+  if not is_local(path):
+    return
+  try:
+    info = os.lstat(path)
+  except FileNotFoundError:
+    return
+  if stat.S_ISLNK(info.st_mode):
+    raise LinkRefusedError(
+        f"{what} {os.fspath(path)} is a symbolic link (to "
+        f"{os.readlink(path)!r}); a job never reads or writes its own "
+        "directories through a link, since it could lead anywhere. Remove "
+        "the link (a whole workdir may be a link; what it holds may not).")
+  if not stat.S_ISDIR(info.st_mode):
+    raise NotRegularFileError(
+        f"{what} {os.fspath(path)} is {_file_kind(info.st_mode)}, not a "
+        "directory; remove it.")
 
 
 def refuse_output_link(path: str) -> None:

@@ -113,8 +113,7 @@ def read_records(path: io_utils.PathLike, *,
 def _read(path: io_utils.PathLike) -> bytes:
   """The bytes of a record file, never read through a link (a job reads
   and rewrites only its own records)."""
-  if io_utils.is_local(path):
-    io_utils.refuse_output_link(os.fspath(path))
+  io_utils.check_own_file(path)  # A link, a FIFO, another name: refused.
   return io_utils.as_path(path).read_bytes()
 
 

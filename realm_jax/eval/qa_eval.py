@@ -451,6 +451,7 @@ class EvalJobResult:
 
 
 def _read_ledger(path: str, identity: dict[str, Any]) -> dict[str, Any]:
+  io_utils.check_own_file(path)
   if not io_utils.as_path(path).exists():
     return {**identity, "steps": {}}
   try:

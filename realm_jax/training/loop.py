@@ -475,6 +475,7 @@ class Run:
     history.json.
     """
     path = io_utils.join(self.workdir, "history.json")
+    io_utils.check_own_file(path)  # Rewritten whole: never a link or FIFO.
     earlier = [h for h in records.read_records(
         io_utils.join(self.workdir, "metrics.jsonl")) if h["step"] <= start]
     io_utils.write_json(path, earlier + history)
