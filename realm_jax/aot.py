@@ -23,7 +23,8 @@ compiler's cost model counts, and a step time estimated by a roofline
 negative for big programs), with the MFU, examples/s and run length that
 follow, then one JSON line. A step that does not fit exits with status 1
 and says what to change. Every time is the compiler's estimate, not a
-measurement.
+measurement. Ctrl-C stops it at once (exit status 130), without waiting for
+the compile in flight.
 """
 
 from __future__ import annotations
@@ -256,7 +257,10 @@ class AotConfig:
   The job's own sizes (batch, lengths, model) come from its configs
   (PretrainConfig, IctTrainConfig, FinetuneConfig, builder.IndexBuildConfig
   and RealmConfig, from the same gin files the job reads); these are the
-  ones the job reads from its data.
+  ones the job reads from its data. Each count is at most 2**31 - 1
+  (`INT32_MAX`), the topology at most one pod and divisible into hosts,
+  and a search's arrays at most `MAX_BYTES_PER_CHIP` per chip: past these
+  the compiler overflows, aborts or runs for minutes instead of reporting.
 
   Attributes:
     topology: the pod slice, e.g. "v5e:8x8" (64 chips, 16 hosts), "v4:4x4x4"

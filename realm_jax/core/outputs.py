@@ -98,9 +98,15 @@ EVAL_DIR = Kind("eval_dir", "an eval job's output directory", legacy=(
     "retrieval*", "*.json", "*.jsonl"))
 AOT_EXECUTABLES = Kind("aot_executables", "realm-aot's serialized "
                        "executables", legacy=("*.xla", "*.hlo.txt"))
+FETCH_CACHE = Kind("fetch_cache", "fetch_public's download cache",
+                   legacy=("pkgs",), legacy_requires="pkgs")
+PUBLIC_DATA = Kind("public_data", "fetch_public's output directory",
+                   legacy=("*.jsonl", "SHA256SUMS"),
+                   legacy_requires="SHA256SUMS")
 KINDS = {k.name: k for k in (BLOCK_STORE, QUERY_CACHE, ANNOTATED, INDEX_ROOT,
                              EXTENDED_INDEX_ROOT, SEARCHER, BM25_INDEX,
-                             EXPORT, EVAL_DIR, AOT_EXECUTABLES)}
+                             EXPORT, EVAL_DIR, AOT_EXECUTABLES, FETCH_CACHE,
+                             PUBLIC_DATA)}
 
 
 def _entries(directory: io_utils.PathLike) -> list[str]:
