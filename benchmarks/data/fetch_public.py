@@ -124,7 +124,7 @@ def download_from_index(package: Package, path: str, index_url: str) -> None:
   try:
     with urllib.request.urlopen(page, timeout=120) as r:
       listing = r.read().decode("utf-8", "replace")
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, http.client.HTTPException) as e:
     raise FetchError(f"{page}: cannot read the index's page of {name} ({e}); "
                      "check --index_url and the network.") from None
   urls = [urllib.parse.urljoin(page, html.unescape(h))
