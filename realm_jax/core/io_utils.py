@@ -175,9 +175,26 @@ def same_place(a: PathLike, b: PathLike) -> bool:
 
 
 def _inside(path: PathLike, directory: PathLike) -> bool:
-  """True when `path` is `directory` or below it, by real path."""
-  path, directory = real_place(path), real_place(directory)
-  return path == directory or path.startswith(directory.rstrip("/") + "/")
+  """True when `path` is `directory` or below it: by real path, or (local)
+  when one of `path`'s existing ancestors is `directory`'s file by another
+  name that no real path shows (a bind mount, a hard-linked mount point)."""
+  real, home = real_place(path), real_place(directory)
+  if real == home or real.startswith(home.rstrip("/") + "/"):
+    return True
+  if not (is_local(path) and is_local(directory)
+          and os.path.isdir(directory)):
+    return False
+  current = os.path.abspath(os.fspath(path))
+  while True:
+    try:
+      if os.path.samefile(current, directory):
+        return True
+    except OSError:  # Not there (yet).
+      pass
+    parent = os.path.dirname(current)
+    if parent == current:
+      return False
+    current = parent
 
 
 def check_apart(output: PathLike, output_name: str,

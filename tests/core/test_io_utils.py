@@ -8,6 +8,7 @@ converted module still uses them on a workdir path.
 
 import json
 import os
+import subprocess
 
 from etils import epath
 import numpy as np
@@ -473,3 +474,27 @@ def test_appends_and_summaries_never_go_through_a_link(tmp_path):
   with pytest.raises(io_utils.LinkRefusedError, match="summaries"):
     loop.start_run(str(workdir), "", is_chief=True)
   assert not os.listdir(tmp_path / "elsewhere")
+
+
+def test_a_bind_mounted_alias_is_the_same_place(tmp_path):
+  """Issue 64, E6: a bind mount of the base index root (no link shows it)
+  is refused like a symbolic link, as the output itself or as a directory
+  above the output."""
+  base, alias = tmp_path / "w" / "index", tmp_path / "alias"
+  base.mkdir(parents=True)
+  alias.mkdir()
+  (base / "LATEST").write_text("6\n")
+  mounted = subprocess.run(["mount", "--bind", str(base), str(alias)],
+                           capture_output=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f"cannot bind-mount here: {mounted.stderr!r}")
+  try:
+    for output in (alias, alias / "extended", alias / "a" / "b"):
+      with pytest.raises(io_utils.SamePlaceError, match="index_root"):
+        io_utils.check_apart(str(output), "output_root",
+                             {"index_root": str(base)},
+                             either_way=("index_root",))
+    io_utils.check_apart(str(tmp_path / "elsewhere"), "output_root",
+                         {"index_root": str(base)}, either_way=("index_root",))
+  finally:
+    subprocess.run(["umount", str(alias)], check=True)

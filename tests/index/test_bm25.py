@@ -281,3 +281,31 @@ def test_a_damaged_index_names_its_directory_and_the_way_out(
   assert "EvalConfig.bm25_dir" in message and "bm25_dir=" in message
   assert "allow_pickle" not in message
   assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
+def test_a_read_only_block_store_names_bm25_dir(store, tmp_path):
+  """Issue 64, H14: BM25 for a store on a read-only filesystem (no
+  `bm25_dir`) fails naming the store, the directory and `bm25_dir`, and
+  with `bm25_dir` set it is built there."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
+  copy, ro = tmp_path / "store", tmp_path / "ro"
+  shutil.copytree(store.path, copy, ignore=shutil.ignore_patterns("bm25"))
+  ro.mkdir()
+  mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(copy),
+                            str(ro)], capture_output=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f"cannot mount read-only here: {mounted.stderr!r}")
+  ro_store = None
+  try:
+    ro_store = block_store.BlockStore.open(str(ro))
+    with pytest.raises(PermissionError, match=(
+        r"Cannot write the BM25 index of block store .*ro to .*ro/bm25 "
+        r".*Point bm25_dir .*EvalConfig.bm25_dir.* at a writable")):
+      bm25.for_store(ro_store)
+    built = bm25.for_store(ro_store, str(tmp_path / "bm25"))
+    assert built.num_rows == len(ro_store)
+  finally:
+    del ro_store  # (Its memory maps keep the mount busy until unmapped.)
+    subprocess.run(["umount", "--lazy", str(ro)], check=True)
