@@ -49,6 +49,9 @@ def _interrupted(signum, frame) -> None:
   still running. The reports printed before are flushed with their JSON
   lines; an executable (`serialize_dir`) is written atomically.
   """
+  # First: a second SIGINT (`timeout -s INT` signals the child and then its
+  # group) would run this handler again inside this one, between bytecodes.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   del signum, frame
   os.write(2, (INTERRUPTED_MESSAGE + "\n").encode())
   os._exit(INTERRUPTED_EXIT_STATUS)  # pylint: disable=protected-access
@@ -1006,7 +1009,7 @@ def _in_worker(fn: Callable[..., Any], *args: Any) -> Any:
     except BaseException as e:  # pylint: disable=broad-except
       outcome["error"] = e
 
-  worker = threading.Thread(target=target, name="realm-aot-compile",
+  worker = threading.Thread(target=target, name="aot compile",
                             daemon=True)
   worker.start()
   worker.join()

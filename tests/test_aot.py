@@ -400,6 +400,7 @@ def test_cli_ctrl_c_stops_the_compile_at_once_without_a_traceback():
       proc.wait()
   assert proc.returncode == aot.INTERRUPTED_EXIT_STATUS, err[-3000:]
   assert err.splitlines()[-1] == aot.INTERRUPTED_MESSAGE
+  assert err.count(aot.INTERRUPTED_MESSAGE) == 1
   assert "Traceback" not in err and "KeyboardInterrupt" not in err
   assert not out.strip()  # No report: the compile never finished.
   assert seconds < 5, seconds

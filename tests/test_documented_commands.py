@@ -114,6 +114,10 @@ _FAILS = {
     "--gin_file=runs/index_builder.gin --one_shot":
         "Unknown command line flag 'one_shot'; did you mean "
         "--gin.BuilderConfig.one_shot=True?",
+    "--gin.aot.AotConfig.num_blocks=1000000000000000000000000000000":
+        "AotConfig.num_blocks must be <= 2,147,483,647",
+    "--gin.TOPOLOGY='v5e:3x3'":
+        "AotConfig.topology='v5e:3x3' does not divide into hosts",
 }
 # REALM_DOCS_FORK=0: every command in an interpreter of its own (slower;
 # rules the fork server out when a result looks odd).

@@ -23,7 +23,6 @@ read goes through `read_records`, under one rule:
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any, Callable, Sequence
 

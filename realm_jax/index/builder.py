@@ -113,7 +113,6 @@ def check_places(root: str, workdir: str, store, init_from: str = ""
   (`io_utils.check_apart`): the checkpoints (publishing step 7 there would
   replace checkpoint 7), the block store, or what `init_from` reads; and
   one that is not an index builder's root (`outputs.check`)."""
-  outputs.check(root, outputs.INDEX_ROOT, "the index root (<WORKDIR>/index)")
   source = build.init_from_source(init_from)
   io_utils.check_apart(root, "the index root (<WORKDIR>/index)", {
       "the checkpoints (<WORKDIR>/checkpoints)":
@@ -122,6 +121,7 @@ def check_places(root: str, workdir: str, store, init_from: str = ""
       "init_from": source}, either_way=(
           "the checkpoints (<WORKDIR>/checkpoints)", "BLOCK_STORE",
           "init_from"))
+  outputs.check(root, outputs.INDEX_ROOT, "the index root (<WORKDIR>/index)")
 
 
 def run_builder(*, workdir: str, store, retriever_config: RetrieverConfig,

@@ -63,10 +63,10 @@ def test_checkpoints_and_index_directories_are_never_links(tmp_path, how):
   """A trainer's `checkpoints/` and the builder's `index/`, planted as a
   link to a victim directory (or as a FIFO), are refused before anything
   is written; the victim keeps its files."""
-  victim = tmp_path / "victim"
-  victim.mkdir()
-  (victim / "keep.txt").write_text("precious")
   for name in ("checkpoints", "index"):
+    victim = tmp_path / f"victim_{name}"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
     path = tmp_path / "w" / name
     path.parent.mkdir(exist_ok=True)
     if how == "symlink":
@@ -80,7 +80,8 @@ def test_checkpoints_and_index_directories_are_never_links(tmp_path, how):
                      match="index"):
     builder.check_places(str(tmp_path / "w" / "index"),
                          str(tmp_path / "w"), store=None)
-  assert os.listdir(victim) == ["keep.txt"]
+  for name in ("checkpoints", "index"):
+    assert os.listdir(tmp_path / f"victim_{name}") == ["keep.txt"]
   # A workdir that is itself a link (put on a bigger disk) is fine.
   os.symlink(tmp_path / "real", tmp_path / "linked")
   (tmp_path / "real").mkdir()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from realm_jax.core import outputs
 from realm_jax.data import annotate_job
 from realm_jax.data import salient_spans as ss
 from realm_jax.data import wikipedia
@@ -236,6 +237,7 @@ def test_annotate_corpus_beam_job(tmp_path, nlp):
   out = tmp_path / "out"
   report = annotate_job.annotate_corpus(str(corpus), str(out), num_shards=3)
   names = sorted(os.listdir(out))
+  assert names.pop(0) == outputs.MARKER  # Whose output it is (issue 64).
   assert names == ["annotated-00000-of-00003.tfr.gz",
                    "annotated-00001-of-00003.tfr.gz",
                    "annotated-00002-of-00003.tfr.gz", "report.json"]
@@ -279,16 +281,21 @@ def test_annotate_corpus_bad_input_names_the_file(tmp_path):
   with pytest.raises(ValueError, match="corpus.csv: unknown corpus format"):
     annotate_job.annotate_corpus(str(tmp_path / "corpus.csv"), str(out),
                                  num_shards=1)
-  # A corrupt file fails in the pipeline: the error names it, and the
-  # existing output is left as it was (no half-written output).
+  # A directory of the user's files is no annotated corpus: refused even
+  # with overwrite=True (issue 64), before the pipeline runs.
   out.mkdir()
   (out / "keep.txt").write_text("old")
   bad = tmp_path / "corpus.jsonl.gz"
   bad.write_bytes(b"not gzip data")
-  with pytest.raises(ValueError, match=r"corpus.jsonl.gz: cannot read"):
+  with pytest.raises(outputs.OwnershipError, match=r"out.*holds keep.txt"):
     annotate_job.annotate_corpus(str(bad), str(out), num_shards=2,
                                  overwrite=True)
   assert os.listdir(out) == ["keep.txt"]
+  # A corrupt file fails in the pipeline: the error names it, and nothing
+  # is left behind (no half-written output).
+  with pytest.raises(ValueError, match=r"corpus.jsonl.gz: cannot read"):
+    annotate_job.annotate_corpus(str(bad), str(tmp_path / "fresh"),
+                                 num_shards=2)
   assert sorted(os.listdir(tmp_path)) == ["corpus.csv", "corpus.jsonl.gz",
                                           "out"]
 
