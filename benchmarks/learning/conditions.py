@@ -32,6 +32,13 @@ its own gin files and bindings on top:
                   spans (evaluated, like all, on held-out salient spans)
   realm_repeat    `realm` again: the same seed must give the same numbers
   realm_slow      (only when named) the recipe with the retriever at 0.01x
+  lexical         (only when named) the recipe with BM25's first 3 blocks
+                  beside the dense 7 (`RetrievalConfig.lexical_candidates`)
+                  and the reader's prior uniform over the candidates while
+                  the gate holds the retriever (`held_prior`; REALM's
+                  p(z|x) from the release on)
+  lexical_dense   (only when named) `lexical` with REALM's p(z|x) as the
+                  reader's prior throughout (the weighting's ablation)
 
 (The ideal-reader diagnostics, ideal_reader, ideal_shuffled and their
 query-side pair, and the reader pre-training and adaptation stages were
@@ -45,7 +52,7 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow",)
+EXTRA_CONDITIONS = ("realm_slow", "lexical", "lexical_dense")
 
 
 def gin_files(name: str, args) -> list[str]:
@@ -81,4 +88,7 @@ def bindings(name: str, args) -> list[str]:
       "random_masks": ["examples.RealmQueryConfig.masking = 'random_tokens'"],
       "realm_slow": ["pretrain.RetrieverScheduleConfig."
                      "learning_rate_multiplier = 0.01"],
+      "lexical": ["pretrain.RetrievalConfig.lexical_candidates = 3",
+                  "pretrain.RetrievalConfig.held_prior = 'uniform'"],
+      "lexical_dense": ["pretrain.RetrievalConfig.lexical_candidates = 3"],
   }[name]

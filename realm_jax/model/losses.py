@@ -50,11 +50,29 @@ def marginal_log_likelihood(retrieval_logits: jax.Array,
   return jax.nn.logsumexp(log_p_z[:, :, None] + token_ll, axis=1)
 
 
+def mixed_log_prior(retrieval_logits: jax.Array,
+                    dense_prior: jax.Array | None) -> jax.Array:
+  """log p(z|x) [B, C]: REALM's softmax of f(x, z) where `dense_prior` is
+  1, uniform over the C candidates where it is 0, their mixture between
+  (`dense_prior` [B] in [0, 1]; None: REALM's everywhere)."""
+  log_dense = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), -1)
+  if dense_prior is None:
+    return log_dense
+  w = dense_prior.astype(jnp.float32)[:, None]
+  log_uniform = -jnp.log(jnp.float32(retrieval_logits.shape[-1]))
+  mixed = jnp.logaddexp(jnp.log(jnp.maximum(w, 1e-30)) + log_dense,
+                        jnp.log(jnp.maximum(1 - w, 1e-30)) + log_uniform)
+  # The ends exactly (and no gradient into the retriever at w = 0).
+  return jnp.where(w >= 1, log_dense, jnp.where(
+      w <= 0, jnp.broadcast_to(log_uniform, log_dense.shape), mixed))
+
+
 def pretraining_loss(
     retrieval_logits: jax.Array,
     mlm_logits: jax.Array,
     mlm_targets: jax.Array,
     mlm_weights: jax.Array,
+    dense_prior: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """REALM's per-masked-token marginal loss, as sums.
 
@@ -63,6 +81,10 @@ def pretraining_loss(
     mlm_logits: [B, C, M, V] reader logits at the masked positions.
     mlm_targets: int [B, M] original wordpiece ids.
     mlm_weights: [B, M] 1 for real masks, 0 for padding.
+    dense_prior: optional [B] weight of REALM's p(z|x) against a uniform
+      prior over the candidates (`mixed_log_prior`; the reader's
+      distribution while the gate holds the retriever,
+      `RetrievalConfig.held_prior`). None: REALM's p(z|x).
 
   Returns:
     loss_sum: -sum_j w_j log p(y_j|x).
@@ -75,10 +97,10 @@ def pretraining_loss(
   """
   weights = mlm_weights.astype(jnp.float32)
   token_ll = token_log_likelihoods(mlm_logits, mlm_targets)
-  marginal = marginal_log_likelihood(retrieval_logits, token_ll)
+  log_p_z = mixed_log_prior(retrieval_logits, dense_prior)
+  marginal = jax.nn.logsumexp(log_p_z[:, :, None] + token_ll, axis=1)
   null_ll = token_ll[:, 0, :]
   # Marginal predictive distribution over the vocabulary for accuracy.
-  log_p_z = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), -1)
   log_p_v = jax.nn.logsumexp(
       log_p_z[:, :, None, None]
       + jax.nn.log_softmax(mlm_logits.astype(jnp.float32), -1), axis=1)

@@ -31,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.core import distributed, parallel
+from realm_jax.index import bm25 as bm25_lib
 from realm_jax.index import device_search, embed
 from realm_jax.data import realm_inputs
+from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.training.pretrain_config import RetrievalConfig
 
 
@@ -84,8 +86,43 @@ class CandidateSource:
     pass
 
 
+def lexical_union(dense: np.ndarray, lexical: np.ndarray,
+                  block_keys: np.ndarray, query_keys: np.ndarray,
+                  m: int) -> np.ndarray:
+  """Each query's dense candidates, then its first `m` lexical hits that
+  are neither trivial nor already among them.
+
+  Args:
+    dense: int [B, k] the dense candidates (trivial ones already dropped).
+    lexical: int [B, R] BM25's hits in rank order.
+    block_keys, query_keys: as `realm_inputs.select_candidates` takes them.
+    m: lexical blocks to add per query.
+
+  Returns:
+    int64 [B, k + m], no block twice in a row, none trivial.
+
+  Raises:
+    ValueError: a query has fewer than `m` such hits (search deeper).
+  """
+  dense = np.asarray(dense, np.int64)
+  out = np.empty((dense.shape[0], dense.shape[1] + m), np.int64)
+  out[:, :dense.shape[1]] = dense
+  for i, (row, hits) in enumerate(zip(dense, np.asarray(lexical, np.int64))):
+    taken = set(row.tolist())
+    extra = [h for h in hits.tolist() if h not in taken
+             and block_keys[h] != query_keys[i]][:m]
+    if len(extra) < m:
+      raise ValueError(
+          f"Query {i} has only {len(extra)} BM25 blocks that are neither "
+          f"trivial nor dense candidates but needs {m} "
+          f"(lexical_candidates); search deeper than {hits.shape[0]}.")
+    out[i, dense.shape[1]:] = extra
+  return out
+
+
 class HostCandidates(CandidateSource):
-  """Host MIPS over the served index (optionally re-ranked)."""
+  """Host MIPS over the served index (optionally re-ranked), with BM25's
+  blocks beside them when `lexical_candidates`."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -104,6 +141,30 @@ class HostCandidates(CandidateSource):
       self.embed_documents = embed.make_embed_fn(self.model.retriever,
                                                  self.mesh)
     self.null_embedding = None  # query_side: the frozen null document's
+    self.bm25 = None
+    if r.lexical_candidates:
+      # Built once per block store and kept beside it (`bm25.for_store`).
+      self.bm25 = bm25_lib.for_store(store)
+      self.lexical_k = min(len(store), r.lexical_candidates + margin
+                           + self.proposals)
+      # The queries' wordpieces back to words (the cache and the store
+      # share BERT's uncased vocabulary: `query_cache` checks it).
+      vocab = self._vocab = tokenizer_lib.Tokenizer()
+      self._special = {vocab.pad_id, vocab.cls_id, vocab.sep_id,
+                       vocab.mask_id}
+
+  @property
+  def width(self) -> int:
+    """Candidates per query (besides the null document): k (+ m)."""
+    return self.config.num_candidates + self.config.lexical_candidates
+
+  def query_texts(self, local) -> list[str]:
+    """The masked queries as BM25 reads them: their wordpieces joined,
+    without [CLS], [SEP], [MASK] and padding."""
+    ids, mask = local["query_ids"], local["query_mask"]
+    return [self._vocab.decode([t for t, on in zip(row, row_mask)
+                                if on and int(t) not in self._special])
+            for row, row_mask in zip(np.asarray(ids), np.asarray(mask))]
 
   def start(self, state) -> None:
     if self.query_side:
@@ -137,6 +198,10 @@ class HostCandidates(CandidateSource):
         hits, self.trivial.block_keys, keys, self.proposals)
     if self.config.rerank_candidates:
       candidates = self.rerank(queries, candidates, params)
+    if self.bm25 is not None:
+      lexical, _ = self.bm25.search(self.query_texts(local), self.lexical_k)
+      candidates = lexical_union(candidates, lexical, self.trivial.block_keys,
+                                 keys, self.config.lexical_candidates)
     if (self.trivial.block_keys[candidates] == keys[:, None]).any():
       raise AssertionError("a trivial candidate reached a query's candidates")
     return candidates
@@ -248,8 +313,7 @@ class OverlappedHostCandidates(HostCandidates):
     if not (saved and saved["step"] == step):
       return
     ids = np.asarray(saved["ids"], np.int64)
-    b, k, hosts = (self.batch_size, self.config.num_candidates,
-                   jax.process_count())
+    b, k, hosts = (self.batch_size, self.width, jax.process_count())
     if ids.shape != (b, k):
       logging.warning("checkpoint %d's prefetched candidates have shape %s, "
                       "not this run's %s; searching them again.", step,

@@ -31,7 +31,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from realm_jax.core import checkpoints, distributed, io_utils
+from realm_jax.core import checkpoints, distributed, io_utils, parallel
 from realm_jax.data import block_store
 from realm_jax.data import query_cache
 from realm_jax.data.tokenizer import Tokenizer
@@ -71,7 +71,8 @@ def make_loss_fn(graphdef, null_document: bool = True):
     with jax.named_scope("marginal_loss"):
       return losses.pretraining_loss(retrieval_logits, mlm_logits,
                                      batch["mlm_targets"],
-                                     batch["mlm_weights"])
+                                     batch["mlm_weights"],
+                                     batch.get("dense_prior"))
   return loss_fn
 
 
@@ -117,6 +118,10 @@ class RetrievalInput:
                reader_length=config.reader_length,
                query_side=config.retriever.training == "query_side")
     self.source = candidates_lib.source_class(config.retrieval)(*args, **run)
+    # Whether the retriever trains at a step (the gate's release, once it
+    # is measured: `pretrain` rebinds it), for `RetrievalConfig.held_prior`.
+    latest = config.gate.latest_release
+    self.released = lambda step: latest is not None and step >= latest
     # Fixed held-out queries (the retriever gate's) are searched on the host.
     self.host = (self.source
                  if isinstance(self.source, candidates_lib.HostCandidates)
@@ -142,6 +147,12 @@ class RetrievalInput:
   def batch(self, step: int, state) -> dict[str, jax.Array]:
     batch, top1 = self.source.batch(step, state)
     self.guard.add_top1(top1)
+    if self.config.retrieval.held_prior != "dense":
+      # The reader's retrieval distribution: uniform over the candidates
+      # while the gate holds the retriever, REALM's p(z|x) after.
+      prior = np.full(len(top1), float(self.released(step)), np.float32)
+      batch = dict(batch, dense_prior=parallel.shard_batch(
+          self.mesh, {"dense_prior": prior})["dense_prior"])
     return batch
 
   def log_metrics(self, step: int, metrics: dict[str, float]
@@ -288,6 +299,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
           batch_size=config.batch_size,
           null_document=config.retrieval.null_document)
       gate.restore(restored, start_step, state)
+      inputs.released = lambda step: (gate.release is not None
+                                      and step >= gate.release)
     guard = None
     if config.recall_guard.enabled:
       guard = recall_guard_lib.RecallGuard(

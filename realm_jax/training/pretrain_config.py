@@ -90,6 +90,21 @@ class RetrievalConfig:
       ~500 steps (docs/benchmarks/refresh_cost.md). Search "host" without
       `overlap_input` (the re-embedding needs the step's own parameters,
       which the update step donates).
+    lexical_candidates: m > 0 adds each query's first m BM25 blocks (over
+      the same block store, `index.bm25`, built once beside it) that are
+      neither trivial nor among its dense candidates: the reader reads k +
+      m blocks (plus the null document), all scored by the dense retriever,
+      so its gradient reaches BM25's blocks too. A young dense retriever
+      rarely finds the evidence; BM25 often does, so the reader can learn
+      to read before the retriever is released. 0: REALM's candidates.
+      Search "host" (overlapped or not).
+    held_prior: the retrieval distribution the reader's marginal uses
+      while the gate holds the retriever: "dense" (REALM's p(z|x) from the
+      frozen retriever) or "uniform" over the candidates (the null
+      document included), so that a BM25 block the young retriever scores
+      low still teaches the reader; from the release on it is REALM's
+      p(z|x). Only with `lexical_candidates` (without them the candidates
+      are the dense retriever's own).
   (The score f(x, z) and its scale are the model's:
   `realm.RetrieverConfig.score_scale`.)
   """
@@ -101,10 +116,25 @@ class RetrievalConfig:
   device_index_dtype: str = "float32"
   overlap_input: bool = False
   rerank_candidates: int = 0
+  lexical_candidates: int = 0
+  held_prior: str = "dense"
 
   def __post_init__(self):
     checks.at_least(self, "num_candidates")
     checks.at_least(self, "rerank_candidates", minimum=0)
+    checks.at_least(self, "lexical_candidates", minimum=0)
+    _one_of(self, "held_prior", ("dense", "uniform"))
+    if self.lexical_candidates and self.search == "device":
+      raise ValueError(
+          f"RetrievalConfig.lexical_candidates={self.lexical_candidates} "
+          "needs search='host' (BM25 runs on the host; device search does "
+          "not take its ids yet); set search='host' or "
+          "lexical_candidates=0.")
+    if self.held_prior != "dense" and not self.lexical_candidates:
+      raise ValueError(
+          f"RetrievalConfig.held_prior={self.held_prior!r} needs "
+          "lexical_candidates > 0 (without them the candidates are the "
+          "dense retriever's own); set held_prior='dense'.")
     _one_of(self, "search", SEARCHES)
     _one_of(self, "device_index_dtype", ("float32", "bfloat16"))
     _one_of(self, "trivial_candidates", realm_inputs.TRIVIAL_RULES)

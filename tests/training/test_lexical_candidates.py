@@ -1,0 +1,116 @@
+"""BM25's blocks beside the dense ones in pre-training (issue 65):
+`RetrievalConfig.lexical_candidates` and `held_prior`."""
+
+import json
+import os
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax import gin_cli
+from realm_jax.model import losses
+from realm_jax.testing import corpus
+from realm_jax.training import candidates, pretrain
+
+
+def test_the_union_adds_m_lexical_blocks_never_trivial_nor_twice():
+  dense = np.array([[5, 6], [1, 2]])
+  lexical = np.array([[6, 9, 5, 3, 4], [7, 2, 8, 1, 0]])
+  block_keys = np.arange(10) // 2  # blocks 2k and 2k + 1: article k
+  query_keys = np.array([4, 3])  # query 0: blocks 8, 9 trivial; 1: 6, 7
+  union = candidates.lexical_union(dense, lexical, block_keys, query_keys, 2)
+  np.testing.assert_array_equal(union, [[5, 6, 3, 4], [1, 2, 8, 0]])
+  with pytest.raises(ValueError, match="Query 0 has only 2 BM25 blocks"):
+    candidates.lexical_union(dense, lexical, block_keys, query_keys, 3)
+
+
+@pytest.mark.parametrize("w", [0.0, 0.3, 1.0])
+def test_the_held_prior_is_the_mixture_of_dense_and_uniform(w):
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 5)).astype(np.float32)
+  got = losses.mixed_log_prior(jnp.asarray(logits), jnp.full([3], w))
+  dense = np.exp(logits - logits.max(1, keepdims=True))
+  dense /= dense.sum(1, keepdims=True)
+  np.testing.assert_allclose(np.exp(got), w * dense + (1 - w) / 5,
+                             rtol=1e-5, atol=1e-7)
+  # No gradient into the retriever while it is held (w = 0).
+  grad = jax.grad(lambda x: losses.mixed_log_prior(
+      x, jnp.zeros([3]))[:, 1].sum())(jnp.asarray(logits))
+  np.testing.assert_array_equal(grad, 0.0)
+
+
+def test_without_a_prior_the_loss_is_realms():
+  rng = np.random.default_rng(1)
+  args = (jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),
+          jnp.asarray(rng.normal(size=(2, 4, 3, 11)), jnp.float32),
+          jnp.asarray(rng.integers(0, 11, (2, 3))), jnp.ones((2, 3)))
+  realm, _, _ = losses.pretraining_loss(*args)
+  dense, _, _ = losses.pretraining_loss(*args, dense_prior=jnp.ones([2]))
+  assert float(realm) == float(dense)
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+  directory = str(tmp_path_factory.mktemp("corpus"))
+  store, annotated = corpus.make_tiny_corpus(directory)
+  return store, corpus.make_query_cache(
+      annotated, os.path.join(directory, "queries"), query_length=32)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
+                                                      overlap):
+  """k = 2 dense + m = 2 BM25 candidates, uniform prior while the gate
+  holds the retriever (released at step 3): the batch has 1 + 4
+  candidates, BM25's hits are among them, and the run trains."""
+  store, queries = tiny_corpus
+  workdir = str(tmp_path / "run")
+  gin.clear_config()
+  gin_cli.parse(["experiments/pretrain_tiny_cpu.gin"], [
+      f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store}'",
+      f"QUERIES = '{queries}'",
+      "pretrain.PretrainConfig.num_train_steps = 4",
+      "pretrain.PretrainConfig.checkpoint_every = 2",
+      "pretrain.PretrainConfig.reader_length = 64",
+      "pretrain.RetrievalConfig.num_candidates = 2",
+      "pretrain.RetrievalConfig.lexical_candidates = 2",
+      "pretrain.RetrievalConfig.held_prior = 'uniform'",
+      f"pretrain.RetrievalConfig.overlap_input = {overlap}",
+      "pretrain.GateConfig.mode = 'steps'",
+      "pretrain.GateConfig.latest_release = 3",
+      "pretrain.RecallGuardConfig.queries = ''"])
+  config = gin.get_configurable(pretrain.PretrainConfig)()
+  model = gin.get_configurable(pretrain.RealmConfig)()
+  seen = []
+  real = candidates.lexical_union
+
+  def spy(dense, lexical, *args):
+    union = real(dense, lexical, *args)
+    seen.append((dense, lexical, union))
+    return union
+
+  candidates.lexical_union = spy
+  try:
+    history = pretrain.train(config=config, model=model)
+  finally:
+    candidates.lexical_union = real
+    gin.clear_config()
+  assert len(history) == 4 and np.isfinite([h["loss"] for h in history]).all()
+  assert seen
+  for dense, lexical, union in seen:
+    assert union.shape == (dense.shape[0], 4)
+    for row, hits in zip(union, lexical):
+      assert len(set(row.tolist())) == 4
+      assert set(row[2:].tolist()) <= set(hits.tolist())
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    assert len([json.loads(line) for line in f]) == 4
+
+
+def test_lexical_candidates_are_host_only_and_the_prior_needs_them():
+  with pytest.raises(ValueError, match="needs search='host'"):
+    pretrain.RetrievalConfig(lexical_candidates=2, search="device")
+  with pytest.raises(ValueError, match="needs lexical_candidates > 0"):
+    pretrain.RetrievalConfig(held_prior="uniform")
