@@ -7,13 +7,17 @@ step), `host_overlap` (the same work for step s+1 on a host thread while
 step s trains: `RetrievalConfig.overlap_input`), `device`
 (`index/device_search.py`) and `host_rerank` (`host` plus Atlas-style
 re-ranking: `--rerank` proposals per query re-embedded by the current
-document tower, `RetrievalConfig.rerank_candidates`). It reports per
+document tower, `RetrievalConfig.rerank_candidates`), and
+`host_lexical<m>` (`host` plus BM25's first m blocks beside the dense ones
+and the reader's uniform prior while the retriever is held:
+`RetrievalConfig.lexical_candidates`, `held_prior`). It reports per
 step: the wall time, and the
 host time spent in `RetrievalInput.batch`, during which the host does not
 dispatch device work. One JSON line each, side by side in one run.
 
     python benchmarks/retrieval_step.py [--copies=64] [--steps=30]
     python benchmarks/retrieval_step.py --demo      # the demo's MiniLM shapes
+    python benchmarks/retrieval_step.py --modes=host,host_lexical2,host_lexical4
 
 On the emulated CPU devices the device computes on the same 2 cores as the
 host, so the step's wall time says little; the host time per batch is the
@@ -51,7 +55,9 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
   """Trains `steps` steps; returns (wall s/step, host s/step in `batch()`,
   of which host -> device copies) medians over the steps after the first
   two (compilation)."""
-  retrieval, overlap = MODES[mode]
+  lexical = int(mode[len("host_lexical"):]) if mode.startswith(
+      "host_lexical") else 0
+  retrieval, overlap = MODES["host" if lexical else mode]
   gin.clear_config()
   # The demo's shapes: MiniLM-L6 towers, queries of 48, blocks of 128,
   # reader 176; its builder job replaced by the inline exact index (the
@@ -71,7 +77,10 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
       f"pretrain.RetrievalConfig.search = '{retrieval}'",
       f"pretrain.RetrievalConfig.overlap_input = {overlap}",
       "pretrain.RetrievalConfig.rerank_candidates = "
-      f"{rerank if mode == 'host_rerank' else 0}", *shapes])
+      f"{rerank if mode == 'host_rerank' else 0}",
+      f"pretrain.RetrievalConfig.lexical_candidates = {lexical}",
+      "pretrain.RetrievalConfig.held_prior = "
+      f"'{'uniform' if lexical else 'dense'}'", *shapes])
   config = gin.get_configurable(pretrain.PretrainConfig)()
   model = gin.get_configurable(pretrain.RealmConfig)()
   # Seconds inside `RetrievalInput.batch` per step, and of those: host ->
@@ -159,6 +168,9 @@ def main():
                   host_input_seconds=round(own, 4),
                   rerank_candidates=(args.rerank if mode == "host_rerank"
                                      else 0),
+                  lexical_candidates=(int(mode[len("host_lexical"):])
+                                      if mode.startswith("host_lexical")
+                                      else 0),
                   copies=args.copies, batch_size=args.batch_size,
                   steps=args.steps)
     timing.emit(kind="load", loadavg=os.getloadavg())

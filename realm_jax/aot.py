@@ -446,7 +446,10 @@ def pretrain_step(config: pretrain.PretrainConfig, model: RealmConfig,
       pretrain.make_loss_fn(graphdef, config.retrieval.null_document), tx,
       mesh, grad_norm_groups=("retriever", "reader"))
   r = config.retrieval
-  b, c = config.batch_size, r.num_candidates + int(r.null_document)
+  # BM25's blocks (`lexical_candidates`) are read and scored like the
+  # dense ones: k + m candidates, plus the null document.
+  b, c = config.batch_size, (r.num_candidates + r.lexical_candidates
+                             + int(r.null_document))
   lq, ld, m = aot.query_length, aot.block_length, aot.num_masks
   # The reader's length as pre-training derives it (query + block).
   lr = realm_inputs.reader_length(
@@ -461,6 +464,8 @@ def pretrain_step(config: pretrain.PretrainConfig, model: RealmConfig,
       "reader_segment_ids": ((b, c, lr), i32),
       "mlm_positions": ((b, m), i32), "mlm_targets": ((b, m), i32),
       "mlm_weights": ((b, m), jnp.float32)}
+  if r.held_prior != "dense":
+    shapes["dense_prior"] = ((b,), jnp.float32)
   if config.retriever.training == "query_side":
     shapes["candidate_embeddings"] = (
         (b, c, model.retriever.embedding_size), jnp.float32)

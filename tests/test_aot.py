@@ -404,3 +404,27 @@ def test_cli_ctrl_c_stops_the_compile_at_once_without_a_traceback():
   assert "Traceback" not in err and "KeyboardInterrupt" not in err
   assert not out.strip()  # No report: the compile never finished.
   assert seconds < 5, seconds
+
+
+def test_the_pretrain_step_with_bm25_candidates_compiles_wider():
+  """Issue 65: `lexical_candidates` widens the compiled batch (k + m
+  candidates and the null document) and `held_prior` adds its [B] prior;
+  the step fits and costs more FLOPs than REALM's."""
+  config = aot.AotConfig(topology="v5e:2x2", jobs=("pretrain",),
+                         query_length=12, num_masks=3, block_length=16)
+  topo = aot.topology("v5e:2x2")
+  model = tiny.tiny_realm(vocab_size=97)
+  reports = []
+  for retrieval in (pretrain.RetrievalConfig(),
+                    pretrain.RetrievalConfig(lexical_candidates=3,
+                                             held_prior="uniform")):
+    configs = _configs()
+    configs["pretrain"] = dataclasses.replace(configs["pretrain"],
+                                              retrieval=retrieval)
+    (step, n), = aot.build_steps(config, topo, configs, model)
+    assert f"x {retrieval.num_candidates + retrieval.lexical_candidates + 1}"\
+        f" candidates" in step.notes
+    reports.append(aot.compile_step(step, topo, num_train_steps=n))
+  realm, lexical = reports
+  _check(lexical, "v5e:2x2", 4, 1)
+  assert lexical.flops_per_chip > realm.flops_per_chip

@@ -211,7 +211,9 @@ def _reader_inputs(q_ids, q_mask, tok, tl, bl, doc_len, seq_len, sep_id,
 def candidate_batch(index: DeviceIndex, queries: Mapping[str, np.ndarray],
                     query_emb: jax.Array, *, k: int, doc_len: int = 288,
                     reader_len: int = 384, null_document: bool = True,
-                    approx: bool = False, query_keys=None
+                    approx: bool = False, query_keys=None,
+                    lexical_ids: np.ndarray | None = None,
+                    lexical_k: int = 0
                    ) -> tuple[dict[str, jax.Array], jax.Array]:
   """`pretraining_batch(select_candidates(search(...)))` on the devices.
 
@@ -226,11 +228,17 @@ def candidate_batch(index: DeviceIndex, queries: Mapping[str, np.ndarray],
     approx: approximate per-device top-k (see `search`).
     query_keys: int64 [b] the queries' no-trivial-retrieval keys, matched
       against the index's block keys (default `source_doc_hash`).
+    lexical_ids: int [b, R] this process's queries' BM25 hits in rank
+      order, trivial ones already dropped (`RetrievalConfig.
+      lexical_candidates`); the first `lexical_k` of each row that are not
+      among its dense top k follow them as candidates (R >= k +
+      lexical_k makes that always possible).
+    lexical_k: m, BM25's candidates per query (0: none).
 
   Returns:
     (`realm_inputs.pretraining_batch`'s dict (same keys, shapes and dtypes),
-    the candidates' block ids int32 [B, k] in rank order), every array
-    sharded over `data` on its leading axis.
+    the candidates' block ids int32 [B, k (+ m)] in rank order, dense
+    first), every array sharded over `data` on its leading axis.
   """
   batch, width = np.shape(queries["query_ids"])
   devices = index.mesh.shape[DATA_AXIS] // jax.process_count()
@@ -245,23 +253,43 @@ def candidate_batch(index: DeviceIndex, queries: Mapping[str, np.ndarray],
   local = {name: np.asarray(queries[name]) for name in _QUERY_KEYS}
   local["source_doc_hash"] = _hash_words(
       queries["source_doc_hash"] if query_keys is None else query_keys)
+  if lexical_k:
+    if lexical_ids is None or np.shape(lexical_ids)[1] < k + lexical_k:
+      raise ValueError(f"lexical_k={lexical_k} needs lexical_ids of at "
+                       f"least k + lexical_k = {k + lexical_k} hits a row.")
+    local["lexical_ids"] = np.asarray(lexical_ids, np.int32)
   sharded = parallel.shard_batch(index.mesh, local)
   query_hash = sharded.pop("source_doc_hash")
+  lexical = sharded.pop("lexical_ids", None)
   return _candidate_batch(
-      index, sharded, query_emb, query_hash, k=k, doc_len=doc_len,
-      reader_len=reader_len, null_document=null_document, approx=approx)
+      index, sharded, query_emb, query_hash, lexical, k=k, doc_len=doc_len,
+      reader_len=reader_len, null_document=null_document, approx=approx,
+      lexical_k=lexical_k)
+
+
+def _with_lexical(ids: jax.Array, lexical: jax.Array, m: int) -> jax.Array:
+  """[B, k + m]: the dense ids, then each row's first m lexical hits that
+  are not among them (`candidates.lexical_union` on the devices)."""
+  fresh = ~(lexical[:, :, None] == ids[:, None, :]).any(-1)
+  r = lexical.shape[1]
+  order = jnp.where(fresh, 0, r) + jnp.arange(r)[None, :]
+  first = jnp.argsort(order, axis=1)[:, :m]
+  return jnp.concatenate([ids, jnp.take_along_axis(lexical, first, 1)], 1)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "k", "doc_len", "reader_len", "null_document", "approx"))
-def _candidate_batch(index, queries, query_emb, query_hash, *, k, doc_len,
-                     reader_len, null_document, approx):
+    "k", "doc_len", "reader_len", "null_document", "approx", "lexical_k"))
+def _candidate_batch(index, queries, query_emb, query_hash, lexical, *, k,
+                     doc_len, reader_len, null_document, approx, lexical_k):
   """The jitted body of `candidate_batch`."""
-  def per_device(emb, tokens, lengths, doc_hash, q, q_emb, q_hash):
+  def per_device(emb, tokens, lengths, doc_hash, q, q_emb, q_hash, lex):
     ids, _ = _top_k(index, emb, doc_hash,
                     jax.lax.all_gather(q_emb, DATA_AXIS, tiled=True),
                     jax.lax.all_gather(q_hash, DATA_AXIS, tiled=True),
                     k, approx)
+    if lexical_k:
+      ids = _with_lexical(ids, jax.lax.all_gather(lex, DATA_AXIS,
+                                                  tiled=True), lexical_k)
     # Each device fills the candidate rows it owns; the sum over devices,
     # scattered by batch rows, gives each device its queries' rows.
     n_loc = tokens.shape[0]
@@ -292,7 +320,10 @@ def _candidate_batch(index, queries, query_emb, query_hash, *, k, doc_len,
         ids, jax.lax.axis_index(DATA_AXIS) * b_loc, b_loc)
     return out, own_ids
 
+  if lexical is None:  # (A placeholder the body never reads.)
+    lexical = jnp.zeros_like(query_hash[..., :1], jnp.int32)
   return jax.shard_map(per_device, mesh=index.mesh,
-                       in_specs=(BATCH,) * 7, out_specs=(BATCH, BATCH))(
+                       in_specs=(BATCH,) * 8, out_specs=(BATCH, BATCH))(
                            index.embeddings, index.tokens, index.lengths,
-                           index.doc_hash, queries, query_emb, query_hash)
+                           index.doc_hash, queries, query_emb, query_hash,
+                           lexical)

@@ -57,6 +57,37 @@ class CandidateSource:
     self.query_side = query_side
     self.mesh, self.service, self.trivial = mesh, service, trivial
     self.embed_queries = embed.make_query_embedder(graphdef, mesh)
+    self.bm25 = None
+    if config.lexical_candidates:
+      # Built once per block store and kept beside it (`bm25.for_store`).
+      self.bm25 = bm25_lib.for_store(store)
+      # The queries' wordpieces back to words (the cache and the store
+      # share BERT's uncased vocabulary: `query_cache` checks it).
+      vocab = self._vocab = tokenizer_lib.Tokenizer()
+      self._special = {vocab.pad_id, vocab.cls_id, vocab.sep_id,
+                       vocab.mask_id}
+
+  @property
+  def width(self) -> int:
+    """Candidates per query (besides the null document): k (+ m)."""
+    return self.config.num_candidates + self.config.lexical_candidates
+
+  def query_texts(self, local) -> list[str]:
+    """The masked queries as BM25 reads them: their wordpieces joined,
+    without [CLS], [SEP], [MASK] and padding."""
+    ids, mask = local["query_ids"], local["query_mask"]
+    return [self._vocab.decode([t for t, on in zip(row, row_mask)
+                                if on and int(t) not in self._special])
+            for row, row_mask in zip(np.asarray(ids), np.asarray(mask))]
+
+  def lexical_hits(self, local, n: int) -> np.ndarray:
+    """int64 [b, n]: each query's first n BM25 blocks that are not
+    trivial candidates, in rank order (`lexical_candidates`)."""
+    margin = min(self.trivial.max_excluded, len(self.store) - 1)
+    hits, _ = self.bm25.search(self.query_texts(local),
+                               min(len(self.store), n + margin))
+    return realm_inputs.select_candidates(
+        hits, self.trivial.block_keys, self.trivial.query_keys(local), n)
 
   def query_embeddings(self, local, state) -> jax.Array:
     """The current query tower's embeddings of this host's `local` rows."""
@@ -141,30 +172,6 @@ class HostCandidates(CandidateSource):
       self.embed_documents = embed.make_embed_fn(self.model.retriever,
                                                  self.mesh)
     self.null_embedding = None  # query_side: the frozen null document's
-    self.bm25 = None
-    if r.lexical_candidates:
-      # Built once per block store and kept beside it (`bm25.for_store`).
-      self.bm25 = bm25_lib.for_store(store)
-      self.lexical_k = min(len(store), r.lexical_candidates + margin
-                           + self.proposals)
-      # The queries' wordpieces back to words (the cache and the store
-      # share BERT's uncased vocabulary: `query_cache` checks it).
-      vocab = self._vocab = tokenizer_lib.Tokenizer()
-      self._special = {vocab.pad_id, vocab.cls_id, vocab.sep_id,
-                       vocab.mask_id}
-
-  @property
-  def width(self) -> int:
-    """Candidates per query (besides the null document): k (+ m)."""
-    return self.config.num_candidates + self.config.lexical_candidates
-
-  def query_texts(self, local) -> list[str]:
-    """The masked queries as BM25 reads them: their wordpieces joined,
-    without [CLS], [SEP], [MASK] and padding."""
-    ids, mask = local["query_ids"], local["query_mask"]
-    return [self._vocab.decode([t for t, on in zip(row, row_mask)
-                                if on and int(t) not in self._special])
-            for row, row_mask in zip(np.asarray(ids), np.asarray(mask))]
 
   def start(self, state) -> None:
     if self.query_side:
@@ -199,9 +206,9 @@ class HostCandidates(CandidateSource):
     if self.config.rerank_candidates:
       candidates = self.rerank(queries, candidates, params)
     if self.bm25 is not None:
-      lexical, _ = self.bm25.search(self.query_texts(local), self.lexical_k)
-      candidates = lexical_union(candidates, lexical, self.trivial.block_keys,
-                                 keys, self.config.lexical_candidates)
+      candidates = lexical_union(
+          candidates, self.lexical_hits(local, self.width),
+          self.trivial.block_keys, keys, self.config.lexical_candidates)
     if (self.trivial.block_keys[candidates] == keys[:, None]).any():
       raise AssertionError("a trivial candidate reached a query's candidates")
     return candidates
@@ -347,7 +354,11 @@ class DeviceCandidates(CandidateSource):
         self.device_index, local, self.query_embeddings(local, state),
         k=c.num_candidates, doc_len=self.store.max_block_len,
         reader_len=self.reader_length, null_document=c.null_document,
-        query_keys=self.trivial.query_keys(local))
+        query_keys=self.trivial.query_keys(local),
+        # BM25's hits enter as inputs; the union is made on the devices.
+        lexical_ids=(self.lexical_hits(local, self.width)
+                     if self.bm25 is not None else None),
+        lexical_k=c.lexical_candidates)
     return batch, block_ids[:, 0]
 
 

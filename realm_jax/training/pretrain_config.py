@@ -97,7 +97,8 @@ class RetrievalConfig:
       so its gradient reaches BM25's blocks too. A young dense retriever
       rarely finds the evidence; BM25 often does, so the reader can learn
       to read before the retriever is released. 0: REALM's candidates.
-      Search "host" (overlapped or not).
+      Every search mode: with search "device" BM25's hits (on the host)
+      enter the batch as inputs and the union is made on the devices.
     held_prior: the retrieval distribution the reader's marginal uses
       while the gate holds the retriever: "dense" (REALM's p(z|x) from the
       frozen retriever) or "uniform" over the candidates (the null
@@ -124,12 +125,6 @@ class RetrievalConfig:
     checks.at_least(self, "rerank_candidates", minimum=0)
     checks.at_least(self, "lexical_candidates", minimum=0)
     _one_of(self, "held_prior", ("dense", "uniform"))
-    if self.lexical_candidates and self.search == "device":
-      raise ValueError(
-          f"RetrievalConfig.lexical_candidates={self.lexical_candidates} "
-          "needs search='host' (BM25 runs on the host; device search does "
-          "not take its ids yet); set search='host' or "
-          "lexical_candidates=0.")
     if self.held_prior != "dense" and not self.lexical_candidates:
       raise ValueError(
           f"RetrievalConfig.held_prior={self.held_prior!r} needs "

@@ -27,6 +27,20 @@ def test_the_union_adds_m_lexical_blocks_never_trivial_nor_twice():
     candidates.lexical_union(dense, lexical, block_keys, query_keys, 3)
 
 
+def test_the_devices_union_is_the_hosts():
+  """`device_search._with_lexical` (search "device") equals
+  `lexical_union` on hits with no trivial block (the host drops those)."""
+  from realm_jax.index import device_search  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  dense = np.stack([rng.choice(40, 5, replace=False) for _ in range(16)])
+  lexical = np.stack([rng.choice(40, 8, replace=False) for _ in range(16)])
+  host = candidates.lexical_union(dense, lexical, np.zeros(40, np.int64),
+                                  np.ones(16, np.int64), 3)
+  device = device_search._with_lexical(  # pylint: disable=protected-access
+      jnp.asarray(dense, jnp.int32), jnp.asarray(lexical, jnp.int32), 3)
+  np.testing.assert_array_equal(device, host)
+
+
 @pytest.mark.parametrize("w", [0.0, 0.3, 1.0])
 def test_the_held_prior_is_the_mixture_of_dense_and_uniform(w):
   rng = np.random.default_rng(0)
@@ -60,9 +74,10 @@ def tiny_corpus(tmp_path_factory):
       annotated, os.path.join(directory, "queries"), query_length=32)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("search,overlap", [("host", False), ("host", True),
+                                           ("device", False)])
 def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
-                                                      overlap):
+                                                      search, overlap):
   """k = 2 dense + m = 2 BM25 candidates, uniform prior while the gate
   holds the retriever (released at step 3): the batch has 1 + 4
   candidates, BM25's hits are among them, and the run trains."""
@@ -79,38 +94,45 @@ def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
       "pretrain.RetrievalConfig.lexical_candidates = 2",
       "pretrain.RetrievalConfig.held_prior = 'uniform'",
       f"pretrain.RetrievalConfig.overlap_input = {overlap}",
+      f"pretrain.RetrievalConfig.search = '{search}'",
       "pretrain.GateConfig.mode = 'steps'",
       "pretrain.GateConfig.latest_release = 3",
       "pretrain.RecallGuardConfig.queries = ''"])
   config = gin.get_configurable(pretrain.PretrainConfig)()
   model = gin.get_configurable(pretrain.RealmConfig)()
+  # Every batch's candidates, with BM25's hits for its queries.
   seen = []
-  real = candidates.lexical_union
+  real = pretrain.RetrievalInput.batch
 
-  def spy(dense, lexical, *args):
-    union = real(dense, lexical, *args)
-    seen.append((dense, lexical, union))
-    return union
+  def spy(self, step, state):
+    batch = real(self, step, state)
+    seen.append(batch["candidate_ids"].shape)
+    return batch
 
-  candidates.lexical_union = spy
+  hits = []
+  real_hits = candidates.CandidateSource.lexical_hits
+
+  def spy_hits(self, local, n):
+    out = real_hits(self, local, n)
+    hits.append(out)
+    return out
+
+  pretrain.RetrievalInput.batch = spy
+  candidates.CandidateSource.lexical_hits = spy_hits
   try:
     history = pretrain.train(config=config, model=model)
   finally:
-    candidates.lexical_union = real
+    pretrain.RetrievalInput.batch = real
+    candidates.CandidateSource.lexical_hits = real_hits
     gin.clear_config()
   assert len(history) == 4 and np.isfinite([h["loss"] for h in history]).all()
-  assert seen
-  for dense, lexical, union in seen:
-    assert union.shape == (dense.shape[0], 4)
-    for row, hits in zip(union, lexical):
-      assert len(set(row.tolist())) == 4
-      assert set(row[2:].tolist()) <= set(hits.tolist())
+  # The null document, 2 dense and 2 BM25 blocks per query.
+  assert seen and all(shape[1] == 5 for shape in seen)
+  assert hits and all(h.shape[1] == 4 for h in hits)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     assert len([json.loads(line) for line in f]) == 4
 
 
-def test_lexical_candidates_are_host_only_and_the_prior_needs_them():
-  with pytest.raises(ValueError, match="needs search='host'"):
-    pretrain.RetrievalConfig(lexical_candidates=2, search="device")
+def test_the_held_prior_needs_lexical_candidates():
   with pytest.raises(ValueError, match="needs lexical_candidates > 0"):
     pretrain.RetrievalConfig(held_prior="uniform")
