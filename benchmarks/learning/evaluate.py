@@ -20,6 +20,7 @@ class Evaluator:
 
   def __init__(self, inputs: Inputs, output: str | None):
     self.inputs = inputs
+    self._bm25 = None  # BM25's own recall of the held-out gold blocks.
     self.out = open(output, "w", encoding="utf-8") if output else None  # pylint: disable=consider-using-with
     self.rows = []
 
@@ -55,6 +56,15 @@ class Evaluator:
       row.update({f"cloze_{k}": cloze[k] for k in (
           "recall@1", "recall@5", "mlm_accuracy_marginal",
           "mlm_accuracy_null", "mlm_accuracy_gold")})
+    if inputs.gold is not None:
+      # Beside the dense retriever's recall, BM25's (the same for every
+      # row): a gain of a lexical condition cannot be BM25's own.
+      if self._bm25 is None:
+        from realm_jax.training import candidates  # pylint: disable=g-import-not-at-top
+        self._bm25 = candidates.bm25_recall(
+            inputs.eval_store, inputs.heldout, inputs.gold,
+            inputs.args.trivial)
+      row.update(self._bm25)
     if seconds is not None:
       row["train_seconds"] = round(seconds, 1)
     line = {k: round(v, 4) if isinstance(v, float) else v

@@ -63,9 +63,7 @@ class CandidateSource:
       self.bm25 = bm25_lib.for_store(store)
       # The queries' wordpieces back to words (the cache and the store
       # share BERT's uncased vocabulary: `query_cache` checks it).
-      vocab = self._vocab = tokenizer_lib.Tokenizer()
-      self._special = {vocab.pad_id, vocab.cls_id, vocab.sep_id,
-                       vocab.mask_id}
+      self._vocab = tokenizer_lib.Tokenizer()
 
   @property
   def width(self) -> int:
@@ -73,12 +71,8 @@ class CandidateSource:
     return self.config.num_candidates + self.config.lexical_candidates
 
   def query_texts(self, local) -> list[str]:
-    """The masked queries as BM25 reads them: their wordpieces joined,
-    without [CLS], [SEP], [MASK] and padding."""
-    ids, mask = local["query_ids"], local["query_mask"]
-    return [self._vocab.decode([t for t, on in zip(row, row_mask)
-                                if on and int(t) not in self._special])
-            for row, row_mask in zip(np.asarray(ids), np.asarray(mask))]
+    """The masked queries as BM25 reads them (`masked_query_texts`)."""
+    return masked_query_texts(local, self._vocab)
 
   def lexical_hits(self, local, n: int) -> np.ndarray:
     """int64 [b, n]: each query's first n BM25 blocks that are not
@@ -115,6 +109,33 @@ class CandidateSource:
 
   def close(self) -> None:
     pass
+
+
+def masked_query_texts(queries, vocab: tokenizer_lib.Tokenizer
+                       ) -> list[str]:
+  """Masked queries as BM25 reads them: their wordpieces joined back into
+  words, without [CLS], [SEP], [MASK] and padding."""
+  special = {vocab.pad_id, vocab.cls_id, vocab.sep_id, vocab.mask_id}
+  return [vocab.decode([t for t, on in zip(row, row_mask)
+                        if on and int(t) not in special])
+          for row, row_mask in zip(np.asarray(queries["query_ids"]),
+                                   np.asarray(queries["query_mask"]))]
+
+
+def bm25_recall(store, queries, gold: np.ndarray, trivial: str,
+                ks=(1, 5)) -> dict[str, float]:
+  """BM25's recall@k of each masked query's gold block, its trivial
+  blocks excluded as the dense retriever's are: what BM25 alone would find
+  (the learning benchmark reports it beside the dense retriever's)."""
+  index = bm25_lib.for_store(store)
+  rule = realm_inputs.TrivialCandidates(store, trivial)
+  hits, _ = index.search(masked_query_texts(queries, tokenizer_lib.Tokenizer()),
+                         min(len(store), max(ks) + rule.max_excluded))
+  hits = realm_inputs.select_candidates(hits, rule.block_keys,
+                                        rule.query_keys(queries), max(ks))
+  gold = np.asarray(gold).reshape(-1, 1)
+  return {f"bm25_recall@{k}": float((hits[:, :k] == gold).any(1).mean())
+          for k in ks}
 
 
 def lexical_union(dense: np.ndarray, lexical: np.ndarray,

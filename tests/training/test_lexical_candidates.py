@@ -136,3 +136,35 @@ def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
 def test_the_held_prior_needs_lexical_candidates():
   with pytest.raises(ValueError, match="needs lexical_candidates > 0"):
     pretrain.RetrievalConfig(held_prior="uniform")
+
+
+def test_bm25_reads_the_masked_queries_words_and_finds_their_blocks(
+    tiny_corpus):
+  """The masked query's words without [CLS], [SEP], [MASK] and padding
+  (wordpieces joined); BM25's recall of blocks it ranks first is 1, and of
+  blocks it never ranks in its top 5 is 0."""
+  from realm_jax.data import block_store, query_cache, tokenizer  # pylint: disable=g-import-not-at-top
+  vocab = tokenizer.Tokenizer()
+  ids = vocab.tokenize(["mozart was born in salzburg"])[0]
+  row = np.concatenate([[vocab.cls_id], ids[:3], [vocab.mask_id],
+                        ids[4:], [vocab.sep_id], [vocab.pad_id] * 3])
+  text, = candidates.masked_query_texts(
+      {"query_ids": row[None], "query_mask": (row != vocab.pad_id)[None]},
+      vocab)
+  assert text == "mozart was born salzburg"
+  store_dir, queries_dir = tiny_corpus
+  store = block_store.BlockStore.open(store_dir)
+  stream = query_cache.QueryStream(queries_dir, seed=0, batch_size=8)
+  queries = stream.batch(0)
+  stream.close()
+  from realm_jax.data import realm_inputs  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import bm25  # pylint: disable=g-import-not-at-top
+  rule = realm_inputs.TrivialCandidates(store, "article")
+  hits, _ = bm25.for_store(store).search(
+      candidates.masked_query_texts(queries, vocab), len(store))
+  hits = realm_inputs.select_candidates(hits, rule.block_keys,
+                                        rule.query_keys(queries), 6)
+  assert candidates.bm25_recall(store, queries, hits[:, 0], "article") == {
+      "bm25_recall@1": 1.0, "bm25_recall@5": 1.0}
+  assert candidates.bm25_recall(store, queries, hits[:, 5], "article") == {
+      "bm25_recall@1": 0.0, "bm25_recall@5": 0.0}
