@@ -888,15 +888,21 @@ def build_steps(aot: AotConfig, topo: Topology, configs: dict[str, Any],
   return steps
 
 
+def claim_serialize_dir(aot: AotConfig) -> None:
+  """Before libtpu loads and minutes of compiling: `serialize_dir` must
+  be new, empty or realm-aot's own (`outputs.claim`)."""
+  if aot.serialize_dir:
+    from realm_jax.core import outputs  # pylint: disable=g-import-not-at-top
+    outputs.claim(aot.serialize_dir, outputs.AOT_EXECUTABLES,
+                  "AotConfig.serialize_dir")
+
+
 def check(aot: AotConfig, configs: dict[str, Any], model: RealmConfig, *,
           out=sys.stdout) -> list[Report]:
   """Compiles every step of `aot` for its topology; prints each report
   and its JSON line to `out` (and `aot.jsonl`). Returns the reports."""
+  claim_serialize_dir(aot)
   topo = topology(aot.topology)
-  if aot.serialize_dir:  # Before minutes of compiling: a directory of ours.
-    from realm_jax.core import outputs  # pylint: disable=g-import-not-at-top
-    outputs.claim(aot.serialize_dir, outputs.AOT_EXECUTABLES,
-                  "AotConfig.serialize_dir")
   reports = []
   for step, num_train_steps in build_steps(aot, topo, configs, model):
     logging.info("Compiling the %s step for %s (%d chips): minutes for a "
@@ -986,6 +992,7 @@ def job(dry_run: bool) -> None:
       print(config)
     print(model)
     return
+  claim_serialize_dir(aot)
   try:
     reports = _in_worker(check, aot, configs, model)
   except ValueError as e:  # A config the job would refuse too.
