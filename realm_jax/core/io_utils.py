@@ -392,7 +392,19 @@ def copy_tree(src: PathLike, dst: PathLike, *,
       copy_file(child, dst / child.name)
 
 
-def _file_kind(mode: int) -> str:
+def local_lstat(path: PathLike) -> os.stat_result | None:
+  """`os.lstat` of a local `path` (links not followed); None when it does
+  not exist or is remote (an object store has no links or FIFOs)."""
+  if not is_local(path):
+    return None
+  try:
+    return os.lstat(path)
+  except FileNotFoundError:
+    return None
+
+
+def file_kind(mode: int) -> str:
+  """What an `st_mode` that is no regular file is, for messages."""
   return ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if
           stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode) else
           "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
@@ -409,11 +421,8 @@ def check_own_file(path: PathLike) -> None:
     LinkRefusedError: a symbolic link, or a file with several hard links.
     NotRegularFileError: a FIFO, a directory, a device or a socket.
   """
-  if not is_local(path):
-    return
-  try:
-    info = os.lstat(path)
-  except FileNotFoundError:
+  info = local_lstat(path)
+  if info is None:
     return
   if stat.S_ISLNK(info.st_mode):
     raise LinkRefusedError(
@@ -423,7 +432,7 @@ def check_own_file(path: PathLike) -> None:
         "copy).")
   if not stat.S_ISREG(info.st_mode):
     raise NotRegularFileError(
-        f"{os.fspath(path)} is {_file_kind(info.st_mode)}, not the job's "
+        f"{os.fspath(path)} is {file_kind(info.st_mode)}, not the job's "
         "record file; nothing was read or written. Remove it.")
   if info.st_nlink != 1:
     raise LinkRefusedError(
@@ -440,11 +449,8 @@ def check_own_dir(path: PathLike, what: str) -> None:
   Raises:
     LinkRefusedError, NotRegularFileError: naming `what` and the path.
   """
-  if not is_local(path):
-    return
-  try:
-    info = os.lstat(path)
-  except FileNotFoundError:
+  info = local_lstat(path)
+  if info is None:
     return
   if stat.S_ISLNK(info.st_mode):
     raise LinkRefusedError(
@@ -454,7 +460,7 @@ def check_own_dir(path: PathLike, what: str) -> None:
         "the link (a whole workdir may be a link; what it holds may not).")
   if not stat.S_ISDIR(info.st_mode):
     raise NotRegularFileError(
-        f"{what} {os.fspath(path)} is {_file_kind(info.st_mode)}, not a "
+        f"{what} {os.fspath(path)} is {file_kind(info.st_mode)}, not a "
         "directory; remove it.")
 
 

@@ -152,19 +152,17 @@ def _legacy(kind: Kind, entries: list[str]) -> bool:
 
 def _refuse_special(path: str, setting: str) -> None:
   """A local `path` that is a link or exists but is no directory."""
-  try:
-    mode = os.lstat(path).st_mode
-  except FileNotFoundError:
+  info = io_utils.local_lstat(path)
+  if info is None:
     return
+  mode = info.st_mode
   if stat.S_ISLNK(mode):
     raise io_utils.LinkRefusedError(
         f"{setting}={path!r} is a symbolic link (to {os.readlink(path)!r}); "
         "a job never writes or deletes its output through a link, since it "
         f"could lead anywhere. Point {setting} at a real directory.")
   if not stat.S_ISDIR(mode):
-    what = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if (
-        stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else "a socket" if
-            stat.S_ISSOCK(mode) else "a file")
+    what = "a file" if stat.S_ISREG(mode) else io_utils.file_kind(mode)
     raise OwnershipError(
         f"{setting}={path!r} is {what}, not a directory; nothing was "
         f"written. Point {setting} at a new or empty directory.")
