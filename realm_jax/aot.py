@@ -466,6 +466,8 @@ def pretrain_step(config: pretrain.PretrainConfig, model: RealmConfig,
       "mlm_weights": ((b, m), jnp.float32)}
   if r.held_prior != "dense":
     shapes["dense_prior"] = ((b,), jnp.float32)
+  if r.held_prior == "mixture":
+    shapes["lexical_log_prior"] = ((b, c), jnp.float32)
   if config.retriever.training == "query_side":
     shapes["candidate_embeddings"] = (
         (b, c, model.retriever.embedding_size), jnp.float32)

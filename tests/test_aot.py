@@ -408,8 +408,9 @@ def test_cli_ctrl_c_stops_the_compile_at_once_without_a_traceback():
 
 def test_the_pretrain_step_with_bm25_candidates_compiles_wider():
   """Issue 65: `lexical_candidates` widens the compiled batch (k + m
-  candidates and the null document) and `held_prior` adds its [B] prior;
-  the step fits and costs more FLOPs than REALM's."""
+  candidates and the null document) and `held_prior` adds its [B] weight
+  ("mixture": and BM25's [B, C] log-prior); the step fits and costs more
+  FLOPs than REALM's."""
   config = aot.AotConfig(topology="v5e:2x2", jobs=("pretrain",),
                          query_length=12, num_masks=3, block_length=16)
   topo = aot.topology("v5e:2x2")
@@ -417,11 +418,14 @@ def test_the_pretrain_step_with_bm25_candidates_compiles_wider():
   reports = []
   for retrieval in (pretrain.RetrievalConfig(),
                     pretrain.RetrievalConfig(lexical_candidates=3,
-                                             held_prior="uniform")):
+                                             held_prior="mixture")):
     configs = _configs()
     configs["pretrain"] = dataclasses.replace(configs["pretrain"],
                                               retrieval=retrieval)
     (step, n), = aot.build_steps(config, topo, configs, model)
+    if retrieval.held_prior == "mixture":
+      assert step.args[step.batch_arg]["lexical_log_prior"].shape == (
+          configs["pretrain"].batch_size, 7 + 3 + 1)
     assert f"x {retrieval.num_candidates + retrieval.lexical_candidates + 1}"\
         f" candidates" in step.notes
     reports.append(aot.compile_step(step, topo, num_train_steps=n))

@@ -39,6 +39,9 @@ its own gin files and bindings on top:
                   p(z|x) from the release on)
   lexical_dense   (only when named) `lexical` with REALM's p(z|x) as the
                   reader's prior throughout (the weighting's ablation)
+  lexical_mix     (only when named) `lexical` with the mixture prior while
+                  held: half REALM's p(z|x), half the softmax of the
+                  candidates' BM25 scores
 
 (The ideal-reader diagnostics, ideal_reader, ideal_shuffled and their
 query-side pair, and the reader pre-training and adaptation stages were
@@ -52,7 +55,7 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow", "lexical", "lexical_dense")
+EXTRA_CONDITIONS = ("realm_slow", "lexical", "lexical_dense", "lexical_mix")
 
 
 def gin_files(name: str, args) -> list[str]:
@@ -91,4 +94,6 @@ def bindings(name: str, args) -> list[str]:
       "lexical": ["pretrain.RetrievalConfig.lexical_candidates = 3",
                   "pretrain.RetrievalConfig.held_prior = 'uniform'"],
       "lexical_dense": ["pretrain.RetrievalConfig.lexical_candidates = 3"],
+      "lexical_mix": ["pretrain.RetrievalConfig.lexical_candidates = 3",
+                      "pretrain.RetrievalConfig.held_prior = 'mixture'"],
   }[name]

@@ -158,6 +158,40 @@ def select_candidates(retrieved_ids: np.ndarray, block_keys: np.ndarray,
   return np.take_along_axis(retrieved_ids, order, axis=1)
 
 
+# log 0 for the null document under BM25's prior: finite, so that no
+# logaddexp or gradient meets an infinity; exp of it is 0 in float32.
+LOG_ZERO = -1e9
+
+
+def lexical_log_prior(candidates, hit_ids, hit_scores, null_document: bool,
+                      xp=np):
+  """log p(z|x) [B, C] by BM25: the softmax of each candidate's BM25 score
+  over the query's candidates (`RetrievalConfig.held_prior = "mixture"`).
+
+  A candidate among the query's first R BM25 hits has its score; one
+  outside them (a dense candidate BM25 ranks lower) the R-th hit's score,
+  an upper bound on its own. The null document (slot 0 when
+  `null_document`) gets no BM25 mass. Written once for numpy (the host
+  modes) and jax.numpy (`xp=jnp`, device search).
+
+  Args:
+    candidates: int [B, W] the candidates' block ids (no null document).
+    hit_ids: int [B, R] BM25's first R non-trivial hits, best first.
+    hit_scores: float [B, R] their BM25 scores.
+    null_document: whether slot 0 of the reader's candidates is the null.
+  """
+  match = candidates[:, :, None] == hit_ids[:, None, :]
+  scores = hit_scores.astype(xp.float32)
+  floor = scores.min(axis=1, keepdims=True)
+  s = xp.where(match.any(-1), (match * scores[:, None, :]).sum(-1), floor)
+  s = s - s.max(axis=1, keepdims=True)
+  log_p = s - xp.log(xp.exp(s).sum(axis=1, keepdims=True))
+  if null_document:
+    log_p = xp.concatenate(
+        [xp.full(log_p.shape[:1] + (1,), LOG_ZERO, xp.float32), log_p], 1)
+  return log_p.astype(xp.float32)
+
+
 def null_document_inputs(seq_len: int, cls_id: int, sep_id: int, pad_id: int = 0
                   ) -> dict[str, np.ndarray]:
   """Retriever inputs of the empty document `[CLS] [SEP] [SEP]`."""

@@ -51,20 +51,25 @@ def marginal_log_likelihood(retrieval_logits: jax.Array,
 
 
 def mixed_log_prior(retrieval_logits: jax.Array,
-                    dense_prior: jax.Array | None) -> jax.Array:
+                    dense_prior: jax.Array | None,
+                    other_log_prior: jax.Array | None = None) -> jax.Array:
   """log p(z|x) [B, C]: REALM's softmax of f(x, z) where `dense_prior` is
-  1, uniform over the C candidates where it is 0, their mixture between
-  (`dense_prior` [B] in [0, 1]; None: REALM's everywhere)."""
+  1, `other_log_prior` (log-probabilities [B, C]; None: uniform over the C
+  candidates) where it is 0, their mixture between (`dense_prior` [B] in
+  [0, 1]; None: REALM's everywhere)."""
   log_dense = jax.nn.log_softmax(retrieval_logits.astype(jnp.float32), -1)
   if dense_prior is None:
     return log_dense
   w = dense_prior.astype(jnp.float32)[:, None]
-  log_uniform = -jnp.log(jnp.float32(retrieval_logits.shape[-1]))
+  if other_log_prior is None:
+    other = jnp.broadcast_to(
+        -jnp.log(jnp.float32(retrieval_logits.shape[-1])), log_dense.shape)
+  else:
+    other = other_log_prior.astype(jnp.float32)
   mixed = jnp.logaddexp(jnp.log(jnp.maximum(w, 1e-30)) + log_dense,
-                        jnp.log(jnp.maximum(1 - w, 1e-30)) + log_uniform)
+                        jnp.log(jnp.maximum(1 - w, 1e-30)) + other)
   # The ends exactly (and no gradient into the retriever at w = 0).
-  return jnp.where(w >= 1, log_dense, jnp.where(
-      w <= 0, jnp.broadcast_to(log_uniform, log_dense.shape), mixed))
+  return jnp.where(w >= 1, log_dense, jnp.where(w <= 0, other, mixed))
 
 
 def pretraining_loss(
@@ -73,6 +78,7 @@ def pretraining_loss(
     mlm_targets: jax.Array,
     mlm_weights: jax.Array,
     dense_prior: jax.Array | None = None,
+    lexical_log_prior: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """REALM's per-masked-token marginal loss, as sums.
 
@@ -82,9 +88,12 @@ def pretraining_loss(
     mlm_targets: int [B, M] original wordpiece ids.
     mlm_weights: [B, M] 1 for real masks, 0 for padding.
     dense_prior: optional [B] weight of REALM's p(z|x) against a uniform
-      prior over the candidates (`mixed_log_prior`; the reader's
-      distribution while the gate holds the retriever,
-      `RetrievalConfig.held_prior`). None: REALM's p(z|x).
+      prior over the candidates, or against `lexical_log_prior` where it is
+      given (`mixed_log_prior`; the reader's distribution while the gate
+      holds the retriever, `RetrievalConfig.held_prior`). None: REALM's
+      p(z|x).
+    lexical_log_prior: optional [B, C] log-probabilities of the candidates
+      by BM25's scores (`candidates.lexical_log_prior`).
 
   Returns:
     loss_sum: -sum_j w_j log p(y_j|x).
@@ -97,7 +106,8 @@ def pretraining_loss(
   """
   weights = mlm_weights.astype(jnp.float32)
   token_ll = token_log_likelihoods(mlm_logits, mlm_targets)
-  log_p_z = mixed_log_prior(retrieval_logits, dense_prior)
+  log_p_z = mixed_log_prior(retrieval_logits, dense_prior,
+                            lexical_log_prior)
   marginal = jax.nn.logsumexp(log_p_z[:, :, None] + token_ll, axis=1)
   null_ll = token_ll[:, 0, :]
   # Marginal predictive distribution over the vocabulary for accuracy.

@@ -23,6 +23,8 @@ The served index itself (builder swaps, inline refreshes, staleness) is
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import threading
 from typing import Any
 
 from absl import logging
@@ -58,6 +60,7 @@ class CandidateSource:
     self.mesh, self.service, self.trivial = mesh, service, trivial
     self.embed_queries = embed.make_query_embedder(graphdef, mesh)
     self.bm25 = None
+    self._hits, self._hits_lock = {}, threading.Lock()
     if config.lexical_candidates:
       # Built once per block store and kept beside it (`bm25.for_store`).
       self.bm25 = bm25_lib.for_store(store)
@@ -77,11 +80,40 @@ class CandidateSource:
   def lexical_hits(self, local, n: int) -> np.ndarray:
     """int64 [b, n]: each query's first n BM25 blocks that are not
     trivial candidates, in rank order (`lexical_candidates`)."""
+    return self.scored_lexical_hits(local, n)[0]
+
+  def scored_lexical_hits(self, local, n: int
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """`lexical_hits` and their BM25 scores float32 [b, n]. The last two
+    batches' are kept: a step's search and its prior ask for the same."""
+    key = (n, np.asarray(local["query_ids"]).tobytes())
+    with self._hits_lock:
+      if key in self._hits:
+        return self._hits[key]
     margin = min(self.trivial.max_excluded, len(self.store) - 1)
-    hits, _ = self.bm25.search(self.query_texts(local),
-                               min(len(self.store), n + margin))
-    return realm_inputs.select_candidates(
+    hits, scores = self.bm25.search(self.query_texts(local),
+                                    min(len(self.store), n + margin))
+    ids = realm_inputs.select_candidates(
         hits, self.trivial.block_keys, self.trivial.query_keys(local), n)
+    where = (hits[:, None, :] == ids[:, :, None]).argmax(-1)
+    found = ids, np.take_along_axis(scores, where, 1).astype(np.float32)
+    with self._hits_lock:
+      self._hits[key] = found
+      while len(self._hits) > 2:
+        self._hits.pop(next(iter(self._hits)))
+    return found
+
+  def lexical_prior(self, local, candidates: np.ndarray
+                    ) -> dict[str, np.ndarray]:
+    """{"lexical_log_prior": [b, C]} when `held_prior` is "mixture" (BM25's
+    distribution over the candidates, `realm_inputs.lexical_log_prior`),
+    else {}."""
+    if self.config.held_prior != "mixture":
+      return {}
+    ids, scores = self.scored_lexical_hits(local, self.width)
+    return {"lexical_log_prior": realm_inputs.lexical_log_prior(
+        np.asarray(candidates, np.int64), ids, scores,
+        self.config.null_document)}
 
   def query_embeddings(self, local, state) -> jax.Array:
     """The current query tower's embeddings of this host's `local` rows."""
@@ -255,6 +287,7 @@ class HostCandidates(CandidateSource):
     batch = realm_inputs.pretraining_batch(
         local, candidates, self.store, doc_len=self.store.max_block_len,
         reader_len=self.reader_length, null_document=c.null_document)
+    batch.update(self.lexical_prior(local, candidates))
     if self.query_side:
       embeddings = self.service.current.embeddings[candidates.reshape(-1)]
       embeddings = np.asarray(embeddings, np.float32).reshape(
@@ -380,7 +413,21 @@ class DeviceCandidates(CandidateSource):
         lexical_ids=(self.lexical_hits(local, self.width)
                      if self.bm25 is not None else None),
         lexical_k=c.lexical_candidates)
+    if c.held_prior == "mixture":
+      ids, scores = self.scored_lexical_hits(local, self.width)
+      hits = parallel.shard_batch(self.mesh, {"ids": ids.astype(np.int32),
+                                              "scores": scores})
+      batch = dict(batch, lexical_log_prior=_device_lexical_prior(
+          block_ids, hits["ids"], hits["scores"], c.null_document))
     return batch, block_ids[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _device_lexical_prior(candidates, hit_ids, hit_scores, null_document):
+  """`realm_inputs.lexical_log_prior` on the devices (row by row, so each
+  device computes its own rows)."""
+  return realm_inputs.lexical_log_prior(candidates, hit_ids, hit_scores,
+                                        null_document, xp=jnp)
 
 
 def source_class(config: RetrievalConfig) -> type[CandidateSource]:

@@ -72,7 +72,8 @@ def make_loss_fn(graphdef, null_document: bool = True):
       return losses.pretraining_loss(retrieval_logits, mlm_logits,
                                      batch["mlm_targets"],
                                      batch["mlm_weights"],
-                                     batch.get("dense_prior"))
+                                     batch.get("dense_prior"),
+                                     batch.get("lexical_log_prior"))
   return loss_fn
 
 
@@ -148,9 +149,12 @@ class RetrievalInput:
     batch, top1 = self.source.batch(step, state)
     self.guard.add_top1(top1)
     if self.config.retrieval.held_prior != "dense":
-      # The reader's retrieval distribution: uniform over the candidates
-      # while the gate holds the retriever, REALM's p(z|x) after.
-      prior = np.full(len(top1), float(self.released(step)), np.float32)
+      # The reader's retrieval distribution while the gate holds the
+      # retriever: uniform over the candidates, or half REALM's p(z|x) and
+      # half BM25's (the batch's lexical_log_prior); REALM's p(z|x) after.
+      held = 0.5 if self.config.retrieval.held_prior == "mixture" else 0.0
+      prior = np.full(len(top1), 1.0 if self.released(step) else held,
+                      np.float32)
       batch = dict(batch, dense_prior=parallel.shard_batch(
           self.mesh, {"dense_prior": prior})["dense_prior"])
     return batch

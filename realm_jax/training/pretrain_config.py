@@ -30,6 +30,7 @@ from realm_jax.training import loop
 
 INDEX_MODES = ("inline", "builder")
 SEARCHES = ("host", "device")
+HELD_PRIORS = ("dense", "uniform", "mixture")
 RETRIEVER_TRAINING = ("full", "query_side")
 GATE_MODES = ("steps", "utility", "evidence")
 # What the recall guard counts as found (`RecallGuardConfig.probe`).
@@ -101,11 +102,15 @@ class RetrievalConfig:
       enter the batch as inputs and the union is made on the devices.
     held_prior: the retrieval distribution the reader's marginal uses
       while the gate holds the retriever: "dense" (REALM's p(z|x) from the
-      frozen retriever) or "uniform" over the candidates (the null
-      document included), so that a BM25 block the young retriever scores
-      low still teaches the reader; from the release on it is REALM's
-      p(z|x). Only with `lexical_candidates` (without them the candidates
-      are the dense retriever's own).
+      frozen retriever), "uniform" over the candidates (the null
+      document included), or "mixture": half REALM's p(z|x), half the
+      softmax of the candidates' BM25 scores (`realm_inputs.
+      lexical_log_prior`), so that a block BM25 ranks first carries at
+      least half of its BM25 weight and a good dense retriever's block at
+      least half of its dense weight (uniform over 8 candidates cut the
+      gold block's weight 7x where ICT already found it); from the
+      release on it is REALM's p(z|x). Only with `lexical_candidates`
+      (without them the candidates are the dense retriever's own).
   (The score f(x, z) and its scale are the model's:
   `realm.RetrieverConfig.score_scale`.)
   """
@@ -124,7 +129,7 @@ class RetrievalConfig:
     checks.at_least(self, "num_candidates")
     checks.at_least(self, "rerank_candidates", minimum=0)
     checks.at_least(self, "lexical_candidates", minimum=0)
-    _one_of(self, "held_prior", ("dense", "uniform"))
+    _one_of(self, "held_prior", HELD_PRIORS)
     if self.held_prior != "dense" and not self.lexical_candidates:
       raise ValueError(
           f"RetrievalConfig.held_prior={self.held_prior!r} needs "

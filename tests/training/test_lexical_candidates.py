@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from realm_jax import gin_cli
+from realm_jax.data import realm_inputs
 from realm_jax.model import losses
 from realm_jax.testing import corpus
 from realm_jax.training import candidates, pretrain
@@ -56,6 +57,41 @@ def test_the_held_prior_is_the_mixture_of_dense_and_uniform(w):
   np.testing.assert_array_equal(grad, 0.0)
 
 
+@pytest.mark.parametrize("w", [0.0, 0.5, 1.0])
+def test_the_mixture_prior_mixes_dense_and_bm25s(w):
+  rng = np.random.default_rng(4)
+  logits = rng.normal(size=(3, 5)).astype(np.float32)
+  bm25 = rng.dirichlet(np.ones(5), size=3).astype(np.float32)
+  got = losses.mixed_log_prior(jnp.asarray(logits), jnp.full([3], w),
+                               jnp.log(jnp.asarray(bm25)))
+  dense = np.exp(logits - logits.max(1, keepdims=True))
+  dense /= dense.sum(1, keepdims=True)
+  np.testing.assert_allclose(np.exp(got), w * dense + (1 - w) * bm25,
+                             rtol=1e-5, atol=1e-7)
+
+
+def test_bm25s_prior_is_the_softmax_of_the_candidates_scores():
+  """Hits' own scores; a candidate outside the hits the last hit's score;
+  nothing for the null document; numpy (host) equals jax.numpy (device)."""
+  candidates_ = np.array([[4, 9, 2], [1, 3, 8]])
+  hit_ids = np.array([[2, 4, 7], [8, 3, 5]])
+  hit_scores = np.array([[9.0, 6.5, 1.0], [3.0, 2.0, 0.5]], np.float32)
+  want = np.array([[6.5, 1.0, 9.0], [0.5, 2.0, 3.0]])
+  want = np.exp(want) / np.exp(want).sum(1, keepdims=True)
+  got = realm_inputs.lexical_log_prior(candidates_, hit_ids, hit_scores,
+                                       null_document=True)
+  assert got.shape == (2, 4) and got.dtype == np.float32
+  np.testing.assert_allclose(np.exp(got[:, 1:]), want, rtol=1e-6)
+  assert (np.exp(got[:, 0]) == 0).all()
+  on_device = realm_inputs.lexical_log_prior(
+      jnp.asarray(candidates_), jnp.asarray(hit_ids), jnp.asarray(hit_scores),
+      null_document=True, xp=jnp)
+  np.testing.assert_allclose(on_device, got, rtol=1e-6)
+  without_null = realm_inputs.lexical_log_prior(
+      candidates_, hit_ids, hit_scores, null_document=False)
+  np.testing.assert_allclose(without_null, got[:, 1:])
+
+
 def test_without_a_prior_the_loss_is_realms():
   rng = np.random.default_rng(1)
   args = (jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),
@@ -74,13 +110,16 @@ def tiny_corpus(tmp_path_factory):
       annotated, os.path.join(directory, "queries"), query_length=32)
 
 
-@pytest.mark.parametrize("search,overlap", [("host", False), ("host", True),
-                                           ("device", False)])
+@pytest.mark.parametrize("search,overlap,prior", [
+    ("host", False, "uniform"), ("host", True, "mixture"),
+    ("device", False, "mixture")])
 def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
-                                                      search, overlap):
-  """k = 2 dense + m = 2 BM25 candidates, uniform prior while the gate
-  holds the retriever (released at step 3): the batch has 1 + 4
-  candidates, BM25's hits are among them, and the run trains."""
+                                                      search, overlap, prior):
+  """k = 2 dense + m = 2 BM25 candidates, a uniform or mixture prior while
+  the gate holds the retriever (released at step 3): the batch has 1 + 4
+  candidates, BM25's hits are among them, the mixture's BM25 half is a
+  distribution over them with nothing on the null document, and the run
+  trains."""
   store, queries = tiny_corpus
   workdir = str(tmp_path / "run")
   gin.clear_config()
@@ -92,7 +131,7 @@ def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
       "pretrain.PretrainConfig.reader_length = 64",
       "pretrain.RetrievalConfig.num_candidates = 2",
       "pretrain.RetrievalConfig.lexical_candidates = 2",
-      "pretrain.RetrievalConfig.held_prior = 'uniform'",
+      f"pretrain.RetrievalConfig.held_prior = '{prior}'",
       f"pretrain.RetrievalConfig.overlap_input = {overlap}",
       f"pretrain.RetrievalConfig.search = '{search}'",
       "pretrain.GateConfig.mode = 'steps'",
@@ -107,6 +146,15 @@ def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
   def spy(self, step, state):
     batch = real(self, step, state)
     seen.append(batch["candidate_ids"].shape)
+    assert float(batch["dense_prior"][0]) == (
+        1.0 if step >= 3 else 0.5 if prior == "mixture" else 0.0)
+    if prior == "mixture":
+      p = np.exp(np.asarray(batch["lexical_log_prior"], np.float64))
+      assert p.shape == (batch["candidate_ids"].shape[0], 5)
+      np.testing.assert_allclose(p.sum(1), 1.0, rtol=1e-5)
+      assert (p[:, 0] == 0).all()
+    else:
+      assert "lexical_log_prior" not in batch
     return batch
 
   hits = []
