@@ -246,3 +246,34 @@ def test_the_targets_table_reports_the_minimum_over_worlds():
       "| rolled back | 0.300 | 0.290 (-0.010) | 0.200 (-0.100) | 100 | 200 "
       "| MISSED |",
       "| minimum over 3 worlds | | -0.010 | -0.100 | | | MISSED |"]
+
+
+def test_the_reading_table_checks_issue_65s_targets_per_world():
+  """worlds_table.reading_table: ICT, the condition's final and worst @1
+  and @5 against ICT, the gold - null accuracy at step 400, BM25's
+  recall@1, the final paired against the recipe's; a world meets the
+  targets only with a gain of 0.10, no checkpoint 0.02 under ICT and a
+  reader that reads by 400."""
+
+  def run(world, ict, accs, recall5=0.9, release=150):
+    rows = [{"world": world, "condition": "ict", "step": 100,
+             "recall@1": ict, "recall@5": 0.8, "bm25_recall@1": 1.0}]
+    rows += [{"world": world, "condition": "lexical_mix", "step": step,
+              "recall@1": r, "recall@5": recall5, "mlm_accuracy_gold": g,
+              "mlm_accuracy_null": 0.01} for step, r, g in accs]
+    return rows + [{"world": world, "condition": "lexical_mix",
+                    "summary": True, "retriever_release_step": release}]
+
+  rows = (run("reads", 0.5, [(400, 0.55, 0.2), (800, 0.7, 0.3)])
+          + run("late", 0.5, [(400, 0.5, 0.03), (800, 0.7, 0.3)])
+          + run("dips", 0.5, [(400, 0.45, 0.2), (800, 0.7, 0.3)]))
+  baseline = [{"world": "reads", "condition": "realm", "step": 800,
+               "recall@1": 0.75}]
+  lines = worlds_table.reading_table(rows, "lexical_mix",
+                                     baseline).splitlines()
+  assert lines[2] == ("| reads | 0.500 / 0.800 | 0.700 (+0.200) | +0.050 / "
+                      "+0.100 | 150 | +0.190 | 1.000 | 0.750 (-0.050) | "
+                      "met |")
+  assert lines[3].endswith("| +0.020 | 1.000 | - | MISSED |")
+  assert "| -0.050 / +0.100 |" in lines[4] and lines[4].endswith("MISSED |")
+  assert lines[5].startswith("| minimum over 3 worlds | | +0.200 | -0.050 /")

@@ -42,6 +42,10 @@ its own gin files and bindings on top:
   lexical_mix     (only when named) `lexical` with the mixture prior while
                   held: half REALM's p(z|x), half the softmax of the
                   candidates' BM25 scores
+  lexical_mix_permuted (only when named) `lexical_mix` as a no-information
+                  control: each query's retriever gradient comes from the
+                  next query's reader likelihoods
+                  (`RetrieverScheduleConfig.signal = "permuted"`)
 
 (The ideal-reader diagnostics, ideal_reader, ideal_shuffled and their
 query-side pair, and the reader pre-training and adaptation stages were
@@ -55,7 +59,8 @@ CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
               "realm_repeat", "realm_original")
 # Run only when asked for (--conditions=...).
-EXTRA_CONDITIONS = ("realm_slow", "lexical", "lexical_dense", "lexical_mix")
+EXTRA_CONDITIONS = ("realm_slow", "lexical", "lexical_dense", "lexical_mix",
+                    "lexical_mix_permuted")
 
 
 def gin_files(name: str, args) -> list[str]:
@@ -96,4 +101,8 @@ def bindings(name: str, args) -> list[str]:
       "lexical_dense": ["pretrain.RetrievalConfig.lexical_candidates = 3"],
       "lexical_mix": ["pretrain.RetrievalConfig.lexical_candidates = 3",
                       "pretrain.RetrievalConfig.held_prior = 'mixture'"],
+      "lexical_mix_permuted": [
+          "pretrain.RetrievalConfig.lexical_candidates = 3",
+          "pretrain.RetrievalConfig.held_prior = 'mixture'",
+          "pretrain.RetrieverScheduleConfig.signal = 'permuted'"],
   }[name]

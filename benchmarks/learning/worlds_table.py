@@ -108,6 +108,74 @@ def targets_table(rows: list[dict], condition: str = "realm") -> str:
   return "\n".join(lines)
 
 
+# Issue 65's targets: the end >= ICT + 0.10 at recall@1, no checkpoint
+# below ICT - 0.02 at recall@1 or @5, and the reader reading by step 400:
+# its held-out masked-token accuracy with the gold block >= its accuracy
+# with the null document + 0.05.
+GAIN, FLOOR, READ_STEP, READ_MARGIN = 0.10, 0.02, 400, 0.05
+
+
+def _evals(rows: list[dict], world: str, condition: str) -> list[dict]:
+  return [r for r in rows if r["world"] == world
+          and r["condition"] == condition and "summary" not in r]
+
+
+def _summary(rows: list[dict], world: str, condition: str) -> dict | None:
+  return next((r for r in rows if r["world"] == world
+               and r["condition"] == condition and "summary" in r), None)
+
+
+def reading_table(rows: list[dict], condition: str,
+                  baseline: list[dict] = (),
+                  baseline_condition: str = "realm") -> str:
+  """Per world: ICT, `condition`'s final and worst recall@1 (and worst
+  @5) against ICT's, its release, the reader's gold - null accuracy at
+  step 400, BM25's recall@1 (the gain must be the dense retriever's), and
+  the final against `baseline_condition`'s in `baseline` (today's recipe,
+  paired by world); then the minimum over worlds of each difference."""
+  lines = ["| world | ICT @1 / @5 | final @1 (vs ICT) | worst @1 / @5 (vs "
+           "ICT) | released at | gold - null acc. at 400 | BM25 @1 | "
+           "recipe @1 (final - recipe) | targets |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  columns = {"final": [], "worst1": [], "worst5": [], "read": [], "vs": []}
+  for world in dict.fromkeys(r["world"] for r in rows):
+    ict = _evals(rows, world, "ict")
+    evals, summary = (_evals(rows, world, condition),
+                      _summary(rows, world, condition))
+    if not ict or not evals or summary is None:
+      continue  # (a world still running, or without this condition)
+    b1, b5 = ict[-1]["recall@1"], ict[-1]["recall@5"]
+    final = evals[-1]["recall@1"]
+    worst1 = min(r["recall@1"] for r in evals) - b1
+    worst5 = min(r["recall@5"] for r in evals) - b5
+    at = next((r for r in evals if r["step"] == READ_STEP), None)
+    read = (at["mlm_accuracy_gold"] - at["mlm_accuracy_null"]
+            if at else float("nan"))
+    recipe = _evals(list(baseline), world, baseline_condition)
+    vs = final - recipe[-1]["recall@1"] if recipe else float("nan")
+    for key, value in (("final", final - b1), ("worst1", worst1),
+                       ("worst5", worst5), ("read", read), ("vs", vs)):
+      columns[key].append(value)
+    met = (final - b1 >= GAIN and min(worst1, worst5) >= -FLOOR
+           and read >= READ_MARGIN)
+    release = summary.get("retriever_release_step")
+    bm25 = ict[-1].get("bm25_recall@1", float("nan"))
+    lines.append(
+        f"| {world} | {b1:.3f} / {b5:.3f} | {final:.3f} ({final - b1:+.3f})"
+        f" | {worst1:+.3f} / {worst5:+.3f} | "
+        f"{'never' if release is None else release} | {read:+.3f} | "
+        f"{bm25:.3f} | "
+        + (f"{recipe[-1]['recall@1']:.3f} ({vs:+.3f})" if recipe else "-")
+        + f" | {'met' if met else 'MISSED'} |")
+  if columns["final"]:
+    low = {k: min(v) for k, v in columns.items()}
+    lines.append(f"| minimum over {len(columns['final'])} worlds | | "
+                 f"{low['final']:+.3f} | {low['worst1']:+.3f} / "
+                 f"{low['worst5']:+.3f} | | {low['read']:+.3f} | | "
+                 f"{low['vs']:+.3f} | |")
+  return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -160,6 +228,12 @@ def main(argv=None) -> None:
                       "--output file.")
   parser.add_argument("--output", default=None)
   parser.add_argument("--plot", default=None)
+  parser.add_argument("--condition", default=None,
+                      help="Also print issue 65's table for this condition "
+                      "(e.g. lexical_mix).")
+  parser.add_argument("--baseline", default=None,
+                      help="A merged --output file (worlds tagged) whose "
+                      "`realm` rows are today's recipe, paired by world.")
   args = parser.parse_args(argv)
   rows = []
   for run in args.run:
@@ -172,6 +246,13 @@ def main(argv=None) -> None:
   print(summary_table(rows))
   print()
   print(targets_table(rows))
+  if args.condition:
+    baseline = []
+    if args.baseline:
+      with open(args.baseline, encoding="utf-8") as f:
+        baseline = [json.loads(line) for line in f if line.strip()]
+    print()
+    print(reading_table(rows, args.condition, baseline))
   if args.plot:
     plot(rows, args.plot)
 

@@ -79,6 +79,7 @@ def pretraining_loss(
     mlm_weights: jax.Array,
     dense_prior: jax.Array | None = None,
     lexical_log_prior: jax.Array | None = None,
+    permuted_signal: bool = False,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """REALM's per-masked-token marginal loss, as sums.
 
@@ -94,6 +95,11 @@ def pretraining_loss(
       p(z|x).
     lexical_log_prior: optional [B, C] log-probabilities of the candidates
       by BM25's scores (`candidates.lexical_log_prior`).
+    permuted_signal: the no-information control
+      (`RetrieverScheduleConfig.signal = "permuted"`): the retriever's
+      gradient comes from the next row's reader likelihoods (rolled by one
+      query), so it has REALM's form and size but says nothing about its
+      own query; the reader's gradient and the loss's value are REALM's.
 
   Returns:
     loss_sum: -sum_j w_j log p(y_j|x).
@@ -122,7 +128,16 @@ def pretraining_loss(
       "mlm_correct": jnp.sum(correct * weights),
       "null_probability": jnp.sum(jnp.exp(log_p_z[:, :1]) * weights),
   }
-  return -jnp.sum(marginal * weights), jnp.sum(weights), metric_sums
+  objective = marginal * weights
+  if permuted_signal:
+    sg = jax.lax.stop_gradient
+    other_ll, other_w = (jnp.roll(token_ll, 1, axis=0),
+                         jnp.roll(weights, 1, axis=0))
+    reader = jax.nn.logsumexp(sg(log_p_z)[:, :, None] + token_ll, axis=1)
+    retriever = jax.nn.logsumexp(log_p_z[:, :, None] + sg(other_ll),
+                                 axis=1) * other_w
+    objective = reader * weights + retriever - sg(retriever)
+  return -jnp.sum(objective), jnp.sum(weights), metric_sums
 
 
 def retriever_marginal_loss(retrieval_logits: jax.Array,

@@ -62,8 +62,11 @@ from realm_jax.training.pretrain_config import UNUSED_BY_PRETRAINING
 # ----------------------------------------------------------------------------
 
 
-def make_loss_fn(graphdef, null_document: bool = True):
-  """REALM's loss (`losses.pretraining_loss`) of the bound model."""
+def make_loss_fn(graphdef, null_document: bool = True,
+                 permuted_signal: bool = False):
+  """REALM's loss (`losses.pretraining_loss`) of the bound model
+  (`permuted_signal`: the no-information control,
+  `RetrieverScheduleConfig.signal`)."""
   def loss_fn(params, batch, dropout_rng):
     model = functional.bind(graphdef, params)
     retrieval_logits, mlm_logits = model.pretraining_logits(
@@ -73,7 +76,8 @@ def make_loss_fn(graphdef, null_document: bool = True):
                                      batch["mlm_targets"],
                                      batch["mlm_weights"],
                                      batch.get("dense_prior"),
-                                     batch.get("lexical_log_prior"))
+                                     batch.get("lexical_log_prior"),
+                                     permuted_signal=permuted_signal)
   return loss_fn
 
 
@@ -294,7 +298,8 @@ def train(*, config: PretrainConfig, model: RealmConfig,
     inputs = RetrievalInput(config, model, graphdef, store, queries,
                             run.mesh)
     inputs.source.restore(restored, start_step)
-    loss_fn = make_loss_fn(graphdef, config.retrieval.null_document)
+    loss_fn = make_loss_fn(graphdef, config.retrieval.null_document,
+                           config.retriever.signal == "permuted")
     gate = None
     if config.gate.measured:
       gate = gate_lib.RetrieverGate(

@@ -172,13 +172,22 @@ class RetrieverScheduleConfig:
     learning_rate_multiplier: the retriever's peak rate relative to the
       run's `learning_rate`, which is the reader's (REALM: 1; 0 freezes the
       retriever). See `optimizer.realm_optimizer`.
+    signal: "reader" (REALM: the retriever learns from the reader's
+      likelihoods of its own query's masked tokens) or "permuted", a
+      no-information control for experiments: each query's retriever
+      gradient is computed from the next query's likelihoods (same form,
+      size and candidates, no information about its own query), so a gain
+      that survives it does not come from the reader's signal
+      (`losses.pretraining_loss`).
   """
 
   training: str = "full"
   learning_rate_multiplier: float = 1.0
+  signal: str = "reader"
 
   def __post_init__(self):
     _one_of(self, "training", RETRIEVER_TRAINING)
+    _one_of(self, "signal", ("reader", "permuted"))
     # Checked here, when the config is built (before a job creates its
     # workdir or index root), under the name the user sets.
     checks.at_least(self, "learning_rate_multiplier", minimum=0)

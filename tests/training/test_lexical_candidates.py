@@ -216,3 +216,43 @@ def test_bm25_reads_the_masked_queries_words_and_finds_their_blocks(
       "bm25_recall@1": 1.0, "bm25_recall@5": 1.0}
   assert candidates.bm25_recall(store, queries, hits[:, 5], "article") == {
       "bm25_recall@1": 0.0, "bm25_recall@5": 0.0}
+
+
+def test_the_permuted_control_gives_the_retriever_anothers_signal():
+  """`RetrieverScheduleConfig.signal = "permuted"`: the loss's value and
+  the reader's gradient are REALM's; the retriever's gradient is the
+  paper's identity, sum_j w_j (p(z|x, y_j) - p(z|x)), with query i's
+  posterior formed from the next query's likelihoods (numpy)."""
+  rng = np.random.default_rng(5)
+  b, c, m, v = 4, 3, 2, 7
+  logits = rng.normal(size=(b, c)).astype(np.float32)
+  mlm = rng.normal(size=(b, c, m, v)).astype(np.float32)
+  targets = rng.integers(0, v, (b, m))
+  weights = np.array([[1, 1], [1, 0], [1, 1], [0, 1]], np.float32)
+
+  def loss(x, y, permuted):
+    return losses.pretraining_loss(x, y, jnp.asarray(targets),
+                                   jnp.asarray(weights),
+                                   permuted_signal=permuted)[0]
+
+  args = (jnp.asarray(logits), jnp.asarray(mlm))
+  assert float(loss(*args, True)) == pytest.approx(float(loss(*args, False)),
+                                                  rel=1e-6)
+  g_reader = [jax.grad(loss, 1)(*args, p) for p in (False, True)]
+  np.testing.assert_allclose(g_reader[1], g_reader[0], rtol=1e-5, atol=1e-7)
+  g_retriever = jax.grad(loss, 0)(*args, True)
+  log_v = mlm - np.log(np.exp(mlm).sum(-1, keepdims=True))
+  ll = np.take_along_axis(
+      log_v, np.broadcast_to(targets[:, None, :, None], (b, c, m, 1)),
+      -1)[..., 0]  # [B, C, M]
+  prior = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+  want = np.zeros((b, c))
+  for i in range(b):
+    other = (i - 1) % b  # jnp.roll(x, 1): row i holds row i - 1's
+    for j in range(m):
+      post = prior[i] * np.exp(ll[other, :, j])
+      post /= post.sum()
+      want[i] -= weights[other, j] * (post - prior[i])
+  np.testing.assert_allclose(g_retriever, want, rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="signal"):
+    pretrain.RetrieverScheduleConfig(signal="shuffled")
