@@ -1,9 +1,12 @@
 r"""Zero-shot SQuAD-open over the Vital Articles' leads (issue 47, item 4).
 
     python benchmarks/data/fetch_public.py --cache_dir=/work/cache \
-        --output_dir=/tmp/public_data
+        --output_dir=/tmp/public_data --squad_dev=/data/dev-v1.1.json
     python benchmarks/real_text.py --data_dir=/tmp/public_data \
         --workdir=/tmp/real_text --output=docs/results/real_text.jsonl
+    # The leads alone (fetch_public --sets=leads): the describe task.
+    python benchmarks/real_text.py --data_dir=/tmp/public_data \
+        --workdir=/tmp/real_text --tasks=describe
 
 Z is the 10,033 leads (`vital_leads.jsonl`) followed by the 2,067 SQuAD
 v1.1 dev paragraphs (`squad_dev_paragraphs.jsonl`), each as blocks of at
@@ -46,20 +49,41 @@ the question's own SQuAD paragraph in the top k), k = 1, 5, 20, 100. One
 JSON line per retriever and task on stdout and in `--output` ("seconds":
 ranking and scoring the questions; "setup_seconds": indexing).
 
-`--tasks=squad,cloze` also asks the qa_wikidata prompts about a lead
-(`wikidata_cloze.jsonl`, evaluation only) as questions: recall@k of a
-block holding the answer, and gold recall@k of a block of the subject's
-lead (the data of the cloze probe, issue 47 item 5; the reader's
-masked-span accuracy is not measured here).
+`--tasks` (comma-separated) chooses what is asked; each needs its files
+in --data_dir (`benchmarks/public_sources.py`; a missing one stops the
+run at once, naming every route to it, before anything is written):
+
+  squad     SQuAD-open, as above. Needs the SQuAD files (fetch_public
+            --squad_dev or --bigbench_sdist); only this task adds the
+            SQuAD paragraphs to the corpus: without it Z is the leads.
+  cloze     the qa_wikidata prompts about a lead (`wikidata_cloze.jsonl`,
+            evaluation only; fetch_public --bigbench_sdist) asked as
+            questions: recall@k of a block holding the answer, gold
+            recall@k of a block of the subject's lead (the data of the
+            cloze probe, issue 47 item 5; the reader's masked-span
+            accuracy is not measured here).
+  describe  needs the leads alone (issue 66): each lead's Wikidata
+            description (`vital_leads.jsonl`'s "description", which the
+            corpus does not index) asked as a question, where it names
+            one lead only and not the lead's own name: gold recall@k of a
+            block of the described lead, recall@k of a block holding its
+            name (the title less a "(...)" qualifier).
+  nq_open, efficientqa, webq, curatedtrec
+            the question files of fetch_public's --nq_open_dev,
+            --efficientqa_dev, --webq_test, --curatedtrec_test: answer
+            recall@k over the corpus (no gold block; CuratedTrec's answers
+            are regular expressions).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import itertools
 import json
 import os
+import re
 import sys
 import time
 
@@ -68,10 +92,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
+from benchmarks import public_sources  # pylint: disable=wrong-import-position
 from realm_jax import gin_cli  # pylint: disable=wrong-import-position
 
 KS = (1, 5, 20, 100)
 RETRIEVERS = ("bm25", "minilm")
+# Each task's data set (`public_sources.SETS`: the files it reads).
+TASKS = {"squad": "squad", "cloze": "cloze", "describe": "leads",
+         "nq_open": "nq_open", "efficientqa": "efficientqa",
+         "webq": "webq", "curatedtrec": "curatedtrec"}
 
 
 def _first_lines(source: str, out, n: int | None) -> None:
@@ -81,15 +110,17 @@ def _first_lines(source: str, out, n: int | None) -> None:
 
 
 def build_stores(data_dir: str, workdir: str, max_block_len: int,
-                 num_documents: int = 0):
+                 num_documents: int = 0, paragraphs: bool = True):
   """(leads store, union store), built once by the corpus job: Z is the
-  first `num_documents` leads (all: 0), the union Z + the paragraphs."""
+  first `num_documents` leads (all: 0), the union Z + the SQuAD
+  paragraphs; without `paragraphs`, (Z, Z)."""
   from realm_jax.data import block_store, corpus_job  # pylint: disable=g-import-not-at-top
   n = num_documents or None
   leads = os.path.join(workdir, "leads.jsonl")
   union_jsonl = os.path.join(workdir, "union.jsonl")
-  for path, sources in ((leads, ("vital_leads.jsonl",)), (union_jsonl, (
-      "vital_leads.jsonl", "squad_dev_paragraphs.jsonl"))):
+  jobs = ((leads, ("vital_leads.jsonl",)), (union_jsonl, (
+      "vital_leads.jsonl", "squad_dev_paragraphs.jsonl")))
+  for path, sources in jobs[:2 if paragraphs else 1]:
     if not os.path.exists(path):
       with open(path + ".tmp", "wb") as out:
         for name in sources:
@@ -97,12 +128,15 @@ def build_stores(data_dir: str, workdir: str, max_block_len: int,
                        n if name == "vital_leads.jsonl" else None)
       os.replace(path + ".tmp", path)
   stores = []
-  for name, source in (("vital", leads), ("union", union_jsonl)):
+  for name, source in (("vital", leads), ("union", union_jsonl)
+                       )[:2 if paragraphs else 1]:
     path = os.path.join(workdir, name)
     if not os.path.exists(os.path.join(path, "manifest.json")):
       corpus_job.build_corpus(input_path=source, output_dir=path,
                               max_block_len=max_block_len)
     stores.append(block_store.BlockStore.open(path))
+  if not paragraphs:
+    stores.append(stores[0])
   block_store.check_extends(*stores)
   if num_documents and stores[0].num_documents != num_documents:
     raise ValueError(
@@ -112,7 +146,8 @@ def build_stores(data_dir: str, workdir: str, max_block_len: int,
 
 
 def _score(name, examples, gold, ids, scores, store, workdir, seconds):
-  """The JSON line of one retriever; writes its predictions."""
+  """The JSON line of one retriever (gold recall where `gold` is not
+  None); writes its predictions."""
   from realm_jax.eval import qa_eval, retrieval_eval  # pylint: disable=g-import-not-at-top
   results = retrieval_eval.retrieval_results(examples, ids, scores, store)
   qa_eval.write_predictions(
@@ -121,8 +156,9 @@ def _score(name, examples, gold, ids, scores, store, workdir, seconds):
   row = {"retriever": name.split("_")[0], "questions": len(examples),
          "blocks": len(store),
          **{f"recall@{k}": round(metrics[f"recall@{k}"], 4) for k in KS},
-         **{k: round(v, 4) for k, v in retrieval_eval.gold_recall(
-             results, gold, KS).items()},
+         **({} if gold is None else {
+             k: round(v, 4) for k, v in retrieval_eval.gold_recall(
+                 results, gold, KS).items()}),
          "seconds": round(seconds, 1)}
   return row
 
@@ -141,6 +177,8 @@ def dense_index(params, model, tag: str, stores, workdir):
     build.build_and_publish(retriever_params=params["retriever"],
                             retriever_config=model.retriever, store=vital,
                             root=leads_root, step=0, config=config)
+  if union is vital:  # Z alone: nothing to add.
+    return publish.load_frozen_index(leads_root, vital, model)
   if publish.read_latest(union_root) is None:
     extend.extend_index(index_root=leads_root, base_store=vital,
                         union_store=union,
@@ -156,6 +194,8 @@ def bm25_index(stores):
   blocks beside the union's; found there on later runs."""
   from realm_jax.index import bm25, extend  # pylint: disable=g-import-not-at-top
   vital, union = stores
+  if union is vital:  # Z alone: nothing to add.
+    return bm25.for_store(vital)
   bm25.for_store(vital)
   extend.extend_bm25(vital, union)
   return bm25.for_store(union, build=False)
@@ -304,11 +344,8 @@ def cloze_task(data_dir: str, stores):
   (`wikidata_cloze.jsonl`): the prompt asked as a question, gold = the
   blocks of its subject's lead. Evaluation only."""
   from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
-  vital, union = stores
-  offsets = union.doc_block_offsets
-  leads = {union.title(int(offsets[d])): np.arange(offsets[d],
-                                                   offsets[d + 1])
-           for d in range(vital.num_documents)}
+  vital = stores[0]
+  leads = _lead_blocks(stores)
   examples, gold = [], []
   with open(os.path.join(data_dir, "wikidata_cloze.jsonl"),
             encoding="utf-8") as f:
@@ -324,14 +361,76 @@ def cloze_task(data_dir: str, stores):
   return examples, gold
 
 
+def _lead_blocks(stores) -> dict:
+  """{title: the union's block ids of that lead} for the leads of Z."""
+  vital, union = stores
+  offsets = union.doc_block_offsets
+  return {union.title(int(offsets[d])): np.arange(offsets[d],
+                                                  offsets[d + 1])
+          for d in range(vital.num_documents)}
+
+
+def _name(title: str) -> str:
+  """A lead's name: its title less a trailing "(...)" qualifier."""
+  return re.sub(r"\s*\([^()]*\)$", "", title) or title
+
+
+def _folded(text: str) -> str:
+  """`text` with case and spacing folded."""
+  return " ".join(text.lower().split())
+
+
+def describe_task(data_dir: str, stores, max_questions: int = 0):
+  """(examples, gold blocks): each lead of Z whose Wikidata description
+  is not empty, is no other lead's (case and spacing aside) and does not
+  hold the lead's name, asked as a question; answer = the name, gold = the
+  lead's blocks. Needs `vital_leads.jsonl` alone."""
+  from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(data_dir, "vital_leads.jsonl"),
+            encoding="utf-8") as f:
+    leads = [json.loads(line) for line in f]
+  counts = collections.Counter(_folded(x["description"]) for x in leads)
+  blocks = _lead_blocks(stores)
+  examples, gold = [], []
+  for lead in leads:
+    text, name = lead["description"].strip(), _name(lead["title"])
+    if (text and counts[_folded(text)] == 1 and lead["title"] in blocks
+        and not qa.has_answer(text, (name,))):
+      examples.append(qa.QAExample(text, (name,)))
+      gold.append(blocks[lead["title"]])
+  return examples[:max_questions or None], gold[:max_questions or None]
+
+
+def qa_set_task(data_dir: str, task: str, max_questions: int = 0):
+  """(examples, None): the ORQA JSONL questions fetch_public wrote for
+  `task` (no gold block: answer recall only)."""
+  from realm_jax.data import qa  # pylint: disable=g-import-not-at-top
+  path = os.path.join(data_dir, public_sources.SETS[task].outputs[0])
+  examples = qa.read_qa_jsonl(path, strict=True,
+                              regex_answers=task == "curatedtrec")
+  return examples[:max_questions or None], None
+
+
+def make_task(task: str, data_dir: str, stores, max_questions: int):
+  """(examples, gold blocks or None) of one of `TASKS`."""
+  if task == "squad":
+    return squad_task(data_dir, stores[1], max_questions)
+  if task == "cloze":
+    return cloze_task(data_dir, stores)
+  if task == "describe":
+    return describe_task(data_dir, stores, max_questions)
+  return qa_set_task(data_dir, task, max_questions)
+
+
 def table(rows) -> str:
-  """A Markdown table of the JSON lines: recall@k / gold recall@k, in %."""
+  """A Markdown table of the JSON lines: recall@k / gold recall@k, in %
+  ("-" where a task has no gold block)."""
   head = " | ".join(f"@{k}" for k in KS)
   lines = [f"| task | retriever | questions | blocks | answer recall {head} "
            f"| gold recall {head} |", "|---" * (4 + 2 * len(KS)) + "|"]
   for r in rows:
-    cells = [f"{100 * r[f'{p}recall@{k}']:.1f}" for p in ("", "gold_")
-             for k in KS]
+    cells = [f"{100 * r[f'{p}recall@{k}']:.1f}" if f"{p}recall@{k}" in r
+             else "-" for p in ("", "gold_") for k in KS]
     lines.append(f"| {r.get('task', 'squad')} | {r['retriever']} | "
                  f"{r['questions']} | {r['blocks']} | {' | '.join(cells)} |")
   return "\n".join(lines)
@@ -432,9 +531,11 @@ def main(argv=None) -> None:
                       "paragraphs; never a benchmark file that carries a "
                       "canary), asked over the leads + its paragraphs.")
   parser.add_argument("--tasks", default="squad",
-                      help="squad (SQuAD-open) and/or cloze (the "
-                      "qa_wikidata prompts about a lead, asked as "
-                      "questions), comma-separated.")
+                      help="Comma-separated, of "
+                      f"{', '.join(TASKS)} (see the module's docstring): "
+                      "squad is SQuAD-open, cloze the qa_wikidata prompts "
+                      "about a lead, describe the leads' Wikidata "
+                      "descriptions (needs the leads alone).")
   args = parser.parse_args(argv)
   if args.table_from:
     with open(args.table_from, encoding="utf-8") as f:
@@ -447,21 +548,23 @@ def main(argv=None) -> None:
     return
   if not (args.data_dir and args.workdir):
     parser.error("--data_dir and --workdir are required")
+  names = [] if args.tune_fusion else list(dict.fromkeys(
+      filter(None, args.tasks.split(","))))
+  for task in names:
+    if task not in TASKS:
+      parser.error(f"--tasks: {task!r} is not one of {', '.join(TASKS)}")
+  _require(args.data_dir, ["leads"] + [TASKS[t] for t in names])
   os.makedirs(args.workdir, exist_ok=True)
   stores = build_stores(args.data_dir, args.workdir, args.max_block_len,
-                        args.num_documents)
-  tasks = {}
-  for task in args.tasks.split(","):
-    if task not in ("squad", "cloze"):
-      parser.error(f"--tasks: {task!r} is not squad or cloze")
-    tasks[task] = (squad_task(args.data_dir, stores[1], args.max_questions)
-                   if task == "squad" else cloze_task(args.data_dir, stores))
-  fusion = _fusion(args)
+                        args.num_documents, paragraphs="squad" in names)
   if args.tune_fusion:
     for row in tune_fusion(args.data_dir, args.workdir, args.max_block_len,
                            args.tune_fusion, stores, args.max_questions):
       _emit(row, args.output)
     return
+  tasks = {t: make_task(t, args.data_dir, stores, args.max_questions)
+           for t in names}
+  fusion = _fusion(args)
   made = Rankers(stores, args.workdir, fusion)
   weights = {}  # dense retrievers' weights, loaded when first ranked
   rankers = {}
@@ -503,6 +606,14 @@ def main(argv=None) -> None:
         row["fusion"] = dataclasses.asdict(ranker.config)
       _emit({"task": task, **row, "setup_seconds": round(setup, 1)},
             args.output)
+
+
+def _require(data_dir: str, sets) -> None:
+  """Stops at once, before anything is written, when `data_dir` lacks a
+  file of `sets`, with one line naming every route to it."""
+  message = public_sources.missing_files(data_dir, sets)
+  if message:
+    raise SystemExit(f"real_text: {message}")
 
 
 def _load(weights: dict, name: str) -> Weights:

@@ -70,6 +70,11 @@ def pytest_configure(config):
       "markers",
       "slow: a long test, left out of README's test command "
       "(-m \"not slow\") and run by CI after it (-m slow).")
+  config.addinivalue_line(
+      "markers",
+      "network: needs the package index (PyPI); also marked slow, so only "
+      "CI's slow tier runs it, and it skips, saying why, where the index "
+      "cannot be reached.")
 
 
 def pytest_sessionstart(session):

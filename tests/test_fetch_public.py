@@ -1,33 +1,33 @@
-"""benchmarks/data/fetch_public.py on tiny archives built here: a fake
-wheel and a fake sdist with the real archives' internal paths. pip runs for
-real, offline (--no-index --find-links to a local directory); the sdist
-comes from a package index page served on localhost."""
+"""benchmarks/data/fetch_public.py on tiny files built here, each in the
+format of the file it stands for: a fake wheel with the real wheel's
+internal path, an official-format SQuAD v1.1 dev file, a fake bigbench
+sdist, and ORQA JSONL question files. pip runs for real, offline
+(--no-index --find-links to a local directory). The pins are the sums of
+these test files (`sources=`, `package=`), never the real ones."""
 
 import dataclasses
-import functools
 import hashlib
-import http.server
 import importlib.util
 import io
 import json
 import os
+import subprocess
 import sys
 import tarfile
-import threading
 import zipfile
 
 import pytest
 
+from benchmarks import public_sources
 from realm_jax.data import squad
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SCRIPT = os.path.join(_ROOT, "benchmarks", "data", "fetch_public.py")
 _FAKE_CANARY = "FAKE-CANARY made up for this test 0123"
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location(
-      "fetch_public", os.path.join(_ROOT, "benchmarks", "data",
-                                   "fetch_public.py"))
+  spec = importlib.util.spec_from_file_location("fetch_public", _SCRIPT)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # (its dataclasses look it up)
   spec.loader.exec_module(module)
@@ -50,6 +50,12 @@ _TASK = {"canary": _FAKE_CANARY, "name": "qa_wikidata", "examples": [
     {"input": "The capital of Nowhere is", "target": "Opal"},
     {"input": "Ines Marlow was born in", "target": "Tarrow"},
 ]}
+# ORQA JSONL (NQ-open, EfficientQA, DrQA's WebQuestions and CuratedTrec).
+_QUESTIONS = [{"question": "where does lake vostrel drain",
+               "answer": ["the river Opal", "Opal"]},
+              {"question": "who was born in tarrow", "answer": ["Ines Marlow"],
+               "id": "not copied"}]
+_PATTERNS = [{"question": "when was the fort left", "answer": ["19[0-9]3"]}]
 
 
 def _wheel(path, summaries: bytes):
@@ -65,6 +71,15 @@ def _wheel(path, summaries: bytes):
   return str(path)
 
 
+def _squad_json(canary=None):
+  with open(os.path.join(_ROOT, "tests", "fixtures", "squad",
+                         "tiny_v1.json"), "rb") as f:
+    record = json.load(f)
+  if canary:
+    record["canary"] = canary
+  return json.dumps(record).encode()
+
+
 def _sdist(path, squad_json: bytes):
   with tarfile.open(path, "w:gz") as tar:
     for name, data in (
@@ -78,12 +93,14 @@ def _sdist(path, squad_json: bytes):
   return str(path)
 
 
-def _squad_json():
-  with open(os.path.join(_ROOT, "tests", "fixtures", "squad",
-                         "tiny_v1.json"), "rb") as f:
-    record = json.load(f)
-  record["canary"] = _FAKE_CANARY
-  return json.dumps(record).encode()
+def _write(path, data: bytes) -> str:
+  with open(path, "wb") as f:
+    f.write(data)
+  return str(path)
+
+
+def _jsonl(records) -> bytes:
+  return "".join(json.dumps(r) + "\n" for r in records).encode()
 
 
 def _sha(path):
@@ -91,234 +108,283 @@ def _sha(path):
     return hashlib.sha256(f.read()).hexdigest()
 
 
-@pytest.fixture(name="index")
-def _index(tmp_path):
-  """A package index on localhost (PEP 503 pages under simple/, the files
-  under files/): its directory and its simple URL."""
-  root = tmp_path / "index"
-  os.makedirs(root / "files")
-  handler = functools.partial(http.server.SimpleHTTPRequestHandler,
-                              directory=str(root))
-  handler.log_message = lambda *args: None
-  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-  threading.Thread(target=server.serve_forever, daemon=True).start()
-  yield root, f"http://127.0.0.1:{server.server_address[1]}/simple/"
-  server.shutdown()
-  server.server_close()
+class Setup:
+  """The module, the files by path, their pins and pip's offline args."""
 
+  def __init__(self, tmp_path):
+    self.fetch = _module()
+    self.tmp = tmp_path
+    links, files = tmp_path / "links", tmp_path / "files"
+    os.makedirs(links)
+    os.makedirs(files)
+    self.cache = str(tmp_path / "cache")
+    self.pip_args = ("--no-index", "--find-links", str(links))
+    wheel = _wheel(links / public_sources.WIKI.filename,
+                   json.dumps(_LEADS).encode())
+    self.package = dataclasses.replace(public_sources.WIKI,
+                                       sha256=_sha(wheel))
+    self.paths = {
+        "squad_dev": _write(files / "dev-v1.1.json", _squad_json()),
+        "bigbench_sdist": _sdist(files / "bigbench-1.0.0.tar.gz",
+                                 _squad_json(_FAKE_CANARY)),
+        "nq_open_dev": _write(files / "NQ-open.dev.jsonl",
+                              _jsonl(_QUESTIONS)),
+        "efficientqa_dev": _write(
+            files / "NQ-open.efficientqa.dev.1.1.jsonl",
+            _jsonl(_QUESTIONS[:1])),
+        "webq_test": _write(files / "WebQuestions-test.txt",
+                            _jsonl(_QUESTIONS)),
+        "curatedtrec_test": _write(files / "CuratedTrec-test.txt",
+                                   _jsonl(_PATTERNS))}
+    # Each file's own sum, or (no sum known) its own count.
+    self.sources = {
+        flag: dataclasses.replace(s, sha256=_sha(self.paths[flag]))
+        if s.sha256 else dataclasses.replace(s, questions=len(open(
+            self.paths[flag]).readlines()))
+        for flag, s in public_sources.FLAGS.items()}
 
-def _list(index_root, project: str, *filenames: str):
-  page = index_root / "simple" / project
-  os.makedirs(page, exist_ok=True)
-  (page / "index.html").write_text("<html><body>" + "".join(
-      f'<a href="../../files/{f}#sha256=x">{f}</a>' for f in filenames)
-                                   + "</body></html>")
+  def run(self, out, flags=(), **kwargs):
+    return self.fetch.fetch(
+        self.cache, str(self.tmp / out),
+        {f: self.paths[f] for f in flags},
+        **{"package": self.package, "sources": self.sources,
+           "pip_args": self.pip_args, **kwargs})
+
+  def main(self, *args):
+    return self.fetch.main(["--cache_dir", self.cache, *args] + [
+        f"--pip_arg={a}" for a in self.pip_args])
 
 
 @pytest.fixture(name="setup")
-def _setup(tmp_path, index):
-  """(module, pins, cache dir with the sdist, links dir with the wheel);
-  the sdist is also on the index the module downloads from."""
-  fetch = _module()
-  links, cache = tmp_path / "links", tmp_path / "cache"
-  os.makedirs(links)
-  os.makedirs(cache / "pkgs")
-  wheel = _wheel(links / fetch.WIKI.filename, json.dumps(_LEADS).encode())
-  sdist = _sdist(cache / "pkgs" / fetch.BIGBENCH.filename, _squad_json())
-  index_root, fetch.INDEX_URL = index
-  with open(sdist, "rb") as f:
-    (index_root / "files" / fetch.BIGBENCH.filename).write_bytes(f.read())
-  _list(index_root, "bigbench", "bigbench-0.9.tar.gz",
-        fetch.BIGBENCH.filename)
-  pins = (dataclasses.replace(fetch.WIKI, sha256=_sha(wheel)),
-          dataclasses.replace(fetch.BIGBENCH, sha256=_sha(sdist)))
-  return fetch, pins, str(cache), ["--no-index", "--find-links", str(links)]
+def _setup(tmp_path):
+  return Setup(tmp_path)
 
 
-def test_the_sdist_comes_from_the_index_page_not_through_pip(
-    setup, index, tmp_path):
-  fetch, pins, cache, pip_args = setup
-  cached = os.path.join(cache, "pkgs", fetch.BIGBENCH.filename)
-  os.remove(cached)
-  sums = fetch.fetch(cache, str(tmp_path / "out"), packages=pins,
-                     pip_args=pip_args)
-  assert _sha(cached) == pins[1].sha256
-  assert sorted(sums) == sorted(fetch.OUTPUTS)
-  assert not [f for f in os.listdir(os.path.dirname(cached))
-              if f.endswith(".partial")]
-  # A page that does not list the pinned file names the file and the page.
-  os.remove(cached)
-  _list(index[0], "bigbench", "bigbench-0.9.tar.gz")
-  with pytest.raises(fetch.FetchError, match=(
-      r"http://127\.0\.0\.1:\d+/simple/bigbench/ lists no "
-      r"bigbench-1\.0\.0\.tar\.gz")):
-    fetch.fetch(cache, str(tmp_path / "again"), packages=pins,
-                pip_args=pip_args)
-  # No page at all (another index): the page and what to check.
-  with pytest.raises(fetch.FetchError, match="check --index_url"):
-    fetch.fetch(cache, str(tmp_path / "again"), packages=pins,
-                pip_args=pip_args, index_url=index[1] + "nothing/")
-  assert not (tmp_path / "again").exists() and not os.path.exists(cached)
+def _read_lines(path):
+  return [json.loads(x) for x in open(path, encoding="utf-8")]
 
 
-def test_fetch_downloads_checks_and_writes_deterministically(setup, tmp_path):
-  fetch, pins, cache, pip_args = setup
+def test_the_leads_alone_come_from_the_wheel(setup, tmp_path):
+  sums = setup.run("out", sets=("leads",))
   out = tmp_path / "out"
-  sums = fetch.fetch(cache, str(out), packages=pins, pip_args=pip_args)
-  # The wheel came through pip into the cache.
-  assert _sha(os.path.join(cache, "pkgs", fetch.WIKI.filename)) == \
-      pins[0].sha256
-  assert sorted(sums) == sorted(fetch.OUTPUTS)
-  for name, digest in sums.items():
-    assert _sha(out / name) == digest
-  assert (out / "SHA256SUMS").read_text().splitlines()[0] == (
-      f"{sums['vital_leads.jsonl']}  vital_leads.jsonl")
-  leads = [json.loads(x) for x in (out / "vital_leads.jsonl").open()]
-  assert leads[0] == {"title": "Lake Vostrel",
-                      "text": _LEADS["Lake Vostrel"]["extract"],
-                      "description": "lake", "topic": "Geography"}
+  assert list(sums) == ["vital_leads.jsonl"]
+  assert _sha(os.path.join(setup.cache, "pkgs", setup.package.filename)) \
+      == setup.package.sha256
+  assert (out / "SHA256SUMS").read_text() == (
+      f"{sums['vital_leads.jsonl']}  vital_leads.jsonl\n")
+  assert _read_lines(out / "vital_leads.jsonl")[0] == {
+      "title": "Lake Vostrel", "text": _LEADS["Lake Vostrel"]["extract"],
+      "description": "lake", "topic": "Geography"}
+  # Again, from the cache (the links are gone): the same bytes.
+  os.remove(os.path.join(setup.pip_args[-1], setup.package.filename))
+  assert setup.run("again", sets=("leads",)) == sums
+
+
+def test_squad_from_the_official_file(setup, tmp_path):
+  sums = setup.run("out", ["squad_dev"])
+  out = tmp_path / "out"
+  assert sorted(sums) == ["squad_dev_paragraphs.jsonl",
+                          "squad_dev_questions.jsonl", "vital_leads.jsonl"]
+  data = squad.read_squad(setup.paths["squad_dev"])
+  assert (out / "squad_dev_questions.jsonl").read_text() == \
+      squad.question_lines(data.questions)
+  assert (out / "squad_dev_paragraphs.jsonl").read_text() == \
+      squad.corpus_lines(data.paragraphs)
   questions = squad.read_questions_jsonl(out / "squad_dev_questions.jsonl")
   assert len(questions) == 4 and questions[0].paragraph_id == \
       "Lake_Vostrel#0"
-  cloze = [json.loads(x) for x in (out / "wikidata_cloze.jsonl").open()]
+  # The official route and the kept sdist's give the same SQuAD files.
+  from_sdist = setup.run("sdist", ["bigbench_sdist"])
+  for name in ("squad_dev_paragraphs.jsonl", "squad_dev_questions.jsonl"):
+    assert from_sdist[name] == sums[name]
+
+
+def test_the_kept_sdist_gives_squad_and_the_cloze(setup, tmp_path):
+  sums = setup.run("out", ["bigbench_sdist"])
+  out = tmp_path / "out"
+  assert sorted(sums) == sorted(
+      public_sources.SETS["leads"].outputs
+      + public_sources.SETS["squad"].outputs
+      + public_sources.SETS["cloze"].outputs)
+  for name, digest in sums.items():
+    assert _sha(out / name) == digest
   # Subject a lead title and an answer in that lead: the first two only.
-  assert cloze == [
+  assert _read_lines(out / "wikidata_cloze.jsonl") == [
       {"prompt": "The outflow of Lake Vostrel is",
        "answers": ["Opal", "river"], "subject": "Lake Vostrel"},
       {"prompt": "The place of birth of Ines Marlow is",
        "answers": ["Tarrow"], "subject": "Ines Marlow"}]
-  for name in fetch.OUTPUTS:
+  for name in sums:
     assert _FAKE_CANARY not in (out / name).read_text()
-  # Again, from the cache (the links are gone): the same bytes.
-  os.remove(os.path.join(pip_args[-1], fetch.WIKI.filename))
-  again = fetch.fetch(cache, str(tmp_path / "again"), packages=pins,
-                      pip_args=pip_args)
-  assert again == sums
+
+
+def test_question_files_by_path(setup, tmp_path):
+  flags = ["nq_open_dev", "efficientqa_dev", "webq_test",
+           "curatedtrec_test"]
+  sums = setup.run("out", flags, sets=("leads",))
+  out = tmp_path / "out"
+  assert sorted(sums) == sorted(["vital_leads.jsonl", "nq_open_dev.jsonl",
+                                 "efficientqa_dev.jsonl",
+                                 "webquestions_test.jsonl",
+                                 "curatedtrec_test.jsonl"])
+  want = [{k: q[k] for k in ("question", "answer")} for q in _QUESTIONS]
+  assert _read_lines(out / "nq_open_dev.jsonl") == want  # (no "id")
+  assert _read_lines(out / "webquestions_test.jsonl") == want
+  assert _read_lines(out / "efficientqa_dev.jsonl") == want[:1]
+  assert _read_lines(out / "curatedtrec_test.jsonl") == _PATTERNS
+  # CuratedTrec's answers are regular expressions: a bad one is refused.
+  _write(setup.paths["curatedtrec_test"], _jsonl(
+      [{"question": "q", "answer": ["19[0-9"]}]))
+  setup.sources["curatedtrec_test"] = dataclasses.replace(
+      setup.sources["curatedtrec_test"], questions=1)
+  with pytest.raises(setup.fetch.FetchError, match=(
+      "--curatedtrec_test: .*CuratedTrec-test.txt:1: answer '19.0-9' is "
+      "not a valid regular expression")):
+    setup.run("bad", ["curatedtrec_test"], sets=("leads",))
+  assert not (tmp_path / "bad").exists()
+
+
+def test_a_file_that_is_not_the_official_one_is_refused(setup, tmp_path):
+  official = public_sources.FLAGS["squad_dev"]
+  with pytest.raises(SystemExit) as e:
+    setup.fetch.main(["--cache_dir", setup.cache, "--output_dir",
+                      str(tmp_path / "out"),
+                      f"--squad_dev={setup.paths['squad_dev']}"])
+  message = str(e.value)
+  assert f"sha256 {_sha(setup.paths['squad_dev'])}, but the official " \
+      f"dev-v1.1.json has {official.sha256}" in message
+  assert official.home in message and "\n" not in message
+  assert not os.path.exists(setup.cache)  # (checked before any download)
+  # No sum is known for WebQuestions: its number of questions is checked.
+  setup.sources["webq_test"] = dataclasses.replace(
+      setup.sources["webq_test"], questions=2032)
+  with pytest.raises(setup.fetch.FetchError, match=(
+      "2 questions, but WebQuestions-test.txt has 2032")):
+    setup.run("out", ["webq_test"], sets=("leads",))
+  assert not (tmp_path / "out").exists()
+
+
+def test_no_source_names_every_route_and_writes_nothing(tmp_path):
+  """As a user would run it: one line on stderr, exit status 1, no
+  traceback, neither directory made."""
+  out, cache = tmp_path / "out", tmp_path / "cache"
+  done = subprocess.run(
+      [sys.executable, _SCRIPT, f"--cache_dir={cache}",
+       f"--output_dir={out}"], capture_output=True, text=True, check=False,
+      env={**os.environ, "PYTHONPATH": ""})
+  assert done.returncode == 1 and done.stdout == ""
+  message = done.stderr.strip()
+  assert "\n" not in message and "Traceback" not in message
+  assert message.startswith("fetch_public: no source of squad: ")
+  for source in public_sources.SOURCES:
+    if "squad" in source.sets:
+      assert f"--{source.flag}=PATH ({source.filename}, sha256 " \
+          f"{source.sha256}; {source.home})" in message
+  assert "--sets=leads" in message
+  assert not out.exists() and not cache.exists()
+  # Every set asked for: every route named.
+  fetch = _module()
+  with pytest.raises(fetch.FetchError) as e:
+    fetch.fetch(str(cache), str(out), sets=tuple(public_sources.SETS))
+  for source in public_sources.SOURCES:
+    assert f"--{source.flag}=PATH ({source.filename}, " in str(e.value)
+  assert "no sum known, 2032 questions" in str(e.value)
+  assert not out.exists() and not cache.exists()
+
+
+def test_one_file_per_set_and_known_sets_only(setup, tmp_path):
+  with pytest.raises(setup.fetch.FetchError, match=(
+      "squad from --squad_dev and --bigbench_sdist: each set comes from "
+      "one file")):
+    setup.run("out", ["squad_dev", "bigbench_sdist"])
+  with pytest.raises(setup.fetch.FetchError, match="--sets: .'trivia'."):
+    setup.run("out", sets=("leads", "trivia"))
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_rerun_with_fewer_sets_removes_the_others(setup, tmp_path):
+  setup.run("out", ["bigbench_sdist"])
+  sums = setup.run("out", sets=("leads",))
+  assert sorted(os.listdir(tmp_path / "out")) == sorted(
+      [".realm_jax_output.json", "SHA256SUMS", *sums])
 
 
 def test_bad_checksum_is_refused(setup, tmp_path):
-  fetch, pins, cache, pip_args = setup
-  wrong = (dataclasses.replace(pins[0], sha256="0" * 64), pins[1])
-  with pytest.raises(fetch.FetchError, match="pinned at 0000"):
-    fetch.fetch(cache, str(tmp_path / "out"), packages=wrong,
-                pip_args=pip_args)
+  with pytest.raises(setup.fetch.FetchError, match="pinned at 0000"):
+    setup.run("out", ["squad_dev"], package=dataclasses.replace(
+        setup.package, sha256="0" * 64))
   assert not (tmp_path / "out").exists()
-  # A cached file with the wrong sum is downloaded again (here: the
-  # index's file, whose sum is not the pin either).
-  wrong = (pins[0], dataclasses.replace(pins[1], sha256="1" * 64))
-  with pytest.raises(fetch.FetchError, match="pinned at 1111"):
-    fetch.fetch(cache, str(tmp_path / "out"), packages=wrong,
-                pip_args=pip_args)
 
 
-@pytest.mark.parametrize("which", ["wheel", "squad"])
+@pytest.mark.parametrize("which", ["wheel", "squad", "sdist"])
 def test_malformed_json_names_the_member_and_writes_nothing(
     setup, tmp_path, which):
-  fetch, pins, cache, pip_args = setup
+  broken = json.loads(_squad_json())
+  del broken["data"][0]["paragraphs"][1]["qas"][0]["question"]
+  field = "data[0].paragraphs[1].qas[0].question"
   if which == "wheel":
-    path = _wheel(os.path.join(pip_args[-1], fetch.WIKI.filename),
+    path = _wheel(os.path.join(setup.pip_args[-1], setup.package.filename),
                   b'{"Lake Vostrel": {"title": "Lake')
-    pins = (dataclasses.replace(pins[0], sha256=_sha(path)), pins[1])
-    member = fetch.WIKI_MEMBER
+    setup.package = dataclasses.replace(setup.package, sha256=_sha(path))
+    flag, member = "squad_dev", setup.fetch.WIKI_MEMBER
+  elif which == "squad":
+    flag = "squad_dev"
+    path = _write(setup.paths[flag], json.dumps(broken).encode())
+    member = f"{path}: {field}"
   else:
-    broken = json.loads(_squad_json())
-    del broken["data"][0]["paragraphs"][1]["qas"][0]["question"]
-    path = _sdist(os.path.join(cache, "pkgs", fetch.BIGBENCH.filename),
-                  json.dumps(broken).encode())
-    pins = (pins[0], dataclasses.replace(pins[1], sha256=_sha(path)))
-    member = fetch.SQUAD_MEMBER + ": data[0].paragraphs[1].qas[0].question"
-  with pytest.raises(fetch.FetchError) as e:
-    fetch.fetch(cache, str(tmp_path / "out"), packages=pins,
-                pip_args=pip_args)
+    flag = "bigbench_sdist"
+    path = _sdist(setup.paths[flag], json.dumps(broken).encode())
+    member = f"{setup.fetch.SQUAD_MEMBER}: {field}"
+  if which != "wheel":
+    setup.sources[flag] = dataclasses.replace(setup.sources[flag],
+                                              sha256=_sha(path))
+  with pytest.raises(setup.fetch.FetchError) as e:
+    setup.run("out", [flag])
   assert member in str(e.value)
   assert not (tmp_path / "out").exists()
 
 
-def test_an_output_holding_the_canary_is_refused(setup, tmp_path):
-  fetch, pins, cache, pip_args = setup
-  record = json.loads(_squad_json())
+@pytest.mark.parametrize("flag", ["bigbench_sdist", "squad_dev",
+                                  "nq_open_dev"])
+def test_an_output_holding_a_canary_is_refused(setup, tmp_path, flag):
+  """Every route: a canary field of an input never reaches an output."""
+  record = json.loads(_squad_json(_FAKE_CANARY))
   record["data"][0]["paragraphs"][0]["context"] += " " + _FAKE_CANARY
-  path = _sdist(os.path.join(cache, "pkgs", fetch.BIGBENCH.filename),
-                json.dumps(record).encode())
-  pins = (pins[0], dataclasses.replace(pins[1], sha256=_sha(path)))
-  with pytest.raises(fetch.FetchError, match="squad_dev_paragraphs.jsonl "
-                     "would hold a BIG-bench canary"):
-    fetch.fetch(cache, str(tmp_path / "out"), packages=pins,
-                pip_args=pip_args)
+  if flag == "bigbench_sdist":
+    path = _sdist(setup.paths[flag], json.dumps(record).encode())
+    name = "squad_dev_paragraphs.jsonl"
+  elif flag == "squad_dev":
+    path = _write(setup.paths[flag], json.dumps(record).encode())
+    name = "squad_dev_paragraphs.jsonl"
+  else:
+    path = _write(setup.paths[flag], _jsonl([
+        {"canary": _FAKE_CANARY, "question": "q",
+         "answer": [_FAKE_CANARY]}]))
+    name = "nq_open_dev.jsonl"
+  setup.sources[flag] = dataclasses.replace(setup.sources[flag],
+                                            sha256=_sha(path))
+  with pytest.raises(setup.fetch.FetchError, match=(
+      f"{name} would hold a canary string")):
+    setup.run("out", [flag], sets=("leads",))
   assert not (tmp_path / "out").exists()
 
 
 def test_a_linked_output_dir_is_refused(setup, tmp_path):
-  fetch, pins, cache, pip_args = setup
   victim = tmp_path / "victim"
   victim.mkdir()
   os.symlink(victim, tmp_path / "out")
   with pytest.raises(SystemExit, match="out' is a symbolic link"):
-    fetch.main(["--cache_dir", cache, "--output_dir", str(tmp_path / "out")]
-               + [f"--pip_arg={a}" for a in pip_args])
-  with pytest.raises(fetch.io_utils.LinkRefusedError):
-    fetch.write_outputs({"a.jsonl": "{}\n"}, str(tmp_path / "out"))
+    setup.main("--output_dir", str(tmp_path / "out"), "--sets=leads")
+  with pytest.raises(setup.fetch.io_utils.LinkRefusedError):
+    setup.fetch.write_outputs({"a.jsonl": "{}\n"}, str(tmp_path / "out"))
   assert not os.listdir(victim)
 
 
-def test_downloads_never_follow_other_hosts_or_links_or_keep_short_reads(
-    setup, index, tmp_path):
-  """Issue 64: a download goes through an exclusive temporary (a link
-  planted at the old `.partial` name is never written through), a short
-  read is a failed download, and only links to the index's own host over
-  http(s) are followed."""
-  fetch, pins, cache, pip_args = setup
-  cached = os.path.join(cache, "pkgs", fetch.BIGBENCH.filename)
-  os.remove(cached)
-  victim = tmp_path / "victim.txt"
-  victim.write_text("precious")
-  os.symlink(victim, cached + ".partial")
-  fetch.fetch(cache, str(tmp_path / "out"), packages=pins, pip_args=pip_args)
-  assert victim.read_text() == "precious" and _sha(cached) == pins[1].sha256
-  os.remove(cached)
-  page = index[0] / "simple" / "bigbench"
-  for link in ("file:///tmp/", "http://example.invalid/files/"):
-    (page / "index.html").write_text(
-        f'<a href="{link}{fetch.BIGBENCH.filename}">x</a>')
-    with pytest.raises(fetch.FetchError, match="not on the index's own host"):
-      fetch.fetch(cache, str(tmp_path / "out2"), packages=pins,
-                  pip_args=pip_args)
-    assert not os.path.exists(cached)
-
-  class Short(http.server.BaseHTTPRequestHandler):
-    """Announces more bytes than it sends."""
-
-    def do_GET(self):  # pylint: disable=invalid-name
-      self.send_response(200)
-      self.send_header("Content-Length", "100000")
-      self.end_headers()
-      self.wfile.write(b"x" * 1000)
-
-    def log_message(self, *args):
-      del args
-
-  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Short)
-  threading.Thread(target=server.serve_forever, daemon=True).start()
-  try:
-    with pytest.raises(fetch.FetchError, match="nothing was kept"):
-      fetch._download(  # pylint: disable=protected-access
-          f"http://127.0.0.1:{server.server_address[1]}/x.tar.gz", cached)
-  finally:
-    server.shutdown()
-    server.server_close()
-  assert not os.path.exists(cached)
-  assert not [f for f in os.listdir(os.path.dirname(cached))
-              if f.endswith(".partial") and not os.path.islink(
-                  os.path.join(os.path.dirname(cached), f))]
-
-
 def test_an_output_dir_of_the_users_files_is_refused(setup, tmp_path):
-  fetch, pins, cache, pip_args = setup
   mine = tmp_path / "mine"
   mine.mkdir()
   (mine / "vital_leads.jsonl").write_text("the user's own\n")
   with pytest.raises(SystemExit, match="--output_dir=.*mine.*holds "
                      "vital_leads.jsonl"):
-    fetch.main(["--cache_dir", cache, "--output_dir", str(mine)]
-               + [f"--pip_arg={a}" for a in pip_args])
+    setup.main("--output_dir", str(mine), "--sets=leads")
   assert (mine / "vital_leads.jsonl").read_text() == "the user's own\n"

@@ -200,6 +200,21 @@ def test_the_vital_world_is_prepared_from_the_public_data(tmp_path, capsys):
               "--prepare_only"])  # no --data_dir
 
 
+def test_the_vital_world_without_its_qa_files_stops_first(tmp_path):
+  """Leads but no SQuAD or cloze file: one message naming the files and
+  the routes to them, before anything is built."""
+  data = tmp_path / "data"
+  public_data.write_public_data(data, VITAL_LEADS)
+  os.remove(data / "squad_dev_questions.jsonl")
+  workdir = tmp_path / "w"
+  with pytest.raises(SystemExit) as stop:
+    cli.main(["--world=vital", f"--data_dir={data}", f"--workdir={workdir}",
+              "--prepare_only"])
+  assert "squad_dev_questions.jsonl" in str(stop.value)
+  assert "fetch_public.py" in str(stop.value)
+  assert not (workdir / "vital").exists()
+
+
 def test_the_vital_world_prepares_for_minilm_plus_realm(tmp_path, capsys):
   # Target (a)'s path: MiniLM in both towers, no ICT; prepared on this
   # machine, trained on an accelerator host.

@@ -188,3 +188,87 @@ def test_hybrid_rows_and_fusion_weights_chosen_on_a_dev_set(tmp_path):
   manifest = json.loads((tmp_path / "w" / "index_minilm_devunion" / "0" /
                          "manifest.json").read_text())
   assert manifest["new_rows"] > 0
+
+
+_DESCRIBED = [
+    {"title": "Ines Marlow", "text": "Ines Marlow was a surveyor of the "
+     "north. She mapped the Kessar Hills and their lakes.",
+     "description": "Surveyor who mapped the northern hills",
+     "topic": "People"},
+    {"title": "Opal (river)", "text": "The Opal is a cold river that flows "
+     "north from the Kessar Hills to the sea.", "description": "river",
+     "topic": "Geography"},
+    {"title": "Tarrow", "text": "Tarrow is a small river town.",
+     "description": "  River", "topic": "Geography"},  # Opal's, but case
+    {"title": "Lake Vostrel", "text": "Lake Vostrel is a glacial lake.",
+     "description": "Lake Vostrel of the hills", "topic": "Geography"},
+    {"title": "Kessar Hills", "text": "The Kessar Hills are a range of "
+     "low hills in the north, rich in lakes.",
+     "description": "Range of hills in the north", "topic": "Geography"},
+]
+
+
+def test_the_describe_task_needs_the_leads_alone(tmp_path, capsys):
+  """Issue 66: a data directory of fetch_public --sets=leads runs the
+  describe task over Z alone; SQuAD or the cloze stops at once."""
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "vital_leads.jsonl").write_text("".join(
+      json.dumps(x) + "\n" for x in _DESCRIBED))
+  output = tmp_path / "rows.jsonl"
+  args = [f"--data_dir={data}", f"--workdir={tmp_path / 'w'}",
+          f"--output={output}", "--max_block_len=24", "--retrievers=bm25"]
+  real_text.main(args + ["--tasks=describe"])
+  row, = [json.loads(x) for x in output.read_text().splitlines()]
+  vital = json.loads((tmp_path / "w" / "vital" / "manifest.json")
+                     .read_text())
+  # Kept: a description no other lead has (case and spacing aside) that
+  # does not name its lead.
+  assert (row["task"], row["questions"]) == ("describe", 2)
+  assert row["blocks"] == vital["num_blocks"]
+  assert not (tmp_path / "w" / "union").exists()
+  assert row["gold_recall@100"] == row["recall@100"] == 1.0
+  predictions = [json.loads(x) for x in (
+      tmp_path / "w" / "predictions" / "bm25_describe.jsonl").read_text()
+                 .splitlines()]
+  assert [(p["question"], p["answers"]) for p in predictions] == [
+      ("Surveyor who mapped the northern hills", ["Ines Marlow"]),
+      ("Range of hills in the north", ["Kessar Hills"])]
+  capsys.readouterr()
+  for task, routes in (("squad", ("--squad_dev=PATH (dev-v1.1.json",
+                                  "--bigbench_sdist=PATH (bigbench-1.0.0")),
+                       ("cloze", ("--bigbench_sdist=PATH",))):
+    with pytest.raises(SystemExit) as e:
+      real_text.main([f"--data_dir={data}", f"--workdir={tmp_path / task}",
+                      f"--tasks=describe,{task}"])
+    message = str(e.value)
+    assert message.startswith(f"real_text: {data} lacks ")
+    assert "\n" not in message and all(r in message for r in routes)
+    assert not (tmp_path / task).exists()
+
+
+def test_question_files_give_answer_recall_only(tmp_path, capsys):
+  """The ORQA question sets (fetch_public --nq_open_dev, ...) asked over
+  the corpus: answer recall, no gold block; CuratedTrec's are patterns."""
+  public_data.write_public_data(tmp_path / "data")
+  (tmp_path / "data" / "nq_open_dev.jsonl").write_text(
+      json.dumps({"question": "which river flows from the kessar hills",
+                  "answer": ["Opal"]}) + "\n")
+  (tmp_path / "data" / "curatedtrec_test.jsonl").write_text(
+      json.dumps({"question": "what did ines marlow map",
+                  "answer": ["Kess?ar Hills"]}) + "\n")
+  output = tmp_path / "rows.jsonl"
+  real_text.main([f"--data_dir={tmp_path / 'data'}",
+                  f"--workdir={tmp_path / 'w'}", f"--output={output}",
+                  "--max_block_len=24", "--retrievers=bm25",
+                  "--tasks=nq_open,curatedtrec"])
+  rows = [json.loads(x) for x in output.read_text().splitlines()]
+  assert [(r["task"], r["questions"]) for r in rows] == [
+      ("nq_open", 1), ("curatedtrec", 1)]
+  for row in rows:
+    assert row["recall@100"] == 1.0
+    assert not [k for k in row if k.startswith("gold_")]
+  capsys.readouterr()
+  real_text.main([f"--table_from={output}"])
+  assert capsys.readouterr().out.splitlines()[-1].endswith(
+      "| 100.0 | - | - | - | - |")

@@ -134,6 +134,12 @@ def vital_world(args) -> World:
   (added after training, never trained on) on the SQuAD dev questions, and
   on the cloze probe."""
   from realm_jax.data import block_store, squad  # pylint: disable=g-import-not-at-top
+  from benchmarks import public_sources  # pylint: disable=g-import-not-at-top
+  # Every file it reads, before anything is built (one line, exit 1).
+  missing = public_sources.missing_files(args.data_dir,
+                                         ("leads", "squad", "cloze"))
+  if missing:
+    raise SystemExit(missing)
   n = args.num_documents or None
   directory = os.path.join(args.workdir, f"vital{n or ''}")
   os.makedirs(directory, exist_ok=True)
