@@ -9,9 +9,9 @@ step s trains: `RetrievalConfig.overlap_input`), `device`
 re-ranking: `--rerank` proposals per query re-embedded by the current
 document tower, `RetrievalConfig.rerank_candidates`), and
 `host_lexical<m>` (`host` plus BM25's first m blocks beside the dense ones
-and the reader's uniform prior while the retriever is held:
-`RetrievalConfig.lexical_candidates`, `held_prior`). It reports per
-step: the wall time, and the
+and the recipe's mixture prior while the retriever is held:
+`RetrievalConfig.lexical_candidates`, `held_prior = "mixture"`). It
+reports per step: the wall time, and the
 host time spent in `RetrievalInput.batch`, during which the host does not
 dispatch device work. One JSON line each, side by side in one run.
 
@@ -80,7 +80,7 @@ def run(workdir, store, queries, mode, steps, batch_size, demo, rerank):
       f"{rerank if mode == 'host_rerank' else 0}",
       f"pretrain.RetrievalConfig.lexical_candidates = {lexical}",
       "pretrain.RetrievalConfig.held_prior = "
-      f"'{'uniform' if lexical else 'dense'}'", *shapes])
+      f"'{'mixture' if lexical else 'dense'}'", *shapes])
   config = gin.get_configurable(pretrain.PretrainConfig)()
   model = gin.get_configurable(pretrain.RealmConfig)()
   # Seconds inside `RetrievalInput.batch` per step, and of those: host ->

@@ -13,7 +13,11 @@ its own gin files and bindings on top:
                   answer-bearing blocks on the training queries, with an
                   effect of at least 0.005 nats; the wiki recipes:
                   held-out utility on dev articles) and rolled back by the
-                  recall guard if it then loses recall
+                  recall guard if it then loses recall; the reader reads
+                  BM25's first 3 blocks beside the dense ones, weighed by
+                  half BM25's distribution while the gate holds
+  dense_only      the recipe before issue 65: the dense candidates alone
+                  (`lexical_candidates = 0`, REALM's prior throughout)
   realm_fixed600  the recipe with the earlier fixed warm-up: the retriever
                   released at step 600 whatever the reader does, unguarded
   query_side      the recipe, query-side training: unshared towers from
@@ -32,16 +36,15 @@ its own gin files and bindings on top:
                   spans (evaluated, like all, on held-out salient spans)
   realm_repeat    `realm` again: the same seed must give the same numbers
   realm_slow      (only when named) the recipe with the retriever at 0.01x
-  lexical         (only when named) the recipe with BM25's first 3 blocks
-                  beside the dense 7 (`RetrievalConfig.lexical_candidates`)
-                  and the reader's prior uniform over the candidates while
-                  the gate holds the retriever (`held_prior`; REALM's
-                  p(z|x) from the release on)
-  lexical_dense   (only when named) `lexical` with REALM's p(z|x) as the
+  lexical         (only when named) the recipe's BM25 blocks with the
+                  reader's prior uniform over the candidates while the gate
+                  holds the retriever (`held_prior = "uniform"`)
+  lexical_dense   (only when named) the same with REALM's p(z|x) as the
                   reader's prior throughout (the weighting's ablation)
-  lexical_mix     (only when named) `lexical` with the mixture prior while
-                  held: half REALM's p(z|x), half the softmax of the
-                  candidates' BM25 scores
+  lexical_mix     (only when named) the recipe's BM25 settings bound
+                  explicitly (`held_prior = "mixture"`: half REALM's
+                  p(z|x), half the softmax of the candidates' BM25 scores
+                  while held); the name its rows were measured under
   lexical_mix_permuted (only when named) `lexical_mix` as a no-information
                   control: each query's retriever gradient comes from the
                   next query's reader likelihoods
@@ -57,7 +60,7 @@ from __future__ import annotations
 
 CONDITIONS = ("init", "ict", "realm", "query_side", "realm_fixed600",
               "frozen", "stale30", "stale30_rerank", "random_masks",
-              "realm_repeat", "realm_original")
+              "realm_repeat", "realm_original", "dense_only")
 # Run only when asked for (--conditions=...).
 EXTRA_CONDITIONS = ("realm_slow", "lexical", "lexical_dense", "lexical_mix",
                     "lexical_mix_permuted")
@@ -94,6 +97,8 @@ def bindings(name: str, args) -> list[str]:
                          "pretrain.RetrievalConfig.rerank_candidates = "
                          f"{args.rerank}"],
       "random_masks": ["examples.RealmQueryConfig.masking = 'random_tokens'"],
+      "dense_only": ["pretrain.RetrievalConfig.lexical_candidates = 0",
+                     "pretrain.RetrievalConfig.held_prior = 'dense'"],
       "realm_slow": ["pretrain.RetrieverScheduleConfig."
                      "learning_rate_multiplier = 0.01"],
       "lexical": ["pretrain.RetrievalConfig.lexical_candidates = 3",

@@ -62,6 +62,15 @@ class CandidateSource:
     self.bm25 = None
     self._hits, self._hits_lock = {}, threading.Lock()
     if config.lexical_candidates:
+      margin = min(trivial.max_excluded, len(store) - 1)
+      if len(store) - margin < self.width:
+        raise ValueError(
+            f"The block store has {len(store)} blocks; too few for "
+            f"{config.num_candidates} dense and {config.lexical_candidates} "
+            f"BM25 candidates besides a query's trivial ones "
+            f"({config.trivial_candidates!r} rule): lower "
+            "RetrievalConfig.lexical_candidates (0: the dense candidates "
+            "alone) or num_candidates.")
       # Built once per block store and kept beside it (`bm25.for_store`).
       self.bm25 = bm25_lib.for_store(store)
       # The queries' wordpieces back to words (the cache and the store

@@ -544,13 +544,22 @@ def test_the_default_recipe_runs_the_gate_and_the_recall_guard(tmp_path,
                            "PretrainConfig.checkpoint_every = 2",
                            "PretrainConfig.index_mode = 'inline'",
                            "GateConfig.every = 2",
-                           "RecallGuardConfig.every = 2")] + [
+                           "RecallGuardConfig.every = 2",
+                           # k + m within the tiny store's 9 blocks.
+                           "RetrievalConfig.num_candidates = 4")] + [
                                "builder.IndexBuildConfig.searcher = 'exact'"])
     config = gin.get_configurable(pretrain.PretrainConfig)()
     model = gin.get_configurable(pretrain.RealmConfig)()
   finally:
     gin.clear_config()
   assert config.gate.mode == "evidence" and config.recall_guard.enabled
+  assert (config.retrieval.lexical_candidates,
+          config.retrieval.held_prior) == (3, "mixture")
+  with pytest.raises(ValueError, match="too few for 7 dense and 3 BM25"):
+    pretrain.train(config=dataclasses.replace(
+        config, retrieval=dataclasses.replace(config.retrieval,
+                                              num_candidates=7)),
+                   model=model)
   pretrain.train(config=config, model=model)
   records = {}
   for name in ("gate", "recall_guard"):
