@@ -159,7 +159,8 @@ def reading_table(rows: list[dict], condition: str,
     met = (final - b1 >= GAIN and min(worst1, worst5) >= -FLOOR
            and read >= READ_MARGIN)
     release = summary.get("retriever_release_step")
-    bm25 = ict[-1].get("bm25_recall@1", float("nan"))
+    bm25 = next((r["bm25_recall@1"] for r in ict[::-1] + evals
+                 if "bm25_recall@1" in r), float("nan"))
     lines.append(
         f"| {world} | {b1:.3f} / {b5:.3f} | {final:.3f} ({final - b1:+.3f})"
         f" | {worst1:+.3f} / {worst5:+.3f} | "
@@ -228,9 +229,9 @@ def main(argv=None) -> None:
                       "--output file.")
   parser.add_argument("--output", default=None)
   parser.add_argument("--plot", default=None)
-  parser.add_argument("--condition", default=None,
+  parser.add_argument("--condition", action="append", default=[],
                       help="Also print issue 65's table for this condition "
-                      "(e.g. lexical_mix).")
+                      "(e.g. lexical_mix); repeatable.")
   parser.add_argument("--baseline", default=None,
                       help="A merged --output file (worlds tagged) whose "
                       "`realm` rows are today's recipe, paired by world.")
@@ -251,8 +252,9 @@ def main(argv=None) -> None:
     if args.baseline:
       with open(args.baseline, encoding="utf-8") as f:
         baseline = [json.loads(line) for line in f if line.strip()]
-    print()
-    print(reading_table(rows, args.condition, baseline))
+    for condition in args.condition:
+      print()
+      print(reading_table(rows, condition, baseline))
   if args.plot:
     plot(rows, args.plot)
 
