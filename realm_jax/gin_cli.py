@@ -253,8 +253,10 @@ def _help_epilog(runs_file: str, config_class: str,
               for field, part in _config_parts(config_class)]
   if pipeline_args:
     lines += ["", "Other flags are Apache Beam pipeline options "
-              "(--runner=DirectRunner,", "--direct_num_workers=N, ...); a "
-              "flag that neither absl, gin nor Beam takes", "is refused."]
+              "(--runner=DirectRunner,", "--direct_num_workers=N, "
+              "--runner=dask --dask_workers=N: a Dask cluster, BUILD.md,",
+              "...); a flag that neither absl, gin nor Beam takes is "
+              "refused."]
   return "\n".join(lines)
 
 
@@ -316,6 +318,10 @@ def beam_unknown_args(args: Sequence[str]) -> list[str]:
   and goes on): parsed with the very parser Beam builds from every
   `PipelineOptions` subclass (the `add_extra_args_fn` hook hands it over)."""
   from apache_beam.options import pipeline_options  # pylint: disable=g-import-not-at-top
+  if any("dask" in arg.lower() for arg in args):
+    # The Dask runner's options (its own and Beam's DaskOptions, which
+    # needs dask installed), registered on import.
+    from realm_jax.data import beam_dask  # pylint: disable=g-import-not-at-top,unused-import
 
   def capture(parser):
     raise _BeamParser(parser)

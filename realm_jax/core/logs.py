@@ -44,6 +44,13 @@ _FILTER = LibraryFilter()
 _TF_LEVEL_SET_HERE = False
 
 
+def libraries_quiet() -> bool:
+  """Whether library records are hidden (`quiet_libraries` at verbosity
+  0): for a library that sets its own loggers' levels on import (dask's
+  distributed)."""
+  return _FILTER in logging.getLogger().filters
+
+
 def quiet_libraries(verbosity: int = 0) -> None:
   """Hides library INFO/WARNING records, or (`verbosity` >= 1) shows them.
 

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import json
 import os
+import threading
 import time
 from typing import Any, Sequence
 import uuid
@@ -52,6 +53,19 @@ from realm_jax.data import wikitext
 
 REPORT = "report.json"
 _READER_STATS = ".reader_stats.json"
+
+
+_LOCAL = threading.local()  # this thread's spaCy pipelines, by model
+
+
+def _nlp(model: str):
+  """spaCy's pipeline, loaded once per worker thread (freed with it): a
+  runner may call `setup` once per bundle (the Dask runner: per
+  partition)."""
+  loaded = _LOCAL.__dict__.setdefault("nlp", {})
+  if model not in loaded:
+    loaded[model] = salient_spans.load_nlp(model)
+  return loaded[model]
 
 
 class AnnotateFn(beam.DoFn):
@@ -71,7 +85,7 @@ class AnnotateFn(beam.DoFn):
     self._nlp = None
 
   def setup(self):
-    self._nlp = salient_spans.load_nlp(self._spacy_model)
+    self._nlp = _nlp(self._spacy_model)
     self._progress = beam_utils.worker_progress(
         "annotate: annotating documents (this worker)", unit="documents")
     self._skipped = beam.metrics.Metrics.counter("annotate", "skipped")
@@ -103,7 +117,7 @@ class AnnotateFn(beam.DoFn):
       return
     self._progress.update()
     yield index % self._num_shards, (
-        index, salient_spans.to_tf_example(doc).SerializeToString(), {
+        index, salient_spans.serialize(doc), {
             "sentences": len(doc.sentence_byte_starts),
             "spans": len(doc.span_byte_starts),
             "span_types": list(doc.span_types)})

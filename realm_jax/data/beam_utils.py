@@ -27,13 +27,31 @@ from realm_jax.data import wikipedia
 
 
 def pipeline(pipeline_args: Sequence[str]) -> tuple[beam.Pipeline, str]:
-  """A pipeline with these Beam options, and its runner's name."""
+  """A pipeline with these Beam options, and its runner's name.
+
+  `--runner=dask` (or `DaskRunner`) is `beam_dask.DaskRunner`: a Dask
+  cluster (`--dask_client_address=...`, or a local one of
+  `--dask_workers=N` processes); see `realm_jax.data.beam_dask`.
+  """
   options = pipeline_options.PipelineOptions(list(pipeline_args))
   standard = options.view_as(pipeline_options.StandardOptions)
   # Beam's own default tries to download its Prism runner at run time;
   # without a --runner the jobs run on the DirectRunner, offline.
   standard.runner = standard.runner or "DirectRunner"
-  return beam.Pipeline(options=options), standard.runner
+  name = standard.runner
+  if dask_runner_named(name):
+    from realm_jax.data import beam_dask  # pylint: disable=g-import-not-at-top
+    beam_dask.check_installed()
+    standard.runner, name = beam_dask.RUNNER, "DaskRunner"
+  return beam.Pipeline(options=options), name
+
+
+def dask_runner_named(runner: str | None) -> bool:
+  """Whether `--runner=runner` is the Dask runner (`beam_dask`), without
+  importing dask."""
+  return bool(runner) and (
+      runner.lower() in ("dask", "daskrunner") or
+      runner == "realm_jax.data.beam_dask.DaskRunner")
 
 
 def worker_progress(what: str, total: int | None = None, *,
@@ -192,7 +210,10 @@ class ShardedOutput:
       return (pcoll
               | "Group" >> beam.GroupByKey()
               | "Write" >> beam.Map(counted)
-              | "Collect" >> beam.combiners.ToList()
+              # Without defaults: no side input (an empty input writes no
+              # stats; `load` gives its default).
+              | "Collect" >> beam.CombineGlobally(
+                  beam.combiners.ToListCombineFn()).without_defaults()
               | "Stats" >> beam.Map(lambda s: io_utils.atomic_write_text(
                   stats, json.dumps(s))))
 

@@ -110,8 +110,10 @@ def encode_query(query: dict[str, Any]) -> bytes:
     else:
       feature[name] = tf.train.Feature(int64_list=tf.train.Int64List(
           value=value.tolist()))
+  # Features sorted by name: the same bytes in every process (protobuf
+  # writes a map in an order that differs between processes).
   return tf.train.Example(features=tf.train.Features(
-      feature=feature)).SerializeToString()
+      feature=feature)).SerializeToString(deterministic=True)
 
 
 @functools.cache

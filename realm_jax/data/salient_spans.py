@@ -341,6 +341,16 @@ def to_tf_example(doc: AnnotatedDocument):
   return tf.train.Example(features=tf.train.Features(feature=feature))
 
 
+def serialize(doc: AnnotatedDocument) -> bytes:
+  """A document's record: `to_tf_example`, its features sorted by name.
+
+  protobuf writes a map (the Example's features) in an order of its own
+  that differs between processes; sorted, a document's record is the same
+  bytes whichever process (runner worker) wrote it.
+  """
+  return to_tf_example(doc).SerializeToString(deterministic=True)
+
+
 def _compression(path: str, compression: str | None) -> str:
   return compression if compression is not None else (
       "GZIP" if path.endswith(".gz") else "")
@@ -361,7 +371,7 @@ def write_annotated(path: str, docs: Iterable[AnnotatedDocument], *,
         tmp, tf.io.TFRecordOptions(
             compression_type=_compression(path, compression))) as writer:
       for doc in docs:
-        writer.write(to_tf_example(doc).SerializeToString())
+        writer.write(serialize(doc))
         count += 1
     tf.io.gfile.rename(tmp, path, overwrite=True)  # The job's own file.
   finally:
