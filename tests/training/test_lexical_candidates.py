@@ -111,8 +111,9 @@ def tiny_corpus(tmp_path_factory):
 
 
 @pytest.mark.parametrize("search,overlap,prior", [
-    ("host", False, "uniform"), ("host", True, "mixture"),
-    ("device", False, "mixture")])
+    # (The uniform prior, an ablation the recipe does not use: slow tier.)
+    pytest.param("host", False, "uniform", marks=pytest.mark.slow),
+    ("host", True, "mixture"), ("device", False, "mixture")])
 def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
                                                       search, overlap, prior):
   """k = 2 dense + m = 2 BM25 candidates, a uniform or mixture prior while
