@@ -566,6 +566,7 @@ def main(argv: Sequence[str]) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  gin_cli.platform_when_unset()
   from realm_jax.core import logs  # pylint: disable=g-import-not-at-top
   logs.quiet_libraries(f.verbosity)
   if not f["verbosity"].present:

@@ -70,6 +70,36 @@ def add_cpu_xla_flag() -> None:
                       CPU_XLA_FLAG)
 
 
+def platform_when_unset() -> str | None:
+  """Sets JAX_PLATFORMS=cpu on a host with neither a TPU chip nor an
+  NVIDIA GPU when the user set no platform; returns what it set.
+
+  Otherwise JAX, with libtpu installed (the test extra), probes for a TPU
+  on every start: ~7 s, and libtpu's "Failed to find host bounds", an
+  `E0000 ... unexpected worker hostname` trace and a CUDA probe's error
+  before the job's own first line. The host is scanned as JAX scans it
+  (PCI vendor ids, /dev/nvidia*), without starting JAX; a TPU VM or a GPU
+  host keeps JAX's own choice, and so does any JAX_PLATFORMS the user set.
+  """
+  if os.environ.get("JAX_PLATFORMS"):
+    return None
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  try:
+    tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+    gpu = hardware_utils.has_visible_nvidia_gpu()
+  except (OSError, ValueError):  # An unreadable /sys: leave it to JAX.
+    return None
+  if tpu_chips or gpu:
+    return None
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if xla_bridge.backends_are_initialized():
+    return None
+  os.environ["JAX_PLATFORMS"] = "cpu"  # And the job's child processes.
+  jax.config.update("jax_platforms", "cpu")
+  return "cpu"
+
+
 def cpu_xla_flag(enabled: bool = False) -> bool:
   """Whether the operative gin config asks for `CPU_XLA_FLAG`.
 
@@ -504,6 +534,8 @@ def run(job: Callable[..., None], *, positional_args: bool = False,
   before the job.
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
+  if distributed:
+    platform_when_unset()
   runs_file = getattr(job, "runs_file", "") if runs_file is None else runs_file
   config_class = (getattr(job, "config_class", "") if config_class is None
                   else config_class)

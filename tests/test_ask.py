@@ -697,7 +697,7 @@ def test_the_reader_reads_the_rankers_blocks(setup, tmp_path):
   by_bm25 = qa_model.load_qa_model(ranker="bm25", **kwargs)
   fusion = rankers.FusionConfig(dense_weight=0.7, bm25_weight=0.3,
                                 candidates=6)
-  hybrid = qa_model.load_qa_model(ranker="hybrid", fusion=fusion, **kwargs)
+  hybrid = qa_model.load_qa_model(ranker=rankers.Hybrid(fusion), **kwargs)
   index = bm25.BM25Index.from_store(store)  # independent of the persisted
   sparse_ids, sparse_scores = index.search(QUESTIONS, 6)
   dense = model.predict(QUESTIONS)

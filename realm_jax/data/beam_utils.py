@@ -22,7 +22,7 @@ from apache_beam.options import pipeline_options
 from realm_jax.core import io_utils
 from realm_jax.core import outputs
 from realm_jax.core import progress as progress_lib
-from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import formats
 from realm_jax.data import wikipedia
 
 
@@ -61,38 +61,17 @@ def worker_progress(what: str, total: int | None = None, *,
   return progress_lib.Progress(what, total, unit=unit, bar=False)
 
 
-INPUT_FORMATS = ("wikipedia_xml", "jsonl", "dpr_tsv", "squad")
-
-
 def check_input(input_path: str, input_format: str | None = None) -> str:
   """Fails early, naming the file, on a missing input or unknown format.
 
-  Returns `input_format` (one of `INPUT_FORMATS`), or if None the format
-  its name says: a dump `*.xml[.bz2]`, `*.jsonl[.gz]` or DPR's `*.tsv`.
+  Returns `input_format` (`formats.CORPUS_FORMATS`), or if None the format
+  its name says (`formats.corpus_format_of`).
   """
-  if input_format is not None and input_format not in INPUT_FORMATS:
-    raise ValueError(f"input_format={input_format!r} is not one of "
-                     f"{INPUT_FORMATS} (or None: by the file name).")
+  if input_format is not None:
+    formats.corpus_format(input_format)
   if not io_utils.as_path(input_path).exists():
     raise FileNotFoundError(f"corpus {input_path} does not exist.")
-  return input_format or _format_of(input_path)
-
-
-def _format_of(input_path: str) -> str:
-  name = os.path.basename(input_path).lower()
-  for suffix in (".bz2", ".gz"):
-    name = name.removesuffix(suffix)
-  if wikipedia.is_wikipedia_dump(input_path):
-    return "wikipedia_xml"
-  if name.endswith((".jsonl", ".json", ".ndjson")):
-    return "jsonl"
-  if name.endswith(".tsv"):
-    return "dpr_tsv"
-  raise ValueError(
-      f"{input_path}: unknown corpus format; expected a Wikipedia dump "
-      "(*-pages-articles*.xml[.bz2]), JSONL lines {\"title\", \"text\"} "
-      "(*.jsonl[.gz]) or DPR's passages (psgs_w100.tsv), or set "
-      "input_format.")
+  return input_format or formats.corpus_format_of(input_path).name
 
 
 def read_documents(input_path: str, *, max_documents: int | None,
@@ -117,21 +96,13 @@ def read_documents(input_path: str, *, max_documents: int | None,
     path = os.path.join(local_dir, os.path.basename(input_path))
     io_utils.copy_file(input_path, path)
   report = wikipedia.Report()
-  input_format = None if orqa_titles else (
-      input_format or _format_of(input_path))
   if orqa_titles:
-    documents = ((None, title, text) for title, text in
-                 blocks_lib.read_orqa_blocks(path, orqa_titles, report))
-  elif input_format == "dpr_tsv":
-    documents = wikipedia.iter_dpr_passages(path)
-  elif input_format == "squad":
-    from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
-    documents = ((p.id, p.title, p.text)
-                 for p in squad.read_squad(path).paragraphs)
+    documents = formats.CORPUS_FORMATS["orqa"].read(
+        path, report, orqa_titles=orqa_titles)
   else:
-    documents = ((None, d.title, d.text) for d in (
-        wikipedia.iter_wikipedia_pages if input_format == "wikipedia_xml"
-        else wikipedia.iter_jsonl_documents)(path, report, **reader_kwargs))
+    documents = (formats.corpus_format(input_format) if input_format else
+                 formats.corpus_format_of(input_path)).read(
+                     path, report, **reader_kwargs)
   progress = progress_lib.Progress(f"reading {input_path}", max_documents,
                                    unit="documents")
   try:

@@ -48,6 +48,7 @@ from realm_jax.core import progress as progress_lib
 from realm_jax.data import beam_utils
 from realm_jax.data import block_store, block_store_writer
 from realm_jax.data import blocks as blocks_lib
+from realm_jax.data import formats
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.data import wikipedia
 
@@ -162,35 +163,13 @@ def pack_chunk(item, *, tmp_dir: str, vocab_path: str, max_block_len: int,
   counts from 0). A dump's markup is removed with `clean_options`."""
   chunk, rows = item
   rows = sorted(rows, key=lambda row: row[0])
-  report = wikipedia.Report()
-  tokenizer = _tokenizer(vocab_path)
-  if input_format in ("orqa", "dpr_tsv"):
-    blocks = [dataclasses.replace(block, passage_id=row[3])
-              for block, row in zip(blocks_lib.pack_orqa_blocks(
-                  [row[1:3] for row in rows], tokenizer,
-                  max_block_len=max_block_len, report=report,
-                  first_record=rows[0][0]), rows)]
-  elif input_format == "squad":
-    # Each paragraph's blocks carry its id (`BlockStore.passage_id`), so
-    # the eval finds a question's gold paragraph.
-    blocks, doc_index = [], 0
-    for _, title, text, paragraph_id in rows:
-      own = list(blocks_lib.pack_blocks(
-          [wikipedia.Document(title=title, text=text)], tokenizer,
-          max_block_len=max_block_len, report=report))
-      blocks += [dataclasses.replace(b, doc_index=doc_index,
-                                     passage_id=paragraph_id) for b in own]
-      doc_index += bool(own)
-  else:
-    documents = (
-        wikipedia.clean_page(title, text, report,
-                             f"{input_path}: page '{title}'", **clean_options)
-        if input_format == "wikipedia_xml" else
-        wikipedia.Document(title=title, text=text)
-        for _, title, text, _ in rows)
-    blocks = list(blocks_lib.pack_blocks(
-        (d for d in documents if d), tokenizer, max_block_len=max_block_len,
-        report=report))
+  report, corpus_format = wikipedia.Report(), formats.CORPUS_FORMATS[
+      input_format]
+  blocks = corpus_format.pack(
+      rows, _tokenizer(vocab_path), max_block_len=max_block_len,
+      report=report, first_record=rows[0][0], context=dict(
+          input_path=input_path, clean_options=clean_options,
+          wikitext=corpus_format.wikitext))
   io_utils.atomic_write_bytes(io_utils.join(tmp_dir, f"chunk-{chunk}.jsonl"),
                               "".join(_block_line(b) for b in blocks).encode())
   beam.metrics.Metrics.counter("corpus", "blocks").inc(len(blocks))
@@ -240,13 +219,8 @@ def _reader_options(config: CorpusConfig, input_format: str,
   """The keyword arguments of `_read_chunks` that depend on the format."""
   reader = dict(orqa_titles=orqa[1]) if orqa else dict(
       input_format=input_format)
-  if input_format in ("wikipedia_xml", "jsonl"):
-    reader.update(max_article_chars=config.max_article_chars,
-                  max_title_chars=config.max_title_chars)
-  if input_format == "wikipedia_xml":
-    reader.update(allow_truncated=config.allow_truncated,
-                  keep_lists=config.keep_lists,
-                  keep_disambiguation=config.keep_disambiguation)
+  reader.update({name: getattr(config, name)
+                 for name in formats.CORPUS_FORMATS[input_format].options})
   return reader
 
 
@@ -272,6 +246,7 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
       input_path, config.input_format)
   keep = {name: getattr(config, name) for name in _KEEP}
   reader = _reader_options(config, input_format, orqa)
+  corpus_format = formats.CORPUS_FORMATS[input_format]
   vocab_path = config.vocab_path or tokenizer_lib.default_vocab_path()
   report = wikipedia.Report()
   with beam_utils.ShardedOutput(
@@ -286,7 +261,7 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
            | "Input" >> beam.Create([orqa[0] if orqa else input_path])
            | "Read" >> beam.FlatMap(
                _read_chunks, size=config.documents_per_chunk,
-               whole_titles=input_format in ("orqa", "dpr_tsv"),
+               whole_titles=corpus_format.whole_titles,
                max_documents=config.max_documents, stats_path=reader_stats,
                **reader)
            | "Pack" >> out.write_shards(functools.partial(
@@ -301,8 +276,7 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
         _merged_blocks(out, stats, report), out.output_dir,
         tokenizer_vocab_path=vocab_path, source=input_path,
         max_block_len=config.max_block_len, overwrite=config.overwrite,
-        report=report, options=keep if input_format == "wikipedia_xml" else
-        None)
+        report=report, options=keep if corpus_format.wikitext else None)
   logging.info("corpus: %s: %d articles, %d blocks, fingerprint %s",
                out.output_dir, store.num_documents, len(store),
                store.fingerprint)

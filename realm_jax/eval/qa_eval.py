@@ -68,8 +68,10 @@ from realm_jax.core import checkpoints, checks, follow, gin_config, io_utils
 from realm_jax.core import outputs, parallel, records
 from realm_jax.core import progress as progress_lib
 from realm_jax.core import lease as lease_lib
+from realm_jax.data import formats
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
+from realm_jax.eval import retrieval_eval
 from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
 from realm_jax.index import bm25 as bm25_lib
 from realm_jax.index import publish, rankers
@@ -227,20 +229,11 @@ def gold_paragraph_recall(results: Sequence[QAResult],
   if not examples or any(e.paragraph_id is None for e in examples) or (
       store.passage_id(0) is None):
     return {}
-  found = [[b >= 0 and store.passage_id(b) == e.paragraph_id
-            for b in r.retrieved_ids] for r, e in zip(results, examples)]
-  return {f"gold_recall@{k}": sum(any(f[:k]) for f in found) / len(found)
-          for k in recall_ks}
-
-
-def read_questions(path: str, *, regex_answers: bool = False
-                   ) -> list[qa_lib.QAExample]:
-  """The eval's questions: ORQA JSONL, or SQuAD v1.1 JSON (a `.json`
-  file, `squad.read_squad`; each question keeps its paragraph id)."""
-  if os.fspath(path).endswith(".json"):
-    from realm_jax.data import squad  # pylint: disable=g-import-not-at-top
-    return [q.example for q in squad.read_squad(path).questions]
-  return qa_lib.read_qa_jsonl(path, regex_answers=regex_answers)
+  # Each question's gold blocks among those it retrieved suffice.
+  gold = [[b for b in r.retrieved_ids
+           if b >= 0 and store.passage_id(b) == e.paragraph_id]
+          for r, e in zip(results, examples)]
+  return retrieval_eval.gold_recall(results, gold, recall_ks)
 
 
 def examples_fingerprint(examples: Sequence[qa_lib.QAExample]) -> str:
@@ -277,9 +270,10 @@ class EvalConfig:
       (`realm_jax.checkpoint_import.init_from`); the job evaluates them once.
     index_step: default LATEST (`ask`: the checkpoint's own if published).
     block_store: the blocks the index was built from.
-    qa_file, regex_answers: the job's questions (ORQA JSONL, or a SQuAD
-      v1.1 `.json` file); whether their answers are regular expressions
-      (CuratedTrec). Questions that name their paragraph (SQuAD's, or a
+    qa_file, qa_format, regex_answers: the job's questions; their format
+      (`data.formats.QUESTION_FORMATS`; None: a SQuAD v1.1 `.json` file or
+      ORQA JSONL, by the name); whether their answers are regular
+      expressions (CuratedTrec). Questions that name their paragraph (SQuAD's, or a
       JSONL "paragraph_id") over a store with paragraph ids also get
       gold-paragraph recall (`gold_recall@k`).
     output_dir: the job's results (default <workdir>/eval).
@@ -291,11 +285,13 @@ class EvalConfig:
     dpr_retrieval: also write each evaluation's retrieval in DPR's JSON
       shape (`write_dpr_retrieval`) to predictions/step_<step>.dpr.json
       (init_from: predictions/init_from.dpr.json).
-    ranker: which blocks the reader reads (`realm_jax.index.rankers`):
-      "dense" (the index), "bm25" (BM25 over the block store, its index
-      found or built beside the store) or "hybrid" (both fused by
-      `fusion`).
-    fusion: the hybrid's fusion (`rankers.FusionConfig`, runs/eval.gin).
+    ranker: which blocks the reader reads (`realm_jax.index.rankers`): a
+      name, "dense" (the index), "bm25" (BM25 over the block store, its
+      index found or built beside the store) or "hybrid" (both fused by
+      `fusion`); or a ranker choice bound in gin
+      (`@rankers.Hybrid()`, a new ranker's class).
+    fusion: the hybrid's fusion when `ranker` is "hybrid"
+      (`rankers.FusionConfig`, runs/eval.gin).
     bm25_dir: the BM25 index (default: beside the block store).
   """
   workdir: str | None = checks.path_setting("home", default=None)
@@ -306,6 +302,7 @@ class EvalConfig:
   index_step: int | None = None
   block_store: str | None = checks.path_setting("reads", default=None)
   qa_file: str | None = checks.path_setting("reads", default=None)
+  qa_format: str | None = None
   regex_answers: bool = False
   output_dir: str | None = checks.path_setting(
       "writes", "eval_dir", default=None)
@@ -315,13 +312,17 @@ class EvalConfig:
   num_evidence: int = 5
   poll_seconds: float = 30.0
   dpr_retrieval: bool = False
-  ranker: str = "dense"
+  ranker: str | rankers.RankerChoice = "dense"
   fusion: rankers.FusionConfig = rankers.FusionConfig()
   bm25_dir: str | None = checks.path_setting(
       "writes", "bm25_index", default=None)
 
   def __post_init__(self):
-    rankers.check_name(self.ranker)
+    rankers.choice(self.ranker)
+    if self.qa_format not in (None, *formats.QUESTION_FORMATS):
+      raise ValueError(f"EvalConfig.qa_format={self.qa_format!r} is not one "
+                       f"of {tuple(formats.QUESTION_FORMATS)} (or None: by "
+                       "the file name).")
     if not self.recall_ks or min(self.recall_ks) < 1:
       raise ValueError(f"EvalConfig.recall_ks={self.recall_ks} must be "
                        "positive integers, e.g. (1, 5, 20, 100).")
@@ -330,32 +331,31 @@ class EvalConfig:
                        "and poll_seconds > 0.")
 
 
+def ranker_choice(config: EvalConfig) -> rankers.RankerChoice:
+  """The ranker `config` chooses (`EvalConfig.ranker`, with `fusion`)."""
+  return rankers.choice(config.ranker, fusion=config.fusion)
+
+
 def ranker_kwargs(config: EvalConfig) -> dict[str, Any]:
   """`QAModel`'s ranker arguments from `config`, after refusing a
   `bm25_dir` the BM25 build may not write (before any model loads)."""
-  if config.ranker != "dense" and config.bm25_dir:
+  chosen = ranker_choice(config)
+  if chosen.reads_bm25 and config.bm25_dir:
     outputs.check(config.bm25_dir, outputs.BM25_INDEX, bm25_lib.SETTING)
-  return {"ranker": config.ranker, "fusion": config.fusion,
-          "bm25_dir": config.bm25_dir}
+  return {"ranker": chosen, "bm25_dir": config.bm25_dir}
 
 
 def ranker_record(config: EvalConfig) -> dict[str, Any]:
   """What a metrics record and a ledger entry say of the ranker that
   produced them: {"ranker": name}, and the hybrid's {"fusion": {...}}."""
-  if config.ranker != "hybrid":
-    return {"ranker": config.ranker}
-  return {"ranker": config.ranker,
-          "fusion": dataclasses.asdict(config.fusion)}
+  return ranker_choice(config).record()
 
 
 def ranker_tag(config: EvalConfig) -> str:
   """The ranker an evaluation used, as the ledger keys it and its files
   are named: "dense", "bm25", or "hybrid-<12 hex digits of the fusion's
   sha256>" (each fusion its own; the ledger entry spells it out)."""
-  if config.ranker != "hybrid":
-    return config.ranker
-  fusion = json.dumps(dataclasses.asdict(config.fusion), sort_keys=True)
-  return f"hybrid-{hashlib.sha256(fusion.encode()).hexdigest()[:12]}"
+  return ranker_choice(config).tag()
 
 
 def ledger_key(step: int, tag: str) -> str:
@@ -753,7 +753,7 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
                            "INDEX_DIR", "BLOCK_STORE", "EvalConfig.bm25_dir"))
   outputs.claim(output_dir, outputs.EVAL_DIR, OUTPUT_SETTING)
   store = block_store.BlockStore.open(config.block_store)
-  examples = read_questions(config.qa_file,
+  examples = formats.read_questions(config.qa_file, config.qa_format,
                             regex_answers=config.regex_answers)
   devices = jax.local_devices()
   mesh = parallel.make_mesh(devices) if len(devices) > 1 else None

@@ -375,8 +375,8 @@ class QAModel:
                qa_config: qa_inputs.QAConfig = qa_inputs.QAConfig(), *,
                tokenizer: Tokenizer | None = None, mesh=None,
                batch_size: int = 8, num_evidence: int = 5,
-               step: int | None = None, ranker: str = "dense",
-               fusion: rankers.FusionConfig = rankers.FusionConfig(),
+               step: int | None = None,
+               ranker: str | rankers.RankerChoice = "dense",
                bm25_dir: str | None = None):
     """Builds the answering model.
 
@@ -392,15 +392,15 @@ class QAModel:
       batch_size: questions per model call (a multiple of the mesh size).
       num_evidence: evidence blocks per answer by default.
       step: the checkpoint step, for the record.
-      ranker: which blocks the reader reads (`rankers.RANKERS`): "dense"
-        (the query tower over `index`), "bm25" (BM25 over `store`, its
-        index found or built beside the store) or "hybrid" (both fused by
-        `fusion`). p(z|x) is always the retriever's softmax over the
-        ranked blocks (their embeddings are the index's).
-      fusion: the hybrid's fusion.
+      ranker: which blocks the reader reads: a `rankers.RankerChoice`
+        (`rankers.Dense()`: the query tower over `index`; `BM25()`: BM25
+        over `store`, its index found or built beside the store;
+        `Hybrid(fusion)`: both fused) or its name (`rankers.CHOICES`).
+        p(z|x) is always the retriever's softmax over the ranked blocks
+        (their embeddings are the index's).
       bm25_dir: the BM25 index (default beside the store).
     """
-    rankers.check_name(ranker, "ranker")
+    self.ranker_choice = rankers.choice(ranker, where="ranker")
     self.model_config = qa_model_config(model_config)
     self.store = store
     self.index = index
@@ -436,9 +436,9 @@ class QAModel:
     self.batch_size = batch_size
     self.num_evidence = num_evidence
     self._embed, self._qa_logits = _compiled(self.model_config, mesh)
-    self.ranker_name, self.fusion = ranker, fusion
-    self._bm25 = (None if ranker == "dense" else
-                  rankers.BM25Ranker.for_store(store, bm25_dir))
+    # BM25's index, found or built once (shared by `with_params` copies).
+    self._bm25 = (rankers.BM25Ranker.for_store(store, bm25_dir)
+                  if self.ranker_choice.reads_bm25 else None)
     self._set_params(params, step)
 
   # -- Construction from checkpoints.
@@ -495,10 +495,9 @@ class QAModel:
     self.params_step = step
     # The dense ranker embeds with these parameters (a copy made by
     # `with_params` gets its own).
-    self.ranker = rankers.make_ranker(
-        self.ranker_name, dense=rankers.DenseRanker(
-            self.index, self._embed_questions), bm25=self._bm25,
-        fusion=self.fusion)
+    self.ranker = self.ranker_choice.make(
+        lambda: rankers.DenseRanker(self.index, self._embed_questions),
+        lambda: self._bm25)
 
   def _embed_questions(self, questions: Sequence[str]) -> np.ndarray:
     """float32 [Q, D]: the query tower's embeddings (batches padded to

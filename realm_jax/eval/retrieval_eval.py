@@ -67,7 +67,8 @@ def gold_recall(results: Sequence[QAResult],
   Args:
     results: results with `retrieved_ids`.
     gold_blocks: per result, its gold block ids (e.g.
-      `squad.paragraph_blocks` of its paragraph).
+      `squad.paragraph_blocks` of its paragraph; those among its retrieved
+      blocks suffice; none: a miss).
     ks: the k.
 
   Returns:
@@ -75,10 +76,11 @@ def gold_recall(results: Sequence[QAResult],
   """
   if len(results) != len(gold_blocks) or not results:
     raise ValueError(f"{len(results)} results but {len(gold_blocks)} gold "
-                     "block sets; pass one (non-empty) set per result.")
+                     "block sets; pass one set per result (and at least "
+                     "one result).")
   hits = {k: 0 for k in ks}
   for r, gold in zip(results, gold_blocks):
-    found = np.isin(np.asarray(r.retrieved_ids), np.asarray(gold))
+    found = np.isin(np.asarray(r.retrieved_ids), np.asarray(gold, np.int64))
     for k in ks:
       hits[k] += bool(found[:k].any())
   return {f"gold_recall@{k}": hits[k] / len(results) for k in ks}

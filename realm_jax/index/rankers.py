@@ -15,6 +15,14 @@ One seam for every way the product finds blocks (the eval job, `ask`,
             (rank 1-based; a missing block adds nothing).
           Ties go to the smaller block id.
 
+A job chooses its ranker before any model exists, as an object
+(`RankerChoice`: `Dense()`, `BM25()`, `Hybrid(fusion)`), bound in gin
+(`EvalConfig.ranker = @rankers.Hybrid()`) or named (`"hybrid"`, looked up
+in `CHOICES`); the model then makes it (`RankerChoice.make`) from its own
+dense ranker and the store's BM25. A new ranker is one class with the
+`RankerChoice` members, added to `CHOICES` to be named on the command
+line.
+
 Every ranking also says, for each block, at which rank each ranker found
 it (`Ranking.sources`; -1: not in that ranker's list), which `ask` shows.
 BM25 finds only the blocks it scores above 0 (a query term in them): the
@@ -40,7 +48,10 @@ dense ranker 0.1 and BM25 0.9; at none of the weights measured
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+import hashlib
+import json
+import typing
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import numpy as np
 
@@ -48,7 +59,6 @@ from realm_jax.core import checks
 from realm_jax.data.tokenizer import Tokenizer, tokenize_questions
 from realm_jax.index import bm25 as bm25_lib
 
-RANKERS = ("dense", "bm25", "hybrid")
 FUSIONS = ("weighted", "rrf")
 
 
@@ -278,20 +288,118 @@ class HybridRanker:
                 method=c.method, rrf_k=c.rrf_k)
 
 
-def check_name(name: str, where: str = "EvalConfig.ranker") -> str:
-  """`name` if it is a ranker's, else a ValueError saying which are."""
-  if name not in RANKERS:
-    raise ValueError(f"{where}={name!r} is not a ranker; use one of "
+class _Unset:
+  """A choice without settings: its record and its tag are its name."""
+  name: ClassVar[str]
+
+  def record(self) -> dict[str, Any]:
+    return {"ranker": self.name}
+
+  def tag(self) -> str:
+    return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense(_Unset):
+  """Choice: the dense ranker (the model's query tower over its index)."""
+  name: ClassVar[str] = "dense"
+  reads_bm25: ClassVar[bool] = False
+
+  def make(self, dense: Callable[[], Ranker],
+           bm25: Callable[[], Ranker]) -> Ranker:
+    del bm25
+    return dense()
+
+
+@dataclasses.dataclass(frozen=True)
+class BM25(_Unset):
+  """Choice: BM25 over the block store."""
+  name: ClassVar[str] = "bm25"
+  reads_bm25: ClassVar[bool] = True
+
+  def make(self, dense: Callable[[], Ranker],
+           bm25: Callable[[], Ranker]) -> Ranker:
+    del dense
+    return bm25()
+
+
+@dataclasses.dataclass(frozen=True)
+class Hybrid:
+  """Choice: the dense ranker and BM25 fused by `fusion`."""
+  fusion: FusionConfig = FusionConfig()
+  name: ClassVar[str] = "hybrid"
+  reads_bm25: ClassVar[bool] = True
+
+  def make(self, dense: Callable[[], Ranker],
+           bm25: Callable[[], Ranker]) -> Ranker:
+    return HybridRanker(dense(), bm25(), self.fusion)
+
+  def record(self) -> dict[str, Any]:
+    return {"ranker": self.name, "fusion": dataclasses.asdict(self.fusion)}
+
+  def tag(self) -> str:
+    """"hybrid-<12 hex digits of the fusion's sha256>": each fusion its
+    own."""
+    fusion = json.dumps(dataclasses.asdict(self.fusion), sort_keys=True)
+    return f"{self.name}-{hashlib.sha256(fusion.encode()).hexdigest()[:12]}"
+
+
+@typing.runtime_checkable
+class RankerChoice(Protocol):
+  """Which ranker a job ranks with, chosen before any model exists.
+
+  A new ranker is one class with these members, and its entry in
+  `CHOICES` (or a gin binding: `EvalConfig.ranker = @rankers.MyRanker()`).
+
+  Attributes:
+    name: its name on the command line (`EvalConfig.ranker = "dense"`).
+    reads_bm25: whether `make` calls `bm25` (BM25's index is then found
+      or built beside the store).
+  """
+  name: ClassVar[str]
+  reads_bm25: ClassVar[bool]
+
+  def make(self, dense: Callable[[], Ranker],
+           bm25: Callable[[], Ranker]) -> Ranker:
+    """The ranker, from the model's dense ranker and the store's BM25
+    (each made when called)."""
+
+  def record(self) -> dict[str, Any]:
+    """What a metrics record says of it: {"ranker": name, ...settings}."""
+
+  def tag(self) -> str:
+    """Its key in the eval ledger and its files' names."""
+
+
+CHOICES: dict[str, type[RankerChoice]] = {
+    c.name: c for c in (Dense, BM25, Hybrid)}
+RANKERS = tuple(CHOICES)
+
+
+def choice(ranker: str | RankerChoice, *, fusion: FusionConfig | None = None,
+           where: str = "EvalConfig.ranker") -> RankerChoice:
+  """`ranker` as a `RankerChoice`: a name picks its class in `CHOICES`
+  (the hybrid with `fusion`, default `FusionConfig()`); a choice object is
+  returned as it is. An unknown name is a ValueError listing the known."""
+  if not isinstance(ranker, str):
+    if not isinstance(ranker, RankerChoice):
+      raise TypeError(f"{where}={ranker!r} is neither a ranker's name nor a "
+                      "ranker choice (rankers.Dense(), BM25(), Hybrid()).")
+    return ranker
+  if ranker not in CHOICES:
+    raise ValueError(f"{where}={ranker!r} is not a ranker; use one of "
                      f"{', '.join(RANKERS)} (e.g. --gin.qa_eval.EvalConfig."
                      "ranker=\"'hybrid'\").")
-  return name
+  if ranker == Hybrid.name:
+    return Hybrid(fusion or FusionConfig())
+  return CHOICES[ranker]()
 
 
-def make_ranker(name: str, *, store=None, dense: Ranker | None = None,
-                bm25: Ranker | None = None,
-                fusion: FusionConfig = FusionConfig(),
+def make_ranker(name: str | RankerChoice, *, store=None,
+                dense: Ranker | None = None, bm25: Ranker | None = None,
+                fusion: FusionConfig | None = None,
                 bm25_dir: str | None = None) -> Ranker:
-  """The ranker `name` ("dense", "bm25" or "hybrid").
+  """The ranker `name` (a name of `CHOICES` or a `RankerChoice`).
 
   Args:
     name: which.
@@ -299,18 +407,21 @@ def make_ranker(name: str, *, store=None, dense: Ranker | None = None,
       is found or built beside the store, `bm25.for_store`).
     dense: the dense ranker (dense and hybrid).
     bm25: a BM25 ranker already made (else one from `store`).
-    fusion: the hybrid's fusion.
+    fusion: the hybrid's fusion, for a name.
     bm25_dir: the BM25 index's directory (default beside the store).
   """
-  check_name(name)
-  if name != "dense" and bm25 is None:
-    if store is None:
-      raise ValueError(f"ranker {name!r} needs the block store for BM25.")
-    bm25 = BM25Ranker.for_store(store, bm25_dir)
-  if name != "bm25" and dense is None:
-    raise ValueError(f"ranker {name!r} needs a dense ranker.")
-  if name == "dense":
+  chosen = choice(name, fusion=fusion, where="ranker")
+
+  def made_dense() -> Ranker:
+    if dense is None:
+      raise ValueError(f"ranker {chosen.name!r} needs a dense ranker.")
     return dense
-  if name == "bm25":
-    return bm25
-  return HybridRanker(dense, bm25, fusion)
+
+  def made_bm25() -> Ranker:
+    if bm25 is not None:
+      return bm25
+    if store is None:
+      raise ValueError(f"ranker {chosen.name!r} needs the block store for "
+                       "BM25.")
+    return BM25Ranker.for_store(store, bm25_dir)
+  return chosen.make(made_dense, made_bm25)

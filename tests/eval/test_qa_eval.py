@@ -18,6 +18,7 @@ import pytest
 from realm_jax import gin_cli
 from realm_jax.checkpoint_import import core
 from realm_jax.core import checkpoints, parallel
+from realm_jax.data import formats
 from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval, qa_model
@@ -486,7 +487,7 @@ def test_eval_job_closes_its_writer_when_an_evaluation_raises(
 
 
 def test_eval_reads_the_configured_rankers_blocks(setup, tmp_path):
-  from realm_jax.index import bm25  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import bm25, rankers  # pylint: disable=g-import-not-at-top
   ckpt_dir = str(tmp_path / "checkpoints")
   _save(ckpt_dir, 3, setup["params"])
   examples = [qa_lib.QAExample(q, tuple(a)) for q, a in QUESTIONS]
@@ -497,7 +498,7 @@ def test_eval_reads_the_configured_rankers_blocks(setup, tmp_path):
       output_dir=str(tmp_path / "ev"), model_config=setup["config"],
       index=setup["index"], store=setup["store"], qa_config=QA_CONFIG,
       config=config)
-  assert model.ranker_name == "bm25"
+  assert model.ranker_choice == rankers.BM25()
   ids, _ = bm25.BM25Index.from_store(setup["store"]).search(
       [q for q, _ in QUESTIONS], 6)
   with open(qa_eval.predictions_file(str(tmp_path / "ev"), 3,
@@ -592,7 +593,7 @@ def test_squad_json_questions_get_gold_paragraph_recall(setup, tmp_path):
   model = qa_model.QAModel(config, setup["params"], index, store,
                            dataclasses.replace(QA_CONFIG, num_retrieved=4),
                            batch_size=4)
-  examples = qa_eval.read_questions(path)
+  examples = formats.read_questions(path)
   data = squad.read_squad(path)
   assert [e.paragraph_id for e in examples] == [
       q.paragraph_id for q in data.questions]
@@ -613,4 +614,4 @@ def test_squad_json_questions_get_gold_paragraph_recall(setup, tmp_path):
   assert "gold_recall@1" not in plain
   # An ORQA JSONL line may name its paragraph too.
   (tmp_path / "q.jsonl").write_text(squad.question_lines(data.questions))
-  assert qa_eval.read_questions(str(tmp_path / "q.jsonl")) == examples
+  assert formats.read_questions(str(tmp_path / "q.jsonl")) == examples

@@ -156,3 +156,70 @@ def test_blocks_bm25_scored_0_get_no_bm25_rank(tmp_path, method):
   # No term anywhere: the dense order, every block, no BM25 rank.
   np.testing.assert_array_equal(ranking.ids[1], dense.rank(questions, n).ids[1])
   assert (ranking.sources["bm25"][1] == -1).all()
+
+
+def test_a_new_ranker_is_one_class_bound_in_gin():
+  """Issue 68: a ranker is chosen by object (`RankerChoice`), by gin
+  binding or by its name in `CHOICES`; the eval config, its ledger tag and
+  record come from the object; anything else is a clear error."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from realm_jax.eval import qa_eval  # pylint: disable=g-import-not-at-top
+
+  class Reversed:
+    """BM25's list, worst first: a ranker no module knows."""
+    name, reads_bm25 = "reversed", True
+
+    def make(self, dense, bm25):
+      del dense
+      inner = bm25()
+
+      class _Made:
+        name = "reversed"
+
+        def rank(self, questions, depth):
+          r = inner.rank(questions, depth)
+          return rankers.Ranking(r.ids[:, ::-1], r.scores[:, ::-1],
+                                 {k: v[:, ::-1] for k, v in r.sources.items()})
+      return _Made()
+
+    def record(self):
+      return {"ranker": self.name}
+
+    def tag(self):
+      return self.name
+
+  config = qa_eval.EvalConfig(ranker=Reversed())
+  assert qa_eval.ranker_tag(config) == "reversed"
+  assert qa_eval.ranker_kwargs(config)["ranker"] is config.ranker
+  sparse = rankers.BM25Ranker(_Bm25Stub())
+  made = rankers.make_ranker(config.ranker, bm25=sparse)
+  assert made.rank(["q"], 3).ids.tolist() == [[2, 1, 0]]
+  # The t5x way: the choice and its settings bound in gin.
+  with gin.unlock_config():
+    gin.parse_config("""
+        from __gin__ import dynamic_registration
+        from realm_jax.index import rankers
+        from realm_jax.eval import qa_eval
+        qa_eval.EvalConfig.ranker = @rankers.Hybrid()
+        rankers.Hybrid.fusion = @rankers.FusionConfig()
+        rankers.FusionConfig.dense_weight = 0.2
+    """)
+  try:
+    bound = gin.get_configurable(qa_eval.EvalConfig)()
+  finally:
+    gin.clear_config()
+  assert bound.ranker == rankers.Hybrid(rankers.FusionConfig(dense_weight=0.2))
+  assert qa_eval.ranker_record(bound)["fusion"]["dense_weight"] == 0.2
+  # A name: the hybrid takes EvalConfig.fusion; the tag is the fusion's.
+  by_name = qa_eval.EvalConfig(ranker="hybrid", fusion=bound.ranker.fusion)
+  assert qa_eval.ranker_tag(by_name) == qa_eval.ranker_tag(bound) != "hybrid"
+  with pytest.raises(TypeError, match="neither a ranker's name nor"):
+    rankers.choice(object())
+
+
+class _Bm25Stub:
+  """`BM25Index.search`'s shape: ids 0, 1, 2 with scores 3, 2, 1."""
+
+  def search(self, questions, depth):
+    ids = np.tile(np.arange(depth, dtype=np.int64), (len(questions), 1))
+    return ids, (depth - ids).astype(np.float32)
