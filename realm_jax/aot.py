@@ -83,7 +83,7 @@ from absl import logging
 from jax.sharding import NamedSharding
 
 from realm_jax.core import checks, parallel
-from realm_jax.data import realm_inputs
+from realm_jax.data import qa_inputs, realm_inputs
 from realm_jax.index import build as build_lib
 from realm_jax.index import builder as builder_lib
 from realm_jax.index import device_search, embed
@@ -455,22 +455,11 @@ def pretrain_step(config: pretrain.PretrainConfig, model: RealmConfig,
   lr = realm_inputs.reader_length(
       config.reader_length, lq, ld, field="PretrainConfig.reader_length",
       queries="(realm-aot: AotConfig.query_length)")
-  i32 = jnp.int32
-  shapes = {
-      "query_ids": ((b, lq), i32), "query_mask": ((b, lq), i32),
-      "candidate_ids": ((b, c, ld), i32), "candidate_mask": ((b, c, ld), i32),
-      "candidate_segment_ids": ((b, c, ld), i32),
-      "reader_ids": ((b, c, lr), i32), "reader_mask": ((b, c, lr), i32),
-      "reader_segment_ids": ((b, c, lr), i32),
-      "mlm_positions": ((b, m), i32), "mlm_targets": ((b, m), i32),
-      "mlm_weights": ((b, m), jnp.float32)}
-  if r.held_prior != "dense":
-    shapes["dense_prior"] = ((b,), jnp.float32)
-  if r.held_prior == "mixture":
-    shapes["lexical_log_prior"] = ((b, c), jnp.float32)
-  if config.retriever.training == "query_side":
-    shapes["candidate_embeddings"] = (
-        (b, c, model.retriever.embedding_size), jnp.float32)
+  shapes = realm_inputs.pretraining_layout(
+      batch=b, candidates=c, query_length=lq, block_length=ld,
+      reader_length=lr, num_masks=m, held_prior=r.held_prior,
+      embedding_size=(model.retriever.embedding_size
+                      if config.retriever.training == "query_side" else None))
   return Step("pretrain", step, (_train_state(params, tx, mesh),
                                  _batch(mesh, shapes, (
                                      "PretrainConfig.batch_size, "
@@ -520,21 +509,10 @@ def finetune_step(config: finetune.FinetuneConfig, model: RealmConfig,
   tx, step, _ = finetune._step_functions(  # pylint: disable=protected-access
       model, mesh, **config.schedule(config.total_steps(aot.num_questions)))
   _, params = functional.abstract_init(lambda r: Realm(model, rngs=r))
-  qa = config.qa
-  b, k, r, lq, lr = (config.batch_size, qa.num_retrieved,
-                     qa.num_reader_blocks, qa.question_length,
-                     qa.reader_length)
-  w, d = model.reader.max_span_width, model.retriever.embedding_size
-  i32 = jnp.int32
-  shapes = {
-      "question_ids": ((b, lq), i32), "question_mask": ((b, lq), i32),
-      "retrieved_embeddings": ((b, k, d), jnp.float32),
-      "retrieved_mask": ((b, k), jnp.bool_),
-      "reader_ids": ((b, r, lr), i32), "reader_mask": ((b, r, lr), i32),
-      "reader_segment_ids": ((b, r, lr), i32),
-      "block_start": ((b, r), i32), "block_end": ((b, r), i32),
-      "has_answer": ((b, k), jnp.bool_),
-      "gold_spans": ((b, r, lr, w), jnp.bool_)}
+  qa, b = config.qa, config.batch_size
+  shapes = qa_inputs.qa_layout(
+      qa, batch=b, embedding_size=model.retriever.embedding_size,
+      max_span_width=model.reader.max_span_width)
   assert set(shapes) == set(finetune.DEVICE_FEATURES), shapes
   return Step("finetune", step, (_train_state(params, tx, mesh),
                                  _batch(mesh, shapes, (
@@ -542,8 +520,9 @@ def finetune_step(config: finetune.FinetuneConfig, model: RealmConfig,
                                      "QAConfig's sizes")),
                                  _rng(mesh)),
               global_batch=b, batch_arg=1, mesh_devices=mesh.size,
-              notes=f"batch {b}, K {k} retrieved, R {r} read, question "
-              f"{lq}, reader {lr}")
+              notes=f"batch {b}, K {qa.num_retrieved} retrieved, R "
+              f"{qa.num_reader_blocks} read, question {qa.question_length}, "
+              f"reader {qa.reader_length}")
 
 
 def embed_step(build: build_lib.IndexBuildConfig, model: RealmConfig,

@@ -183,6 +183,27 @@ def qa_batch(questions: dict[str, np.ndarray], retrieved_ids: np.ndarray,
   return out
 
 
+def qa_layout(config: QAConfig, *, batch: int, embedding_size: int,
+              max_span_width: int) -> realm_inputs.Layout:
+  """The fine-tuning step's batch: {field: (shape, dtype)}, the
+  `MODEL_FEATURES` and the labels (`has_answer`, `gold_spans`) that
+  `qa_batch` produces with `answer_ids`; what `realm-aot` lowers the step
+  on (tests check `qa_batch`'s against it)."""
+  b, k, r = batch, config.num_retrieved, config.num_reader_blocks
+  lq, lr = config.question_length, config.reader_length
+  i32, f32, flag = (np.dtype(np.int32), np.dtype(np.float32),
+                    np.dtype(np.bool_))
+  return {
+      "question_ids": ((b, lq), i32), "question_mask": ((b, lq), i32),
+      "retrieved_embeddings": ((b, k, embedding_size), f32),
+      "retrieved_mask": ((b, k), flag),
+      **{f"reader_{n}": ((b, r, lr), i32)
+         for n in ("ids", "mask", "segment_ids")},
+      "block_start": ((b, r), i32), "block_end": ((b, r), i32),
+      "has_answer": ((b, k), flag),
+      "gold_spans": ((b, r, lr, max_span_width), flag)}
+
+
 def has_answer(store, block_ids: np.ndarray,
                answer_ids: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
   """bool [B, K]: block_ids[i, j]'s body contains an answer of question i.

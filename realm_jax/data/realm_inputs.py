@@ -291,6 +291,43 @@ def holds_spans(spans: list[np.ndarray], bodies: np.ndarray,
   return found
 
 
+Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+def pretraining_layout(*, batch: int, candidates: int, query_length: int,
+                       block_length: int, reader_length: int, num_masks: int,
+                       held_prior: str = "dense",
+                       embedding_size: int | None = None) -> Layout:
+  """The pre-training step's batch: {field: (shape, dtype)}.
+
+  The one description of what `pretraining_batch` and the candidate source
+  produce (`training.candidates`) and what `realm-aot` lowers the step on
+  (tests check the produced batches against it). `candidates` counts the
+  null document; `held_prior` other than "dense" adds `dense_prior` [B]
+  and "mixture" `lexical_log_prior` [B, C] (`RetrievalConfig.held_prior`);
+  `embedding_size` (query-side training) adds the candidates' index
+  embeddings [B, C, D].
+  """
+  b, c, m = batch, candidates, num_masks
+  i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+  layout = {
+      "query_ids": ((b, query_length), i32),
+      "query_mask": ((b, query_length), i32),
+      **{f"candidate_{n}": ((b, c, block_length), i32)
+         for n in ("ids", "mask", "segment_ids")},
+      **{f"reader_{n}": ((b, c, reader_length), i32)
+         for n in ("ids", "mask", "segment_ids")},
+      "mlm_positions": ((b, m), i32), "mlm_targets": ((b, m), i32),
+      "mlm_weights": ((b, m), f32)}
+  if held_prior != "dense":
+    layout["dense_prior"] = ((b,), f32)
+  if held_prior == "mixture":
+    layout["lexical_log_prior"] = ((b, c), f32)
+  if embedding_size is not None:
+    layout["candidate_embeddings"] = ((b, c, embedding_size), f32)
+  return layout
+
+
 def pretraining_batch(queries: Mapping[str, np.ndarray],
                       candidate_block_ids: np.ndarray, block_store, *,
                       doc_len: int = 288, reader_len: int = 384,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from realm_jax.data import realm_inputs
 from realm_jax.model.bert import BertConfig
 from realm_jax.model.realm import RealmConfig, ReaderConfig, RetrieverConfig
 
@@ -90,7 +91,7 @@ def random_pretraining_batch(rng: np.random.Generator, *, batch: int,
       for _ in range(batch)])
   weights = (rng.random((batch, num_masks)) < 0.7).astype(np.float32)
   weights[:, 0] = 1.0
-  return {
+  out = {
       "query_ids": query_ids, "query_mask": query_mask,
       "candidate_ids": cand_ids, "candidate_mask": cand_mask,
       "candidate_segment_ids": cand_seg.astype(np.int32),
@@ -101,3 +102,10 @@ def random_pretraining_batch(rng: np.random.Generator, *, batch: int,
                                   size=(batch, num_masks)).astype(np.int32),
       "mlm_weights": weights,
   }
+  # The layout the step is lowered on (`realm_inputs.pretraining_layout`).
+  assert {k: (v.shape, v.dtype) for k, v in out.items()} == (
+      realm_inputs.pretraining_layout(
+          batch=batch, candidates=candidates, query_length=query_len,
+          block_length=doc_len, reader_length=query_len + doc_len,
+          num_masks=num_masks)), "random_pretraining_batch drifted"
+  return out

@@ -40,6 +40,12 @@ def test_batch_layout_has_answer_and_gold_spans(store):
     qa_inputs.qa_batch(q, retrieved, emb, store, CONFIG,
                        answer_ids=answer_ids)
   assert batch["reader_ids"].shape == (2, 3, 48)
+  # The layout realm-aot lowers the fine-tuning step on (issue 68).
+  layout = qa_inputs.qa_layout(CONFIG, batch=2, embedding_size=8,
+                               max_span_width=MAX_SPAN_WIDTH)
+  assert {k: (v.shape, np.dtype(v.dtype)) for k, v in batch.items()
+          if k in layout} == layout
+  assert set(batch) - set(layout) == {"retrieved_ids"}  # Host only.
   assert not batch["retrieved_mask"][1, 5]
   np.testing.assert_array_equal(batch["retrieved_embeddings"][0],
                                 emb[retrieved[0]])

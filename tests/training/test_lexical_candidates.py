@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from realm_jax import gin_cli
-from realm_jax.data import realm_inputs
+from realm_jax.data import block_store, realm_inputs
 from realm_jax.model import losses
 from realm_jax.testing import corpus
 from realm_jax.training import candidates, pretrain
@@ -140,6 +140,7 @@ def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
       "pretrain.RecallGuardConfig.queries = ''"])
   config = gin.get_configurable(pretrain.PretrainConfig)()
   model = gin.get_configurable(pretrain.RealmConfig)()
+  block_length = block_store.BlockStore.open(store).max_block_len
   # Every batch's candidates, with BM25's hits for its queries.
   seen = []
   real = pretrain.RetrievalInput.batch
@@ -147,6 +148,13 @@ def test_a_run_reads_bm25s_blocks_beside_the_dense_ones(tmp_path, tiny_corpus,
   def spy(self, step, state):
     batch = real(self, step, state)
     seen.append(batch["candidate_ids"].shape)
+    # The batch is the layout realm-aot lowers the step on (issue 68).
+    assert {k: (tuple(v.shape), np.dtype(v.dtype))
+            for k, v in batch.items()} == realm_inputs.pretraining_layout(
+                batch=config.batch_size, candidates=5,
+                query_length=batch["query_ids"].shape[1],
+                block_length=block_length, reader_length=64,
+                num_masks=batch["mlm_positions"].shape[1], held_prior=prior)
     assert float(batch["dense_prior"][0]) == (
         1.0 if step >= 3 else 0.5 if prior == "mixture" else 0.0)
     if prior == "mixture":
