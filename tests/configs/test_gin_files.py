@@ -46,7 +46,8 @@ REQUIRED = ["WORKDIR = '/tmp/w'", "BLOCK_STORE = '/tmp/b'",
 def test_gin_file_parses(path):
   gin.clear_config()
   try:
-    pod = "/pods/" in path  # A pod recipe binds its TOPOLOGY itself.
+    # A pod recipe binds its TOPOLOGY itself (pods/shared/: what they share).
+    pod = "/pods/" in path and "/pods/shared/" not in path
     # The extend job refuses init_from='scratch' (no trained document
     # tower); its default (None) is the run's checkpoint.
     extend = ["INIT_FROM = None"] if "/runs/index_extend" in path else []
