@@ -13,7 +13,6 @@ model config but no corpus: give `block_store` and `index_dir` then.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from realm_jax.checkpoint_import import exported
@@ -49,7 +48,7 @@ def load(path: str, *, block_store: str | None = None,
   Returns:
     The `QAModel` (`model.ask(question)` answers).
   """
-  if os.path.exists(os.path.join(path, exported.CONFIG_FILE)):
+  if io_utils.as_path(path).joinpath(exported.CONFIG_FILE).exists():
     model_config, params = exported.load_exported(path)
     if exported.span_head_trained(path) is False:
       params = qa_model_lib.without_span_head(params)

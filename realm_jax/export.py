@@ -182,8 +182,10 @@ def export_model(params: dict[str, Any], config: RealmConfig,
     output_dir.
   """
   vocab_path = vocab_path or tokenizer_lib.default_vocab_path()
+  # realm_config.json last: a reader opens it first (`load_exported`).
   with outputs.output_dir(output_dir, kind=outputs.EXPORT, setting=setting,
-                          exists=_exists(output_dir)) as tmp:
+                          exists=_exists(output_dir),
+                          last=(exported.CONFIG_FILE,)) as tmp:
     _write_export(tmp, params, config, vocab_path, max_seq_length,
                   run_configs)
   return output_dir

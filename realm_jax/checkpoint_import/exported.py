@@ -23,6 +23,7 @@ Hugging Face files (never from anything executable).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -115,6 +116,13 @@ def _tower(directory: str, config) -> dict[str, Any]:
 def load_exported(directory: str) -> tuple[RealmConfig, dict[str, Any]]:
   """(RealmConfig, {"retriever": ..., "reader": ...}) of an export."""
   config = read_config(directory)
+  if not io_utils.is_local(directory):
+    # safetensors maps local files: a remote export (gs://) is read from a
+    # local copy, made once per content of its realm_config.json (written
+    # last, so the export is whole).
+    text = io_utils.read_text(io_utils.join(directory, CONFIG_FILE))
+    key = hashlib.sha256(f"{directory}\n{text}".encode()).hexdigest()[:32]
+    directory = io_utils.local_copy(directory, f"export-{key}")
   retriever = {"query_embedder": _tower(os.path.join(directory, "retriever"),
                                         config.retriever)}
   if not config.retriever.share_towers:

@@ -13,7 +13,8 @@ with the holder's name, host, pid and start time.
 - Remote directories (gs://...; no locks): the lease file holds the owner
   and a heartbeat that a daemon thread rewrites every `heartbeat_seconds`.
   A lease whose heartbeat is older than `stale_seconds` is taken over (its
-  holder died without releasing it); after writing, the new holder reads
+  holder died without releasing it), and so, at once, is one whose holder
+  was a process of this host that no longer exists; after writing, the new holder reads
   the file back once more after a short delay and gives up if another
   writer won the race. This is best effort (object stores have no
   compare-and-swap here), which the heartbeat interval makes ample for
@@ -227,11 +228,19 @@ class Lease:
     current = self._read_remote()
     if current is not None:
       age = time.time() - current.heartbeat
-      if age < self.stale_seconds:
+      # A holder on this host whose process is gone (kill -9, a crash)
+      # cannot heartbeat again: its job is resumed now, not in
+      # `stale_seconds` (gs:// has no lock that dies with its holder).
+      dead_here = (current.host == socket.gethostname()
+                   and current.pid != os.getpid()
+                   and not _pid_alive(current.pid))
+      if age < self.stale_seconds and not dead_here:
         raise _refusal(self.directory, current)
-      logging.warning("%s: taking over the lease of %s (no heartbeat for "
-                      "%.0f s > %.0f s).", self.directory,
-                      current.describe(), age, self.stale_seconds)
+      logging.warning("%s: taking over the lease of %s (%s).",
+                      self.directory, current.describe(),
+                      "its process is gone" if dead_here else
+                      f"no heartbeat for {age:.0f} s > "
+                      f"{self.stale_seconds:.0f} s")
     self._write_remote()
     time.sleep(min(1.0, self.heartbeat_seconds / 4))
     winner = self._read_remote()

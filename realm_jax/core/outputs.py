@@ -34,6 +34,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import shutil
 import socket
 import stat
 import time
@@ -71,7 +72,9 @@ class Kind:
   legacy_requires: str = ""
 
 
-_INDEX_ENTRIES = ("LATEST", "[0-9]*", ".progress.json", ".lease")
+# (ranker_calibration.json: realm-calibrate's choice, `index.calibration`.)
+_INDEX_ENTRIES = ("LATEST", "[0-9]*", ".progress.json", ".lease",
+                  "ranker_calibration.json")
 BLOCK_STORE = Kind("block_store", "a block store", legacy=(
     "manifest.json", "*.npy", "report.json", "dropped.jsonl", "vocab.txt",
     "bm25"), legacy_requires="manifest.json")
@@ -269,13 +272,35 @@ def new_output_tmp(directory: io_utils.PathLike, *, kind: Kind,
 
 @contextlib.contextmanager
 def output_dir(directory: io_utils.PathLike, *, kind: Kind, setting: str,
-               overwrite: bool = False, exists: str = "") -> Iterator[str]:
+               overwrite: bool = False, exists: str = "",
+               last: tuple[str, ...] = ()) -> Iterator[str]:
   """`io_utils.output_dir` for an output of `kind`: writes it whole or not
   at all, and replaces (with `overwrite`) only an output of `kind`.
+
+  An object store (gs://) has no rename: a remote output is written into a
+  local temporary, then uploaded file by file, the files named in `last`
+  (relative paths: what a reader opens first) and the marker after all
+  others, so an upload cut short leaves no output a reader or `check`
+  takes for whole. An output it replaces is removed before the upload.
 
   Raises:
     As `check`.
   """
+  if not io_utils.is_local(directory):
+    check(directory, kind, setting, overwrite=overwrite, exists=exists)
+    tmp = io_utils.mkdtemp(prefix="realm_jax_output-")
+    try:
+      mark(tmp, kind)
+      yield tmp
+      target = io_utils.as_path(directory)
+      if target.exists():
+        io_utils.remove(target)
+      io_utils.copy_tree(tmp, target, skip=(MARKER, *last))
+      for rel in (*last, MARKER):
+        io_utils.copy_file(os.path.join(tmp, rel), target / rel)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+    return
   tmp = new_output_tmp(directory, kind=kind, setting=setting,
                        overwrite=overwrite, exists=exists)
   try:
