@@ -82,7 +82,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding
 
-from realm_jax.core import checks, parallel
+from realm_jax.core import checks, parallel, slices
 from realm_jax.data import qa_inputs, realm_inputs
 from realm_jax.index import build as build_lib
 from realm_jax.index import builder as builder_lib
@@ -93,7 +93,10 @@ from realm_jax.training import finetune, ict, loop, pretrain
 from realm_jax.training import optimizer as optimizer_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-GIB = 1 << 30
+GIB = slices.GIB
+# The chips and slice names (`core/slices.py`, which the launcher reads).
+Chip, CHIPS = slices.Chip, slices.CHIPS
+host_bounds, parse_topology = slices.host_bounds, slices.parse_topology
 ESTIMATE_METHOD = ("roofline: max(flops / peak bf16 FLOP/s, bytes accessed "
                    "/ HBM bandwidth), per chip, from the compiler's cost "
                    "analysis")
@@ -117,40 +120,6 @@ MAX_BYTES_PER_CHIP = 1 << 50
 
 
 @dataclasses.dataclass(frozen=True)
-class Chip:
-  """A TPU generation's public spec sheet (per chip).
-
-  Attributes:
-    generation: "v4", "v5e" or "v5p", as in topology names.
-    peak_bf16_flops: dense bfloat16 FLOP/s.
-    hbm_bytes_per_second: HBM bandwidth.
-    hbm_bytes: HBM capacity.
-    chip_config_name: `get_topology_desc`'s name for one chip (v4 and v5p
-      run as one megacore device per chip).
-    dims: the topology's dimensions (2 for v5e, 3 for v4 and v5p).
-    pod_chips: chips in a whole pod, the largest slice (v4: 4,096; v5e:
-      256, 16x16; v5p: 8,960).
-  """
-  generation: str
-  peak_bf16_flops: float
-  hbm_bytes_per_second: float
-  hbm_bytes: int
-  chip_config_name: str
-  dims: int
-  pod_chips: int
-
-
-CHIPS = {
-    "v4": Chip("v4", 275e12, 1.2e12, 32 * GIB, "megacore", 3, 4096),
-    "v5e": Chip("v5e", 197e12, 819e9, 16 * GIB, "default", 2, 256),
-    "v5p": Chip("v5p", 459e12, 2.76e12, 95 * GIB, "megacore", 3, 8960),
-}
-# Chips per host along each topology axis: 4 chips per TPU VM host (v4,
-# v5p, and v5e pods larger than one host).
-CHIPS_PER_HOST_BOUNDS = (2, 2, 1)
-
-
-@dataclasses.dataclass(frozen=True)
 class Topology:
   """A pod slice: its name, chip and devices (one per chip)."""
   name: str
@@ -167,60 +136,6 @@ class Topology:
 
   def host_devices(self, process_index: int = 0) -> list[Any]:
     return [d for d in self.devices if d.process_index == process_index]
-
-
-_TOPOLOGY = re.compile(r"^(?P<gen>v4|v5e|v5p):(?P<dims>\d+(?:x\d+)+)$")
-
-
-def host_bounds(dims: Sequence[int]) -> tuple[int, int, int]:
-  """A host's chips along each axis of a slice of `dims`: a slice smaller
-  than a host (e.g. "v5e:1x1", "v4:2x2x1") is all on one."""
-  dims3 = tuple(dims) + (1,) * (3 - len(dims))
-  return tuple(min(b, d) for b, d in zip(CHIPS_PER_HOST_BOUNDS, dims3))
-
-
-def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
-  """(chip, dims) of a topology name such as "v5e:4x4" or "v4:4x4x4".
-
-  Raises:
-    ValueError: naming the field and the accepted forms; a slice larger
-      than its generation's pod, or whose chips do not divide into hosts
-      (`host_bounds`), before the TPU compiler sees it.
-  """
-  match = _TOPOLOGY.match(name or "")
-  if not match:
-    raise ValueError(
-        f"AotConfig.topology={name!r} is not a TPU topology name: use "
-        "<generation>:<dims> with generation v4, v5e or v5p, e.g. "
-        "'v5e:4x4' (16 chips), 'v4:4x4x4' (64 chips), 'v5p:2x2x2'.")
-  chip = CHIPS[match["gen"]]
-  dims = tuple(int(d) for d in match["dims"].split("x"))
-  if len(dims) != chip.dims or min(dims) < 1:
-    example = "x".join(["2"] * chip.dims)
-    raise ValueError(
-        f"AotConfig.topology={name!r}: a {chip.generation} topology has "
-        f"{chip.dims} positive dimensions, e.g. '{chip.generation}:"
-        f"{example}'.")
-  chips = math.prod(dims)
-  if chips > chip.pod_chips:
-    raise ValueError(
-        f"AotConfig.topology={name!r} names {chips:,} chips, more than a "
-        f"whole {chip.generation} pod ({chip.pod_chips:,}): realm-aot "
-        "compiles for one slice of one pod; use a smaller topology, e.g. "
-        f"'{chip.generation}:{'x'.join(['4'] * chip.dims)}'.")
-  bounds = host_bounds(dims)
-  dims3 = dims + (1,) * (3 - len(dims))
-  if any(d % b for d, b in zip(dims3, bounds)):
-    fixed = [-(-d // b) * b for d, b in zip(dims, bounds)]
-    raise ValueError(
-        f"AotConfig.topology={name!r} does not divide into hosts: its "
-        f"{'x'.join(map(str, dims))} chips do not tile into host bounds of "
-        f"{'x'.join(map(str, bounds))} chips (chips_per_host_bounds: a TPU "
-        f"VM host holds {'x'.join(map(str, CHIPS_PER_HOST_BOUNDS))}, fewer "
-        "only along an axis where the whole slice is smaller). Make its "
-        "first two dimensions 1 or multiples of 2, e.g. "
-        f"'{chip.generation}:{'x'.join(map(str, fixed))}'.")
-  return chip, dims
 
 
 def topology(name: str) -> Topology:
