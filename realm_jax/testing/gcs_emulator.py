@@ -319,7 +319,7 @@ class GcsEmulator:
     url: the emulator's JSON API endpoint, `http://127.0.0.1:PORT`.
   """
 
-  def __init__(self, bucket: str = "realm-test"):
+  def __init__(self, bucket: str = "test-bucket"):
     self.bucket = bucket
     self.url = ""
     self._process: subprocess.Popen | None = None
@@ -354,7 +354,7 @@ class GcsEmulator:
         stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
     try:
       self._wait_until_up()
-      self._request("POST", "/storage/v1/b?project=realm-test",
+      self._request("POST", "/storage/v1/b?project=test-project",
                     {"name": self.bucket})
       self._proxy = _TlsProxy(("127.0.0.1", port), cert, key)
     except BaseException:
@@ -476,7 +476,7 @@ class GcsEmulator:
 def main(argv=None) -> None:
   import argparse  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--bucket", default="realm-test")
+  parser.add_argument("--bucket", default="test-bucket")
   args = parser.parse_args(argv)
   with GcsEmulator(args.bucket) as emulator:
     for name, value in emulator.env().items():

@@ -17,7 +17,7 @@ from realm_jax.testing import gcs_emulator
 
 @pytest.fixture(scope="session")
 def gcs():
-  with gcs_emulator.GcsEmulator("realm-test") as emulator:
+  with gcs_emulator.GcsEmulator("test-bucket") as emulator:
     yield emulator
 
 
