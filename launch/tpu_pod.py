@@ -28,26 +28,40 @@ Example (launch/README.md walks through a whole run):
       --topology=v4:2x2x2 --dry_run
 
 Flags may also come from a file, one per line: `tpu_pod.py train @pod.args`.
+
+`--executor=local` rehearses a job subcommand on this machine: the same
+per-host command lines, as local processes (one per host of `--topology`,
+with CPU devices and a coordinator on 127.0.0.1), supervised: when one
+host dies the others are stopped and the launcher says which host died and
+the step a relaunch resumes from (`LocalExecutor`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
-from typing import Sequence
+import time
+from typing import Sequence, TextIO
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # realm_jax.core.distributed.ENV_DISTRIBUTED; not imported, because this tool
 # runs on a laptop where JAX need not be installed.
 ENV_DISTRIBUTED = "REALM_JAX_DISTRIBUTED"
+# Its explicit topology, which --executor=local sets for each local host.
+ENV_COORDINATOR_ADDRESS = "REALM_JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "REALM_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "REALM_JAX_PROCESS_ID"
 
 # The job of each subcommand that starts one, and its log name.
 JOB_MODULES = {
@@ -81,6 +95,7 @@ _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ACCELERATOR_RE = re.compile(r"^v\d+[a-z]*-\d+$")
 _GIN_KEY_RE = re.compile(r"^[A-Za-z_][\w.]*(/[\w.]+)*$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_]\w*$")
+EXECUTORS = ("gcloud", "local")
 
 
 class UsageError(ValueError):
@@ -136,6 +151,9 @@ class LaunchConfig:
     worker, command, lines, stop_timeout, yes: logs/exec worker ("all" or
       a number), exec command, logs history lines, stop's seconds from
       SIGTERM to SIGKILL, delete without asking.
+    executor: "gcloud" (the pod: gcloud ssh to each host) or "local" (a
+      rehearsal on this machine: `LocalExecutor`).
+    local_devices: CPU devices per host under --executor=local.
   """
   name: str
   zone: str
@@ -174,6 +192,8 @@ class LaunchConfig:
   lines: int = 100
   stop_timeout: int = 300
   yes: bool = False
+  executor: str = "gcloud"
+  local_devices: int = 2
 
   def __post_init__(self):
     if not self.name:
@@ -219,6 +239,12 @@ class LaunchConfig:
                          "...) or all.")
     if self.on not in ("pod", "builder", "all"):
       raise UsageError(f"--on={self.on!r}; use pod, builder or all.")
+    if self.executor not in EXECUTORS:
+      raise UsageError(f"--executor={self.executor!r}; use gcloud (the pod) "
+                       "or local (a rehearsal on this machine).")
+    if self.local_devices < 1:
+      raise UsageError(f"--local_devices={self.local_devices}; each local "
+                       "host needs at least 1 CPU device.")
     if not re.match(r"^[A-Za-z0-9_.-]+$", self.job):
       raise UsageError(f"--job={self.job!r} is not a job or log name.")
     if (os.path.isabs(self.remote_dir) or not self.remote_dir
@@ -268,7 +294,13 @@ def check_required(cfg: LaunchConfig, subcommand: str) -> None:
              "index builder's VM")
   if subcommand == "create":
     if cfg.on in ("pod", "all"):
-      _require(cfg, subcommand, "accelerator_type", "the slice, e.g. v4-64")
+      if not (cfg.topology or gin_topology(cfg)):
+        _require(cfg, subcommand, "accelerator_type",
+                 "the slice: --topology=<its topology, e.g. v4:4x4x4> (or "
+                 "a gin_configs/pods/ recipe that binds TOPOLOGY), from which "
+                 "gcloud's accelerator type is derived, or --accelerator_type"
+                 " e.g. v4-128")
+      pod_accelerator_type(cfg)  # A topology that disagrees: refused now.
       _require(cfg, subcommand, "version",
                "the TPU software version, e.g. tpu-ubuntu2204-base")
     if on_builder and cfg.builder_type == "tpu" and not (
@@ -480,7 +512,7 @@ def create_commands(cfg: LaunchConfig) -> list[list[str]]:
         ["--spot"] if cfg.spot else [])
     cmds.append(_gcloud(cfg, "compute", "tpus", "tpu-vm", "create", cfg.name,
                         f"--zone={cfg.zone}",
-                        f"--accelerator-type={cfg.accelerator_type}",
+                        f"--accelerator-type={pod_accelerator_type(cfg)}",
                         f"--version={cfg.version}", *kind))
   if cfg.on in ("builder", "all"):
     zone = f"--zone={cfg.effective_builder_zone}"
@@ -752,6 +784,271 @@ def commands(cfg: LaunchConfig, subcommand: str) -> list[list[str]]:
 
 
 # -----------------------------------------------------------------------------
+# --executor=local: the per-host commands as local processes
+# -----------------------------------------------------------------------------
+
+# A run with a dead host cannot checkpoint (every save meets all hosts), so
+# the other hosts get SIGTERM and, this many seconds later, SIGKILL.
+FAILED_RUN_STOP_SECONDS = 10
+
+
+def _slices():
+  """realm_jax/core/slices.py (standard library only), read by path: this
+  tool does not import realm_jax, whose package needs JAX."""
+  name = "_realm_jax_slices"
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(REPO_ROOT, "realm_jax", "core", "slices.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (Its dataclasses look themselves up.)
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+def pod_accelerator_type(cfg: LaunchConfig) -> str | None:
+  """gcloud's accelerator type of the pod slice: derived from its one name,
+  the topology (--topology, or the TOPOLOGY a pods/ recipe binds), e.g.
+  v4:4x4x4 -> v4-128, v5e:8x8 -> v5litepod-64; else --accelerator_type.
+
+  Raises:
+    UsageError: --accelerator_type names another slice than the topology.
+  """
+  topology = cfg.topology or gin_topology(cfg)
+  if not topology:
+    return cfg.accelerator_type
+  try:
+    derived = _slices().accelerator_type(topology)
+  except ValueError as e:
+    raise UsageError(str(e).replace("topology=", "--topology=", 1)) from None
+  if cfg.accelerator_type and cfg.accelerator_type != derived:
+    raise UsageError(
+        f"--accelerator_type={cfg.accelerator_type} is not the slice of "
+        f"topology {topology} ({derived}; v4 and v5p types count 2 "
+        "TensorCores a chip, v5e's count chips): drop --accelerator_type, "
+        "it is derived from the topology, or correct the one that is wrong.")
+  return derived
+
+
+def topology_hosts(topology: str) -> int:
+  """TPU VM hosts of a slice: "v5e:4x4" -> 4 (4 chips each), "v4:2x2x2" -> 2.
+
+  Raises:
+    UsageError: if `topology` is not a slice's topology name.
+  """
+  try:
+    return _slices().hosts(topology)
+  except ValueError as e:
+    raise UsageError(str(e).replace("topology=", "--topology=", 1)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalHost:
+  """One host's job as a local process (`LocalExecutor`).
+
+  Attributes:
+    name: the host as messages name it, e.g. "worker 2 (process 2 of 4)".
+    argv: `env KEY=VALUE... python -m MODULE ...`: the host's command line
+      on the pod, with the local interpreter and the local settings last.
+    log: the host's log file (its output, appended).
+  """
+  name: str
+  argv: tuple[str, ...]
+  log: str
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def local_env(cfg: LaunchConfig, job: str, process_id: int | None = None,
+              num_processes: int = 1, port: int = 0) -> list[str]:
+  """What a local host's environment changes, after the pod's (`job_env`):
+  CPU devices and, for a multi-host job, the coordinator on 127.0.0.1,
+  this host's process id (JAX reads those from the TPU metadata on a
+  pod) and no persistent compilation cache."""
+  pod_env = dict(e.split("=", 1) for e in job_env(cfg, job))
+  xla_flags = [f for f in pod_env.get("XLA_FLAGS",
+                                      os.environ.get("XLA_FLAGS", "")).split()
+               if not f.startswith("--xla_force_host_platform_device_count")]
+  env = []
+  if process_id is not None:
+    env += [f"{ENV_COORDINATOR_ADDRESS}=127.0.0.1:{port}",
+            f"{ENV_NUM_PROCESSES}={num_processes}",
+            f"{ENV_PROCESS_ID}={process_id}",
+            # Only process 0 writes JAX's persistent compilation cache (if
+            # one is set, as the tests do): with one, a relaunch had
+            # process 0 read its train step from it while the others
+            # compiled theirs for over a minute, longer than gloo waits
+            # for every process at a CPU collective's first run (30 s).
+            # Without it every host compiles, and they meet in time.
+            "JAX_ENABLE_COMPILATION_CACHE=false"]
+  return env + [
+      "JAX_PLATFORMS=cpu",
+      "XLA_FLAGS=" + " ".join(xla_flags + [
+          f"--xla_force_host_platform_device_count={cfg.local_devices}"])]
+
+
+def local_log_dir(cfg: LaunchConfig) -> str:
+  """Where the local hosts' logs go: <workdir>/logs, or a temporary
+  directory for a gs:// workdir."""
+  if cfg.workdir and not cfg.workdir.startswith("gs://"):
+    return os.path.join(cfg.workdir, "logs")
+  return os.path.join(tempfile.gettempdir(), f"realm_jax-{cfg.name}", "logs")
+
+
+def local_hosts(cfg: LaunchConfig, subcommand: str) -> list[LocalHost]:
+  """The hosts `subcommand` starts its job on, as local processes.
+
+  A pod job runs on every host of `--topology` (one process each, with
+  `--local_devices` CPU devices); the builder on one. Each runs what
+  `start_script` starts on a pod host (`job_env`, `job_argv`), with this
+  interpreter in this checkout, in the foreground.
+
+  Raises:
+    UsageError: for a subcommand that starts no job, a pod job without
+      `--topology`, or a multi-host builder.
+  """
+  if subcommand not in SUBCOMMAND_JOBS:
+    raise UsageError(f"--executor=local runs the jobs of "
+                     f"{', '.join(SUBCOMMAND_JOBS)} on this machine; "
+                     f"{subcommand} acts on the pod.")
+  job = SUBCOMMAND_JOBS[subcommand]
+  logs = local_log_dir(cfg)
+
+  def host(name, log_name, env):
+    argv = ("env", *job_env(cfg, job), *env, sys.executable,
+            *job_argv(cfg, job))
+    return LocalHost(name, argv, os.path.join(logs, log_name, f"{job}.log"))
+
+  if job == "builder":
+    if cfg.builder_worker == "all":
+      raise UsageError("--executor=local runs the builder as one host; "
+                       "--builder_worker=all is not rehearsed locally.")
+    return [host("the index builder", "builder", local_env(cfg, job))]
+  topology = cfg.topology or gin_topology(cfg)
+  if not topology:
+    raise UsageError(f"{subcommand} --executor=local starts one process per "
+                     "host of the slice: pass --topology, e.g. v5e:4x4 "
+                     "(4 hosts).")
+  n, port = topology_hosts(topology), _free_port()
+  return [host(f"worker {i} (process {i} of {n})", f"worker{i}",
+               local_env(cfg, job, i, n, port)) for i in range(n)]
+
+
+def newest_checkpoint(workdir: str | None) -> int | None:
+  """The newest finished checkpoint step in a local workdir, if any."""
+  try:
+    names = os.listdir(os.path.join(workdir, "checkpoints"))
+  except (OSError, TypeError):
+    return None
+  steps = [int(n) for n in names if n.isdigit()]
+  return max(steps) if steps else None
+
+
+def _status_text(returncode: int) -> str:
+  if returncode < 0:
+    sig = -returncode
+    try:
+      return f"signal {sig} ({signal.Signals(sig).name})"
+    except ValueError:
+      return f"signal {sig}"
+  return f"exit status {returncode}"
+
+
+class LocalExecutor:
+  """Runs hosts' jobs as local processes and supervises them.
+
+  Every host starts at once, in its own session, its output appended to
+  its log. The run ends when every host has exited 0, or when one fails:
+  then the others are stopped (SIGTERM, SIGKILL after `stop_seconds`) and
+  the message names the dead host and the step a relaunch resumes from.
+  A SIGTERM or Ctrl-C to the executor is passed on to every host (the
+  jobs checkpoint and exit, as `tpu_pod.py stop` does on a pod).
+  """
+
+  def __init__(self, hosts: Sequence[LocalHost], *, workdir: str | None,
+               stop_seconds: float = FAILED_RUN_STOP_SECONDS,
+               poll_seconds: float = 0.2, out: TextIO | None = None):
+    self.hosts, self.workdir = list(hosts), workdir
+    self.stop_seconds, self.poll_seconds = stop_seconds, poll_seconds
+    self.out = out or sys.stderr
+
+  def _say(self, message: str) -> None:
+    print(f"tpu_pod.py: {message}", file=self.out, flush=True)
+
+  def _signal(self, procs, sig) -> None:
+    for proc in procs:
+      if proc.poll() is None:
+        try:
+          os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+          pass
+
+  def _stop(self, procs) -> None:
+    self._signal(procs, signal.SIGTERM)
+    deadline = time.monotonic() + self.stop_seconds
+    while (any(p.poll() is None for p in procs)
+           and time.monotonic() < deadline):
+      time.sleep(self.poll_seconds)
+    self._signal(procs, signal.SIGKILL)
+    for proc in procs:
+      proc.wait()
+
+  def run(self) -> int:
+    """Starts every host and waits; the first failed host's status (as a
+    shell reports it: 128 + signal for a signal), else 0."""
+    procs = []
+    for host in self.hosts:
+      os.makedirs(os.path.dirname(host.log), exist_ok=True)
+      with open(host.log, "ab") as log:
+        log.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+                  f" start ===\n".encode())
+        log.flush()
+        procs.append(subprocess.Popen(
+            host.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True))
+      self._say(f"{host.name} started: pid {procs[-1].pid}, log {host.log}")
+    stopping = []
+
+    def stop(*_):
+      stopping.append(True)
+      self._signal(procs, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, stop)
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      while True:
+        failed = next(((h, p) for h, p in zip(self.hosts, procs)
+                       if p.poll() not in (None, 0)), None)
+        if failed and not stopping:
+          break
+        if all(p.poll() is not None for p in procs):
+          codes = [p.returncode for p in procs]
+          self._say(f"all {len(procs)} hosts "
+                    + ("stopped" if stopping else "finished") + ": "
+                    + ", ".join(_status_text(c) for c in codes) + ".")
+          return next((128 - c if c < 0 else c for c in codes if c), 0)
+        time.sleep(self.poll_seconds)
+    finally:
+      for s, handler in previous.items():
+        signal.signal(s, handler)
+    host, proc = failed
+    others = [p for p in procs if p is not proc and p.poll() is None]
+    self._stop(others)
+    step = newest_checkpoint(self.workdir)
+    resume = (f"resume from step {step}" if step is not None
+              else "resume from the newest checkpoint, if any")
+    stopped = (f"stopped the other {len(others)} hosts" if others
+               else "no other host was running")
+    self._say(f"{host.name} died with {_status_text(proc.returncode)}; "
+              f"{stopped}; relaunch the same command to {resume}. Its log: "
+              f"{host.log}")
+    return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+
+
+# -----------------------------------------------------------------------------
 # Command line
 # -----------------------------------------------------------------------------
 
@@ -761,7 +1058,8 @@ def _common_flags() -> argparse.ArgumentParser:
   g.add_argument("--name", help="TPU VM (pod slice) name.")
   g.add_argument("--zone", help="Zone, e.g. us-central2-b.")
   g.add_argument("--project", help="GCP project (default: gcloud's).")
-  g.add_argument("--accelerator_type", help="e.g. v4-64 (create).")
+  g.add_argument("--accelerator_type", help="e.g. v4-128 (create; derived "
+                 "from --topology or a pods/ recipe's TOPOLOGY when given).")
   g.add_argument("--version", help="TPU software version, e.g. "
                  "tpu-ubuntu2204-base (create).")
   g.add_argument("--dry_run", action="store_true",
@@ -792,6 +1090,12 @@ def _common_flags() -> argparse.ArgumentParser:
                  help="Checkout on the hosts, relative to home.")
   g.add_argument("--python", default="python3.11",
                  help="Interpreter for the hosts' virtualenv.")
+  g.add_argument("--executor", default="gcloud", choices=EXECUTORS,
+                 help="gcloud: run on the pod. local: rehearse the job "
+                 "subcommands here, one CPU process per host of --topology "
+                 "(see launch/README.md).")
+  g.add_argument("--local_devices", type=int, default=2,
+                 help="CPU devices per host under --executor=local.")
   g = p.add_argument_group("index builder host")
   g.add_argument("--builder_vm", help="The builder's TPU VM or GCE VM.")
   g.add_argument("--builder_type", default="tpu", help="tpu or gce.")
@@ -915,8 +1219,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     cfg = config_from_args(args)
     cmds = commands(cfg, args.subcommand)
+    hosts = (local_hosts(cfg, args.subcommand) if cfg.executor == "local"
+             else None)
   except UsageError as e:
     subs[args.subcommand].error(str(e))  # Exits with status 2.
+  if hosts is not None:
+    # The fit check as on the pod, then each host's command here.
+    checks = [cmd for cmd in cmds if is_aot_check(cmd)]
+    if args.dry_run:
+      for cmd in checks + [host.argv for host in hosts]:
+        print(shlex.join(cmd))
+      return 0
+    return _run(checks) or LocalExecutor(hosts, workdir=cfg.workdir).run()
   if args.dry_run:
     for cmd in cmds:
       print(shlex.join(cmd))

@@ -504,6 +504,23 @@ def test_a_pods_recipe_names_the_topology_it_is_checked_on(capsys):
   assert create[4] == "create"
 
 
+def test_create_derives_the_accelerator_type_from_the_topology(capsys):
+  """Issue 68: a slice has one name. create takes gcloud's accelerator type
+  from the topology (a pods/ recipe's TOPOLOGY or --topology) and refuses
+  an --accelerator_type that names another slice."""
+  recipe = "--gin_file=pods/pretrain_bert_base_v4_4x4x4.gin"
+  _, create = dry_run(capsys, ["create", *POD, recipe,
+                               "--version=tpu-ubuntu2204-base"])
+  assert "--accelerator-type=v4-128" in create
+  (create,) = dry_run(capsys, ["create", *POD, "--topology=v5e:4x4",
+                               "--version=v2-alpha-tpuv5-lite"])
+  assert "--accelerator-type=v5litepod-16" in create
+  assert ("--accelerator_type=v4-64 is not the slice of topology v4:4x4x4 "
+          "(v4-128") in usage_error(capsys, [
+              "create", *POD, recipe, "--accelerator_type=v4-64",
+              "--version=tpu-ubuntu2204-base"])
+
+
 def test_ict_and_finetune_are_checked_when_the_topology_is_known(capsys):
   (cmd,) = dry_run(capsys, ["ict", *POD, *DATA, "--gin_file=runs/ict.gin",
                             "--gin_file=models/bert_base.gin"])
