@@ -20,7 +20,7 @@ from realm_jax.core import checkpoints, io_utils
 from realm_jax.data import block_store as block_store_lib
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval.qa_model import QAModel
-from realm_jax.index import publish
+from realm_jax.index import calibration, publish
 from realm_jax.data import qa_inputs
 
 
@@ -43,7 +43,11 @@ def load(path: str, *, block_store: str | None = None,
       against).
     step: checkpoint step (default: the newest).
     qa_config: question/reader lengths, K and R (default: the run's).
-    **kwargs: more `QAModel` arguments (batch_size, num_evidence, mesh).
+    **kwargs: more `QAModel` arguments (batch_size, num_evidence, mesh,
+      ranker). `ranker="hybrid"` ranks as `realm-calibrate`'s file beside
+      the index says when there is one for this index, else by the fixed
+      rule; `model.ranker_choice.record()` says which ranker, weights and
+      where they came from (`realm_jax.index.calibration`).
 
   Returns:
     The `QAModel` (`model.ask(question)` answers).
@@ -58,8 +62,13 @@ def load(path: str, *, block_store: str | None = None,
                        "built with this retriever).")
     store = block_store_lib.BlockStore.open(block_store)
     index = publish.load_frozen_index(index_dir, store, model_config)
-    return QAModel(model_config, params, index, store,
-                   qa_config or qa_inputs.QAConfig(), **kwargs)
+    root = publish.resolve_index_root(index_dir)
+    kwargs["ranker"] = calibration.resolve(kwargs.get("ranker", "dense"),
+                                           root, index=index, store=store)
+    model = QAModel(model_config, params, index, store,
+                    qa_config or qa_inputs.QAConfig(), **kwargs)
+    model.index_root = root
+    return model
   directory = checkpoint_directory(path)
   step = checkpoints.existing_step(directory, step)
   model_config, _, task = qa_model_lib.run_configs(directory, step)

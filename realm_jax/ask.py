@@ -12,7 +12,10 @@ the model itself lives, shared with the evaluation):
 The weights, index and blocks are `qa_eval.EvalConfig`'s (runs/eval.gin),
 and so is the ranker whose blocks the reader reads
 (`--gin.qa_eval.EvalConfig.ranker="'hybrid'"`: dense, bm25 or hybrid;
-each evidence block says which ranker found it, at what rank);
+each evidence block says which ranker found it, at what rank; the hybrid
+with the default fusion ranks as `realm-calibrate`'s file beside the index
+says, else by the fixed rule, and the answers say which: a "Ranker:"
+line, JSON "ranker");
 a checkpoint's own model config and QA sizes are used
 (`qa_eval.checked_run_configs`). --json, --top_k and --snippet_chars only
 change how answers are shown. Weights whose span head was never trained
@@ -160,10 +163,18 @@ def _job(dry_run: bool, questions: Sequence[str]) -> None:
     warnings = [model.check_question(q) for q in questions]
   except ValueError as e:  # No wordpieces (e.g. control characters only).
     raise SystemExit(str(e)) from e
+  # Which blocks the reader reads, with which weights and from where (the
+  # calibration beside the index, the fixed rule, or the configuration).
+  ranker = model.ranker_choice.record()
+  describe = getattr(model.ranker_choice, "describe", None)
+  if not f.json:
+    print(f"Ranker: {describe() if describe else ranker['ranker']}\n",
+          flush=True)
   for result, warning in zip(
       model.predict(questions, num_evidence=f.top_k), warnings):
     if f.json:
-      row = dict(result.to_json(), **({"notice": notice} if notice else {}),
+      row = dict(result.to_json(), ranker=ranker,
+                 **({"notice": notice} if notice else {}),
                  **({"warning": warning} if warning else {}))
       print(json.dumps(row, ensure_ascii=False), flush=True)
     else:

@@ -19,6 +19,7 @@ SCRIPTS = {
     "index_builder": "realm_jax.index.builder",
     "index_extend": "realm_jax.index.extend_job",
     "qa_eval": "realm_jax.eval.qa_eval",
+    "calibrate": "realm_jax.eval.calibrate",
     "ask": "realm_jax.ask",
     "export": "realm_jax.export",
     "aot": "realm_jax.aot",

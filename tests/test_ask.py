@@ -770,6 +770,10 @@ def test_cli_hybrid_shows_which_ranker_found_each_block(setup, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   found = [line for line in proc.stdout.splitlines() if "found by" in line]
   assert len(found) >= 4
+  # Which ranker and weights, and where they came from (issue 70): no
+  # calibration beside the index, so the fixed rule.
+  assert ("Ranker: hybrid (weighted, dense 0.5, bm25 0.5), from the fixed "
+          "rule: no ") in proc.stdout
   assert any("dense #" in line for line in found)
   assert any("bm25 #" in line for line in found)
   bad = subprocess.run(

@@ -18,7 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("realm-demo", "realm-corpus", "realm-annotate", "realm-query-cache",
            "realm-ict", "realm-reader-prep", "realm-pretrain",
            "realm-finetune", "realm-index-builder", "realm-index-extend",
-           "realm-eval", "realm-ask", "realm-export", "realm-aot")
+           "realm-eval", "realm-calibrate", "realm-ask", "realm-export",
+           "realm-aot")
 
 
 def _build_wheel(tmp_path) -> str:

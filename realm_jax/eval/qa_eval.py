@@ -74,7 +74,7 @@ from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval import retrieval_eval
 from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
 from realm_jax.index import bm25 as bm25_lib
-from realm_jax.index import publish, rankers
+from realm_jax.index import calibration, publish, rankers
 from realm_jax.model.realm import RealmConfig
 from realm_jax.data import qa_inputs
 
@@ -291,7 +291,11 @@ class EvalConfig:
       `fusion`); or a ranker choice bound in gin
       (`@rankers.Hybrid()`, a new ranker's class).
     fusion: the hybrid's fusion when `ranker` is "hybrid"
-      (`rankers.FusionConfig`, runs/eval.gin).
+      (`rankers.FusionConfig`, runs/eval.gin). Left at the default, the
+      hybrid ranks as `realm-calibrate`'s file beside the index says
+      (`<index root>/ranker_calibration.json`, measured on this index),
+      else by the fixed rule (`calibration.resolve`); a fusion set here
+      wins over the file.
     bm25_dir: the BM25 index (default: beside the block store).
   """
   workdir: str | None = checks.path_setting("home", default=None)
@@ -334,6 +338,18 @@ class EvalConfig:
 def ranker_choice(config: EvalConfig) -> rankers.RankerChoice:
   """The ranker `config` chooses (`EvalConfig.ranker`, with `fusion`)."""
   return rankers.choice(config.ranker, fusion=config.fusion)
+
+
+def calibrated(config: EvalConfig, index_dir: str | None, index=None,
+               store=None) -> EvalConfig:
+  """`config` with its ranker resolved against the calibration beside
+  `index_dir` (`calibration.resolve`): the hybrid with the default fusion
+  becomes what the file chose for `index` over `store` (or stays the
+  fixed rule, saying why); its records and tag say which."""
+  root = None if index_dir is None else publish.resolve_index_root(index_dir)
+  return dataclasses.replace(config, ranker=calibration.resolve(
+      config.ranker, root, index=index, store=store, fusion=config.fusion,
+      where="EvalConfig.ranker"))
 
 
 def ranker_kwargs(config: EvalConfig) -> dict[str, Any]:
@@ -560,7 +576,8 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
                  timeout: float | None = None,
                  max_evaluations: int | None = None,
                  on_evaluated: Callable[[int, dict[str, float]], None]
-                 | None = None) -> EvalJobResult:
+                 | None = None,
+                 index_dir: str | None = None) -> EvalJobResult:
   """Evaluates each new checkpoint once, beside a trainer, until DONE.
 
   Steps already in `<output_dir>/eval_ledger.json` with `config`'s ranker
@@ -583,6 +600,8 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
     timeout: return after this many seconds without a DONE marker.
     max_evaluations: return after evaluating this many steps.
     on_evaluated: called with (step, metrics) after each evaluation.
+    index_dir: the index root `index` was loaded from: the hybrid with the
+      default fusion ranks as its calibration file says (`calibrated`).
 
   Returns:
     An `EvalJobResult`.
@@ -593,6 +612,7 @@ def run_eval_job(*, checkpoint_dir: str, output_dir: str,
   """
   # Before the lease creates anything there: only an eval directory.
   outputs.claim(output_dir, outputs.EVAL_DIR, OUTPUT_SETTING)
+  config = calibrated(config, index_dir, index, store)
   with contextlib.ExitStack() as cleanup:
     cleanup.enter_context(lease_lib.job_lease(output_dir, "evaluation job"))
     is_chief = jax.process_index() == 0
@@ -763,6 +783,8 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
         index_dir=index_dir, index_step=config.index_step,
         qa_config=qa_config, batch_size=config.batch_size,
         num_evidence=config.num_evidence, mesh=mesh, **ranker_kwargs(config))
+    # (The calibration beside the index may have chosen the ranker.)
+    config = dataclasses.replace(config, ranker=qa_model.ranker_choice)
     tag = ranker_tag(config)
     predictions = io_utils.join(output_dir, "predictions", "init_from" + (
         "" if tag == "dense" else f".{tag}"))
@@ -785,7 +807,7 @@ def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
                                       what="INDEX_DIR"),
       store=store, qa_config=qa_config, config=config, mesh=mesh,
       steps=None if config.step is None else [config.step],
-      timeout=config.timeout_seconds)
+      timeout=config.timeout_seconds, index_dir=index_dir)
   for step in result.evaluated:
     print(json.dumps(result.metrics[step]))
 

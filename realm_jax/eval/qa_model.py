@@ -36,7 +36,7 @@ from realm_jax.core import checkpoints, checks, dataclass_json, parallel
 from realm_jax.data import qa as qa_lib
 from realm_jax.data import qa_inputs
 from realm_jax.data.tokenizer import Tokenizer
-from realm_jax.index import embed, publish, rankers
+from realm_jax.index import calibration, embed, publish, rankers
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig
 from realm_jax.checkpoint_import import init_from as init_lib
@@ -401,6 +401,8 @@ class QAModel:
       bm25_dir: the BM25 index (default beside the store).
     """
     self.ranker_choice = rankers.choice(ranker, where="ranker")
+    # The index root it was loaded from (`load_qa_model`; None: not known).
+    self.index_root: str | None = None
     self.model_config = qa_model_config(model_config)
     self.store = store
     self.index = index
@@ -764,7 +766,11 @@ def load_qa_model(*, model_config: RealmConfig, store,
     qa_config: the QA sizes; default: those a fine-tuning checkpoint
       carries (`FinetuneConfig.qa`), else (imported weights, other runs)
       `QAConfig()`.
-    **kwargs: more `QAModel` arguments (mesh, batch_size, ...).
+    **kwargs: more `QAModel` arguments (mesh, batch_size, ranker, ...).
+      The hybrid with the default fusion ranks as the calibration beside
+      the index says, if there is one for this index
+      (`calibration.resolve`; the model's `ranker_choice.record()` says
+      which ranker, weights and where they came from).
   """
   what = "index_dir (the CLI: --gin.INDEX_DIR)"
   if workdir:
@@ -795,8 +801,13 @@ def load_qa_model(*, model_config: RealmConfig, store,
           publish.resolve_index_root(index_dir)):
         index_step = None
     make = functools.partial(QAModel.from_checkpoint, checkpoint_dir, step)
-  return make(model_config=model_config, store=store,
-              index=publish.load_frozen_index(index_dir, store, model_config,
-                                              step=index_step, what=what),
-              qa_config=qa_config or qa_inputs.QAConfig(), **kwargs)
+  index = publish.load_frozen_index(index_dir, store, model_config,
+                                    step=index_step, what=what)
+  root = publish.resolve_index_root(index_dir)
+  kwargs["ranker"] = calibration.resolve(kwargs.get("ranker", "dense"), root,
+                                         index=index, store=store)
+  model = make(model_config=model_config, store=store, index=index,
+               qa_config=qa_config or qa_inputs.QAConfig(), **kwargs)
+  model.index_root = root
+  return model
 

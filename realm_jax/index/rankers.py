@@ -395,6 +395,26 @@ def choice(ranker: str | RankerChoice, *, fusion: FusionConfig | None = None,
   return CHOICES[ranker]()
 
 
+def from_record(record: Any, where: str) -> RankerChoice:
+  """The choice a `RankerChoice.record()` describes ({"ranker": name} and,
+  for the hybrid, {"fusion": {...}}): `record` read back. Anything else is
+  a ValueError naming `where` (e.g. the file it was read from)."""
+  if not isinstance(record, dict) or record.get("ranker") not in CHOICES:
+    raise ValueError(f"{where}: {record!r} is not a ranker's record "
+                     "({\"ranker\": one of " + ", ".join(RANKERS) + "}).")
+  if record["ranker"] != Hybrid.name:
+    return choice(record["ranker"], where=where)
+  fusion = record.get("fusion")
+  names = {f.name for f in dataclasses.fields(FusionConfig)}
+  if not isinstance(fusion, dict) or not set(fusion) <= names:
+    raise ValueError(f"{where}: the hybrid's \"fusion\" {fusion!r} is not "
+                     f"a FusionConfig (fields {sorted(names)}).")
+  try:
+    return Hybrid(FusionConfig(**fusion))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: the hybrid's \"fusion\": {e}") from e
+
+
 def make_ranker(name: str | RankerChoice, *, store=None,
                 dense: Ranker | None = None, bm25: Ranker | None = None,
                 fusion: FusionConfig | None = None,
