@@ -10,7 +10,6 @@ stops the others and names the dead one, relaunches, and compares every
 step's loss with one process of 8 devices.
 """
 
-import importlib.util
 import io
 import json
 import os
@@ -28,22 +27,10 @@ import pytest
 
 from realm_jax import gin_cli
 from realm_jax.core import distributed
-from realm_jax.testing import timeouts
+from realm_jax.testing import launcher, timeouts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-TOOL = os.path.join(ROOT, "launch", "tpu_pod.py")
-
-
-def _load_tool():
-  spec = importlib.util.spec_from_file_location("tpu_pod", TOOL)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["tpu_pod"] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-tpu_pod = _load_tool()
+ROOT, TOOL = launcher.ROOT, launcher.TOOL
+tpu_pod = launcher.load_tpu_pod()
 
 POD = ["--name=realm-v5e", "--zone=us-west4-a", "--builder_vm=realm-builder",
        "--model_gin=models/tiny.gin", "--topology=v5e:4x4",

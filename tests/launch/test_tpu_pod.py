@@ -7,7 +7,6 @@ job on a host is run for real with bash on a fake checkout.
 """
 
 import ast
-import importlib.util
 import json
 import os
 import shlex
@@ -20,22 +19,10 @@ import pytest
 
 from realm_jax.core import distributed
 from realm_jax import gin_cli
-from realm_jax.testing import timeouts
+from realm_jax.testing import launcher, timeouts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-TOOL = os.path.join(ROOT, "launch", "tpu_pod.py")
-
-
-def _load_tool():
-  spec = importlib.util.spec_from_file_location("tpu_pod", TOOL)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["tpu_pod"] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-tpu_pod = _load_tool()
+ROOT, TOOL = launcher.ROOT, launcher.TOOL
+tpu_pod = launcher.load_tpu_pod()
 
 POD = ["--name=realm-v4", "--zone=us-central2-b"]
 WORKDIR = "gs://my-bucket/realm/run1"
