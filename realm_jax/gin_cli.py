@@ -71,8 +71,8 @@ def add_cpu_xla_flag() -> None:
 
 
 def platform_when_unset() -> str | None:
-  """Sets JAX_PLATFORMS=cpu on a host with neither a TPU chip nor an
-  NVIDIA GPU when the user set no platform; returns what it set.
+  """Sets JAX_PLATFORMS=cpu on a host with neither a TPU chip nor a GPU
+  (NVIDIA or AMD) when the user set no platform; returns what it set.
 
   Otherwise JAX, with libtpu installed (the test extra), probes for a TPU
   on every start: ~7 s, and libtpu's "Failed to find host bounds", an
@@ -86,7 +86,8 @@ def platform_when_unset() -> str | None:
   from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
   try:
     tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
-    gpu = hardware_utils.has_visible_nvidia_gpu()
+    gpu = (hardware_utils.has_visible_nvidia_gpu() or
+           hardware_utils.num_available_amd_gpus() > 0)
   except (OSError, ValueError):  # An unreadable /sys: leave it to JAX.
     return None
   if tpu_chips or gpu:

@@ -36,7 +36,8 @@ def _start(distributed: bool) -> subprocess.CompletedProcess:
 def _host_has_accelerator() -> bool:
   from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
   return bool(hardware_utils.num_available_tpu_chips_and_device_id()[0] or
-              hardware_utils.has_visible_nvidia_gpu())
+              hardware_utils.has_visible_nvidia_gpu() or
+              hardware_utils.num_available_amd_gpus())
 
 
 def test_a_job_on_a_cpu_host_prints_no_accelerator_probe():
