@@ -12,7 +12,7 @@ setuptools.setup(
     + ["realm_jax.gin_configs"],
     package_dir={"realm_jax.gin_configs": "gin_configs"},
     package_data={
-        "realm_jax.gin_configs": ["*/*.gin"],
+        "realm_jax.gin_configs": ["*/*.gin", "*/*/*.gin"],
         # Read at run time: the demo's QA set, the BERT vocabulary.
         "realm_jax.data.demo_qa": ["*.jsonl"],
         "realm_jax.data": ["vocab/*.txt"],

@@ -48,7 +48,8 @@ def test_wheel_holds_configs_data_and_console_scripts(tmp_path):
     scripts.read_string(z.read(entry_points).decode())
   gin_files = sorted(os.path.relpath(p, os.path.join(REPO, "gin_configs"))
                      for p in glob.glob(os.path.join(REPO, "gin_configs",
-                                                     "*", "*.gin")))
+                                                     "**", "*.gin"),
+                                        recursive=True))
   assert len(gin_files) > 20
   missing = [g for g in gin_files
              if f"realm_jax/gin_configs/{g}" not in names]
