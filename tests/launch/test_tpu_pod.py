@@ -595,3 +595,12 @@ def test_train_refuses_a_step_that_does_not_fit_naming_the_fix(
   for fix in ("lower pretrain.PretrainConfig.batch_size",
               "BertConfig.remat=True", "BertConfig.dtype"):
     assert fix in err, fix
+
+
+def test_the_launchers_jobs_are_the_packages_jobs():
+  """Issue 68: the job list lives in `realm_jax.cli.SCRIPTS` (which
+  pyproject's console scripts and tests/test_packaging.py follow); every
+  job the launcher starts on a host is one of them."""
+  from realm_jax import cli  # pylint: disable=g-import-not-at-top
+  assert set(tpu_pod.JOB_MODULES.values()) <= set(cli.SCRIPTS.values())
+  assert set(tpu_pod.SUBCOMMAND_JOBS.values()) == set(tpu_pod.JOB_MODULES)
