@@ -1035,13 +1035,21 @@ class LocalExecutor:
       for s, handler in previous.items():
         signal.signal(s, handler)
     host, proc = failed
+    # A peer may exit on its own in the moment after the failure (its
+    # collectives see the dead host): say so, rather than count it stopped.
     others = [p for p in procs if p is not proc and p.poll() is None]
+    exited = [(h, p) for h, p in zip(self.hosts, procs)
+              if p is not proc and p not in others]
     self._stop(others)
     step = newest_checkpoint(self.workdir)
     resume = (f"resume from step {step}" if step is not None
               else "resume from the newest checkpoint, if any")
-    stopped = (f"stopped the other {len(others)} hosts" if others
+    stopped = (f"stopped the other {len(others)} host"
+               + ("s" if len(others) > 1 else "") if others
                else "no other host was running")
+    if exited:
+      stopped += " (already exited: " + ", ".join(
+          f"{h.name}, {_status_text(p.returncode)}" for h, p in exited) + ")"
     self._say(f"{host.name} died with {_status_text(proc.returncode)}; "
               f"{stopped}; relaunch the same command to {resume}. Its log: "
               f"{host.log}")
