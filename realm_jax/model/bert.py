@@ -32,6 +32,7 @@ ATTENTIONS = ("xla", "flash")
 _FLASH_LANES = 128
 DROPOUT_MASK_BITS = (32, 16)
 SOFTMAX_DTYPES = ("float32", "compute")
+RESIDUAL_DTYPES = ("float32", "compute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,13 @@ class BertConfig:
       step writes to and reads from HBM (scores, probabilities, their
       dropout and their gradients) take half the bytes. With dtype
       float32 the two are the same program.
+    residual_dtype: the dtype of the residual stream between layers (each
+      LayerNorm's output, what the next layer reads and the backward pass
+      keeps). "float32" (default). "compute": the residual add and the
+      LayerNorm run in float32 as before, and the LayerNorm's output is
+      cast to `dtype`, so that with bfloat16 the [..., L, hidden] tensors
+      that cross layers take half the bytes. The encoder's outputs are
+      float32 either way. With dtype float32 the two are the same program.
   """
 
   vocab_size: int = 30522
@@ -116,6 +124,7 @@ class BertConfig:
   dropout_mask_bits: int = 32
   attention: str = "xla"
   softmax_dtype: str = "float32"
+  residual_dtype: str = "float32"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -145,6 +154,9 @@ class BertConfig:
     if self.softmax_dtype not in SOFTMAX_DTYPES:
       raise ValueError("BertConfig.softmax_dtype must be one of "
                        f"{SOFTMAX_DTYPES}, got {self.softmax_dtype!r}.")
+    if self.residual_dtype not in RESIDUAL_DTYPES:
+      raise ValueError("BertConfig.residual_dtype must be one of "
+                       f"{RESIDUAL_DTYPES}, got {self.residual_dtype!r}.")
     if self.attention == "flash" and self.softmax_dtype != "float32":
       raise ValueError("BertConfig.softmax_dtype applies to attention="
                        "'xla'; the flash kernel keeps its softmax in "
@@ -156,6 +168,12 @@ class BertConfig:
   @property
   def compute_dtype(self):
     return _DTYPES[self.dtype]
+
+  @property
+  def stream_dtype(self):
+    """The residual stream's dtype (`residual_dtype`)."""
+    return (jnp.float32 if self.residual_dtype == "float32"
+            else self.compute_dtype)
 
   @property
   def head_dim(self) -> int:
@@ -273,7 +291,7 @@ class BertEmbeddings(nnx.Module):
     h = (self.word_embeddings(token_ids)
          + self.position_embeddings.embedding[...][:seq_len]
          + self.token_type_embeddings(segment_ids))
-    h = self.layer_norm(h)
+    h = self.layer_norm(h).astype(self.config.stream_dtype)
     return dropout(h, self.config.hidden_dropout, dropout_rng,
                    self.config.dropout_mask_bits)
 
@@ -306,7 +324,8 @@ class BertAttention(nnx.Module):
     context = context.reshape(*context.shape[:-2], c.hidden_size)
     out = dropout(self.output(context), c.hidden_dropout,
                   _fold(dropout_rng, 1), c.dropout_mask_bits)
-    return self.layer_norm(out.astype(jnp.float32) + x)
+    return self.layer_norm(out.astype(jnp.float32) + x).astype(
+        c.stream_dtype)
 
 
 def _attend(q, k, v, attention_bias, dropout_rng, c: BertConfig):
@@ -497,7 +516,8 @@ class BertLayer(nnx.Module):
                       approximate=c.gelu_approximate)
       h = dropout(self.output(h), c.hidden_dropout, _fold(dropout_rng, 1),
                   c.dropout_mask_bits)
-      return self.layer_norm(h.astype(jnp.float32) + x)
+      return self.layer_norm(h.astype(jnp.float32) + x).astype(
+          c.stream_dtype)
 
 
 @nnx.remat
@@ -552,4 +572,4 @@ class Bert(nnx.Module):
         h = layer(h, attention_bias, _fold(dropout_rng, i))
     pooled = jnp.tanh(self.pooler(h[..., 0, :].astype(
         self.config.compute_dtype)).astype(jnp.float32))
-    return h, pooled
+    return h.astype(jnp.float32), pooled

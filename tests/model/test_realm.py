@@ -435,6 +435,50 @@ def test_softmax_dtype_compute_keeps_the_attention_tensors_in_bfloat16():
     tiny.tiny_bert(softmax_dtype="bfloat16")
 
 
+def test_residual_dtype_compute_carries_the_stream_in_bfloat16():
+  rng = np.random.default_rng(4)
+  ids = jnp.asarray(rng.integers(1, 97, (2, 24)), jnp.int32)
+  mask = jnp.asarray(np.arange(24)[None, :] < np.array([[24], [17]]),
+                     jnp.int32)
+  outs, grads = {}, {}
+  for dtype in ("float32", "bfloat16"):
+    for residual in bert_lib.RESIDUAL_DTYPES:
+      cfg = tiny.tiny_bert(dtype=dtype, residual_dtype=residual)
+      g, params = functional.init(lambda r, c=cfg: Bert(c, rngs=r), 0)
+      model = lambda p, g=g: functional.bind(g, p)(ids, mask)
+      seq, pooled = jax.jit(model)(params)
+      # The encoder's outputs are float32 whatever the stream.
+      assert seq.dtype == pooled.dtype == jnp.float32
+      outs[dtype, residual] = np.asarray(seq)
+      grads[dtype, residual] = jax.grad(
+          lambda p, m=model: jnp.sum(m(p)[0][..., 0, :] ** 2))(params)
+      # What one layer hands the next: the stream's dtype.
+      layer = functional.bind(g, params).layer_0
+      x = jnp.zeros((2, 24, cfg.hidden_size), cfg.stream_dtype)
+      bias = jnp.zeros((2, 1, 1, 24), jnp.float32)
+      want = jnp.bfloat16 if (dtype, residual) == ("bfloat16",
+                                                   "compute") else jnp.float32
+      assert layer(x, bias, None).dtype == want
+  # float32: one program, the same values and gradients.
+  np.testing.assert_array_equal(outs["float32", "float32"],
+                                outs["float32", "compute"])
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         grads["float32", "float32"],
+                         grads["float32", "compute"])
+  # bfloat16: as close to float32's as the float32 stream is (LayerNorm'd
+  # hidden states ~ 1), and gradients of the same direction.
+  for residual in bert_lib.RESIDUAL_DTYPES:
+    error = np.abs(outs["bfloat16", residual]
+                   - outs["float32", "float32"]).max()
+    assert error < 0.1, (residual, error)
+    a, b = (np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(
+        grads[k, r])]).astype(np.float64) for k, r in (
+            ("float32", "float32"), ("bfloat16", residual)))
+    assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.99, residual
+  with pytest.raises(ValueError, match="residual_dtype must be one of"):
+    tiny.tiny_bert(residual_dtype="bfloat16")
+
+
 def _bert_grads(cfg, params, ids, mask, rng):
   g, _ = functional.init(lambda r: Bert(cfg, rngs=r), 0)
 
