@@ -13,12 +13,12 @@ VmHWM, see `_peak_rss_mb`):
   after         `query_cache.QueryStream` for host 0 of `--hosts` over a
                 cache of N rows: time to first batch, peak RSS and the
                 steady-state examples/s of `batch(step)` for this host.
-  beam          the offline job (`query_cache.build_query_cache`, Beam
-                DirectRunner, one worker) on the corpus: queries/s and
+  beam          the offline job (`query_cache_writer.build_query_cache`,
+                Beam DirectRunner, one worker) on the corpus: queries/s and
                 sentences/s per worker, the figure to divide a corpus by.
 
 The large caches of the "after" runs are written directly with the
-ArrayRecord writer (`query_cache.write_shard`), cycling through the real
+ArrayRecord writer (`query_cache_writer.write_shard`), cycling through the real
 encoded queries of the beam run, so that the reader is measured at sizes
 the 2-core machine cannot preprocess in minutes. Prints one JSON line per
 measurement and writes them to `docs/benchmarks/input.jsonl`.
@@ -217,9 +217,9 @@ def _after(spec: dict[str, Any], t0: float) -> dict[str, Any]:
 
 
 def _beam(spec: dict[str, Any], t0: float) -> dict[str, Any]:
-  from realm_jax.data import query_cache  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import query_cache_writer  # pylint: disable=g-import-not-at-top
   start = time.time()
-  manifest = query_cache.build_query_cache(
+  manifest = query_cache_writer.build_query_cache(
       spec["pattern"], spec["cache"], num_shards=spec["num_shards"],
       pipeline_args=["--runner=DirectRunner"])
   seconds = time.time() - start
@@ -267,7 +267,7 @@ def _write_big_cache(directory: str, rows: int, records: list[bytes],
                      num_shards: int) -> None:
   """A cache of `rows` queries cycling through `records` (real queries)."""
   from realm_jax.data import examples  # pylint: disable=g-import-not-at-top
-  from realm_jax.data import query_cache  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import query_cache_writer  # pylint: disable=g-import-not-at-top
   tmp = directory + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
@@ -276,9 +276,9 @@ def _write_big_cache(directory: str, rows: int, records: list[bytes],
     n = rows // num_shards + (k < rows % num_shards)
     shard = ((0, i, records[(k + i * num_shards) % len(records)])
              for i in range(n))
-    stats.append(query_cache.write_shard((k, shard), tmp_dir=tmp,
-                                         num_shards=num_shards))
-  query_cache.finish_cache(
+    stats.append(query_cache_writer.write_shard((k, shard), tmp_dir=tmp,
+                                                num_shards=num_shards))
+  query_cache_writer.finish_cache(
       tmp, directory, stats, num_shards=num_shards,
       query_config=examples.RealmQueryConfig(), seed=0,
       vocab_sha256="synthetic", source_files=["synthetic"])

@@ -44,23 +44,12 @@ def matmul_peak(tokens: int, hidden: int, inter: int) -> float:
                                                ) / 1e9
 
 
-def bert_flops(tokens: int, seq: int, h: int, inter: int, layers: int) -> float:
-  """Forward FLOPs: dense layers + attention scores and context."""
-  per_layer = 2 * tokens * (4 * h * h + 2 * h * inter) + 4 * tokens * seq * h
-  return layers * per_layer
-
-
 def step_flops(cfg, batch: int, cands: int, masks: int, lq=96, ld=288,
                lr=384) -> float:
-  b = cfg.retriever.bert
-  fwd = (bert_flops(batch * lq, lq, b.hidden_size, b.intermediate_size,
-                    b.num_layers)
-         + bert_flops(batch * cands * ld, ld, b.hidden_size,
-                      b.intermediate_size, b.num_layers)
-         + bert_flops(batch * cands * lr, lr, b.hidden_size,
-                      b.intermediate_size, b.num_layers)
-         + 2 * batch * cands * masks * b.vocab_size * b.hidden_size)
-  return 3 * fwd  # Backward ~ 2x forward.
+  from realm_jax.model import realm  # pylint: disable=g-import-not-at-top
+  return realm.pretraining_flops(
+      cfg, batch=batch, candidates=cands, query_length=lq, block_length=ld,
+      reader_length=lr, num_masks=masks)
 
 
 def build(name: str):

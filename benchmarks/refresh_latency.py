@@ -32,7 +32,7 @@ def main():
   parser.add_argument("--workdir", default=None)
   args = parser.parse_args()
   root = args.workdir or tempfile.mkdtemp(prefix="refresh_")
-  from realm_jax.data import annotate_job, corpus_job, examples, query_cache, wikipedia  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import annotate_job, corpus_job, examples, query_cache_writer, wikipedia  # pylint: disable=g-import-not-at-top
   store = os.path.join(root, "blocks")
   if not os.path.exists(store):
     corpus_job.build_corpus(output_dir=store,
@@ -45,7 +45,7 @@ def main():
         num_shards=1, max_documents=args.max_documents)
   queries = os.path.join(root, "queries48")
   if not os.path.exists(queries):
-    query_cache.build_query_cache(
+    query_cache_writer.build_query_cache(
         f"{annotated}/*.tfr.gz", queries, num_shards=1,
         query_config=examples.RealmQueryConfig(query_length=48))
   workdir = os.path.join(root, "run")
@@ -59,12 +59,12 @@ def main():
       "pretrain.PretrainConfig.reader_length=176",
   ]
   trainer = subprocess.Popen(
-      [sys.executable, "-m", "realm_jax.training.pretrain",
+      [sys.executable, "-m", "realm_jax.jobs.pretrain",
        "--gin_file=experiments/pretrain_tiny_cpu.gin",
        *[f"--gin_bindings={b}" for b in bindings]],
       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   builder = subprocess.Popen(
-      [sys.executable, "-m", "realm_jax.index.builder",
+      [sys.executable, "-m", "realm_jax.jobs.index_builder",
        "--gin_file=models/tiny.gin", "--gin_file=runs/index_builder.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
        f"--gin.builder.IndexBuildConfig.searcher='{args.searcher}'",

@@ -1,6 +1,6 @@
 r"""The gin_configs/pods/ recipes compiled by the TPU compiler (realm-aot).
 
-Runs `python -m realm_jax.aot --gin_file=pods/<recipe>.gin` for each recipe,
+Runs `python -m realm_jax.jobs.aot --gin_file=pods/<recipe>.gin` for each recipe,
 one at a time (a BERT-base train step takes the compiler ~20 min on two
 idle cores), and appends every JSON line realm-aot prints to `--output`,
 with the recipe, the host's CPU count and its load average around the
@@ -47,7 +47,7 @@ def compile_recipe(name: str, output: str, xla_dir: str = "") -> list[dict]:
   """realm-aot on one recipe; its JSON lines, appended to `output`; with
   `xla_dir`, the executables and their optimized HLO are written there."""
   load = os.getloadavg()[0]
-  command = [sys.executable, "-m", "realm_jax.aot",
+  command = [sys.executable, "-m", "realm_jax.jobs.aot",
              f"--gin_file=pods/{name}.gin"]
   if xla_dir:
     command.append(f"--gin.aot.AotConfig.serialize_dir={xla_dir!r}")
@@ -62,7 +62,7 @@ def compile_recipe(name: str, output: str, xla_dir: str = "") -> list[dict]:
   with open(output, "a", encoding="utf-8") as f:
     for line in lines:
       line.update(recipe=name, command=" ".join(
-          ["python -m realm_jax.aot", f"--gin_file=pods/{name}.gin"]),
+          ["python -m realm_jax.jobs.aot", f"--gin_file=pods/{name}.gin"]),
                   host_cpus=os.cpu_count(), load_average_before=load,
                   load_average_after=os.getloadavg()[0],
                   wall_seconds=time.time() - start)

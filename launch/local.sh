@@ -8,7 +8,7 @@
 #   DRY_RUN=1 launch/local.sh ...     # print the two commands only
 #
 # MODEL_GIN defaults to models/tiny.gin (any file under gin_configs/ or a
-# path). QUERIES is a query cache (python -m realm_jax.data.query_cache).
+# path). QUERIES is a query cache (python -m realm_jax.jobs.query_cache).
 # Extra arguments after `--` are gin bindings for the trainer, e.g.
 #   launch/local.sh /tmp/run /tmp/blocks /tmp/queries \
 #       models/minilm_l6.gin -- "INIT_FROM='minilm'" \
@@ -32,7 +32,7 @@ fi
 [ $# -gt 0 ] && [ "$1" = "--" ] && shift
 python=${PYTHON:-python}
 
-trainer=("$python" -m realm_jax.training.pretrain
+trainer=("$python" -m realm_jax.jobs.pretrain
   "--gin_file=$model_gin" --gin_file=runs/pretrain.gin
   "--gin.WORKDIR='$workdir'" "--gin.BLOCK_STORE='$block_store'"
   "--gin.QUERIES='$queries'"
@@ -40,7 +40,7 @@ trainer=("$python" -m realm_jax.training.pretrain
 for binding in "$@"; do
   trainer+=("--gin_bindings=$binding")
 done
-builder=("$python" -m realm_jax.index.builder
+builder=("$python" -m realm_jax.jobs.index_builder
   "--gin_file=$model_gin" --gin_file=runs/index_builder.gin
   "--gin.WORKDIR='$workdir'" "--gin.BLOCK_STORE='$block_store'")
 

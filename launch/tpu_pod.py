@@ -13,7 +13,7 @@ REALM_JAX_DISTRIBUTED=1, in the background, one log per worker; `builder`
 starts the index builder on its own host.
 
 Before `train` starts anything, the TPU compiler checks on this machine
-that the run's step fits the slice (`realm-aot`, realm_jax/aot.py: the
+that the run's step fits the slice (`realm-aot`, realm_jax/aot/: the
 topology from `--topology` or a gin_configs/pods/ recipe); a step that
 does not fit is refused with what to change. `ict`, `finetune` and
 `create` run the same check when they know the topology and the gin files
@@ -63,13 +63,14 @@ ENV_COORDINATOR_ADDRESS = "REALM_JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "REALM_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "REALM_JAX_PROCESS_ID"
 
-# The job of each subcommand that starts one, and its log name.
+# The job of each subcommand that starts one (a realm_jax/jobs/ module:
+# realm_jax.cli.SCRIPTS), and its log name.
 JOB_MODULES = {
-    "pretrain": "realm_jax.training.pretrain",
-    "ict": "realm_jax.training.ict",
-    "reader_prep": "realm_jax.training.reader_prep",
-    "finetune": "realm_jax.training.finetune",
-    "builder": "realm_jax.index.builder",
+    "pretrain": "realm_jax.jobs.pretrain",
+    "ict": "realm_jax.jobs.ict",
+    "reader_prep": "realm_jax.jobs.reader_prep",
+    "finetune": "realm_jax.jobs.finetune",
+    "builder": "realm_jax.jobs.index_builder",
 }
 SUBCOMMAND_JOBS = {"train": "pretrain", "ict": "ict",
                    "reader_prep": "reader_prep", "finetune": "finetune",
@@ -78,7 +79,7 @@ SUBCOMMAND_JOBS = {"train": "pretrain", "ict": "ict",
 POD_JOBS = ("pretrain", "ict", "reader_prep", "finetune")
 SUBCOMMANDS = ("create", "setup", "train", "ict", "reader_prep", "finetune",
                "builder", "logs", "stop", "delete", "exec")
-# The job configs realm-aot compiles a step for (realm_jax/aot.py).
+# The job configs realm-aot compiles a step for (realm_jax/aot/).
 AOT_JOB_CONFIGS = ("PretrainConfig", "IctTrainConfig", "FinetuneConfig")
 GIN_CONFIGS = os.path.join(REPO_ROOT, "gin_configs")
 
@@ -125,7 +126,7 @@ class LaunchConfig:
     gin_bindings: extra bindings X=Y for the trainer / ICT job.
     block_store: the knowledge corpus Z, as the hosts see it.
     queries: the pre-training corpus X as a query cache directory on a
-      disk every host mounts (python -m realm_jax.data.query_cache), for
+      disk every host mounts (python -m realm_jax.jobs.query_cache), for
       train and reader_prep.
     topology: the slice's TPU topology for the compiler's fit check, e.g.
       v4:4x4x4 (64 chips) or v5e:8x8; a gin_configs/pods/ recipe names it.
@@ -311,7 +312,7 @@ def check_required(cfg: LaunchConfig, subcommand: str) -> None:
     _require(cfg, subcommand, "workdir", "the run's directory, the same on "
              "every host (gs://bucket/run or a shared mount)")
     _require(cfg, subcommand, "block_store", "the block store directory "
-             "as the hosts see it (python -m realm_jax.data.corpus_job)")
+             "as the hosts see it (python -m realm_jax.jobs.corpus)")
     for flag, path in (("workdir", cfg.workdir),
                        ("block_store", cfg.block_store),
                        ("queries", cfg.queries)):
@@ -328,7 +329,7 @@ def check_required(cfg: LaunchConfig, subcommand: str) -> None:
   if subcommand in ("train", "reader_prep"):
     _require(cfg, subcommand, "queries", "the query cache every host "
              "mounts, e.g. '/mnt/data/queries' "
-             "(python -m realm_jax.data.query_cache)")
+             "(python -m realm_jax.jobs.query_cache)")
   if subcommand == "train" and not cfg.skip_aot_check and not (
       cfg.topology or gin_topology(cfg)):
     raise UsageError(
@@ -417,7 +418,7 @@ def aot_check_command(cfg: LaunchConfig, job: str) -> list[str] | None:
   topology = cfg.topology or gin_topology(cfg)
   if not topology:
     return None
-  argv = [sys.executable, "-m", "realm_jax.aot",
+  argv = [sys.executable, "-m", "realm_jax.jobs.aot",
           *[f"--gin_file={f}" for f in cfg.gin_files],
           f"--gin.TOPOLOGY={_gin_string(topology)}"]
   for binding in cfg.gin_bindings:
@@ -427,7 +428,7 @@ def aot_check_command(cfg: LaunchConfig, job: str) -> list[str] | None:
 
 
 def is_aot_check(cmd: Sequence[str]) -> bool:
-  return list(cmd[1:3]) == ["-m", "realm_jax.aot"]
+  return list(cmd[1:3]) == ["-m", "realm_jax.jobs.aot"]
 
 
 def _job_of_gin(cfg: LaunchConfig) -> str | None:

@@ -7,7 +7,7 @@
 `load` takes a fine-tuning run's workdir (or its checkpoints/ directory)
 and reads everything from the checkpoint: the model config, the run's
 config (block store, index, question and reader lengths), and the weights.
-It also takes an export (`python -m realm_jax.export`), which carries the
+It also takes an export (`python -m realm_jax.jobs.export`), which carries the
 model config but no corpus: give `block_store` and `index_dir` then.
 """
 

@@ -1,29 +1,18 @@
 """Console scripts (pyproject.toml): `realm-pretrain ARGS` runs
-`python -m realm_jax.training.pretrain ARGS`, and so on for every job.
+`python -m realm_jax.jobs.pretrain ARGS`, and so on for every job.
 `--help` exits 0 in each (`gin_cli.define_help_flags`), the demo's too."""
 
 from __future__ import annotations
 
+import pkgutil
 import runpy
 
-# pyproject.toml's `realm_jax.cli:<name>` -> the module it runs.
-SCRIPTS = {
-    "demo": "realm_jax.demo",
-    "corpus": "realm_jax.data.corpus_job",
-    "annotate": "realm_jax.data.annotate_job",
-    "query_cache": "realm_jax.data.query_cache",
-    "ict": "realm_jax.training.ict",
-    "reader_prep": "realm_jax.training.reader_prep",
-    "pretrain": "realm_jax.training.pretrain",
-    "finetune": "realm_jax.training.finetune",
-    "index_builder": "realm_jax.index.builder",
-    "index_extend": "realm_jax.index.extend_job",
-    "qa_eval": "realm_jax.eval.qa_eval",
-    "calibrate": "realm_jax.eval.calibrate",
-    "ask": "realm_jax.ask",
-    "export": "realm_jax.export",
-    "aot": "realm_jax.aot",
-}
+from realm_jax import jobs
+
+# pyproject.toml's `realm_jax.cli:<name>` -> the module it runs: each module
+# of realm_jax/jobs/, the job list.
+SCRIPTS = {m.name: f"realm_jax.jobs.{m.name}"
+           for m in pkgutil.iter_modules(jobs.__path__)}
 
 
 def _entry(module: str):
@@ -35,5 +24,5 @@ def _entry(module: str):
   return run
 
 
-# The entry points: `demo = _entry("realm_jax.demo")`, and so on.
+# The entry points: `demo = _entry("realm_jax.jobs.demo")`, and so on.
 globals().update({name: _entry(module) for name, module in SCRIPTS.items()})

@@ -1,7 +1,8 @@
 """README's main command: REALM end to end on the embedded Wikipedia slice.
 
-    python -m realm_jax.demo [--workdir=/tmp/realm_demo] [--num_documents=16]
-        [--train_steps=12] [--finetune_steps=32] [--dry_run]
+    python -m realm_jax.jobs.demo [--workdir=/tmp/realm_demo]
+        [--num_documents=16] [--train_steps=12] [--finetune_steps=32]
+        [--dry_run]
 
 Runs the real jobs, in order, on real text and real weights, on CPU, with
 the configs of two experiment files (`experiments/demo_pretrain.gin`,
@@ -50,13 +51,14 @@ import json
 import textwrap
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 from realm_jax import ask as ask_lib
 from realm_jax.core import checkpoints, checks, gin_config, io_utils
 from realm_jax.data import block_store
 from realm_jax.data import annotate_job, corpus_job, demo_qa, query_cache
+from realm_jax.data import query_cache_writer
 from realm_jax.data import examples
 from realm_jax.data import wikipedia
 from realm_jax.data import qa as qa_lib
@@ -340,7 +342,7 @@ def _build_inputs(config: DemoConfig, paths: dict[str, str]):
   run, _, _ = stage_configs(config, "pretrain")
   # The masking the demo's gin files bind; the trainer reads it back from
   # the cache's manifest.
-  manifest = query_cache.build_query_cache(
+  manifest = query_cache_writer.build_query_cache(
       os.path.join(paths["annotated"], "*.tfr.gz"), paths["queries"],
       overwrite=True, num_shards=1, seed=run.seed,
       query_config=gin_config.configured(examples.RealmQueryConfig))
@@ -409,13 +411,13 @@ def _change_table(change: dict[str, dict[str, float]],
 
 
 def write_ask_gin(config: DemoConfig, paths: dict[str, str]) -> str:
-  """A gin file for `python -m realm_jax.ask` with the fine-tuned run's
+  """A gin file for `python -m realm_jax.jobs.ask` with the fine-tuned run's
   model and paths (runs/eval.gin's macros); ask reads the run's QA sizes
   from its checkpoint."""
   files = ["models/minilm_l6.gin"] + (
       ["models/tiny.gin"] if config.model == "tiny" else []) + [
           "models/cpu.gin", "runs/eval.gin"]
-  lines = [f"# `python -m realm_jax.ask --gin_file={paths['ask_gin']} "
+  lines = [f"# `python -m realm_jax.jobs.ask --gin_file={paths['ask_gin']} "
            '"question"`: the demo\'s fine-tuned model.']
   lines += [f"include '{f}'" for f in files] + [
       'realm.RetrieverConfig.null_score = "learned_mean"',
@@ -445,7 +447,7 @@ def _explain(config: DemoConfig, results: dict[str, dict[str, float]],
 Go on from here:
   predictions with evidence: {paths['eval']}/predictions_dev.jsonl
   training curves:           tensorboard --logdir={config.workdir}
-  ask your own questions:    python -m realm_jax.ask \\
+  ask your own questions:    python -m realm_jax.jobs.ask \\
       --gin_file={paths['ask_gin']} "who wrote atlas shrugged?"
 """, flush=True)
 
@@ -560,41 +562,3 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
   print(_change_table(change, dev, by_ranker), flush=True)
   _explain(config, results, paths, right, run.num_train_steps)
   return summary
-
-
-def main(argv: Sequence[str]) -> None:
-  del argv
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  f = flags.FLAGS
-  gin_cli.platform_when_unset()
-  from realm_jax.core import logs  # pylint: disable=g-import-not-at-top
-  logs.quiet_libraries(f.verbosity)
-  if not f["verbosity"].present:
-    # The demo reports each stage and step as JSON; the jobs' own INFO
-    # lines come back with --verbosity=0 (and the libraries' with 1).
-    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-    absl_logging.set_verbosity(absl_logging.WARNING)
-  config = DemoConfig(workdir=f.workdir, num_documents=f.num_documents,
-                      train_steps=f.train_steps,
-                      finetune_steps=f.finetune_steps)
-  if f.dry_run:
-    for stage in stages(config):
-      task, model, operative = stage_configs(config, stage)
-      print(f"# ---- {stage} ----\n{operative}\n{task}\n{model}\n")
-    return
-  run_demo(config)
-
-
-if __name__ == "__main__":
-  from absl import app, flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("workdir", DemoConfig.workdir, "Where outputs go.")
-  flags.DEFINE_integer("num_documents", DemoConfig.num_documents,
-                       "Wikipedia articles in the demo corpus.")
-  flags.DEFINE_integer("train_steps", None, "REALM pre-training steps "
-                       f"(default: {PRETRAIN_GIN}'s).")
-  flags.DEFINE_integer("finetune_steps", None, "Open-QA fine-tuning steps "
-                       f"(default: {FINETUNE_GIN}'s).")
-  flags.DEFINE_bool("dry_run", False, "Print the stages' resolved configs "
-                    "and exit.")
-  gin_cli.define_help_flags()  # --help exits 0
-  app.run(main)

@@ -1,6 +1,6 @@
 """Export a trained REALM as Hugging Face / sentence-transformers files.
 
-    python -m realm_jax.export --gin.WORKDIR="'/tmp/run'" \\
+    python -m realm_jax.jobs.export --gin.WORKDIR="'/tmp/run'" \\
         --gin.OUTPUT_DIR="'/tmp/realm_export'" [--gin.STEP=1000]
 
 Reads the newest (or STEP's) checkpoint of WORKDIR with the model config it
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from realm_jax.checkpoint_import import core, exported, importers
-from realm_jax.core import checks, dataclass_json, gin_config, io_utils
+from realm_jax.core import checks, dataclass_json, io_utils
 from realm_jax.core import outputs
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.model.bert import BertConfig
@@ -202,7 +202,7 @@ _SETTING = "ExportConfig.output_dir (--gin.OUTPUT_DIR)"
 @dataclasses.dataclass(frozen=True)
 @checks.type_checked
 class ExportConfig:
-  """What `python -m realm_jax.export` writes (runs/export.gin binds it).
+  """What `python -m realm_jax.jobs.export` writes (runs/export.gin binds it).
 
   Attributes:
     workdir: a run's workdir or its checkpoints/ directory; the checkpoint
@@ -245,20 +245,3 @@ def export_checkpoint(config: ExportConfig) -> str:
   print(f"exported step {step} of {directory} to {out}")
   return out
 
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-
-  def _job(dry_run: bool) -> None:
-    import gin  # pylint: disable=g-import-not-at-top
-    # The module gin registered (`python -m` runs a second copy as
-    # __main__).
-    from realm_jax import export as module  # pylint: disable=g-import-not-at-top
-    config = gin_config.configured(module.ExportConfig)
-    if dry_run:
-      print(gin.operative_config_str(), config)
-    else:
-      module.export_checkpoint(config)
-
-  gin_cli.run(_job, runs_file="runs/export.gin",
-              config_class="realm_jax.export.ExportConfig")

@@ -1,6 +1,6 @@
 """Gin at the edges: `--gin_file` (repeatable), `--gin.X=Y`, `--dry_run`.
 
-Every job's `__main__` calls `run(job)` (Beam data jobs: `run_data_job`);
+Every job (`realm_jax/jobs/`) calls `run(job)` (Beam jobs: `run_data_job`);
 `job(dry_run)` builds its configs with `core.gin_config.configured(...)`.
 `--gin.A.b=V` becomes the binding `A.b = V` (t5x's convention);
 `--gin_bindings` works too.
@@ -429,9 +429,7 @@ def refuse_unknown_args(args: Sequence[str], runs_file: str = "",
 
 
 def _configured(module_name: str, config_class: str, gin_file: str = ""):
-  """(module, `module.<config_class>` as gin binds it). The class is looked
-  up in the imported module (not `__main__`, where `python -m` runs a
-  second copy that gin has not registered)."""
+  """(module, `module.<config_class>` as gin binds it)."""
   from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(module_name)
   return module, gin_config.configured(
@@ -465,9 +463,10 @@ def training_job(module_name: str, config_class: str, runs_file: str = ""
   return job
 
 
-def run_data_job(module_name: str, config_class: str, gin_file: str,
+def run_data_job(work: Callable[..., None], module_name: str,
+                 config_class: str, gin_file: str,
                  defaults: Sequence[str] = ()) -> None:
-  """`run` of a Beam data job: `module.run(config, pipeline_args)`.
+  """`run` of a Beam data job: `work(config, pipeline_args)`.
 
   `config` is `module.<config_class>` as `gin_file` (the job's own, parsed
   first unless a `--gin_file` includes it) and the command line bind it;
@@ -479,13 +478,13 @@ def run_data_job(module_name: str, config_class: str, gin_file: str,
 
   def job(dry_run: bool, pipeline_args: list[str]) -> None:
     import gin  # pylint: disable=g-import-not-at-top
-    module, config = _configured(module_name, config_class, gin_file)
+    _, config = _configured(module_name, config_class, gin_file)
     if dry_run:
       print(gin.operative_config_str())
       print(config, "Beam options:", pipeline_args)
       return
     try:
-      module.run(config, pipeline_args)
+      work(config, pipeline_args)
     except FileExistsError as e:
       flag = f"--gin.{config_class}.overwrite=True"
       raise SystemExit(str(e) if flag in str(e) else

@@ -23,6 +23,9 @@ import time
 import pytest
 
 from realm_jax import aot
+from realm_jax.jobs import aot as aot_job
+from realm_jax.aot import report as aot_report
+from realm_jax.aot import steps as aot_steps
 from realm_jax.data import examples
 from realm_jax.index import build
 from realm_jax.testing import timeouts, tiny
@@ -53,16 +56,17 @@ def _configs():
   }
 
 
-def _compile_all(name: str) -> dict[str, aot.Report]:
+def _compile_all(name: str) -> dict[str, aot_report.Report]:
   config = aot.AotConfig(topology=name, jobs=aot.JOBS, query_length=12,
                          num_masks=3, block_length=16,
                          num_blocks=_NUM_BLOCKS, search_queries=16,
                          search_k=5)
   topo = aot.topology(name)
   model = tiny.tiny_realm(vocab_size=97)
-  return {step.job: aot.compile_step(step, topo, num_train_steps=n,
-                                     num_blocks=_NUM_BLOCKS)
-          for step, n in aot.build_steps(config, topo, _configs(), model)}
+  return {step.job: aot_report.compile_step(step, topo, num_train_steps=n,
+                                            num_blocks=_NUM_BLOCKS)
+          for step, n in aot_steps.build_steps(config, topo, _configs(),
+                                               model)}
 
 
 # (topology, chips, hosts): one single-host and one multi-host slice each.
@@ -76,14 +80,19 @@ TOPOLOGIES = [
 ]
 
 
-def _check(r: aot.Report, name: str, chips: int, hosts: int) -> None:
+def _check(r: aot_report.Report, name: str, chips: int, hosts: int) -> None:
   """A step that fits, counts FLOPs and splits its batch over every device
   of its mesh."""
   assert (r.topology, r.chips, r.hosts) == (name, chips, hosts)
-  assert r.fits, aot.format_report(r)
+  assert r.fits, aot_report.format_report(r)
   assert 0 < r.hbm_per_chip_bytes <= r.hbm_capacity_bytes
   assert r.flops_per_chip > 0 and r.bytes_accessed_per_chip > 0
   assert r.estimated_step_seconds > 0 and 0 < r.estimated_mfu <= 1
+  # The model's own FLOPs beside the compiler's: the same roofline time.
+  assert r.model_flops_per_chip > 0
+  assert r.estimated_model_mfu == pytest.approx(
+      r.model_flops_per_chip / aot.topology(name).chip.peak_bf16_flops
+      / r.estimated_step_seconds)
   # The index builder embeds on each host's own chips; the others use all.
   devices = chips // hosts if r.job == "embed" else chips
   assert r.mesh_devices == devices
@@ -125,13 +134,13 @@ def test_a_step_that_does_not_fit_is_refused_with_what_to_change():
   config = aot.AotConfig(topology="v5e:2x2", jobs=("search",),
                          num_blocks=1_000_000, search_queries=65536)
   topo = aot.topology("v5e:2x2")
-  (step, _), = aot.build_steps(config, topo, {},
-                               tiny.tiny_realm(vocab_size=97))
-  r = aot.compile_step(step, topo)
+  (step, _), = aot_steps.build_steps(config, topo, {},
+                                     tiny.tiny_realm(vocab_size=97))
+  r = aot_report.compile_step(step, topo)
   assert not r.fits and r.hbm_per_chip_bytes is None
   assert r.error.startswith("RESOURCE_EXHAUSTED")
   assert "search_queries" in r.advice and "bfloat16" in r.advice
-  text = aot.format_report(r)
+  text = aot_report.format_report(r)
   assert "does NOT fit" in text and "to fit, change:" in text
 
 
@@ -140,9 +149,10 @@ def test_writes_the_serialized_executable(tmp_path):
                          num_blocks=_NUM_BLOCKS, search_queries=16,
                          search_k=5)
   topo = aot.topology("v5e:2x2")
-  (step, _), = aot.build_steps(config, topo, {},
-                               tiny.tiny_realm(vocab_size=97))
-  r = aot.compile_step(step, topo, serialize_dir=str(tmp_path / "xla"))
+  (step, _), = aot_steps.build_steps(config, topo, {},
+                                     tiny.tiny_realm(vocab_size=97))
+  r = aot_report.compile_step(step, topo,
+                              serialize_dir=str(tmp_path / "xla"))
   assert r.fits
   assert r.executable == str(tmp_path / "xla" / "search_v5e_2x2.xla")
   assert os.path.getsize(r.executable) > 1000
@@ -152,7 +162,7 @@ def test_writes_the_serialized_executable(tmp_path):
 
 def test_training_advice_names_batch_remat_dtype_and_sharding():
   topo = aot.topology("v5e:2x2")
-  text = aot.advice("pretrain", topo, 512)
+  text = aot_report.advice("pretrain", topo, 512)
   for what in ("pretrain.PretrainConfig.batch_size", "128 examples per chip",
                "BertConfig.remat=True", "BertConfig.dtype", "replicated"):
     assert what in text, what
@@ -243,8 +253,8 @@ def test_a_batch_that_overflows_is_refused_naming_the_field():
       **_PATHS, queries="unused", batch_size=10**30, learning_rate=1e-3)}
   with pytest.raises(ValueError, match=r"^PretrainConfig\.batch_size must "
                      r"be <= 2,147,483,647"):
-    aot.build_steps(config, aot.topology("v5e:2x2"), configs,
-                    tiny.tiny_realm(vocab_size=97))
+    aot_steps.build_steps(config, aot.topology("v5e:2x2"), configs,
+                          tiny.tiny_realm(vocab_size=97))
   # A batch within int32 whose product with the lengths no chip holds.
   config = aot.AotConfig(topology="v5e:2x2", jobs=("ict",))
   configs = {"ict": ict.IctTrainConfig(
@@ -253,8 +263,8 @@ def test_a_batch_that_overflows_is_refused_naming_the_field():
   with pytest.raises(ValueError, match=r"block_ids would be \[1073741824, "
                      r"2097152\], 2 PiB on each of its 4 chips.*lower "
                      r"IctTrainConfig\.batch_size"):
-    aot.build_steps(config, aot.topology("v5e:2x2"), configs,
-                    tiny.tiny_realm(vocab_size=97))
+    aot_steps.build_steps(config, aot.topology("v5e:2x2"), configs,
+                          tiny.tiny_realm(vocab_size=97))
 
 
 def test_batch_that_does_not_divide_is_refused():
@@ -263,8 +273,8 @@ def test_batch_that_does_not_divide_is_refused():
       **_PATHS, queries="unused", batch_size=8, learning_rate=1e-3)}
   with pytest.raises(ValueError, match=r"PretrainConfig.batch_size=8 does "
                      r"not divide over the 16 devices"):
-    aot.build_steps(config, aot.topology("v5e:4x4"), configs,
-                    tiny.tiny_realm(vocab_size=97))
+    aot_steps.build_steps(config, aot.topology("v5e:4x4"), configs,
+                          tiny.tiny_realm(vocab_size=97))
 
 
 def test_v4_train_step_with_remat_and_bfloat16_is_refused_not_crashed():
@@ -276,8 +286,8 @@ def test_v4_train_step_with_remat_and_bfloat16_is_refused_not_crashed():
       reader=dataclasses.replace(model.reader, bert=bert))
   config = aot.AotConfig(topology="v4:2x2x1", jobs=("ict",))
   with pytest.raises(ValueError, match="keep one of them"):
-    aot.build_steps(config, aot.topology("v4:2x2x1"),
-                    {"ict": _configs()["ict"]}, model)
+    aot_steps.build_steps(config, aot.topology("v4:2x2x1"),
+                          {"ict": _configs()["ict"]}, model)
 
 
 def test_pretrain_step_with_flash_attention_compiles_for_tpu(tmp_path):
@@ -291,10 +301,10 @@ def test_pretrain_step_with_flash_attention_compiles_for_tpu(tmp_path):
   config = aot.AotConfig(topology="v5e:2x2", jobs=("pretrain",),
                          query_length=12, num_masks=3, block_length=16)
   topo = aot.topology("v5e:2x2")
-  (step, n), = aot.build_steps(config, topo,
-                               {"pretrain": _configs()["pretrain"]}, model)
-  r = aot.compile_step(step, topo, num_train_steps=n,
-                       serialize_dir=str(tmp_path))
+  (step, n), = aot_steps.build_steps(
+      config, topo, {"pretrain": _configs()["pretrain"]}, model)
+  r = aot_report.compile_step(step, topo, num_train_steps=n,
+                              serialize_dir=str(tmp_path))
   _check(r, "v5e:2x2", 4, 1)
   hlo = (tmp_path / "pretrain_v5e_2x2.hlo.txt").read_text()
   assert "tpu_custom_call" in hlo
@@ -302,7 +312,7 @@ def test_pretrain_step_with_flash_attention_compiles_for_tpu(tmp_path):
 
 def _realm_aot(*args: str, env=None) -> subprocess.CompletedProcess:
   return subprocess.run(
-      [sys.executable, "-m", "realm_jax.aot", *args], capture_output=True,
+      [sys.executable, "-m", "realm_jax.jobs.aot", *args], capture_output=True,
       text=True, timeout=timeouts.HANG_SECONDS, cwd=ROOT, env=env, check=False)
 
 
@@ -319,6 +329,35 @@ def test_cli_compiles_a_job_recipe_and_prints_a_json_line():
   assert [(l["job"], l["topology"], l["chips"], l["global_batch"],
            l["fits"]) for l in lines] == [("ict", "v5e:2x2", 4, 16, True)]
   assert "estimated step time" in result.stdout
+
+
+def test_cli_reports_the_training_steps_one_refresh_lasts(tmp_path):
+  # A pre-training recipe with its refresh: the builder's embedding recipe,
+  # on its own slice (2 hosts here), compiled by a child realm-aot.
+  recipe = tmp_path / "embed.gin"
+  recipe.write_text("include 'models/tiny.gin'\n"
+                    "include 'runs/index_builder.gin'\n"
+                    "include 'runs/aot.gin'\n"
+                    "TOPOLOGY = 'v5e:2x4'\n"
+                    "builder.IndexBuildConfig.batch_size_per_device = 2\n")
+  result = _realm_aot("--gin_file=experiments/pretrain_tiny_cpu.gin",
+                      "--gin.TOPOLOGY='v5e:2x2'",
+                      f"--gin.aot.AotConfig.refresh_recipe='{recipe}'")
+  assert result.returncode == 0, result.stderr[-3000:]
+  [line] = [json.loads(l) for l in result.stdout.splitlines()
+            if l.startswith("{")]
+  assert line["job"] == "pretrain" and line["refresh_topology"] == "v5e:2x4"
+  assert line["estimated_steps_per_refresh"] == pytest.approx(
+      line["estimated_refresh_seconds"] / line["estimated_step_seconds"])
+  assert "training steps per index refresh" in result.stdout
+  # A recipe that is not the builder's is refused, naming the field.
+  result = _realm_aot("--gin_file=experiments/pretrain_tiny_cpu.gin",
+                      "--gin.TOPOLOGY='v5e:2x2'",
+                      "--gin.aot.AotConfig.refresh_recipe="
+                      "'experiments/ict_tiny_cpu.gin'")
+  assert result.returncode == 1
+  assert "AotConfig.refresh_recipe='experiments/ict_tiny_cpu.gin' did not " \
+      "give an embed step" in result.stderr, result.stderr[-2000:]
 
 
 def test_cli_exits_1_naming_the_fix_when_a_step_does_not_fit():
@@ -362,7 +401,7 @@ _REALM_AOT_WITH_CTRL_C = """
 import runpy, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.argv[0] = "realm-aot"
-runpy.run_module("realm_jax.aot", run_name="__main__", alter_sys=True)
+runpy.run_module("realm_jax.jobs.aot", run_name="__main__", alter_sys=True)
 """
 
 
@@ -398,9 +437,9 @@ def test_cli_ctrl_c_stops_the_compile_at_once_without_a_traceback():
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-  assert proc.returncode == aot.INTERRUPTED_EXIT_STATUS, err[-3000:]
-  assert err.splitlines()[-1] == aot.INTERRUPTED_MESSAGE
-  assert err.count(aot.INTERRUPTED_MESSAGE) == 1
+  assert proc.returncode == aot_job.INTERRUPTED_EXIT_STATUS, err[-3000:]
+  assert err.splitlines()[-1] == aot_job.INTERRUPTED_MESSAGE
+  assert err.count(aot_job.INTERRUPTED_MESSAGE) == 1
   assert "Traceback" not in err and "KeyboardInterrupt" not in err
   assert not out.strip()  # No report: the compile never finished.
   assert seconds < 5, seconds
@@ -422,13 +461,13 @@ def test_the_pretrain_step_with_bm25_candidates_compiles_wider():
     configs = _configs()
     configs["pretrain"] = dataclasses.replace(configs["pretrain"],
                                               retrieval=retrieval)
-    (step, n), = aot.build_steps(config, topo, configs, model)
+    (step, n), = aot_steps.build_steps(config, topo, configs, model)
     if retrieval.held_prior == "mixture":
       assert step.args[step.batch_arg]["lexical_log_prior"].shape == (
           configs["pretrain"].batch_size, 7 + 3 + 1)
     assert f"x {retrieval.num_candidates + retrieval.lexical_candidates + 1}"\
         f" candidates" in step.notes
-    reports.append(aot.compile_step(step, topo, num_train_steps=n))
+    reports.append(aot_report.compile_step(step, topo, num_train_steps=n))
   realm, lexical = reports
   _check(lexical, "v5e:2x2", 4, 1)
   assert lexical.flops_per_chip > realm.flops_per_chip

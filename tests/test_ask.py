@@ -186,7 +186,7 @@ def _cli_bindings(setup) -> list[str]:
 def test_cli_refuses_an_empty_question(setup):
   """`realm-ask ""` exits non-zero before loading anything."""
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *_cli_bindings(setup),
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'", QUESTIONS[0], "  "],
@@ -202,7 +202,7 @@ def test_cli_refuses_a_question_that_is_not_utf8(tmp_path):
   decodes them with surrogateescape) are refused naming the question and
   the byte, before anything loads (the workdir and store do not exist)."""
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", f"--gin.WORKDIR='{tmp_path / 'none'}'",
        f"--gin.BLOCK_STORE='{tmp_path / 'none'}'", QUESTIONS[0],
        b"Where was Mozart\xff born?"],
@@ -219,7 +219,7 @@ def test_cli_refuses_a_question_that_is_not_utf8(tmp_path):
   questions.write_bytes(b"# Latin-1\n--top_k=2\nWhere was Mozart born?\n"
                         b"Caf\xe9 de Flore?\n")
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", f"--gin.WORKDIR='{tmp_path / 'none'}'",
        f"--gin.BLOCK_STORE='{tmp_path / 'none'}'",
        f"--flagfile={questions}"],
@@ -244,7 +244,7 @@ def test_predict_refuses_a_question_that_is_not_utf8(setup):
 def test_cli_json(setup):
   bindings = _cli_bindings(setup)
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *bindings,
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'", "--json", "--top_k=2",
@@ -261,7 +261,7 @@ def test_cli_json(setup):
   assert not any("warning" in row for row in rows)
   # The common job convention: --dry_run prints the resolved configs only.
   dry = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--dry_run",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--dry_run",
        "--gin.BLOCK_STORE='/nonexistent'", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *bindings],
       capture_output=True, text=True, timeout=timeouts.HANG_SECONDS,
@@ -523,7 +523,7 @@ def test_cli_announces_an_untrained_span_head_with_the_hybrid(
   `INIT_FROM='minilm'`, here `hf_bert:` of the fixture's size) with the
   hybrid ranker too (issue 64, D3)."""
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *_cli_bindings(setup),
        f"--gin.INIT_FROM='hf_bert:{_hf_bert(setup, tmp_path_factory)}'",
        f"--gin.INDEX_DIR='{setup['workdir'] / 'index'}'",
@@ -758,7 +758,7 @@ def test_load_takes_a_ranker(setup, tmp_path):
 
 def test_cli_hybrid_shows_which_ranker_found_each_block(setup, tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *_cli_bindings(setup),
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'",
@@ -777,7 +777,7 @@ def test_cli_hybrid_shows_which_ranker_found_each_block(setup, tmp_path):
   assert any("dense #" in line for line in found)
   assert any("bm25 #" in line for line in found)
   bad = subprocess.run(
-      [sys.executable, "-m", "realm_jax.ask", "--gin_file=models/tiny.gin",
+      [sys.executable, "-m", "realm_jax.jobs.ask", "--gin_file=models/tiny.gin",
        "--gin_file=runs/eval.gin", *_cli_bindings(setup),
        f"--gin.WORKDIR='{setup['workdir']}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'",

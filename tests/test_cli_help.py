@@ -87,8 +87,8 @@ def test_the_jobs_are_collected():
   names = set(_commands())
   assert {"realm-pretrain", "realm-ask", "realm-corpus", "realm-demo",
           "realm-eval", "realm-export", "realm-query-cache"} <= names
-  assert {"python -m realm_jax.data.corpus_job", "python -m realm_jax.demo",
-          "python -m realm_jax.training.pretrain",
+  assert {"python -m realm_jax.jobs.corpus", "python -m realm_jax.jobs.demo",
+          "python -m realm_jax.jobs.pretrain",
           "python -m realm_jax.data.qa"} <= names
 
 
@@ -106,24 +106,24 @@ def test_help_exits_0(name):
     if "run_data_job" in source:
       assert "Apache Beam pipeline options" in result.stdout
       assert "This job's own gin file: runs/" in result.stdout
-  elif module == "realm_jax.demo":
+  elif module == "realm_jax.jobs.demo":
     assert "--workdir" in result.stdout and "--dry_run" in result.stdout
   else:
     assert "usage" in output.lower()
 
 
 @pytest.mark.parametrize("module, runs_file", [
-    ("realm_jax.training.pretrain", "runs/pretrain.gin"),
-    ("realm_jax.training.ict", "runs/ict.gin"),
-    ("realm_jax.training.reader_prep", "runs/reader_prep.gin"),
-    ("realm_jax.training.finetune", "runs/finetune.gin"),
-    ("realm_jax.index.builder", "runs/index_builder.gin"),
-    ("realm_jax.eval.qa_eval", "runs/eval.gin"),
-    ("realm_jax.ask", "runs/eval.gin"),
-    ("realm_jax.export", "runs/export.gin"),
-    ("realm_jax.data.corpus_job", "runs/corpus.gin"),
-    ("realm_jax.data.annotate_job", "runs/annotate.gin"),
-    ("realm_jax.data.query_cache", "runs/query_cache.gin"),
+    ("realm_jax.jobs.pretrain", "runs/pretrain.gin"),
+    ("realm_jax.jobs.ict", "runs/ict.gin"),
+    ("realm_jax.jobs.reader_prep", "runs/reader_prep.gin"),
+    ("realm_jax.jobs.finetune", "runs/finetune.gin"),
+    ("realm_jax.jobs.index_builder", "runs/index_builder.gin"),
+    ("realm_jax.jobs.qa_eval", "runs/eval.gin"),
+    ("realm_jax.jobs.ask", "runs/eval.gin"),
+    ("realm_jax.jobs.export", "runs/export.gin"),
+    ("realm_jax.jobs.corpus", "runs/corpus.gin"),
+    ("realm_jax.jobs.annotate", "runs/annotate.gin"),
+    ("realm_jax.jobs.query_cache", "runs/query_cache.gin"),
 ])
 def test_help_names_the_jobs_own_gin_file(module, runs_file):
   out = _results()[f"python -m {module}"].stdout

@@ -1,6 +1,6 @@
 """Commands that messages and docstrings tell users to run take their flags.
 
-Hints once said `python -m realm_jax.index.builder --one_shot` and
+Hints once said `python -m realm_jax.jobs.index_builder --one_shot` and
 `--block_emb=...`, flags no job defines (issue 27, item 9); the builder
 takes `--gin.builder.BuilderConfig.one_shot=True`. Every string in
 realm_jax/ (messages, docstrings) and every comment of gin_configs/ is
@@ -176,9 +176,9 @@ ALL_COMMANDS = [(where, command) for where, text in _hint_sources()
 
 def test_the_scan_finds_the_commands():
   modules = {target for _, (target, _) in ALL_COMMANDS}
-  assert {"realm_jax.index.builder", "realm_jax.ask",
-          "realm_jax.training.pretrain", "realm_jax.data.corpus_job",
-          "realm_jax.demo"} <= modules
+  assert {"realm_jax.jobs.index_builder", "realm_jax.jobs.ask",
+          "realm_jax.jobs.pretrain", "realm_jax.jobs.corpus",
+          "realm_jax.jobs.demo"} <= modules
   assert sum(len(flags) for _, (_, flags) in ALL_COMMANDS) >= 40
 
 
@@ -187,20 +187,21 @@ def test_every_hinted_flag_is_accepted():
 
 
 @pytest.mark.parametrize("text, bad", [
-    ("build one with `python -m realm_jax.index.builder --one_shot` or",
-     ["realm_jax.index.builder does not accept --one_shot"]),
-    ("published by `python -m realm_jax.index.builder --block_emb=...`).",
-     ["realm_jax.index.builder does not accept --block_emb"]),
-    ("python -m realm_jax.index.builder --gin_file=runs/index_builder.gin \\\n"
+    ("build one with `python -m realm_jax.jobs.index_builder --one_shot` or",
+     ["realm_jax.jobs.index_builder does not accept --one_shot"]),
+    ("published by `python -m realm_jax.jobs.index_builder --block_emb=...`).",
+     ["realm_jax.jobs.index_builder does not accept --block_emb"]),
+    ("python -m realm_jax.jobs.index_builder "
+     "--gin_file=runs/index_builder.gin \\\n"
      "    --workdir=W --gin.builder.BuilderConfig.one_shot=True",
-     ["realm_jax.index.builder does not accept --workdir"]),
+     ["realm_jax.jobs.index_builder does not accept --workdir"]),
     # The demo is no gin job: it has its own flags.
-    ("python -m realm_jax.demo --workdir=/tmp/d --gin.DemoConfig.x=1",
-     ["realm_jax.demo does not accept --gin.DemoConfig.x"]),
+    ("python -m realm_jax.jobs.demo --workdir=/tmp/d --gin.DemoConfig.x=1",
+     ["realm_jax.jobs.demo does not accept --gin.DemoConfig.x"]),
     ("realm-ask --json --top_k=2 --verbosity=1 --nojson 'Who?'", []),
     ("realm-ask --topk=2 'Who?'", ["realm-ask does not accept --topk"]),
     ("realm-corpus --gin_file=runs/corpus.gin --direct_num_workers=4", []),
-    ("python -m realm_jax.training.pretrain --gin.WORKDIR=\"'W'\" "
+    ("python -m realm_jax.jobs.pretrain --gin.WORKDIR=\"'W'\" "
      "--dry_run\nthen --one_shot on another line", []),
     ("realm-builder --x", ["no console script realm-builder"]),
 ])

@@ -15,7 +15,7 @@ from realm_jax import demo
 
 
 def _what_ask_answers_with(ask_gin: str):
-  """(EvalConfig.workdir, QA sizes) of `realm_jax.ask --gin_file=ask_gin`,
+  """(EvalConfig.workdir, QA sizes) of `realm_jax.jobs.ask --gin_file=ask_gin`,
   resolved as ask resolves them."""
   import gin  # pylint: disable=g-import-not-at-top
   from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
@@ -68,7 +68,7 @@ def test_demo_runs_every_stage(tmp_path, capsys):
   # Each showcased question is shown with its gold answer and a verdict.
   assert out.count("   gold: ") == len(demo.DEMO_QUESTIONS)
   assert out.count("RIGHT") + out.count("WRONG") == len(demo.DEMO_QUESTIONS)
-  assert "python -m realm_jax.ask" in out and "tensorboard" in out
+  assert "python -m realm_jax.jobs.ask" in out and "tensorboard" in out
   # The ask hint's gin file names the fine-tuned run, whose checkpoint
   # carries its QA settings: ask answers with those.
   workdir, qa = _what_ask_answers_with(str(tmp_path / "ask.gin"))

@@ -834,7 +834,7 @@ def _ids() -> list[str]:
 
 # Stale commands, each of which the check must refuse (what it says).
 _STALE = [
-    ("python -m realm_jax.data.corpus_job --gin_file=runs/corpus.gin \\\n"
+    ("python -m realm_jax.jobs.corpus --gin_file=runs/corpus.gin \\\n"
      "  --gin.OUTPUT_DIR=\"'$D/blocks'\" --max_block_len=128",
      "--max_block_len is not an absl, gin or Apache Beam pipeline option"),
     ("python -m realm_jax.data.salient_spans --output_dir=D --num_shards=2",
@@ -893,16 +893,16 @@ def test_the_commands_are_found():
   for c in COMMANDS:
     by_kind.setdefault(c.kind, set()).add((c.where.split(":")[0], c.target))
   jobs = by_kind["job"]
-  assert ("README.md", "realm_jax.demo") in jobs  # The Quick start demo.
-  assert ("docs/results/demo.md", "realm_jax.demo") in jobs
+  assert ("README.md", "realm_jax.jobs.demo") in jobs  # The Quick start demo.
+  assert ("docs/results/demo.md", "realm_jax.jobs.demo") in jobs
   assert ("README.md", "pytest") in by_kind["pytest"]  # And its test line.
-  assert {("BUILD.md", "realm_jax.data.corpus_job"),
-          ("BUILD.md", "realm_jax.data.annotate_job"),
-          ("BUILD.md", "realm_jax.data.query_cache"),
-          ("BUILD.md", "realm_jax.training.pretrain"),
-          ("BUILD.md", "realm_jax.ask"),
-          ("docs/recipes.md", "realm_jax.export"),
-          ("docs/benchmarks/data.md", "realm_jax.data.annotate_job")
+  assert {("BUILD.md", "realm_jax.jobs.corpus"),
+          ("BUILD.md", "realm_jax.jobs.annotate"),
+          ("BUILD.md", "realm_jax.jobs.query_cache"),
+          ("BUILD.md", "realm_jax.jobs.pretrain"),
+          ("BUILD.md", "realm_jax.jobs.ask"),
+          ("docs/recipes.md", "realm_jax.jobs.export"),
+          ("docs/benchmarks/data.md", "realm_jax.jobs.annotate")
           } <= jobs | by_kind["mention"]
   assert {("BUILD.md", "launch/local.sh"),
           ("launch/README.md", "launch/tpu_pod.py"),

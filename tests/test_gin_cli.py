@@ -62,13 +62,13 @@ def test_progress_seconds_sets_the_period_of_every_progress():
 def test_a_job_finds_its_own_gin_file():
   """The binding runs/corpus.gin advertises works without --gin_file."""
   for files in ([], ["--gin_file=runs/corpus.gin"]):
-    result = _run(["-m", "realm_jax.data.corpus_job", *files,
+    result = _run(["-m", "realm_jax.jobs.corpus", *files,
                    "--gin.OUTPUT_DIR='x'",
                    "--gin.CorpusConfig.max_block_len=72", "--dry_run"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "CorpusConfig(output_dir='x'" in result.stdout
     assert "max_block_len=72" in result.stdout
-  result = _run(["-m", "realm_jax.data.corpus_job", "--dry_run"])
+  result = _run(["-m", "realm_jax.jobs.corpus", "--dry_run"])
   assert result.returncode != 0
   assert "OUTPUT_DIR is not set: pass --gin.OUTPUT_DIR=" in result.stderr
 
@@ -119,7 +119,7 @@ def test_job_gin_files_leaves_out_its_own_if_a_file_binds_its_config(
       "from __gin__ import dynamic_registration\n"
       "from realm_jax.data import corpus_job\n"
       f"corpus_job.CorpusConfig.output_dir = '{tmp_path}/out'\n")
-  result = _run(["-m", "realm_jax.data.corpus_job",
+  result = _run(["-m", "realm_jax.jobs.corpus",
                  f"--gin_file={tmp_path}/mine.gin", "--dry_run"])
   assert result.returncode == 0, result.stderr[-2000:]
   assert f"CorpusConfig(output_dir='{tmp_path}/out'" in result.stdout
@@ -170,14 +170,14 @@ def test_a_data_job_refuses_what_beam_would_drop(args, said, capsys):
 
 def test_the_corpus_job_refuses_a_stale_flag():
   """Issue 28: `--max_block_len=128` was dropped by Beam with a warning."""
-  result = _run(["-m", "realm_jax.data.corpus_job", "--gin.OUTPUT_DIR='x'",
+  result = _run(["-m", "realm_jax.jobs.corpus", "--gin.OUTPUT_DIR='x'",
                  "--max_block_len=128", "--runner=DirectRunner",
                  "--direct_num_workers=2", "--dry_run"])
   assert result.returncode != 0
   assert "--max_block_len is not" in result.stderr
   assert "--gin.CorpusConfig.max_block_len=128" in result.stderr
   assert "--runner" not in result.stderr and not result.stdout
-  result = _run(["-m", "realm_jax.data.corpus_job", "--gin.OUTPUT_DIR='x'",
+  result = _run(["-m", "realm_jax.jobs.corpus", "--gin.OUTPUT_DIR='x'",
                  "--runner=DirectRunner", "--direct_num_workers=2",
                  "--dry_run"])
   assert result.returncode == 0, result.stderr[-2000:]
@@ -186,11 +186,11 @@ def test_the_corpus_job_refuses_a_stale_flag():
 
 
 @pytest.mark.parametrize("args, hint", [
-    (["-m", "realm_jax.index.builder", "--one_shot"],
+    (["-m", "realm_jax.jobs.index_builder", "--one_shot"],
      "did you mean --gin.BuilderConfig.one_shot=True?"),
-    (["-m", "realm_jax.ask", "--index_dir=/i", "where?"],
+    (["-m", "realm_jax.jobs.ask", "--index_dir=/i", "where?"],
      "did you mean --gin.INDEX_DIR=\"'/i'\"?"),
-    (["-m", "realm_jax.export", "--step=4"],
+    (["-m", "realm_jax.jobs.export", "--step=4"],
      "did you mean --gin.STEP=4?"),
 ])
 def test_the_other_jobs_hint_the_gin_flag_of_an_unknown_flag(args, hint):
@@ -201,7 +201,7 @@ def test_the_other_jobs_hint_the_gin_flag_of_an_unknown_flag(args, hint):
   assert "FATAL Flags parsing error: Unknown command line flag" in (
       result.stderr)
   assert hint in result.stderr, result.stderr[-2000:]
-  result = _run(["-m", "realm_jax.ask", "--no_such_flag", "--dry_run"])
+  result = _run(["-m", "realm_jax.jobs.ask", "--no_such_flag", "--dry_run"])
   assert result.returncode == 1
   assert "Unknown command line flag 'no_such_flag'" in result.stderr
   assert "did you mean" not in result.stderr

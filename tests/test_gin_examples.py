@@ -2,7 +2,7 @@
 written (issue 28, item 3).
 
 `runs/corpus.gin` said "e.g. --gin.CorpusConfig.max_block_len=128", and
-`python -m realm_jax.data.corpus_job --gin.OUTPUT_DIR=...
+`python -m realm_jax.jobs.corpus --gin.OUTPUT_DIR=...
 --gin.CorpusConfig.max_block_len=128` failed: the job did not include its
 own gin file. Every header comment of gin_configs/runs/ and
 gin_configs/experiments/ is read for
@@ -74,28 +74,48 @@ def _flags(args: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _jobs() -> dict[str, str]:
-  """Config class -> the `python -m` module whose config it is."""
-  jobs = {}
-  for path in sorted(PACKAGE.rglob("*.py")):
-    source = path.read_text(encoding="utf-8")
-    if "gin_cli.run" not in source:
+  """Config class -> the `python -m` module (realm_jax/jobs/) whose config
+  it is."""
+  def source(module):
+    path = ROOT.joinpath(*module.split("."))
+    return (path.with_suffix(".py") if path.with_suffix(".py").exists()
+            else path / "__init__.py").read_text()
+
+  first, then = {}, {}
+  for path in sorted((PACKAGE / "jobs").glob("*.py")):
+    job = path.read_text(encoding="utf-8")
+    if "gin_cli.run" not in job:
       continue
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    # Its own config classes, those it imports by name (e.g. the parts of
-    # pretrain_config.PretrainConfig that pretrain re-exports), and the one
-    # its `training_job` names (which may live in another module).
-    names = re.findall(r"^class (\w+Config)\b", source, re.M)
-    names += re.findall(r"^from [\w.]+ import (\w+Config)\b", source, re.M)
-    names += re.findall(r"training_job\(\s*\"[\w.]+\",\s*\"(\w+)\"", source)
-    for name in names:
-      jobs.setdefault(name, module)
-  return jobs
+    # First the configs of its namesake library module (jobs/qa_eval.py:
+    # eval/qa_eval.py's), then the config its prelude names
+    # (`training_job("m", "C")`, `run_data_job(work, "m", "C", ...)`,
+    # `config_class="m.C"`) and that module's config classes: its own and
+    # those it imports by name (e.g. the parts of
+    # pretrain_config.PretrainConfig that pretrain re-exports).
+    for package, names in re.findall(r"^from (realm_jax[\w.]*) import (.+)$",
+                                     job, re.M):
+      if path.stem in names.split(", ") and ROOT.joinpath(
+          *package.split("."), f"{path.stem}.py").is_file():
+        for config in re.findall(r"^class (\w+Config)\b",
+                                 source(f"{package}.{path.stem}"), re.M):
+          first.setdefault(config, module)
+    named = re.findall(r"\"(realm_jax[\w.]+)\",\s*\"(\w+Config)\"", job)
+    named += [tuple(m.rsplit(".", 1)) for m in re.findall(
+        r"config_class=\"(realm_jax[\w.]+)\"", job)]
+    for library, name in named:
+      lib = source(library)
+      for config in [name, *re.findall(r"^class (\w+Config)\b", lib, re.M),
+                     *re.findall(r"^from [\w.]+ import (\w+Config)\b", lib,
+                                 re.M)]:
+        then.setdefault(config, module)
+  return {**then, **first}
 
 
 def _runs_file(module: str) -> str:
-  """The job's own gin file, as its `__main__` names it."""
+  """The job's own gin file, as its `main()` names it."""
   source = ROOT.joinpath(*module.split(".")).with_suffix(".py").read_text()
-  main = source[source.index('if __name__ == "__main__":'):]
+  main = source[source.index("def main("):]
   named = re.search(r"\"(runs/\w+\.gin)\"", main)
   if named:
     return named[1]
@@ -163,11 +183,12 @@ EXAMPLES = _examples()
 def test_the_headers_examples_are_found():
   found = {(module, flag.split("=")[0]) for _, module, flags, _ in EXAMPLES
            for flag in flags}
-  assert {("realm_jax.data.corpus_job", "--gin.CorpusConfig.max_block_len"),
-          ("realm_jax.data.corpus_job", "--gin.CorpusConfig.keep_lists"),
-          ("realm_jax.data.annotate_job", "--gin.AnnotateConfig.num_shards"),
-          ("realm_jax.data.query_cache", "--gin.QueryCacheConfig.num_shards"),
-          ("realm_jax.index.builder", "--gin.builder.BuilderConfig.one_shot"),
+  assert {("realm_jax.jobs.corpus", "--gin.CorpusConfig.max_block_len"),
+          ("realm_jax.jobs.corpus", "--gin.CorpusConfig.keep_lists"),
+          ("realm_jax.jobs.annotate", "--gin.AnnotateConfig.num_shards"),
+          ("realm_jax.jobs.query_cache", "--gin.QueryCacheConfig.num_shards"),
+          ("realm_jax.jobs.index_builder",
+           "--gin.builder.BuilderConfig.one_shot"),
           } <= found
   assert len(EXAMPLES) >= 6
 

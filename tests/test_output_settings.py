@@ -143,12 +143,12 @@ _EVAL_MODEL = ["--gin_file=models/tiny.gin"]
 
 
 def _export(w, t):
-  return ["realm_jax.export", _gin("WORKDIR", w["workdir"]),
+  return ["realm_jax.jobs.export", _gin("WORKDIR", w["workdir"]),
           _gin("OUTPUT_DIR", t)], ["checkpoints"]
 
 
 def _extend(w, t):
-  return ["realm_jax.index.extend_job", *_EVAL_MODEL, *w["model"],
+  return ["realm_jax.jobs.index_extend", *_EVAL_MODEL, *w["model"],
           _gin("INDEX_DIR", w["index"]), _gin("BLOCK_STORE", w["store"]),
           _gin("UNION_STORE", w["store"]), _gin("OUTPUT_DIR", t),
           _gin("INIT_FROM", f"checkpoint:{w['checkpoints']}@1")], [
@@ -156,7 +156,7 @@ def _extend(w, t):
 
 
 def _eval_output(w, t):
-  return ["realm_jax.eval.qa_eval", *_EVAL_MODEL, "--gin_file=runs/eval.gin",
+  return ["realm_jax.jobs.qa_eval", *_EVAL_MODEL, "--gin_file=runs/eval.gin",
           *w["model"], *w["qa"], _gin("WORKDIR", w["workdir"]),
           _gin("BLOCK_STORE", w["store"]), _gin("QA_FILE", w["qa_file"]),
           _gin("qa_eval.EvalConfig.output_dir", t),
@@ -165,7 +165,7 @@ def _eval_output(w, t):
 
 
 def _ask_bm25(w, t):
-  return ["realm_jax.ask", *_EVAL_MODEL, "--gin_file=runs/eval.gin",
+  return ["realm_jax.jobs.ask", *_EVAL_MODEL, "--gin_file=runs/eval.gin",
           *w["model"], *w["qa"], _gin("WORKDIR", w["workdir"]),
           _gin("BLOCK_STORE", w["store"]),
           _gin("qa_eval.EvalConfig.ranker", "hybrid"),
@@ -174,23 +174,23 @@ def _ask_bm25(w, t):
 
 
 def _corpus(w, t):
-  return ["realm_jax.data.corpus_job", _gin("INPUT_PATH", w["docs"]),
+  return ["realm_jax.jobs.corpus", _gin("INPUT_PATH", w["docs"]),
           _gin("OUTPUT_DIR", t)], ["docs"]
 
 
 def _query_cache(w, t):
-  return ["realm_jax.data.query_cache", _gin("ANNOTATED", w["annotated"]),
+  return ["realm_jax.jobs.query_cache", _gin("ANNOTATED", w["annotated"]),
           _gin("OUTPUT_DIR", t)], ["annotated"]
 
 
 def _annotate(w, t):
-  return ["realm_jax.data.annotate_job", _gin("INPUT_PATH", w["docs"]),
+  return ["realm_jax.jobs.annotate", _gin("INPUT_PATH", w["docs"]),
           _gin("OUTPUT_DIR", t)], ["docs"]
 
 
 def _aot(w, t):
   del w
-  return ["realm_jax.aot", "--gin_file=models/tiny.gin",
+  return ["realm_jax.jobs.aot", "--gin_file=models/tiny.gin",
           "--gin.TOPOLOGY='v5e:2x2'", "--gin.aot.AotConfig.jobs=('search',)",
           _gin("aot.AotConfig.serialize_dir", t)], []
 
@@ -285,7 +285,7 @@ def test_a_written_setting_never_harms_what_the_job_did_not_create(
     argv, _ = runner(world, target)
     before = _snapshot(victim)
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    if argv[0] == "realm_jax.aot":
+    if argv[0] == "realm_jax.jobs.aot":
       env.pop("JAX_PLATFORMS")  # realm-aot sets it itself.
     proc = subprocess.run(
         [sys.executable, "-m", *argv], capture_output=True, text=True,

@@ -9,17 +9,17 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 from realm_jax.testing import timeouts
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("realm-demo", "realm-corpus", "realm-annotate", "realm-query-cache",
-           "realm-ict", "realm-reader-prep", "realm-pretrain",
-           "realm-finetune", "realm-index-builder", "realm-index-extend",
-           "realm-eval", "realm-calibrate", "realm-ask", "realm-export",
-           "realm-aot")
+# The console scripts: one per job (tests/test_job_list.py ties them to
+# realm_jax/jobs/).
+with open(os.path.join(REPO, "pyproject.toml"), "rb") as _toml:
+  SCRIPTS = tuple(tomllib.load(_toml)["project"]["scripts"])
 
 
 def _build_wheel(tmp_path) -> str:
@@ -75,7 +75,7 @@ def test_wheel_holds_configs_data_and_console_scripts(tmp_path):
       cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
   assert where.stdout.strip().startswith(str(site)), where.stdout
   job = subprocess.run(
-      [sys.executable, "-m", "realm_jax.training.pretrain",
+      [sys.executable, "-m", "realm_jax.jobs.pretrain",
        "--gin_file=experiments/pretrain_tiny_cpu.gin",
        "--gin.WORKDIR='/nonexistent/w'", "--gin.BLOCK_STORE='/nonexistent/b'",
        "--gin.QUERIES='/nonexistent/q'", "--dry_run"],

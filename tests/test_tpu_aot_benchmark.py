@@ -94,7 +94,7 @@ def test_staleness_pairs_pretraining_with_the_refresh_of_its_generation():
 
 
 # The benchmark with a stand-in for realm-aot: `sys.executable` (what it
-# runs `-m realm_jax.aot` with) is a script that writes its pid and sleeps,
+# runs `-m realm_jax.jobs.aot` with) is a script that writes its pid and sleeps,
 # as a compile of 20 minutes would. The signal is as a terminal leaves it
 # (a test runner started with `nohup` passes SIGHUP ignored, which the
 # benchmark keeps).

@@ -68,7 +68,7 @@ class Inputs:
 
   def __init__(self, args, world: World):
     from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
-    from realm_jax.data import block_store, examples, query_cache  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import block_store, examples, query_cache_writer  # pylint: disable=g-import-not-at-top
     from realm_jax.data import realm_inputs  # pylint: disable=g-import-not-at-top
     from realm_jax.training import pretrain  # pylint: disable=g-import-not-at-top
     self.args, self.world = args, world
@@ -104,7 +104,7 @@ class Inputs:
     if self._needs_dev():
       dev_cache = os.path.join(args.workdir, "queries_dev")
       if not os.path.exists(dev_cache):
-        query_cache.build_query_cache(
+        query_cache_writer.build_query_cache(
             world.dev_x, dev_cache, query_config=self.query_config,
             seed=args.seed, num_shards=1)
     salient = dataclasses.replace(self.query_config, masking="salient")
@@ -162,13 +162,13 @@ class Inputs:
 
   def queries_for(self, config) -> str:
     """The training sentences masked the condition's way (built once)."""
-    from realm_jax.data import query_cache  # pylint: disable=g-import-not-at-top
+    from realm_jax.data import query_cache_writer  # pylint: disable=g-import-not-at-top
     thinned = (f"_every{self.args.train_articles_every}"
                if self.args.train_articles_every > 1 else "")
     path = os.path.join(self.args.workdir,
                         f"queries_{config.masking}{thinned}")
     if not os.path.exists(path):
-      query_cache.build_query_cache(
+      query_cache_writer.build_query_cache(
           self.world.train_x, path, query_config=config,
           seed=self.args.seed, num_shards=1)
     return path

@@ -1,4 +1,4 @@
-"""The export format (`python -m realm_jax.export`): names, and reading it.
+"""The export format (`python -m realm_jax.jobs.export`): names, and reading it.
 
 An export directory holds:
 
@@ -72,7 +72,7 @@ def read_config(directory: str) -> RealmConfig:
   """The RealmConfig of an export (its realm_config.json)."""
   data = io_utils.read_manifest(
       directory, what="realm_jax export", name=CONFIG_FILE, fields=("model",),
-      build="write one with `python -m realm_jax.export`")
+      build="write one with `python -m realm_jax.jobs.export`")
   return dataclass_json.from_dict(RealmConfig, data["model"],
                                   f"{directory}/{CONFIG_FILE}:model")
 
@@ -85,7 +85,7 @@ def span_head_trained(directory: str) -> bool | None:
   an export of bare parameters)."""
   data = io_utils.read_manifest(
       directory, what="realm_jax export", name=CONFIG_FILE, fields=("model",),
-      build="write one with `python -m realm_jax.export`")
+      build="write one with `python -m realm_jax.jobs.export`")
   if "span_head_trained" in data:
     return bool(data["span_head_trained"])
   if "task_class" in data:

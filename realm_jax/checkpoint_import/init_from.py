@@ -14,7 +14,7 @@ always wins; this is only used when there is none):
                                 (`importers.load_hf_realm`)
   checkpoint:<dir>[@step]       a realm_jax checkpoint directory (ICT or
                                 pre-training output); newest step by default
-  export:<dir>                  a `python -m realm_jax.export` directory
+  export:<dir>                  a `python -m realm_jax.jobs.export` directory
 
 Imported trees are checked against the model's own tree: any leaf with
 another shape, or with no place in the model, is an error listing them all.

@@ -26,7 +26,7 @@ The command line follows the gin convention (`gin_cli`); flags it does not
 define are Beam options (DirectRunner by default; BUILD.md has cluster
 runners' commands):
 
-  python -m realm_jax.data.annotate_job --gin_file=runs/annotate.gin \
+  python -m realm_jax.jobs.annotate --gin_file=runs/annotate.gin \
       --gin.INPUT_PATH="'enwiki.xml.bz2'" --gin.OUTPUT_DIR="'/data/annotated'" \
       --direct_num_workers=16 --direct_running_mode=multi_processing
 """
@@ -269,21 +269,3 @@ def _finish(tmp_dir: str, num_shards: int, stats: list[dict[str, Any]],
                        for k in range(num_shards)])
   return report
 
-
-# -----------------------------------------------------------------------------
-# Command line.
-# -----------------------------------------------------------------------------
-
-
-def run(config: AnnotateConfig, pipeline_args: Sequence[str]) -> None:
-  """The command line's job (`gin_cli.run_data_job`)."""
-  report = annotate_corpus(pipeline_args=pipeline_args,
-                           **dataclasses.asdict(config))
-  print(json.dumps({k: report[k] for k in (
-      "documents", "sentences", "spans", "num_shards", "annotation_seconds")}))
-
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run_data_job("realm_jax.data.annotate_job", "AnnotateConfig",
-                       "runs/annotate.gin")

@@ -460,7 +460,7 @@ def _read_manifest(path: str) -> dict[str, Any]:
   return io_utils.read_manifest(
       path, what="block store", format_version=FORMAT_VERSION,
       fields=("files", "fingerprint"), check=check,
-      build="build it with `python -m realm_jax.data.corpus_job "
+      build="build it with `python -m realm_jax.jobs.corpus "
       "--gin_file=runs/corpus.gin --gin.OUTPUT_DIR=\"'...'\"`")
 
 

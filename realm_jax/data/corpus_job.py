@@ -26,7 +26,7 @@ The store and report are those of a sequential pass, whatever the runner or
 the chunking. The command line follows the gin convention (`gin_cli`);
 other flags are Beam options (DirectRunner by default; BUILD.md):
 
-  python -m realm_jax.data.corpus_job --gin_file=runs/corpus.gin \
+  python -m realm_jax.jobs.corpus --gin_file=runs/corpus.gin \
       --gin.INPUT_PATH="'enwiki-20181220-pages-articles.xml.bz2'" \
       --gin.OUTPUT_DIR="'/data/enwiki'" \
       --direct_num_workers=16 --direct_running_mode=multi_processing
@@ -284,13 +284,3 @@ def build_corpus(*, pipeline_args: Sequence[str] = (), **fields
                                    block_store_writer.DROPPED_FILE))
   return store, report
 
-
-def run(config: CorpusConfig, pipeline_args: Sequence[str]) -> None:
-  """The command line's job (`gin_cli.run_data_job`)."""
-  build_corpus(pipeline_args=pipeline_args, **dataclasses.asdict(config))
-
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run_data_job("realm_jax.data.corpus_job", "CorpusConfig",
-                       "runs/corpus.gin")

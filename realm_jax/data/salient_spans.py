@@ -26,7 +26,7 @@ UTF-8 byte offsets into text, limits exclusive) and optional `span_type`,
 The corpus job is `realm_jax.data.annotate_job` (an Apache Beam pipeline
 mapping `annotate_document` over the documents):
 
-  python -m realm_jax.data.annotate_job --gin_file=runs/annotate.gin \
+  python -m realm_jax.jobs.annotate --gin_file=runs/annotate.gin \
       --gin.INPUT_PATH="'...'" --gin.OUTPUT_DIR="'...'"
 """
 

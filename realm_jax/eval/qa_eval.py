@@ -1,5 +1,7 @@
 """Open-QA evaluation: exact match, recall@k, reader oracle; the eval job.
 
+Its command line: `realm_jax.jobs.qa_eval` (`realm-eval`).
+
 Scores a `qa_model.QAModel` (the answering model shared with `ask`),
 with the metrics of REALM / ORQA (`evaluate`, `aggregate_metrics`):
   exact_match    prediction == an answer after the reference normaliser
@@ -36,7 +38,7 @@ hybrid's with its fusion), and every metrics record says which ranker
 written before rankers were recorded (keyed by the step alone) count as
 the dense ranker's, the default and until then the only one.
 
-    python -m realm_jax.eval.qa_eval \\
+    python -m realm_jax.jobs.qa_eval \\
         --gin_file=experiments/eval_tiny_cpu.gin --gin.WORKDIR="'W'" \\
         --gin.BLOCK_STORE="'B'" --gin.QA_FILE="'dev.jsonl'" \\
         [--gin.EvalConfig.step=N | --gin.INIT_FROM="'orqa:CKPT'"]
@@ -64,15 +66,15 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import jax
 
-from realm_jax.core import checkpoints, checks, follow, gin_config, io_utils
-from realm_jax.core import outputs, parallel, records
+from realm_jax.core import checkpoints, checks, follow, io_utils
+from realm_jax.core import outputs, records
 from realm_jax.core import progress as progress_lib
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import formats
 from realm_jax.data import qa as qa_lib
 from realm_jax.eval import qa_model as qa_model_lib
 from realm_jax.eval import retrieval_eval
-from realm_jax.eval.qa_model import QAModel, QAResult, load_qa_model
+from realm_jax.eval.qa_model import QAModel, QAResult
 from realm_jax.index import bm25 as bm25_lib
 from realm_jax.index import calibration, publish, rankers
 from realm_jax.model.realm import RealmConfig
@@ -715,7 +717,7 @@ def checked_run_configs(checkpoint_dir: str, step: int | None,
   return run_model, qa_config
 
 
-def _has_checkpoint(checkpoint_dir: str, config: EvalConfig) -> bool:
+def has_checkpoint(checkpoint_dir: str, config: EvalConfig) -> bool:
   """Whether `checkpoint_dir` holds a finalized step, the one whose configs
   the job evaluates with: waited for (as the job would) when none is there
   yet and no step was asked for, until the run is over or
@@ -736,85 +738,3 @@ def require(config: EvalConfig, **macros: str) -> None:
     raise SystemExit(f"Set {' and '.join(missing)}: --gin.{missing[0]}="
                      "\"'...'\", with runs/eval.gin (it binds EvalConfig "
                      "to them) among the --gin_file's.")
-
-
-def _job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
-  from realm_jax.data import block_store  # pylint: disable=g-import-not-at-top
-  # The registered classes live in the imported module, not in __main__.
-  from realm_jax.eval import qa_eval as module  # pylint: disable=g-import-not-at-top
-  config = gin_config.configured(module.EvalConfig)
-  qa_config = gin_config.configured(qa_inputs.QAConfig)
-  model_config = gin_config.configured(RealmConfig)
-  if dry_run:
-    print(config, qa_config, model_config, sep="\n")
-    return
-  require(config, block_store="BLOCK_STORE", qa_file="QA_FILE")
-  workdir = config.workdir
-  checkpoint_dir = config.checkpoint_dir or (
-      checkpoints.checkpoint_dir(workdir) if workdir else None)
-  index_dir = config.index_dir or (checkpoints.index_root(workdir)
-                                   if workdir else None)
-  if not (checkpoint_dir or config.init_from) or not index_dir:
-    raise SystemExit("Set WORKDIR (a run's workdir), or INDEX_DIR and "
-                     "INIT_FROM (or EvalConfig.checkpoint_dir).")
-  if not config.init_from and _has_checkpoint(checkpoint_dir, config):
-    model_config, qa_config = module.checked_run_configs(
-        checkpoint_dir, config.step, model_config, qa_config, bindings)
-  output_dir = config.output_dir or io_utils.join(
-      workdir or os.fspath(io_utils.as_path(io_utils.absolute(
-          checkpoint_dir or ".")).parent), "eval")
-  # Before any model loads: apart from every input, and an eval directory.
-  io_utils.check_apart(output_dir, OUTPUT_SETTING, {
-      "EvalConfig.checkpoint_dir (<WORKDIR>/checkpoints)": checkpoint_dir,
-      "INDEX_DIR": index_dir, "BLOCK_STORE": config.block_store,
-      "QA_FILE": config.qa_file, "EvalConfig.bm25_dir": config.bm25_dir},
-                       either_way=(
-                           "EvalConfig.checkpoint_dir (<WORKDIR>/checkpoints)",
-                           "INDEX_DIR", "BLOCK_STORE", "EvalConfig.bm25_dir"))
-  outputs.claim(output_dir, outputs.EVAL_DIR, OUTPUT_SETTING)
-  store = block_store.BlockStore.open(config.block_store)
-  examples = formats.read_questions(config.qa_file, config.qa_format,
-                            regex_answers=config.regex_answers)
-  devices = jax.local_devices()
-  mesh = parallel.make_mesh(devices) if len(devices) > 1 else None
-  if config.init_from:  # Imported weights: evaluated once.
-    qa_model = load_qa_model(
-        model_config=model_config, store=store, init_from=config.init_from,
-        index_dir=index_dir, index_step=config.index_step,
-        qa_config=qa_config, batch_size=config.batch_size,
-        num_evidence=config.num_evidence, mesh=mesh, **ranker_kwargs(config))
-    # (The calibration beside the index may have chosen the ranker.)
-    config = dataclasses.replace(config, ranker=qa_model.ranker_choice)
-    tag = ranker_tag(config)
-    predictions = io_utils.join(output_dir, "predictions", "init_from" + (
-        "" if tag == "dense" else f".{tag}"))
-    metrics = module.evaluate(
-        qa_model, examples, recall_ks=config.recall_ks,
-        predictions_path=predictions + ".jsonl",
-        dpr_path=predictions + ".dpr.json" if config.dpr_retrieval else None)
-    metrics = dict(metrics, **ranker_record(config))
-    io_utils.write_json(io_utils.join(output_dir, "init_from_metrics.json"
-                                      if tag == "dense" else
-                                      f"init_from_metrics.{tag}.json"),
-                        dict(metrics, init_from=config.init_from))
-    print(json.dumps(metrics))
-    return
-  result = module.run_eval_job(
-      checkpoint_dir=checkpoint_dir, output_dir=output_dir,
-      examples=examples, model_config=model_config,
-      index=publish.load_frozen_index(index_dir, store, model_config,
-                                      step=config.index_step,
-                                      what="INDEX_DIR"),
-      store=store, qa_config=qa_config, config=config, mesh=mesh,
-      steps=None if config.step is None else [config.step],
-      timeout=config.timeout_seconds, index_dir=index_dir)
-  for step in result.evaluated:
-    print(json.dumps(result.metrics[step]))
-
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(lambda dry_run: _job(dry_run,
-                                   gin_cli.command_line_bindings()),
-              runs_file="runs/eval.gin",
-              config_class="realm_jax.eval.qa_eval.EvalConfig")

@@ -1,7 +1,7 @@
 """The answering model: REALM over a frozen index, batched, from checkpoints.
 
 `QAModel` is the inference object shared by the evaluation
-(`realm_jax.eval.qa_eval`), `python -m realm_jax.ask` and the demo:
+(`realm_jax.eval.qa_eval`), `python -m realm_jax.jobs.ask` and the demo:
 question -> query embedding -> top K blocks of a frozen published index ->
 reader over the top R -> the (block, span) with the highest joint score
 (span score + retrieval logit, REALM's prediction rule), returned with the
@@ -9,7 +9,7 @@ evidence blocks and their p(z|x) = softmax of the retrieval logits over all
 K retrieved blocks (so the shown probabilities sum to <= 1). It works with
 this codebase's checkpoints and with imported released checkpoints
 (`init_from`, e.g. "orqa:<ckpt>", whose index is their `block_emb`
-published by `python -m realm_jax.index.builder --gin_file=...
+published by `python -m realm_jax.jobs.index_builder --gin_file=...
 --gin_file=runs/index_builder.gin
 --gin.builder.BuilderConfig.init_from="'block_emb:<encoded.ckpt>'"`).
 
@@ -188,7 +188,7 @@ def _compiled(model_config: RealmConfig, mesh):
 UNTRAINED_SPAN_HEAD = (
     "the reader's span head is not trained (freshly initialised): answers "
     "are nonsense until it is fine-tuned; retrieval recall is valid. "
-    "Fine-tune with `python -m realm_jax.training.finetune "
+    "Fine-tune with `python -m realm_jax.jobs.finetune "
     "--gin_file=models/<model>.gin --gin_file=runs/finetune.gin "
     "--gin.INIT_FROM=\"'<these weights>'\" ...` and answer with its "
     "workdir.")
@@ -466,7 +466,7 @@ class QAModel:
     E.g. "orqa:<ckpt>" (a released fine-tuned checkpoint), "hf_realm:...",
     "realm:<embedder>,<bert>" or "checkpoint:<dir>[@step]". For released
     weights the index comes from their `block_emb`, published with
-    `build.publish_embeddings` (or `python -m realm_jax.index.builder
+    `build.publish_embeddings` (or `python -m realm_jax.jobs.index_builder
     ... --gin.builder.BuilderConfig.init_from="'block_emb:<ckpt>'"`).
     """
     both_heads = dataclasses.replace(model_config, reader=dataclasses.replace(

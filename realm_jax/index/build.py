@@ -31,7 +31,7 @@ from realm_jax.core import checkpoints, checks, dataclass_json, distributed
 from realm_jax.core import io_utils
 from realm_jax.core import outputs
 from realm_jax.index import embed as embed_lib
-from realm_jax.index import publish, search_base, searchers
+from realm_jax.index import build_progress, publish, search_base, searchers
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, RetrieverConfig
 
@@ -116,7 +116,8 @@ def build_and_publish(*, retriever_params: Any,
                       step: int,
                       config: IndexBuildConfig = IndexBuildConfig(),
                       devices=None,
-                      progress: publish.BuildProgress | None = None) -> str:
+                      progress: build_progress.BuildProgress | None = None
+                      ) -> str:
   """Embeds the store with `retriever_params` and publishes index `step`.
 
   `progress` (the builder job's process 0) records how far it got, for a
@@ -182,7 +183,7 @@ def publish_embeddings(*, embeddings: np.ndarray, store, root: str,
                        config: IndexBuildConfig = IndexBuildConfig(),
                        params_sha256: str = "", start_time: float | None
                        = None, extra: dict[str, Any] | None = None,
-                       progress: publish.BuildProgress | None = None,
+                       progress: build_progress.BuildProgress | None = None,
                        kind: outputs.Kind = outputs.INDEX_ROOT,
                        setting: str = "the index root") -> str:
   """Builds a searcher over given embeddings and publishes it.

@@ -19,10 +19,10 @@ ORQA, MiniLM, an export, ...), or publish an imported `block_emb` matrix
 as it is. The workdir may be local or `gs://` (paths go through
 `realm_jax.core.io_utils`).
 
-    python -m realm_jax.index.builder --gin_file=models/tiny.gin \\
+    python -m realm_jax.jobs.index_builder --gin_file=models/tiny.gin \\
         --gin_file=runs/index_builder.gin --gin.WORKDIR="'W'" \\
         --gin.BLOCK_STORE="'B'" [--gin.builder.BuilderConfig.one_shot=True]
-    python -m realm_jax.index.builder --gin_file=models/minilm_l6.gin \\
+    python -m realm_jax.jobs.index_builder --gin_file=models/minilm_l6.gin \\
         --gin_file=runs/index_builder.gin --gin.WORKDIR="'W'" \\
         --gin.BLOCK_STORE="'B'" --gin.builder.BuilderConfig.init_from="'minilm'"
 
@@ -30,7 +30,8 @@ How each index is built (searcher, batch, dtype, retention) is
 `IndexBuildConfig`, which an inline-mode trainer shares:
 `--gin.builder.IndexBuildConfig.searcher="'exact'"`. The embedding and the
 publication are the library `index.build`; this module is the job around
-it (polling, lease, preemption, the one-shot modes, the command line).
+it (polling, lease, preemption, the one-shot modes); its command line is
+`realm_jax.jobs.index_builder`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from realm_jax.core import outputs
 from realm_jax.core import lease as lease_lib
 from realm_jax.core import preemption
 from realm_jax.data import block_store
-from realm_jax.index import build, publish
+from realm_jax.index import build, build_progress, publish
 from realm_jax.model.realm import RealmConfig, RetrieverConfig
 
 # The name the gin files bind (`builder.IndexBuildConfig.<field>`, and
@@ -221,7 +222,7 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
     path = build.build_and_publish(
         retriever_params=params, retriever_config=trained_with, store=store,
         root=root, step=step, config=config.index_build, devices=devices,
-        progress=(publish.BuildProgress(root, step)
+        progress=(build_progress.BuildProgress(root, step)
                   if jax.process_index() == 0 else None))
     out.append(step)
     if on_publish:
@@ -233,43 +234,19 @@ def _poll(ckpt_dir, last, out, start, stop, *, store, root,
   return out
 
 
-# ----------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------
+# ---------------------------------------- the job's modes (jobs/index_builder)
 
 
-def _job(dry_run: bool) -> None:
-  import gin  # pylint: disable=g-import-not-at-top
-  # The registered classes live in the imported module, not in __main__.
-  from realm_jax.index import builder as module  # pylint: disable=g-import-not-at-top
-  config = gin_config.configured(module.BuilderConfig)
-  if dry_run:
-    print(gin.operative_config_str())
-    print(config)
-    return
-  for name in ("workdir", "block_store"):
-    if not getattr(config, name):
-      raise SystemExit(
-          f"BuilderConfig.{name} is not set: include runs/index_builder.gin "
-          f"and pass --gin.{name.upper()}=\"'...'\".")
-  store = block_store.BlockStore.open(config.block_store)
-  root = checkpoints.index_root(config.workdir)
-  try:
-    check_places(root, config.workdir, store, config.init_from or "")
-  except io_utils.SamePlaceError as e:
-    raise SystemExit(str(e)) from None
-  with lease_lib.job_lease(root, "index builder"):
-    _publish(config, store, root)
-
-
-def _chief_progress(root: str, step: int) -> publish.BuildProgress | None:
+def _chief_progress(root: str, step: int
+                    ) -> build_progress.BuildProgress | None:
   """Process 0's `index/.progress.json` record in the one-shot modes, as
   the polling mode writes it (a watcher reads the same numbers)."""
-  return publish.BuildProgress(root, step) if jax.process_index() == 0 else None
+  return (build_progress.BuildProgress(root, step)
+          if jax.process_index() == 0 else None)
 
 
-def _publish(config: BuilderConfig, store, root: str) -> None:
-  """The job's modes (under its lease)."""
+def run_modes(config: BuilderConfig, store, root: str) -> None:
+  """The job's modes (`realm_jax.jobs.index_builder`, under its lease)."""
   kind, _, source = (config.init_from or "").partition(":")
   if not kind and not config.one_shot:
     _run_builder(workdir=config.workdir, store=store,
@@ -306,8 +283,3 @@ def _publish(config: BuilderConfig, store, root: str) -> None:
                           root=root, step=step, config=config.index_build,
                           progress=_chief_progress(root, step))
 
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(_job, runs_file="runs/index_builder.gin",
-              config_class="realm_jax.index.builder.BuilderConfig")

@@ -408,7 +408,7 @@ def record_of(decision: Decision, grid: Mapping[str, rankers.FusionConfig],
   chosen = candidate_choice(decision.chosen, grid)
   return {
       "format_version": FORMAT_VERSION,
-      "written_by": "realm-calibrate (python -m realm_jax.eval.calibrate)",
+      "written_by": "realm-calibrate (python -m realm_jax.jobs.calibrate)",
       "written_at": time.time(),
       "chosen": chosen.record(),
       "index_step": int(index.step),

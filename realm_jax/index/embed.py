@@ -149,7 +149,7 @@ def embed_block_store(
       jobs' `--progress_seconds`, 30 s).
     what: what the progress lines call the work.
     on_progress: called with (rows embedded, rows of this host) after each
-      batch (the builder's `publish.BuildProgress`).
+      batch (the builder's `build_progress.BuildProgress`).
     rows: embed only the blocks [first, end) (e.g. the blocks added to an
       indexed corpus), shared among the hosts; default: every block.
 

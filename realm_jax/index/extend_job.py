@@ -1,8 +1,8 @@
 """The extend job: a published index extended to new blocks, as a command.
 
 `index.extend.extend_index` as a gin-configured job (runs/index_extend.gin,
-`realm-index-extend`): a corpus that grew after training (a block store
-that begins with the index's own blocks, `block_store.check_extends`) is
+`realm-index-extend`: `realm_jax.jobs.index_extend`): a corpus that grew
+after training (a block store that begins with the index's own blocks, `block_store.check_extends`) is
 served by the trained retriever without rebuilding the whole index. Only
 the new blocks are embedded, with the retriever the index was built from
 (checked against its manifest's `params_sha256`), and the merged index is
@@ -31,12 +31,9 @@ index.
 from __future__ import annotations
 
 import dataclasses
-import os
 
-from realm_jax.core import checkpoints, checks, gin_config
-from realm_jax.core import lease as lease_lib
-from realm_jax.data import block_store
-from realm_jax.index import build, extend, publish
+from realm_jax.core import checkpoints, checks
+from realm_jax.index import build
 from realm_jax.model.realm import RealmConfig
 
 
@@ -79,42 +76,6 @@ class ExtendConfig:
           "with the index builder.")
 
 
-_MACROS = {"index_dir": "INDEX_DIR", "block_store": "BLOCK_STORE",
-           "union_store": "UNION_STORE", "output_dir": "OUTPUT_DIR"}
-
-
-def _open_store(config: ExtendConfig, name: str) -> block_store.BlockStore:
-  """The store `config.<name>` names, or a SystemExit naming the field and
-  the path."""
-  path = getattr(config, name)
-  try:
-    return block_store.BlockStore.open(path)
-  except FileNotFoundError as e:
-    raise SystemExit(
-        f"ExtendConfig.{name}={path!r} is no block store ({e}); pass "
-        f"--gin.{_MACROS[name]}=\"'...'\" the directory realm-corpus "
-        "wrote.") from None
-
-
-def _run_checkpoints(index_root: str, step: int | None) -> str:
-  """`checkpoint:<run>/checkpoints@<step>` for the run whose `index/` is
-  `index_root`: where the index builder took index `step` from."""
-  if step is None:
-    step = publish.read_latest(index_root)
-    if step is None:
-      raise SystemExit(f"{index_root} holds no published index (no LATEST); "
-                       "pass --gin.INDEX_DIR=\"'...'\" an index root.")
-  ckpt_dir = checkpoints.checkpoint_dir(os.path.dirname(
-      os.path.normpath(index_root)))
-  if step not in checkpoints.finalized_steps(ckpt_dir):
-    raise SystemExit(
-        f"ExtendConfig.init_from is not set and {ckpt_dir} holds no "
-        f"checkpoint {step} (the index builder's source of index {step}); "
-        "name the retriever the index was built from: "
-        "--gin.INIT_FROM=\"'checkpoint:<dir>@<step>'\", \"'minilm'\", ...")
-  return f"checkpoint:{ckpt_dir}@{step}"
-
-
 def retriever(init_from: str, model: RealmConfig):
   """(retriever config, parameters) named by `init_from`: a realm_jax
   checkpoint is restored as the index builder restores it (its retriever
@@ -127,47 +88,3 @@ def retriever(init_from: str, model: RealmConfig):
   directory, step = checkpoints.parse_step_suffix(source, what)
   step = checkpoints.existing_step(directory, step, name=what)
   return build.checkpoint_retriever(directory, step, model.retriever)
-
-
-def _job(dry_run: bool) -> None:
-  import gin  # pylint: disable=g-import-not-at-top
-  # The registered class lives in the imported module, not in __main__.
-  from realm_jax.index import extend_job as module  # pylint: disable=g-import-not-at-top
-  config = gin_config.configured(module.ExtendConfig)
-  if dry_run:
-    print(gin.operative_config_str())
-    print(config)
-    return
-  for name, macro in _MACROS.items():
-    if not getattr(config, name):
-      raise SystemExit(f"ExtendConfig.{name} is not set: pass "
-                       f"--gin.{macro}=\"'...'\" (runs/index_extend.gin).")
-  base, union = _open_store(config, "block_store"), _open_store(
-      config, "union_store")
-  index_root = publish.resolve_index_root(config.index_dir)
-  init_from = config.init_from or _run_checkpoints(index_root, config.step)
-  # The checkpoint the retriever is read from is an input too: checked with
-  # the others before anything is restored or written.
-  inputs = {"init_from": build.init_from_source(init_from)}
-  try:
-    extend.check_output(config.output_dir, index_root=index_root,
-                        base_store=base, union_store=union, inputs=inputs)
-    retriever_config, params = retriever(init_from,
-                                         gin_config.configured(RealmConfig))
-    path = extend.extend_index(
-        index_root=index_root, base_store=base, union_store=union,
-        retriever_params=params, retriever_config=retriever_config,
-        output_root=config.output_dir, step=config.step,
-        config=config.index_build, inputs=inputs)
-  except (ValueError, lease_lib.LeaseHeldError, OSError) as e:
-    # Inputs that do not fit (another store, other parameters, the same
-    # place, a root another job publishes to): named, nothing written.
-    raise SystemExit(f"{type(e).__name__}: {e}") from None
-  print(f"published {path}: {len(union) - len(base)} new blocks over "
-        f"{len(base)}")
-
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(_job, runs_file="runs/index_extend.gin",
-              config_class="realm_jax.index.extend_job.ExtendConfig")

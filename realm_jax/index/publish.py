@@ -1,4 +1,5 @@
-"""Publication of MIPS indices (local or gs://) and the index watcher.
+"""Publication of MIPS indices (local or gs://): writing, verifying and
+loading index directories.
 
 Layout under an index root (usually `<workdir>/index`, local or `gs://`):
 
@@ -8,7 +9,8 @@ Layout under an index root (usually `<workdir>/index`, local or `gs://`):
   <step>/embeddings.npy    [rows, dim]; row i = block i of the block store
   <step>/searcher/         the serialized searcher
   LATEST                   the step of the newest published index
-  .progress.json           the index builder's progress (`BuildProgress`)
+  .progress.json           the index builder's progress
+                           (`build_progress.BuildProgress`)
 
 The commit point is LATEST alone, because object stores (GCS) have no
 atomic directory rename: publication writes the files into `<step>/`
@@ -36,18 +38,15 @@ import hashlib
 import json
 import os
 import re
-import socket
 import tempfile
-import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import logging
 import numpy as np
 
 from realm_jax.core import io_utils
 from realm_jax.core import outputs
-from realm_jax.core import lease as lease_lib
 from realm_jax.index import search_base, searchers
 
 LATEST = "LATEST"
@@ -55,12 +54,6 @@ MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
 SEARCHER_DIR = "searcher"
 _TMP_PREFIX = ".tmp-"
-PROGRESS = ".progress.json"
-# An embedding builder that has not recorded a batch for this long counts
-# as stuck (the lease's own bound; a batch takes seconds, the first one's
-# compilation under a minute on 2 loaded cores). A searcher build records
-# nothing until it ends (ScaNN over millions of rows takes minutes).
-PROGRESS_STALE_SECONDS = lease_lib.STALE_SECONDS
 # Local cached copies of remote indices kept per index root (the live one
 # and the previous; an evicted copy stays readable by whoever mapped it).
 _CACHED_INDICES = 2
@@ -129,7 +122,7 @@ def _file_checksums(directory: PathLike, *, hashes: bool = True
 _INDEX_NAME = re.compile(r"(\d+)(?:\.(\d+))?", re.ASCII)
 
 
-def _parse_index_name(name: str) -> tuple[int, int] | None:
+def parse_index_name(name: str) -> tuple[int, int] | None:
   """(step, revision) of an index directory's name; None for other names."""
   match = _INDEX_NAME.fullmatch(name)
   if match is None:
@@ -137,7 +130,7 @@ def _parse_index_name(name: str) -> tuple[int, int] | None:
   return int(match.group(1)), int(match.group(2) or 0)
 
 
-def _read_latest_name(index_root: PathLike) -> str | None:
+def read_latest_name(index_root: PathLike) -> str | None:
   """The index directory LATEST names (`<step>` or `<step>.<n>`), or None.
 
   Raises:
@@ -156,7 +149,7 @@ def _read_latest_name(index_root: PathLike) -> str | None:
     return None
   except UnicodeDecodeError as e:
     raise IndexRejectedError(f"{path} is not a step number: {e}") from e
-  if _parse_index_name(name) is None:
+  if parse_index_name(name) is None:
     raise IndexRejectedError(f"{path} is not a step number: {name[:40]!r}")
   return name
 
@@ -167,8 +160,8 @@ def read_latest(index_root: PathLike) -> int | None:
   Raises:
     IndexRejectedError: LATEST is not a step number, or is a link.
   """
-  name = _read_latest_name(index_root)
-  return None if name is None else _parse_index_name(name)[0]
+  name = read_latest_name(index_root)
+  return None if name is None else parse_index_name(name)[0]
 
 
 def _index_dirs(index_root: PathLike) -> dict[int, str]:
@@ -181,10 +174,10 @@ def _index_dirs(index_root: PathLike) -> dict[int, str]:
   root = io_utils.as_path(index_root)
   if not root.is_dir():
     return {}
-  latest = _read_latest_name(root)
+  latest = read_latest_name(root)
   out: dict[int, tuple[int, str]] = {}
   for p in root.iterdir():
-    parsed = _parse_index_name(p.name)
+    parsed = parse_index_name(p.name)
     if parsed is None or not (p / MANIFEST).exists():
       continue
     step, revision = parsed
@@ -249,7 +242,7 @@ def clean_stale_temporaries(index_root: PathLike) -> list[str]:
   removed = []
   for path in sorted(root.iterdir(), key=lambda p: p.name):
     name = path.name
-    parsed = _parse_index_name(name)
+    parsed = parse_index_name(name)
     stale = name.startswith(_TMP_PREFIX) or (parsed is not None and (
         name not in served or latest is None or parsed[0] > latest))
     if stale and io_utils.is_local(path) and os.path.islink(path):
@@ -283,7 +276,7 @@ def verify_index(directory: PathLike, expect: Expectation = Expectation(),
   manifest = io_utils.read_manifest(
       directory, what="index", name=MANIFEST, missing_error=IndexRejectedError,
       error=IndexRejectedError,
-      build="publish one with `python -m realm_jax.index.builder`")
+      build="publish one with `python -m realm_jax.jobs.index_builder`")
   for key, want in (("corpus_fingerprint", expect.corpus_fingerprint),
                     ("rows", expect.rows), ("dim", expect.dim)):
     if want is not None and manifest.get(key) != want:
@@ -382,7 +375,7 @@ def publish_index(index_root: PathLike, step: int, embeddings: np.ndarray,
       io_utils.remove(stage)
   _write_latest(root, final.name)  # The commit point: one atomic write.
   for p in list(root.iterdir()):  # The revision it replaced, if any.
-    parsed = _parse_index_name(p.name)
+    parsed = parse_index_name(p.name)
     if parsed and parsed[0] == int(step) and p.name != final.name:
       try:
         _remove_index_dir(p)
@@ -401,17 +394,17 @@ def _fresh_step_dir(root: PathLike, step: int):
   attempt that never reached LATEST, an older publication) is removed.
   """
   root_path = io_utils.as_path(root)
-  latest = _read_latest_name(root)
+  latest = read_latest_name(root)
   revisions = []
   for p in (root_path.iterdir() if root_path.is_dir() else ()):
-    parsed = _parse_index_name(p.name)
+    parsed = parse_index_name(p.name)
     if parsed is not None and parsed[0] == int(step):
       revisions.append(parsed[1])
       if p.name != latest:
         # Writes (and deletes) through a planted link would land outside.
         io_utils.check_no_links(p, root)
         _remove_index_dir(p)
-  live = latest is not None and _parse_index_name(latest)[0] == int(step)
+  live = latest is not None and parse_index_name(latest)[0] == int(step)
   name = (f"{int(step)}.{max(revisions) + 1}" if live else str(int(step)))
   final = root_path / name
   io_utils.check_no_links(final, root)
@@ -554,7 +547,7 @@ def load_index(index_root: PathLike, step: int | None = None,
     searcher = searchers.load_searcher(os.path.join(local, SEARCHER_DIR))
   except Exception as e:
     raise IndexRejectedError(f"{directory}: searcher unreadable: {e}") from e
-  _, revision = _parse_index_name(os.path.basename(directory)) or (step, 0)
+  _, revision = parse_index_name(os.path.basename(directory)) or (step, 0)
   return PublishedIndex(step=int(step), manifest=manifest,
                         embeddings=embeddings, searcher=searcher,
                         revision=revision)
@@ -606,7 +599,7 @@ def load_frozen_index(index_dir: PathLike, store, model, *,
         f"needs an index published over its block_store ({len(store)} "
         f"blocks, corpus fingerprint {store.fingerprint}) with embeddings of "
         f"this model's retriever (embedding size {dim}); build one with "
-        "`python -m realm_jax.index.builder --gin_file=runs/index_builder.gin "
+        "`python -m realm_jax.jobs.index_builder --gin_file=runs/index_builder.gin "
         "--gin.builder.BuilderConfig.one_shot=True` (with the model's gin "
         f"file, WORKDIR and BLOCK_STORE) or point {what} at "
         "the matching index.") from e
@@ -616,257 +609,3 @@ def load_frozen_index(index_dir: PathLike, store, model, *,
         f"{index.manifest['rows']} blocks of the index at {root}; lower "
         "num_retrieved.")
   return index
-
-
-class BuildProgress:
-  """The index builder's progress on one index, in `<root>/.progress.json`.
-
-  Written by the builder's process 0 (JSON, atomically) as it embeds the
-  corpus (`on_embedded`, at most every `every_seconds`), builds and
-  publishes, or retries a failed publication (`retrying`), so that a
-  trainer waiting for an index can tell a builder at work from one that is
-  gone or failing (`IndexWatcher.wait_for_index`).
-  """
-
-  def __init__(self, index_root: PathLike, step: int, *,
-               every_seconds: float = 5.0):
-    self.path = io_utils.join(index_root, PROGRESS)
-    self.step, self.every_seconds = int(step), every_seconds
-    self._written = 0.0
-
-  def write(self, stage: str, done: int = 0, total: int = 0,
-            error: str = "") -> None:
-    record = {"step": self.step, "stage": stage, "done": int(done),
-              "total": int(total), "error": error, "pid": os.getpid(),
-              "host": socket.gethostname(), "updated": time.time()}
-    try:
-      io_utils.atomic_write_text(self.path, json.dumps(record))
-    except OSError as e:  # Progress is advice: never fail a build on it.
-      logging.warning("could not write %s: %s", self.path, e)
-    self._written = time.time()
-
-  def on_embedded(self, done: int, total: int) -> None:
-    if done >= total or time.time() - self._written >= self.every_seconds:
-      self.write("embedding", done, total)
-
-  def retrying(self, error: str) -> None:
-    self.write("retrying", error=error)
-
-
-def read_progress(index_root: PathLike) -> dict[str, Any] | None:
-  """The builder's last `BuildProgress` record, or None (missing, a link,
-  or not such a record)."""
-  path = io_utils.join(index_root, PROGRESS)
-  try:
-    io_utils.check_no_links(path, index_root)
-    record = json.loads(io_utils.read_text(path))
-  except (OSError, ValueError, io_utils.LinkRefusedError):
-    return None
-  keys = {"step": int, "stage": str, "done": int, "total": int,
-          "error": str, "pid": int, "host": str, "updated": float}
-  if not isinstance(record, dict) or not all(
-      isinstance(record.get(k), (int, float) if t is float else t)
-      for k, t in keys.items()):
-    return None
-  return record
-
-
-def builder_status(index_root: PathLike) -> tuple[bool, str]:
-  """(at work, what the index builder is doing) for a waiting trainer.
-
-  At work: the job holding the index root's lease (`core.lease`) wrote
-  the progress record, is not retrying a failed publication, and, while
-  embedding, recorded a batch within `PROGRESS_STALE_SECONDS`. Otherwise
-  the text says what is wrong.
-  """
-  holder = lease_lib.live_holder(index_root)
-  if holder is None:
-    return False, "no live index builder holds its lease"
-  who = f"the {holder.describe(heartbeat=False)}"
-  record = read_progress(index_root)
-  if record is None or (holder.pid, holder.host) != (record["pid"],
-                                                     record["host"]):
-    return False, f"{who} has reported no progress"
-  age = time.time() - record["updated"]
-  if record["stage"] == "retrying":
-    return False, (f"{who} is retrying a failed publication of index "
-                   f"{record['step']}: {record['error']}")
-  if record["stage"] == "embedding" and age >= PROGRESS_STALE_SECONDS:
-    return False, f"{who} has reported no progress for {age:.0f} s"
-  doing = f"building index {record['step']} ({record['stage']})"
-  if record["stage"] == "embedding" and record["total"]:
-    doing = (f"embedding the corpus for index {record['step']}: "
-             f"{record['done']:,} of {record['total']:,} blocks "
-             f"({100 * record['done'] / record['total']:.0f}%)")
-  return True, f"{who} is {doing} ({age:.0f} s ago)"
-
-
-def _label(index: PublishedIndex) -> str:
-  """`6`, or `6 (revision 6.1)` for a re-publication, for the logs."""
-  if not index.revision:
-    return str(index.step)
-  return f"{index.step} (revision {index.step}.{index.revision})"
-
-
-class IndexWatcher:
-  """Trainer side: loads new indices in the background, swaps between steps.
-
-  A daemon thread polls LATEST; a new publication, a newer step or a
-  re-publication of the served one (`<step>.<n>`), is loaded and verified
-  off the training thread and held as pending. The trainer calls
-  `maybe_swap()` between steps. A partial, corrupt or mismatched index is
-  never used: the old one stays live and the reason is logged (once per
-  publication).
-  """
-
-  def __init__(self, index_root: PathLike,
-               expect: Expectation = Expectation(), *,
-               poll_seconds: float = 2.0,
-               loader: Callable[..., PublishedIndex] = load_index):
-    self.index_root = index_root
-    self.expect = expect
-    self.poll_seconds = poll_seconds
-    self._loader = loader
-    self._lock = threading.Lock()
-    self._current: PublishedIndex | None = None
-    self._pending: PublishedIndex | None = None
-    # Publications looked at, as (step, revision) (`PublishedIndex.key`).
-    self._seen: set[tuple[int, int]] = set()
-    self.rejected: dict[int, str] = {}
-    # (index step, loaded and verified at, swapped in at), wall-clock.
-    self.swap_log: list[tuple[int, float, float]] = []
-    self._loaded_at: dict[tuple[int, int], float] = {}
-    self._stop = threading.Event()
-    self._new = threading.Event()
-    self._thread = threading.Thread(target=self._run, daemon=True,
-                                    name="index-watcher")
-    self._thread.start()
-
-  def _newest_known(self) -> tuple[int, int]:
-    keys = [i.key for i in (self._current, self._pending) if i is not None]
-    return max(keys, default=(-1, -1))
-
-  def poll_once(self) -> None:
-    """One look at LATEST (also called by the thread)."""
-    try:
-      name = _read_latest_name(self.index_root)
-    except IndexRejectedError as e:
-      logging.warning("Index watcher: %s", e)
-      return
-    if name is None:
-      return
-    key = _parse_index_name(name)
-    if key in self._seen or key <= self._newest_known():
-      return
-    self._seen.add(key)
-    step = key[0]
-    try:
-      index = self._loader(self.index_root, step, self.expect)
-    except (IndexRejectedError, OSError) as e:
-      self.rejected[step] = str(e)
-      logging.warning("Index watcher: refusing index %s, keeping %s: %s",
-                      name, self.current_step, e)
-      return
-    except Exception as e:  # pylint: disable=broad-except
-      # Another filesystem error (e.g. tf.errors from GCS): maybe transient,
-      # so the publication is tried again at the next poll.
-      self._seen.discard(key)
-      logging.warning("Index watcher: could not load index %s (%r); will "
-                      "retry.", name, e)
-      return
-    with self._lock:
-      self._pending = index
-      self.rejected.pop(step, None)  # A later publication of it is fine.
-      self._loaded_at[index.key] = time.time()
-    self._new.set()
-    logging.info("Index watcher: index %s loaded and verified.",
-                 _label(index))
-
-  def _run(self) -> None:
-    while not self._stop.is_set():
-      try:
-        self.poll_once()
-      except Exception as e:  # pylint: disable=broad-except
-        # A flaky filesystem (reading LATEST on GCS) must not end the thread.
-        logging.warning("Index watcher: poll failed (%r); retrying.", e)
-      self._stop.wait(self.poll_seconds)
-
-  def maybe_swap(self) -> bool:
-    """Makes a pending index current; True if it did. Call between steps."""
-    with self._lock:
-      if self._pending is None:
-        return False
-      self._current, self._pending = self._pending, None
-      self._new.clear()
-      self.swap_log.append((self._current.step,
-                            self._loaded_at.get(self._current.key, 0.0),
-                            time.time()))
-    logging.info("Index watcher: now serving index %s.",
-                 _label(self._current))
-    return True
-
-  def _waiting_for(self) -> str:
-    """Why there is no index to serve yet, and the ways out."""
-    if self.rejected:
-      why = "rejected " + "; ".join(
-          f"index {step}: {reason}"
-          for step, reason in sorted(self.rejected.items()))
-    else:
-      why = f"nothing is published there yet (no {LATEST})"
-    return (f"{why}. Start (or fix) the index builder for this run, or "
-            "let the trainer build its indices itself with "
-            "PretrainConfig.index_mode=\"inline\" "
-            "(--gin.pretrain.PretrainConfig.index_mode=\"'inline'\").")
-
-  def _report_wait(self, seconds: float) -> None:
-    """INFO while a live builder makes progress; else a WARNING with why."""
-    at_work, builder = builder_status(self.index_root)
-    if at_work and not self.rejected:
-      logging.info("Index watcher: waiting %.0f s for the first index under "
-                   "%s: %s.", seconds, self.index_root, builder)
-    else:
-      logging.warning("Index watcher: no index to serve after %.0f s "
-                      "under %s (%s): %s", seconds, self.index_root,
-                      builder, self._waiting_for())
-
-  def wait_for_index(self, timeout: float | None = None,
-                     report_seconds: float = 30.0) -> PublishedIndex:
-    """Blocks until an index is available (the first one), then swaps it in.
-
-    Says what it waits for every `report_seconds`: at INFO while the index
-    builder holding the root's lease reports progress (`builder_status`),
-    else a WARNING with the ways out (each rejected index is also logged
-    with its reason as the poll rejects it).
-
-    Raises:
-      TimeoutError: no valid index within `timeout` seconds; names every
-        rejected index with its reason, and the ways out.
-    """
-    start = time.time()
-    deadline = None if timeout is None else start + timeout
-    next_report = start + report_seconds
-    while self._current is None:
-      if self.maybe_swap():
-        break
-      now = time.time()
-      remaining = None if deadline is None else deadline - now
-      if remaining is not None and remaining <= 0:
-        raise TimeoutError(f"No valid index under {self.index_root} after "
-                           f"{timeout} s: {self._waiting_for()}")
-      if now >= next_report:
-        self._report_wait(now - start)
-        next_report = now + report_seconds
-      self._new.wait(min(self.poll_seconds, remaining or self.poll_seconds))
-    return self._current
-
-  @property
-  def current(self) -> PublishedIndex | None:
-    return self._current
-
-  @property
-  def current_step(self) -> int | None:
-    return None if self._current is None else self._current.step
-
-  def close(self) -> None:
-    self._stop.set()
-    self._thread.join(timeout=10)

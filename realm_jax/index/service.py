@@ -23,6 +23,7 @@ from absl import logging
 
 from realm_jax.core import io_utils, parallel
 from realm_jax.index import build, publish
+from realm_jax.index import watcher as watcher_lib
 
 MODES = ("builder", "inline")
 
@@ -38,7 +39,7 @@ class StalenessMonitor:
   stops the run past `error` intervals (when set).
   """
 
-  def __init__(self, watcher: publish.IndexWatcher, *, refresh_every: int,
+  def __init__(self, watcher: watcher_lib.IndexWatcher, *, refresh_every: int,
                warning: float, error: float = 0.0):
     self.watcher, self.refresh_every = watcher, refresh_every
     self.warning, self.error = warning, error
@@ -88,7 +89,7 @@ class IndexService:
     self._staleness_args = dict(staleness or {}, refresh_every=refresh_every)
     self._on_serve = on_serve
     self.current: publish.PublishedIndex | None = None
-    self.watcher: publish.IndexWatcher | None = None
+    self.watcher: watcher_lib.IndexWatcher | None = None
     self.staleness: StalenessMonitor | None = None
 
   def _serve(self, index: publish.PublishedIndex) -> None:
@@ -102,7 +103,7 @@ class IndexService:
     the same trajectory; a frozen run its one index), or builds it."""
     latest = publish.read_latest(self.root)
     if self.mode == "builder":
-      self.watcher = publish.IndexWatcher(self.root, self.expect)
+      self.watcher = watcher_lib.IndexWatcher(self.root, self.expect)
       self.staleness = StalenessMonitor(self.watcher,
                                         **self._staleness_args)
       self._serve(self.watcher.wait_for_index(timeout=self.wait_seconds))

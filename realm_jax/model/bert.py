@@ -207,6 +207,20 @@ class BertConfig:
     return cls(**kwargs)
 
 
+def forward_flops(config: BertConfig, sequences: int, length: int) -> float:
+  """The model's own FLOPs of one forward pass over `sequences` x `length`
+  tokens: every layer's dense matmuls (query, key, value, output and the
+  feed-forward pair) and its attention scores and context; 2 per
+  multiply-add. Embedding lookups, LayerNorm, softmax and the pooler are
+  left out (each under 1% at BERT-base's sizes). A training step is about
+  3x this (the backward pass ~2x the forward); rematerialisation's repeat
+  is not the model's and is not counted."""
+  h, i, tokens = config.hidden_size, config.intermediate_size, (
+      sequences * length)
+  per_layer = 2 * tokens * (4 * h * h + 2 * h * i) + 4 * tokens * length * h
+  return float(config.num_layers * per_layer)
+
+
 def keep_mask_16bit(rng: jax.Array, keep_prob: float,
                    shape: tuple[int, ...]) -> tuple[jax.Array, float]:
   """A Bernoulli(keep_prob) mask from 16 random bits per element.

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from realm_jax.core import checks
+from realm_jax.model import bert as bert_lib
 from realm_jax.model.bert import Bert, BertConfig, dense, layer_norm
 
 POOLINGS = ("pooler", "cls", "mean")
@@ -158,6 +159,27 @@ class ReaderConfig:
 class RealmConfig:
   retriever: RetrieverConfig = RetrieverConfig()
   reader: ReaderConfig = ReaderConfig()
+
+
+def pretraining_flops(config: RealmConfig, *, batch: int, candidates: int,
+                      query_length: int, block_length: int,
+                      reader_length: int, num_masks: int,
+                      document_tower: bool = True) -> float:
+  """The model's own FLOPs of one REALM pre-training step (forward and
+  backward, 3x the forward): the query tower over `batch` queries, the
+  document tower re-embedding `candidates` blocks per query (unless the
+  retriever trains query-side only: `document_tower=False`), the reader
+  over `candidates` query + block sequences, and the masked-LM head's
+  vocabulary projection at `num_masks` positions of each."""
+  retriever, reader = config.retriever.bert, config.reader.bert
+  sequences = batch * candidates
+  forward = (bert_lib.forward_flops(retriever, batch, query_length)
+             + bert_lib.forward_flops(reader, sequences, reader_length)
+             + 2 * sequences * num_masks * reader.vocab_size
+             * reader.hidden_size)
+  if document_tower:
+    forward += bert_lib.forward_flops(retriever, sequences, block_length)
+  return 3 * forward
 
 
 # ----------------------------------------------------------------------------

@@ -101,9 +101,9 @@ def make_query_cache(annotated: str, output_dir: str, *, num_shards: int = 1,
   Returns:
     `output_dir`.
   """
-  from realm_jax.data import examples, query_cache  # pylint: disable=g-import-not-at-top
+  from realm_jax.data import examples, query_cache_writer  # pylint: disable=g-import-not-at-top
   if not os.path.exists(output_dir):
-    query_cache.build_query_cache(
+    query_cache_writer.build_query_cache(
         annotated, output_dir, seed=seed, num_shards=num_shards,
         query_config=examples.RealmQueryConfig(**query_config))
   return output_dir

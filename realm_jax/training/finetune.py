@@ -26,7 +26,7 @@ Questions with no positive among the K blocks (or no gold span in the top R)
 stay in the batch, as in ORQA: their loss terms are zero, and they still
 count in the denominator, so the loss is an average over questions.
 
-    python -m realm_jax.training.finetune \\
+    python -m realm_jax.jobs.finetune \\
         --gin_file=experiments/finetune_tiny_cpu.gin \\
         --gin.WORKDIR="'/tmp/ft'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
         --gin.TRAIN_JSONL="'/tmp/qa.jsonl'" --gin.INDEX_DIR="'/tmp/index'"
@@ -76,7 +76,7 @@ class FinetuneConfig(loop.TrainConfig):
     index_dir: a published index root (`index/<step>/` + LATEST), frozen
       during fine-tuning: e.g. `<pre-training workdir>/index`, or one
       published from REALM's imported `block_emb` with
-      `python -m realm_jax.index.builder`. A directory holding such an
+      `python -m realm_jax.jobs.index_builder`. A directory holding such an
       `index/` is accepted too.
     block_store: the block store the index was built over (same corpus
       fingerprint).
@@ -470,9 +470,3 @@ def train(*, config: FinetuneConfig, model: RealmConfig,
                    "reader_span_correct")),
         hooks=loop.Hooks(log_metrics=inputs.log_metrics),
         stop_after=stop_after)
-
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(gin_cli.training_job("realm_jax.training.finetune",
-                                   "FinetuneConfig"))

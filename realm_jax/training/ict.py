@@ -17,7 +17,7 @@ retriever, with the same orbax items as pre-training, so that
 
 read an ICT run directly.
 
-    python -m realm_jax.training.ict \\
+    python -m realm_jax.jobs.ict \\
         --gin_file=experiments/ict_tiny_cpu.gin \\
         --gin.WORKDIR="'/tmp/ict'" --gin.BLOCK_STORE="'/data/blocks'"
 """
@@ -295,8 +295,3 @@ def train(*, config: IctTrainConfig, model: RealmConfig,
                                     "reader": params["reader"]},
         log_line=("loss %.4f accuracy %.3f", ("loss", "accuracy")),
         stop_after=stop_after)
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(gin_cli.training_job("realm_jax.training.ict",
-                                   "IctTrainConfig"))

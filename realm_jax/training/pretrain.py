@@ -14,13 +14,13 @@ rebuilt in-process right after a checkpoint, every `refresh_every` steps
 (default: every `checkpoint_every`; `index_mode="inline"`, for small CPU
 runs and exactly reproducible restarts).
 
-    python -m realm_jax.training.pretrain \\
+    python -m realm_jax.jobs.pretrain \\
         --gin_file=experiments/pretrain_tiny_cpu.gin \\
         --gin.WORKDIR="'/tmp/run'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
         --gin.QUERIES="'/tmp/queries'"
 
 QUERIES is a query cache: the annotated corpus X masked once, offline, by
-the Beam job `python -m realm_jax.data.query_cache`; each host streams its
+the Beam job `python -m realm_jax.jobs.query_cache`; each host streams its
 shards of it (`data.query_cache.QueryStream`).
 """
 
@@ -342,9 +342,3 @@ def train(*, config: PretrainConfig, model: RealmConfig,
           stop_after=stop_after)
     finally:
       inputs.close(config.workdir, run.is_chief)
-
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(gin_cli.training_job("realm_jax.training.pretrain",
-                                   "PretrainConfig"))

@@ -277,7 +277,7 @@ class GateConfig:
           f"GateConfig.mode={self.mode!r} measures the reader on queries: "
           "set it to a query cache (for 'evidence', the run's `queries`; for "
           "'utility', built from articles that are not in `queries` with "
-          "python -m realm_jax.data.query_cache), or use mode='steps'.")
+          "python -m realm_jax.jobs.query_cache), or use mode='steps'.")
     if self.latest_release == 0:
       raise ValueError(
           f"GateConfig.mode={self.mode!r} with latest_release=0 releases "
@@ -375,7 +375,7 @@ class PretrainConfig(loop.TrainConfig):
 
   Attributes:
     queries: the pre-training corpus X as a query cache directory (masked
-      REALM queries written by `python -m realm_jax.data.query_cache`; its
+      REALM queries written by `python -m realm_jax.jobs.query_cache`; its
       shard count a multiple of the host count, at most `batch_size`). The
       cache's manifest says how its queries were made (query_length,
       max_masks, masking: `examples.RealmQueryConfig`); the run reads them

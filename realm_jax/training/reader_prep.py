@@ -20,11 +20,11 @@ document and half with a (random) block:
 
 It writes one checkpoint, which pre-training starts from:
 
-    python -m realm_jax.training.reader_prep \\
+    python -m realm_jax.jobs.reader_prep \\
         --gin_file=experiments/pretrain_minilm_wiki.gin \\
         --gin.WORKDIR="'/tmp/prep'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
         --gin.QUERIES="'/tmp/queries'"
-    python -m realm_jax.training.pretrain \\
+    python -m realm_jax.jobs.pretrain \\
         --gin_file=experiments/pretrain_minilm_wiki.gin \\
         --gin.WORKDIR="'/tmp/run'" --gin.BLOCK_STORE="'/tmp/blocks'" \\
         --gin.QUERIES="'/tmp/queries'" \\
@@ -424,9 +424,3 @@ def _saved_report(path: str) -> dict[str, float] | None:
 
 def _head(params):
   return params["reader"]["mlm_head"]
-
-
-if __name__ == "__main__":
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
-  gin_cli.run(gin_cli.training_job("realm_jax.training.reader_prep",
-                                   "ReaderPrepConfig"))

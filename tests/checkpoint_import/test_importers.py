@@ -491,7 +491,8 @@ def test_hf_block_emb_feeds_the_index_builder(tmp_path):
   from realm_jax.core import checkpoints  # pylint: disable=g-import-not-at-top
   from realm_jax.data import block_store_writer, blocks, wikipedia  # pylint: disable=g-import-not-at-top
   from realm_jax.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
-  from realm_jax.index import builder, publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.index import publish  # pylint: disable=g-import-not-at-top
+  from realm_jax.jobs import index_builder  # pylint: disable=g-import-not-at-top
   tok = Tokenizer()
   docs = [wikipedia.Document("Alpha", "Alpha is the first Greek letter."),
           wikipedia.Document("Beta", "Beta is the second letter. It follows "
@@ -511,7 +512,7 @@ def test_hf_block_emb_feeds_the_index_builder(tmp_path):
         f"WORKDIR = '{tmp_path / 'work'}'", f"BLOCK_STORE = '{store.path}'",
         f"builder.BuilderConfig.init_from = 'block_emb:{path}'",
         "builder.IndexBuildConfig.searcher = 'exact'"])
-    builder._job(False)
+    index_builder.job(False)
   finally:
     gin.clear_config()
   index = publish.load_index(checkpoints.index_root(str(tmp_path / "work")))

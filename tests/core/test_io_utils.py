@@ -20,6 +20,7 @@ from realm_jax.data import blocks, corpus_job
 from realm_jax.data import wikipedia
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.index import build, publish, searchers
+from realm_jax.index import watcher as watcher_lib
 from realm_jax.testing import ram_fs, timeouts
 from realm_jax.core import checkpoints
 from realm_jax.training import loop
@@ -156,9 +157,9 @@ def test_remote_publish_load_round_trip(tmp_path):
   assert publish.published_steps(root) == [2, 3]
   assert len(os.listdir(cache)) == 2  # Older copies evicted.
   # The watcher reads the remote root the same way.
-  watcher = publish.IndexWatcher(root, expect, poll_seconds=3600,
-                                 loader=lambda r, s, e: publish.load_index(
-                                     r, s, e, cache_dir=cache))
+  watcher = watcher_lib.IndexWatcher(root, expect, poll_seconds=3600,
+                                     loader=lambda r, s, e: publish.load_index(
+                                         r, s, e, cache_dir=cache))
   try:
     assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).step == 3
   finally:

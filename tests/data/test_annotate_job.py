@@ -17,7 +17,7 @@ def test_command_line(tmp_path):
       {"title": "Cid", "text": "Cid lived in Spain."}]))
   out = tmp_path / "annotated"
   result = subprocess.run(
-      [sys.executable, "-m", "realm_jax.data.annotate_job",
+      [sys.executable, "-m", "realm_jax.jobs.annotate",
        "--gin_file=runs/annotate.gin", f"--gin.INPUT_PATH='{corpus}'",
        f"--gin.OUTPUT_DIR='{out}'", "--gin.AnnotateConfig.num_shards=2",
        "--gin.AnnotateConfig.max_documents=2",

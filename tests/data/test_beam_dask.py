@@ -32,7 +32,7 @@ from realm_jax.data import beam_dask
 from realm_jax.data import beam_utils
 from realm_jax.data import block_store
 from realm_jax.data import corpus_job
-from realm_jax.data import query_cache
+from realm_jax.data import query_cache, query_cache_writer
 from realm_jax.data import salient_spans
 from realm_jax.testing import timeouts
 
@@ -259,7 +259,7 @@ def test_annotation_and_query_cache_on_dask_equal_the_directrunner(
   manifests = {}
   for name, args in (("direct", []), ("dask", _dask(cluster))):
     start = time.perf_counter()
-    manifests[name] = query_cache.build_query_cache(
+    manifests[name] = query_cache_writer.build_query_cache(
         str(tmp_path / "annotated" / "direct" / "*.tfr.gz"),
         str(tmp_path / "queries" / name), num_shards=2, dev_share=0.2,
         pipeline_args=args)
@@ -291,7 +291,7 @@ def test_command_line_runner_dask_starts_and_stops_its_own_cluster(
   for name, args in (("direct", ["--runner=DirectRunner"]),
                      ("dask", ["--runner=dask", "--dask_workers=2"])):
     out = tmp_path / name
-    command = [sys.executable, "-m", "realm_jax.data.corpus_job",
+    command = [sys.executable, "-m", "realm_jax.jobs.corpus",
                "--gin_file=runs/corpus.gin", f"--gin.INPUT_PATH='{dump}'",
                f"--gin.OUTPUT_DIR='{out}'", *args]
     start = time.perf_counter()

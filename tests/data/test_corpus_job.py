@@ -319,7 +319,7 @@ def test_bad_arguments(tmp_path):
 def test_command_line(tmp_path):
   path = _write_jsonl(tmp_path / "docs.jsonl", _RECORDS)
   out = tmp_path / "store"
-  command = [sys.executable, "-m", "realm_jax.data.corpus_job",
+  command = [sys.executable, "-m", "realm_jax.jobs.corpus",
              "--gin_file=runs/corpus.gin", f"--gin.INPUT_PATH='{path}'",
              f"--gin.OUTPUT_DIR='{out}'", "--gin.CorpusConfig.max_block_len=64",
              "--runner=DirectRunner"]  # a Beam option

@@ -17,6 +17,7 @@ from realm_jax.core import outputs
 from realm_jax.data import blocks
 from realm_jax.data import examples as ex
 from realm_jax.data import query_cache as qc
+from realm_jax.data import query_cache_writer as qcw
 from realm_jax.data import salient_spans as ss
 from realm_jax.data import tokenizer as tokenizer_lib
 from realm_jax.testing import timeouts
@@ -49,12 +50,12 @@ def write_fake_cache(path, rows_per_shard, seed=0):
     records = [(0, i, qc.encode_query(q))
                for i, q in enumerate(_fake_queries(first, n))]
     first += n
-    stats.append(qc.write_shard((k, records), tmp_dir=tmp,
-                                num_shards=len(rows_per_shard)))
-  return qc.finish_cache(tmp, str(path), stats,
-                         num_shards=len(rows_per_shard), query_config=CONFIG,
-                         seed=seed, vocab_sha256="0" * 64,
-                         source_files=["fake"])
+    stats.append(qcw.write_shard((k, records), tmp_dir=tmp,
+                                 num_shards=len(rows_per_shard)))
+  return qcw.finish_cache(tmp, str(path), stats,
+                          num_shards=len(rows_per_shard), query_config=CONFIG,
+                          seed=seed, vocab_sha256="0" * 64,
+                          source_files=["fake"])
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +258,8 @@ def annotated(tmp_path_factory):
 @pytest.fixture(scope="module")
 def beam_cache(annotated, tmp_path_factory):
   out = str(tmp_path_factory.mktemp("beam") / "cache")
-  manifest = qc.build_query_cache(str(annotated / "part-*.tfr.gz"), out,
-                                  num_shards=4, seed=7)
+  manifest = qcw.build_query_cache(str(annotated / "part-*.tfr.gz"), out,
+                                   num_shards=4, seed=7)
   return out, manifest
 
 
@@ -309,8 +310,8 @@ def test_beam_job_is_deterministic(beam_cache, annotated, tmp_path):
   out, manifest = beam_cache
   moved = tmp_path / "elsewhere"
   shutil.copytree(annotated, moved)
-  again = qc.build_query_cache(str(moved / "part-*.tfr.gz"),
-                               str(tmp_path / "again"), num_shards=4, seed=7)
+  again = qcw.build_query_cache(str(moved / "part-*.tfr.gz"),
+                                str(tmp_path / "again"), num_shards=4, seed=7)
   assert again["shard_rows"] == manifest["shard_rows"]
   for name in manifest["shard_files"]:
     with open(os.path.join(out, name), "rb") as a, open(
@@ -329,7 +330,7 @@ def job_cache(annotated, tmp_path_factory):
   tmp_path = tmp_path_factory.mktemp("job")
   out = tmp_path / "cache"
   result = subprocess.run(
-      [sys.executable, "-m", "realm_jax.data.query_cache",
+      [sys.executable, "-m", "realm_jax.jobs.query_cache",
        f"--gin.ANNOTATED='{annotated}/part-*.tfr.gz'",
        f"--gin.OUTPUT_DIR='{out}'",
        "--gin.RealmQueryConfig.query_length=32",
@@ -470,16 +471,16 @@ def test_beam_job_errors(beam_cache, annotated, tmp_path):
   out, _ = beam_cache
   pattern = str(annotated / "part-*.tfr.gz")
   with pytest.raises(FileExistsError, match="already exists"):
-    qc.build_query_cache(pattern, out, num_shards=4)
+    qcw.build_query_cache(pattern, out, num_shards=4)
   with pytest.raises(FileNotFoundError, match="no annotated file matches"):
-    qc.build_query_cache(str(tmp_path / "none-*"), str(tmp_path / "c"))
+    qcw.build_query_cache(str(tmp_path / "none-*"), str(tmp_path / "c"))
   bad = tmp_path / "bad.tfr"
   bad.write_bytes(b"this is not a TFRecord file" * 10)
   with pytest.raises(Exception, match="bad.tfr: not a readable annotated"):
-    qc.build_query_cache(str(bad), str(tmp_path / "c"))
+    qcw.build_query_cache(str(bad), str(tmp_path / "c"))
   with pytest.raises(ValueError, match="shards got no query"):
-    qc.build_query_cache(str(annotated / "part-0.tfr.gz"),
-                         str(tmp_path / "c"), num_shards=64)
+    qcw.build_query_cache(str(annotated / "part-0.tfr.gz"),
+                          str(tmp_path / "c"), num_shards=64)
   # Nothing half-written is left behind.
   assert not [p for p in os.listdir(tmp_path) if p.startswith("c")]
 

@@ -22,6 +22,7 @@ from realm_jax.data import qa_inputs
 from realm_jax.eval import calibrate, qa_eval, qa_model
 from realm_jax.index import bm25 as bm25_lib
 from realm_jax.index import calibration, publish, rankers
+from realm_jax.jobs import calibrate as calibrate_job
 from realm_jax.testing import timeouts, tiny
 
 KS = (1, 5, 20)
@@ -344,7 +345,7 @@ def test_the_job_writes_its_choice_beside_the_index(run, tmp_path):
   questions = tmp_path / "mine.jsonl"
   questions.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n"
                                for q, a in QUESTIONS))
-  command = [sys.executable, "-m", "realm_jax.eval.calibrate",
+  command = [sys.executable, "-m", "realm_jax.jobs.calibrate",
              "--gin_file=models/tiny.gin", "--gin_file=runs/eval.gin",
              *_cli_bindings(run), f"--gin.WORKDIR='{run['workdir']}'",
              f"--gin.INDEX_DIR='{root}'",
@@ -372,6 +373,6 @@ def test_the_job_asks_for_the_questions_first():
     gin_cli.parse(["models/tiny.gin", "runs/eval.gin"],
                   ["BLOCK_STORE = '/nonexistent'"])
     with pytest.raises(SystemExit, match="CALIBRATION_QUESTIONS"):
-      calibrate._job(False)  # pylint: disable=protected-access
+      calibrate_job.job(False)
   finally:
     gin.clear_config()

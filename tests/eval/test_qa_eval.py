@@ -23,6 +23,7 @@ from realm_jax.data import qa as qa_lib
 from realm_jax.data.tokenizer import Tokenizer
 from realm_jax.eval import qa_eval, qa_model
 from realm_jax.index import build, publish
+from realm_jax.jobs import qa_eval as qa_eval_job
 from realm_jax.model import functional
 from realm_jax.testing import timeouts, tiny
 from realm_jax.data import qa_inputs
@@ -313,10 +314,10 @@ def test_a_job_started_before_a_checkpoint_waits_for_its_configs(tmp_path):
   its timeout) instead of evaluating with the gin files' sizes."""
   ckpt_dir = tmp_path / "checkpoints"
   config = qa_eval.EvalConfig(poll_seconds=0.05, timeout_seconds=0.2)
-  assert not qa_eval._has_checkpoint(str(ckpt_dir), config)  # pylint: disable=protected-access
+  assert not qa_eval.has_checkpoint(str(ckpt_dir), config)
   writer = threading.Timer(0.3, lambda: (ckpt_dir / "4").mkdir(parents=True))
   writer.start()
-  assert qa_eval._has_checkpoint(str(ckpt_dir), dataclasses.replace(  # pylint: disable=protected-access
+  assert qa_eval.has_checkpoint(str(ckpt_dir), dataclasses.replace(
       config, timeout_seconds=60.0))
   writer.join()
 
@@ -413,7 +414,7 @@ def test_eval_cli_one_step(setup, tmp_path):
               "--gin.EvalConfig.batch_size=8"]
   assert c.retriever.projection_size == 16
   proc = subprocess.run(
-      [sys.executable, "-m", "realm_jax.eval.qa_eval",
+      [sys.executable, "-m", "realm_jax.jobs.qa_eval",
        "--gin_file=models/tiny.gin", "--gin_file=runs/eval.gin", *bindings,
        f"--gin.WORKDIR='{workdir}'",
        f"--gin.BLOCK_STORE='{setup['store'].path}'",
@@ -448,7 +449,7 @@ def test_eval_cli_names_the_macro_of_a_missing_path(files, bindings,
   try:
     gin_cli.parse(files, bindings)
     with pytest.raises(SystemExit, match=message):
-      qa_eval._job(False)
+      qa_eval_job.job(False)
   finally:
     gin.clear_config()
 

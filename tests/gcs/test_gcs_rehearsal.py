@@ -52,7 +52,7 @@ def _pretrain(gcs, workdir, inputs, **overrides):
   values = {"num_train_steps": 8, "checkpoint_every": 2, "reader_length": 64,
             **overrides}
   return subprocess.Popen(
-      [sys.executable, "-m", "realm_jax.training.pretrain",
+      [sys.executable, "-m", "realm_jax.jobs.pretrain",
        "--gin_file=experiments/pretrain_tiny_cpu.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{inputs['store']}'",
        f"--gin.QUERIES='{inputs['queries']}'"] + [
@@ -97,7 +97,7 @@ def test_pretrain_with_builder_finetune_eval_export_load(gcs, gcs_root,
                       index_mode="builder", keep_checkpoints=5,
                       index_wait_seconds=timeouts.HANG_SECONDS, log_every=1)
   builder = subprocess.Popen(
-      [sys.executable, "-m", "realm_jax.index.builder",
+      [sys.executable, "-m", "realm_jax.jobs.index_builder",
        "--gin_file=models/tiny.gin", "--gin_file=runs/index_builder.gin",
        f"--gin.WORKDIR='{run}'", f"--gin.BLOCK_STORE='{inputs['store']}'",
        "--gin.builder.IndexBuildConfig.searcher='exact'",
@@ -136,7 +136,7 @@ def test_pretrain_with_builder_finetune_eval_export_load(gcs, gcs_root,
   # Fine-tuning from the pre-training checkpoint, against its index.
   start = time.time()
   ft = f"{gcs_root}/finetune"
-  _run(gcs, ["-m", "realm_jax.training.finetune",
+  _run(gcs, ["-m", "realm_jax.jobs.finetune",
              "--gin_file=experiments/finetune_tiny_cpu.gin",
              f"--gin.WORKDIR='{ft}'", f"--gin.BLOCK_STORE='{inputs['store']}'",
              f"--gin.TRAIN_JSONL='{inputs['qa']}'",
@@ -149,7 +149,7 @@ def test_pretrain_with_builder_finetune_eval_export_load(gcs, gcs_root,
 
   # Evaluation of its checkpoint, results on gs://.
   start = time.time()
-  out = _run(gcs, ["-m", "realm_jax.eval.qa_eval",
+  out = _run(gcs, ["-m", "realm_jax.jobs.qa_eval",
                    "--gin_file=experiments/eval_tiny_cpu.gin",
                    f"--gin.WORKDIR='{ft}'",
                    f"--gin.BLOCK_STORE='{inputs['store']}'",
@@ -164,7 +164,7 @@ def test_pretrain_with_builder_finetune_eval_export_load(gcs, gcs_root,
   # Export to gs://, then realm_jax.load of the run and of the export.
   start = time.time()
   export = f"{gcs_root}/export"
-  _run(gcs, ["-m", "realm_jax.export", "--gin_file=runs/export.gin",
+  _run(gcs, ["-m", "realm_jax.jobs.export", "--gin_file=runs/export.gin",
              f"--gin.WORKDIR='{ft}'", f"--gin.OUTPUT_DIR='{export}'"],
        "export")
   timings["export"] = time.time() - start

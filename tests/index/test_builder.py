@@ -22,7 +22,8 @@ from realm_jax.core import checkpoints, dataclass_json, io_utils
 from realm_jax.core import lease as lease_lib
 from realm_jax.data import block_store_writer, blocks, wikipedia
 from realm_jax.data.tokenizer import Tokenizer, default_model_dir
-from realm_jax.index import build, builder, embed, publish
+from realm_jax.index import build, build_progress, builder, embed, publish
+from realm_jax.jobs import index_builder
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm, RealmConfig, Retriever
 from realm_jax.testing import timeouts, tiny
@@ -197,7 +198,7 @@ def test_builder_publishes_a_sharded_scann_index(store, tmp_path):
       ids, np.argsort(-(queries @ emb.T), axis=1, kind="stable")[:, :4])
 
 
-class _Recorded(publish.BuildProgress):
+class _Recorded(build_progress.BuildProgress):
   """The builder's progress record, every write also kept in order."""
 
   def __init__(self, *args, **kwargs):
@@ -226,7 +227,7 @@ def test_a_build_records_its_progress_for_a_waiting_trainer(store, tmp_path):
   assert embedded[-1] == ("embedding", n, n)
   assert [d for _, d, _ in embedded] == sorted(d for _, d, _ in embedded)
   assert progress.writes[-1][0] == "publishing"
-  record = publish.read_progress(root)
+  record = build_progress.read_progress(root)
   assert (record["step"], record["stage"], record["pid"]) == (
       5, "publishing", os.getpid())
   assert publish.read_latest(root) == 5
@@ -262,16 +263,16 @@ def test_publication_retries_then_fails_loudly(store, tmp_path,
   with pytest.raises(build.PublishFailedError, match="failed 3 times"):
     build.publish_embeddings(embeddings=emb, store=store, root=root, step=1,
                              config=config,
-                             progress=publish.BuildProgress(root, 1))
+                             progress=build_progress.BuildProgress(root, 1))
   assert publish.read_latest(root) == 0
   # A waiting trainer hears that the builder is failing, and why.
-  record = publish.read_progress(root)
+  record = build_progress.read_progress(root)
   assert record["stage"] == "retrying" and "No space left" in record["error"]
 
 
 def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
                                                     capsys):
-  """`python -m realm_jax.index.builder`'s job, as gin_cli.run calls it:
+  """`python -m realm_jax.jobs.index_builder`'s job, as gin_cli.run calls it:
   paths are gin macros (runs/index_builder.gin); one_shot embeds the newest
   checkpoint with the gin model's retriever and exits."""
   workdir = str(tmp_path / "run")
@@ -280,13 +281,13 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
     gin_cli.parse(["models/tiny.gin"], [])
     with pytest.raises(SystemExit, match=r"BuilderConfig.workdir is not set"
                        r".*runs/index_builder.gin.*--gin.WORKDIR="):
-      builder._job(False)
+      index_builder.job(False)
     gin.clear_config()
     gin_cli.parse(["models/tiny.gin", "runs/index_builder.gin"], [
         f"WORKDIR = '{workdir}'", f"BLOCK_STORE = '{store.path}'",
         "builder.BuilderConfig.one_shot = True",
         "builder.IndexBuildConfig.searcher = 'exact'"])
-    builder._job(True)
+    index_builder.job(True)
     assert f"workdir='{workdir}'" in capsys.readouterr().out
     model = gin.get_configurable(RealmConfig)()
     ckpt = checkpoints.TrainCheckpointer(checkpoints.checkpoint_dir(workdir),
@@ -294,7 +295,7 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
     params = _params(7, model)
     ckpt.save(7, params, {"count": np.zeros(())}, {}, force=True)
     ckpt.wait_until_finished()
-    builder._job(False)
+    index_builder.job(False)
   finally:
     gin.clear_config()
   root = checkpoints.index_root(workdir)
@@ -313,7 +314,7 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
         f"WORKDIR = '{tmp_path / 'imported'}'", f"BLOCK_STORE = '{store.path}'",
         f"builder.BuilderConfig.init_from = 'block_emb:{prefix}'",
         "builder.IndexBuildConfig.searcher = 'exact'"])
-    builder._job(False)
+    index_builder.job(False)
   finally:
     gin.clear_config()
   index = publish.load_index(checkpoints.index_root(str(tmp_path /
@@ -321,14 +322,14 @@ def test_job_command_line_one_shot_and_missing_paths(store, tmp_path,
   assert index.step == 0
   np.testing.assert_array_equal(index.embeddings, emb)
   # Issue 58: the one-shot modes record their progress too.
-  assert publish.read_progress(checkpoints.index_root(
+  assert build_progress.read_progress(checkpoints.index_root(
       str(tmp_path / "imported")))["stage"] == "publishing"
   with pytest.raises(ValueError, match="random weights"):
     builder.BuilderConfig(init_from="scratch")
 
 
 def test_one_shot_job_logs_progress_to_a_file_and_records_it(tmp_path):
-  """Issue 58: `python -m realm_jax.index.builder` in one-shot mode with
+  """Issue 58: `python -m realm_jax.jobs.index_builder` in one-shot mode with
   stderr sent to a file (as on a pod or under nohup) logs progress lines
   with done/total, rate and ETA every `--progress_seconds`, then the total
   time, and writes `index/.progress.json` as the polling mode does."""
@@ -350,7 +351,7 @@ def test_one_shot_job_logs_progress_to_a_file_and_records_it(tmp_path):
   with open(log, "w") as err:
     # A short period, rather than a big store: the lines of a few batches.
     subprocess.run(
-        [sys.executable, "-m", "realm_jax.index.builder",
+        [sys.executable, "-m", "realm_jax.jobs.index_builder",
          "--gin_file=models/tiny.gin", f"--gin.WORKDIR='{workdir}'",
          f"--gin.BLOCK_STORE='{big.path}'",
          "--gin.builder.BuilderConfig.one_shot=True",
@@ -368,7 +369,7 @@ def test_one_shot_job_logs_progress_to_a_file_and_records_it(tmp_path):
   assert all(int(t) == n for _, t, *_ in lines) and done == sorted(done)
   assert re.search(rf"embedding blocks: {n}/{n} blocks in [\d.]+ s, "
                    r"[\d.]+ blocks/s \(host 0/1\)$", text, re.M), text
-  record = publish.read_progress(checkpoints.index_root(workdir))
+  record = build_progress.read_progress(checkpoints.index_root(workdir))
   assert (record["step"], record["stage"]) == (4, "publishing")
   assert publish.read_latest(checkpoints.index_root(workdir)) == 4
 
@@ -419,7 +420,7 @@ def test_the_builder_embeds_with_the_checkpoints_own_retriever_config(
         "builder.BuilderConfig.one_shot = True",
         "builder.IndexBuildConfig.searcher = 'exact'"])
     assert not gin.get_configurable(RealmConfig)().retriever.normalize
-    builder._job(False)
+    index_builder.job(False)
   finally:
     gin.clear_config()
   for name in ("follow", "one_shot"):
@@ -439,7 +440,7 @@ def test_job_one_shot_from_minilm_with_no_checkpoint(store, tmp_path):
         "builder.BuilderConfig.init_from = 'minilm'",
         "builder.IndexBuildConfig.searcher = 'exact'"])
     model = gin.get_configurable(RealmConfig)()
-    builder._job(False)
+    index_builder.job(False)
   finally:
     gin.clear_config()
   _, bert = importers.load_hf_bert(default_model_dir())
@@ -593,7 +594,7 @@ def test_a_one_shot_build_of_a_damaged_checkpoint_names_the_way_out(
         r"\(.*\); its "
         r"files are damaged: index an older one with "
         r"--gin.builder.BuilderConfig.step=2$")):
-      builder._job(False)
+      index_builder.job(False)
   finally:
     gin.clear_config()
   assert not publish.published_steps(checkpoints.index_root(workdir))
@@ -617,7 +618,7 @@ def test_an_index_root_that_is_an_input_by_another_name_is_refused(
         "builder.IndexBuildConfig.searcher = 'exact'"])
     with pytest.raises(SystemExit, match=r"index root .* and the checkpoints"
                        r" \(<WORKDIR>/checkpoints\)=.* are the same place"):
-      builder._job(False)
+      index_builder.job(False)
   finally:
     gin.clear_config()
   assert sorted(os.listdir(ckpt_dir)) == before

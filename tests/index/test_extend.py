@@ -17,6 +17,7 @@ from realm_jax.core import lease as lease_lib
 from realm_jax.core import progress
 from realm_jax.data import wikipedia
 from realm_jax.index import build, extend, extend_job, publish
+from realm_jax.jobs import index_extend
 from realm_jax.model import functional
 from realm_jax.model.realm import Realm
 from realm_jax.testing import corpus, timeouts, tiny
@@ -235,7 +236,7 @@ def _run_with_checkpoint(workdir, step):
 
 def test_the_extend_job_publishes_what_a_full_rebuild_gives(stores,
                                                             tmp_path):
-  """`python -m realm_jax.index.extend_job` (realm-index-extend) on the
+  """`python -m realm_jax.jobs.index_extend` (realm-index-extend) on the
   index a run's builder published: with no INIT_FROM it embeds the new
   blocks with the run's checkpoint of the index's step, and the published
   index equals a full rebuild over the union store."""
@@ -249,7 +250,7 @@ def test_the_extend_job_publishes_what_a_full_rebuild_gives(stores,
                           root=index_root, step=5, config=config)
   out = tmp_path / "extended"
   result = subprocess.run(
-      [sys.executable, "-m", "realm_jax.index.extend_job",
+      [sys.executable, "-m", "realm_jax.jobs.index_extend",
        f"--gin.INDEX_DIR='{index_root}'", f"--gin.BLOCK_STORE='{base.path}'",
        f"--gin.UNION_STORE='{union.path}'", f"--gin.OUTPUT_DIR='{out}'",
        "--gin.builder.IndexBuildConfig.searcher='exact'",
@@ -275,11 +276,11 @@ def test_the_extend_job_publishes_what_a_full_rebuild_gives(stores,
 
 
 def _job(bindings):
-  """The job's `_job(False)` as its command line runs it."""
+  """The job's `job(False)` as its command line runs it."""
   gin.clear_config()
   try:
     gin_cli.parse(["runs/index_extend.gin"], bindings)
-    extend_job._job(False)
+    index_extend.job(False)
   finally:
     gin.clear_config()
 

@@ -18,7 +18,8 @@ import pytest
 
 from realm_jax.core import outputs
 from realm_jax.core import lease as lease_lib
-from realm_jax.index import publish, searchers
+from realm_jax.index import build_progress, publish, searchers
+from realm_jax.index import watcher as watcher_lib
 from realm_jax.testing import timeouts
 
 FINGERPRINT = "corpus-abc"
@@ -102,7 +103,7 @@ def test_bad_indices_are_refused(tmp_path, damage):
   _publish(root, 1)
   # Polls once when it starts, then only when asked (no race with the
   # damage done below).
-  watcher = publish.IndexWatcher(
+  watcher = watcher_lib.IndexWatcher(
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=3600)
   assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).step == 1
   if damage == "corrupt":
@@ -215,7 +216,7 @@ def test_republishing_the_served_step_never_withdraws_it(tmp_path):
 def test_watcher_swaps_under_a_running_loop(tmp_path):
   root = str(tmp_path / "index")
   _publish(root, 10)
-  watcher = publish.IndexWatcher(
+  watcher = watcher_lib.IndexWatcher(
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=0.02)
   try:
     first = watcher.wait_for_index(timeout=timeouts.HANG_SECONDS)
@@ -249,7 +250,7 @@ def test_watcher_swaps_in_a_republication_of_the_served_step(tmp_path):
   is swapped in after it."""
   root = str(tmp_path / "index")
   first = _publish(root, 6)
-  watcher = publish.IndexWatcher(
+  watcher = watcher_lib.IndexWatcher(
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=3600)
   try:
     # The thread's first poll; then it sleeps, and the test polls.
@@ -293,8 +294,8 @@ def test_watcher_retries_after_a_filesystem_error(tmp_path):
       raise RuntimeError("transient")
     return publish.load_index(*args)
 
-  watcher = publish.IndexWatcher(root, poll_seconds=0.02,
-                                 loader=flaky_loader)
+  watcher = watcher_lib.IndexWatcher(root, poll_seconds=0.02,
+                                     loader=flaky_loader)
   try:
     assert watcher.wait_for_index(timeout=timeouts.HANG_SECONDS).step == 4
     assert failures == [1] and not watcher.rejected
@@ -306,14 +307,14 @@ def test_waiting_for_an_index_says_why_and_the_way_out(tmp_path, caplog):
   """A builder-mode trainer with no valid index hears, while it waits,
   why each index was rejected, and the timeout names index_mode="inline"."""
   root = str(tmp_path / "index")
-  empty = publish.IndexWatcher(root, poll_seconds=0.02)
+  empty = watcher_lib.IndexWatcher(root, poll_seconds=0.02)
   try:
     with pytest.raises(TimeoutError, match="nothing is published"):
       empty.wait_for_index(timeout=0.2)
   finally:
     empty.close()
   _publish(root, 3, fingerprint="another corpus")
-  watcher = publish.IndexWatcher(
+  watcher = watcher_lib.IndexWatcher(
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=0.02)
   try:
     with caplog.at_level(logging.WARNING):
@@ -332,7 +333,7 @@ def test_waiting_for_an_index_says_why_and_the_way_out(tmp_path, caplog):
 
 def _hear_the_wait(root, caplog, timeout):
   """The watcher's reports while it waits (INFO and up), and its error."""
-  watcher = publish.IndexWatcher(
+  watcher = watcher_lib.IndexWatcher(
       root, publish.Expectation(FINGERPRINT, 50, 8), poll_seconds=0.02)
   error = None
   try:
@@ -354,7 +355,7 @@ def test_a_progressing_builder_is_reported_at_info(tmp_path, caplog):
   the index root's lease and records its progress is reported at INFO,
   with that progress."""
   root = str(tmp_path / "index")
-  progress = publish.BuildProgress(root, 0, every_seconds=0.0)
+  progress = build_progress.BuildProgress(root, 0, every_seconds=0.0)
   progress.on_embedded(0, 100)
   stop = threading.Event()
 
@@ -401,21 +402,21 @@ def test_a_gone_stuck_or_failing_builder_still_warns(tmp_path, caplog,
               "pid": pid, "token": "t", "started": time.time(),
               "heartbeat": time.time()}
     pathlib.Path(root, lease_lib.LEASE_FILE).write_text(json.dumps(record))
-    progress = publish.BuildProgress(root, 0)
+    progress = build_progress.BuildProgress(root, 0)
     progress.on_embedded(10, 100)
-    data = json.loads(pathlib.Path(root, publish.PROGRESS).read_text())
-    pathlib.Path(root, publish.PROGRESS).write_text(
-        json.dumps(dict(data, pid=pid)))
+    path = pathlib.Path(root, build_progress.PROGRESS)
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), pid=pid)))
   elif builder in ("stuck", "retrying"):
     lease = lease_lib.Lease(root, job="index builder").acquire()
-    progress = publish.BuildProgress(root, 0)
+    progress = build_progress.BuildProgress(root, 0)
     if builder == "retrying":
       progress.retrying("publishing index 0 failed (OSError 28)")
     else:
       progress.on_embedded(10, 100)
-      data = json.loads(pathlib.Path(root, publish.PROGRESS).read_text())
-      pathlib.Path(root, publish.PROGRESS).write_text(json.dumps(dict(
-          data, updated=time.time() - publish.PROGRESS_STALE_SECONDS - 5)))
+      path = pathlib.Path(root, build_progress.PROGRESS)
+      path.write_text(json.dumps(dict(
+          json.loads(path.read_text()),
+          updated=time.time() - build_progress.PROGRESS_STALE_SECONDS - 5)))
   try:
     said, error = _hear_the_wait(root, caplog, timeout=0.5)
   finally:

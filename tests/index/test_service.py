@@ -6,6 +6,7 @@ import pytest
 
 from realm_jax.index import publish
 from realm_jax.index import service as service_lib
+from realm_jax.index import watcher as watcher_lib
 
 
 def _inline(refresh_every, **kwargs):
@@ -25,7 +26,7 @@ def test_an_inline_index_is_rebuilt_on_refresh_steps_only():
 
 def test_staleness_is_counted_in_refresh_intervals(tmp_path):
   monitor = service_lib.StalenessMonitor(
-      publish.IndexWatcher(str(tmp_path)), refresh_every=10, warning=2.0,
+      watcher_lib.IndexWatcher(str(tmp_path)), refresh_every=10, warning=2.0,
       error=4.0)
   monitor.check(40, 0)  # 4 intervals: at the error bound, not past it.
   with pytest.raises(service_lib.StaleIndexError,

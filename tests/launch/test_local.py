@@ -27,12 +27,12 @@ def test_local_launcher_dry_run():
   assert len(out) == 2
   builder, trainer = (shlex.split(line.rstrip(" &")) for line in out)
   assert out[0].endswith("&")  # The builder runs in the background.
-  assert builder[1:3] == ["-m", "realm_jax.index.builder"]
+  assert builder[1:3] == ["-m", "realm_jax.jobs.index_builder"]
   assert builder[3:] == ["--gin_file=models/minilm_l6.gin",
                          "--gin_file=runs/index_builder.gin",
                          "--gin.WORKDIR='/tmp/run'",
                          "--gin.BLOCK_STORE='/tmp/blocks'"]
-  assert trainer[1:3] == ["-m", "realm_jax.training.pretrain"]
+  assert trainer[1:3] == ["-m", "realm_jax.jobs.pretrain"]
   assert "--gin.WORKDIR='/tmp/run'" in trainer
   assert "--gin.QUERIES='/tmp/queries'" in trainer
   assert "--gin.pretrain.PretrainConfig.index_mode='builder'" in trainer
@@ -119,7 +119,7 @@ def test_a_dead_builder_ends_the_run_with_its_status(tmp_path):
   try:
     _wait_for_step(workdir, 2, proc)
     out = subprocess.run(["pgrep", "-f", "-g", str(proc.pid),
-                          "realm_jax.index.builder"],
+                          "realm_jax.jobs.index_builder"],
                          capture_output=True, text=True).stdout.split()
     assert len(out) == 1, out
     os.kill(int(out[0]), signal.SIGKILL)

@@ -177,7 +177,7 @@ def test_train_on_all_workers(capsys):
       "--env=XLA_FLAGS=--xla_dump_to=/tmp/x --xla_dump_hlo_as_text"])
   # First the compiler's fit check, here, with the same gin files and
   # bindings and the slice's topology.
-  assert check[:3] == [sys.executable, "-m", "realm_jax.aot"]
+  assert check[:3] == [sys.executable, "-m", "realm_jax.jobs.aot"]
   assert check[3:] == [
       "--gin_file=models/bert_base.gin", "--gin_file=runs/pretrain.gin",
       '--gin.TOPOLOGY="v4:4x4x4"',
@@ -193,7 +193,7 @@ def test_train_on_all_workers(capsys):
   assert env == ["REALM_JAX_DISTRIBUTED=1",
                  "XLA_FLAGS=--xla_dump_to=/tmp/x --xla_dump_hlo_as_text"]
   assert log == "logs/pretrain.log"
-  assert argv[:4] == ["-m", "realm_jax.training.pretrain",
+  assert argv[:4] == ["-m", "realm_jax.jobs.pretrain",
                       "--gin_file=models/bert_base.gin",
                       "--gin_file=runs/pretrain.gin"]
   # What the trainer's gin_cli makes of the flags: the gs:// workdir and
@@ -221,7 +221,7 @@ def test_ict_like_train(capsys):
   env, argv, log = started_job(remote(cmd))
   assert env == ["REALM_JAX_DISTRIBUTED=1"]
   assert log == "logs/ict.log"
-  assert argv == ["-m", "realm_jax.training.ict",
+  assert argv == ["-m", "realm_jax.jobs.ict",
                   "--gin_file=models/minilm_l6.gin", "--gin_file=runs/ict.gin",
                   f'--gin.WORKDIR="{WORKDIR}"',
                   '--gin.BLOCK_STORE="/mnt/data/blocks"']
@@ -238,7 +238,7 @@ def test_builder_on_a_separate_cpu_vm(capsys):
   env, argv, log = started_job(remote(cmd))
   assert env == []  # One process: no distributed initialisation.
   assert log == "logs/builder.log"
-  assert argv == ["-m", "realm_jax.index.builder",
+  assert argv == ["-m", "realm_jax.jobs.index_builder",
                   "--gin_file=models/bert_base.gin",
                   "--gin_file=runs/index_builder.gin",
                   f'--gin.WORKDIR="{WORKDIR}"',
@@ -307,10 +307,10 @@ def test_stop(capsys):
   assert pod[5] == "realm-v4" and "--worker=all" in pod
   assert builder[5] == "realm-builder"
   pod_text, builder_text = " ".join(remote(pod)), " ".join(remote(builder))
-  assert "realm_jax[.]training[.]pretrain" in pod_text
-  assert "realm_jax[.]training[.]ict" in pod_text
+  assert "realm_jax[.]jobs[.]pretrain" in pod_text
+  assert "realm_jax[.]jobs[.]ict" in pod_text
   assert "builder" not in pod_text
-  assert "realm_jax[.]index[.]builder" in builder_text
+  assert "realm_jax[.]jobs[.]index_builder" in builder_text
   assert "pkill -KILL" in pod_text and "-lt 60" in pod_text
   (only,) = dry_run(capsys, ["stop", *POD, "--job=ict"])
   assert "pretrain" not in " ".join(remote(only))
@@ -320,15 +320,15 @@ def test_process_pattern_matches_only_the_job():
   cfg = tpu_pod.LaunchConfig(name="realm-v4", zone="us-central2-b")
   pattern = tpu_pod.process_pattern(cfg, "pretrain")
   lines = [
-      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.pretrain "
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.jobs.pretrain "
       "--gin_file=x",  # The job.
-      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.pretrain",
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.jobs.pretrain",
       # The ssh shell that started it mentions the module too.
       "bash -c cd realm_jax && nohup env /home/me/realm_jax/.venv/bin/python"
-      " -m realm_jax.training.pretrain",
-      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.ict",
-      "/home/me/other/.venv/bin/python -m realm_jax.training.pretrain",
-      "/home/me/realm_jax/.venv/bin/python -m realm_jax.training.pretrainX",
+      " -m realm_jax.jobs.pretrain",
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.jobs.ict",
+      "/home/me/other/.venv/bin/python -m realm_jax.jobs.pretrain",
+      "/home/me/realm_jax/.venv/bin/python -m realm_jax.jobs.pretrainX",
   ]
   # grep -E: the POSIX extended regexes pgrep/pkill use.
   matched = subprocess.run(["grep", "-E", pattern], input="\n".join(lines),
@@ -401,12 +401,12 @@ time.sleep(60)  # Ends by itself if a failed test leaves it.
 def test_start_script_starts_the_job_in_the_background(tmp_path):
   # The --command of `train`, run by bash as sshd would in the home
   # directory, on a checkout whose python is real and whose
-  # realm_jax.training.pretrain is a stand-in that records how it started.
+  # realm_jax.jobs.pretrain is a stand-in that records how it started.
   remote_dir = f"rj_{os.getpid()}_{time.monotonic_ns()}"
   checkout = tmp_path / remote_dir
   (checkout / ".venv" / "bin").mkdir(parents=True)
   (checkout / ".venv" / "bin" / "python").symlink_to(sys.executable)
-  package = checkout / "realm_jax" / "training"
+  package = checkout / "realm_jax" / "jobs"
   package.mkdir(parents=True)
   (checkout / "realm_jax" / "__init__.py").write_text("")
   (package / "__init__.py").write_text("")
@@ -473,15 +473,15 @@ def test_a_pods_recipe_names_the_topology_it_is_checked_on(capsys):
   recipe = "--gin_file=pods/pretrain_bert_base_v5e_8x8.gin"
   check, cmd = dry_run(capsys, ["train", *POD, *DATA, recipe,
                                 "--queries=/mnt/data/queries"])
-  assert check == [sys.executable, "-m", "realm_jax.aot", recipe,
+  assert check == [sys.executable, "-m", "realm_jax.jobs.aot", recipe,
                    '--gin.TOPOLOGY="v5e:8x8"']
   assert started_job(remote(cmd))[1][:3] == [
-      "-m", "realm_jax.training.pretrain", recipe]
+      "-m", "realm_jax.jobs.pretrain", recipe]
   # create checks the same recipe before it creates the slice.
   check, create = dry_run(capsys, ["create", *POD, recipe,
                                    "--accelerator_type=v5litepod-64",
                                    "--version=v2-alpha-tpuv5-lite"])
-  assert check[1:3] == ["-m", "realm_jax.aot"]
+  assert check[1:3] == ["-m", "realm_jax.jobs.aot"]
   assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]
   # Without a job's config (a model file only) there is nothing to check.
   (create,) = dry_run(capsys, ["create", *POD, "--topology=v4:4x4x4",
@@ -520,10 +520,10 @@ def test_ict_and_finetune_are_checked_when_the_topology_is_known(capsys):
       "finetune", *POD, *DATA, "--gin_file=models/bert_base.gin",
       "--gin_file=runs/finetune.gin", "--topology=v4:2x2x2",
       "--gin=TRAIN_JSONL='/d/nq.jsonl'", "--gin=INDEX_DIR='gs://b/r/index'"])
-  assert check[1:3] == ["-m", "realm_jax.aot"]
+  assert check[1:3] == ["-m", "realm_jax.jobs.aot"]
   env, argv, log = started_job(remote(cmd))
   assert "--worker=all" in cmd and log == "logs/finetune.log"
-  assert argv[:2] == ["-m", "realm_jax.training.finetune"]
+  assert argv[:2] == ["-m", "realm_jax.jobs.finetune"]
   assert "--gin.INDEX_DIR='gs://b/r/index'" in argv
 
 
@@ -537,7 +537,7 @@ def test_reader_prep_starts_on_all_workers(capsys):
   env, argv, log = started_job(remote(cmd))
   assert env == ["REALM_JAX_DISTRIBUTED=1"]
   assert log == "logs/reader_prep.log"
-  assert argv == ["-m", "realm_jax.training.reader_prep",
+  assert argv == ["-m", "realm_jax.jobs.reader_prep",
                   "--gin_file=models/minilm_l6.gin",
                   "--gin_file=runs/reader_prep.gin",
                   f'--gin.WORKDIR="{WORKDIR}"',
@@ -546,7 +546,7 @@ def test_reader_prep_starts_on_all_workers(capsys):
                   "--gin.INIT_FROM='minilm'"]
   # Its job is one `stop` knows, and the argv is what the job reads.
   (stop,) = dry_run(capsys, ["stop", *POD, "--job=reader_prep"])
-  assert "realm_jax[.]training[.]reader_prep" in remote(stop)[-1] or any(
+  assert "realm_jax[.]jobs[.]reader_prep" in remote(stop)[-1] or any(
       "reader_prep" in w for w in remote(stop))
   rest, bindings = gin_cli.split_gin_flags(argv[2:])
   assert rest == ["--gin_file=models/minilm_l6.gin",
@@ -598,9 +598,9 @@ def test_train_refuses_a_step_that_does_not_fit_naming_the_fix(
 
 
 def test_the_launchers_jobs_are_the_packages_jobs():
-  """Issue 68: the job list lives in `realm_jax.cli.SCRIPTS` (which
-  pyproject's console scripts and tests/test_packaging.py follow); every
-  job the launcher starts on a host is one of them."""
+  """Issue 68: the job list lives in realm_jax/jobs/ (`realm_jax.cli.SCRIPTS`
+  reads it, tests/test_job_list.py ties pyproject's console scripts to it);
+  every job the launcher starts on a host is one of them."""
   from realm_jax import cli  # pylint: disable=g-import-not-at-top
   assert set(tpu_pod.JOB_MODULES.values()) <= set(cli.SCRIPTS.values())
   assert set(tpu_pod.SUBCOMMAND_JOBS.values()) == set(tpu_pod.JOB_MODULES)

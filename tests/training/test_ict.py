@@ -289,7 +289,7 @@ def test_realm_pretraining_and_the_index_builder_read_the_ict_checkpoint(
 def test_main_dry_run_prints_the_config(tmp_path, store_dir):
   workdir = str(tmp_path / "never_created")
   out = subprocess.run(
-      [sys.executable, "-m", "realm_jax.training.ict",
+      [sys.executable, "-m", "realm_jax.jobs.ict",
        "--gin_file=experiments/ict_tiny_cpu.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store_dir}'",
        "--dry_run"], capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """REALM pre-training: learning, crash-safe resume, trainer + index builder.
 
 The subprocess tests run the real entry points
-(`python -m realm_jax.training.pretrain`, `python -m realm_jax.index.builder`)
+(`python -m realm_jax.jobs.pretrain`, `python -m realm_jax.jobs.index_builder`)
 on a tiny real-text corpus, with the 8 emulated devices of the test env.
 """
 
@@ -116,7 +116,7 @@ def test_the_unused_span_head_is_not_decayed(reference_run):
 def _pretrain_cmd(bindings, *gin_files):
   files = [f"--gin_file={f}" for f in
            ("experiments/pretrain_tiny_cpu.gin", *gin_files)]
-  return [sys.executable, "-m", "realm_jax.training.pretrain", *files,
+  return [sys.executable, "-m", "realm_jax.jobs.pretrain", *files,
           *[f"--gin_bindings={b}" for b in bindings]]
 
 
@@ -210,7 +210,7 @@ def test_trainer_and_index_builder_processes(tmp_path, tiny_corpus):
                              stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
   builder = subprocess.Popen(
-      [sys.executable, "-m", "realm_jax.index.builder",
+      [sys.executable, "-m", "realm_jax.jobs.index_builder",
        "--gin_file=models/tiny.gin", "--gin_file=runs/index_builder.gin",
        f"--gin.WORKDIR='{workdir}'", f"--gin.BLOCK_STORE='{store}'",
        "--gin.builder.IndexBuildConfig.searcher='exact'",

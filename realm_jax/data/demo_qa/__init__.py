@@ -1,7 +1,7 @@
 """The demo's open-domain QA set, written about the demo corpus.
 
-`python -m realm_jax.demo` fine-tunes and evaluates on these questions. They
-are trivia questions about the first 16 articles of the gensim enwiki slice
+`python -m realm_jax.jobs.demo` fine-tunes and evaluates on these questions.
+They are trivia questions about the first 16 articles of the gensim enwiki slice
 (`corpus_job.build_corpus(max_documents=16)`): Anarchism, Autism, Albedo, A,
 Alabama, Achilles, Abraham Lincoln, Aristotle, An American in Paris, Academy
 Award for Best Production Design, Academy Awards, Actrius, Animalia (book),
