@@ -4,9 +4,9 @@ Runs `python -m realm_jax.jobs.aot --gin_file=pods/<recipe>.gin` for each recipe
 one at a time (a BERT-base train step takes the compiler ~20 min on two
 idle cores), and appends every JSON line realm-aot prints to `--output`,
 with the recipe, the host's CPU count and its load average around the
-compile. Then prints the index staleness that follows: the steps of a
-pre-training run that one full refresh of the corpus (the embed recipe's
-estimate) lasts. Every time is the compiler's estimate (a roofline over
+compile. Then prints the index staleness of each pre-training recipe: the
+steps of training that one full refresh of the corpus lasts (realm-aot
+compiles the recipe's `AotConfig.refresh_recipe` beside it). Every time is the compiler's estimate (a roofline over
 its cost analysis), not a measurement.
 
   python benchmarks/tpu_aot.py                    # every recipe
@@ -71,23 +71,16 @@ def compile_recipe(name: str, output: str, xla_dir: str = "") -> list[dict]:
 
 
 def staleness(lines: list[dict]) -> list[dict]:
-  """For each (pre-training, embed) pair of one chip generation: the
-  training steps one full refresh lasts (REALM: about 500)."""
-  out = []
-  for train in lines:
-    if train["job"] != "pretrain" or not train.get("fits"):
-      continue
-    gen = train["topology"].split(":")[0]
-    for embed in lines:
-      if (embed["job"] == "embed" and embed.get("fits")
-          and embed["topology"].startswith(gen + ":")):
-        refresh = embed["estimated_refresh_seconds"]
-        out.append(dict(
-            pretrain=train["topology"], embed=embed["topology"],
-            refresh_minutes=refresh / 60,
-            pretrain_step_seconds=train["estimated_step_seconds"],
-            staleness_steps=refresh / train["estimated_step_seconds"]))
-  return out
+  """The training steps one full refresh lasts (REALM: about 500), for
+  each pre-training line that realm-aot compiled with its refresh recipe
+  (`AotConfig.refresh_recipe`)."""
+  return [dict(pretrain=r["topology"], embed=r["refresh_topology"],
+               refresh_recipe=r["refresh_recipe"],
+               refresh_minutes=r["estimated_refresh_seconds"] / 60,
+               pretrain_step_seconds=r["estimated_step_seconds"],
+               staleness_steps=r["estimated_steps_per_refresh"])
+          for r in lines if r["job"] == "pretrain" and r.get("fits")
+          and r.get("estimated_steps_per_refresh")]
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
@@ -179,14 +172,23 @@ def table(lines: list[dict]) -> str:
   """A markdown table of the compiled steps (the compiler's estimates)."""
   rows = ["| recipe | job | topology (chips, hosts) | fits | HBM per chip "
           "(args + out + temp + code) | TFLOP / GB accessed per chip | "
-          "estimated step | bound | estimated MFU | examples/s |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "estimated step | bound | estimated MFU (compiler's FLOPs / "
+          "model's) | examples/s | refresh |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in lines:
     if not r.get("fits"):
       rows.append(f"| {r.get('recipe', '')} | {r['job']} | {r['topology']} "
                   f"({r['chips']}, {r['hosts']}) | no | {r.get('error')} "
-                  "| | | | | |")
+                  "| | | | | | |")
       continue
+    model_mfu = r.get("estimated_model_mfu")
+    if r.get("estimated_steps_per_refresh"):
+      refresh = (f"{r['estimated_steps_per_refresh']:,.0f} steps per "
+                 f"refresh ({r['refresh_topology']})")
+    elif r.get("estimated_refresh_seconds"):
+      refresh = f"{r['estimated_refresh_seconds'] / 60:.1f} min"
+    else:
+      refresh = ""
     rows.append(
         f"| {r.get('recipe', '')} | {r['job']} | {r['topology']} "
         f"({r['chips']}, {r['hosts']}) | yes | "
@@ -195,7 +197,9 @@ def table(lines: list[dict]) -> str:
         f"{r['flops_per_chip'] / 1e12:.2f} / "
         f"{r['bytes_accessed_per_chip'] / 1e9:.1f} | "
         f"{r['estimated_step_seconds']:.3f} s | {r['bound']} | "
-        f"{100 * r['estimated_mfu']:.0f}% | {r['examples_per_second']:,.0f} |")
+        f"{100 * r['estimated_mfu']:.0f}% / "
+        + (f"{100 * model_mfu:.0f}%" if model_mfu is not None else "?")
+        + f" | {r['examples_per_second']:,.0f} | {refresh} |")
   return "\n".join(rows)
 
 

@@ -80,16 +80,22 @@ def _line(job, topology, seconds, fits=True, **extra):
               **extra)
 
 
-def test_staleness_pairs_pretraining_with_the_refresh_of_its_generation():
-  lines = [_line("pretrain", "v5e:8x8", 0.4),
+def test_staleness_and_table_read_the_refresh_realm_aot_reports():
+  lines = [_line("pretrain", "v5e:8x8", 0.4, estimated_model_mfu=0.3,
+                 refresh_recipe="pods/embed.gin", refresh_topology="v5e:4x4",
+                 estimated_refresh_seconds=600.0,
+                 estimated_steps_per_refresh=1500.0),
            _line("embed", "v5e:4x4", 0.2, estimated_refresh_seconds=600.0),
-           _line("embed", "v4:2x2x4", 0.1, estimated_refresh_seconds=60.0),
+           _line("pretrain", "v4:4x4x4", 0.3),
            _line("pretrain", "v4:4x4x4", 0.3, fits=False, error="x")]
   (row,) = tpu_aot.staleness(lines)
   assert row["pretrain"] == "v5e:8x8" and row["embed"] == "v5e:4x4"
-  assert row["staleness_steps"] == 600.0 / 0.4
+  assert row["staleness_steps"] == 1500.0 and row["refresh_minutes"] == 10
   table = tpu_aot.table(lines)
-  assert "| v5e:8x8 (16, 4) | yes | 2.00 GB of 16 GiB |" in table
+  assert ("| v5e:8x8 (16, 4) | yes | 2.00 GB of 16 GiB | 1.00 / 100.0 | "
+          "0.400 s | memory | 40% / 30% | 10 | 1,500 steps per refresh "
+          "(v5e:4x4) |") in table
+  assert "| 40% / ? | 10 | 10.0 min |" in table
   assert "| no | x |" in table
 
 

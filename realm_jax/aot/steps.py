@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.aot import (INT32_MAX, JOBS, MAX_BYTES_PER_CHIP, AotConfig,
-                           Topology)
+                           Topology, host_bounds, parse_topology, topology)
 from realm_jax.core import parallel
 from realm_jax.data import qa_inputs, realm_inputs
 from realm_jax.index import build as build_lib
@@ -225,7 +225,13 @@ def embed_step(build: build_lib.IndexBuildConfig, model: RealmConfig,
   if build.bfloat16:
     retriever = dataclasses.replace(retriever, bert=dataclasses.replace(
         retriever.bert, dtype="bfloat16"))
-  mesh = parallel.make_mesh(topo.host_devices(0))
+  # One host's chips, compiled as a slice of their own: each host embeds
+  # its share with no traffic between hosts, and libtpu refuses a program
+  # on part of a slice whose ICI routing is limited (v5e:8x8).
+  chip, dims = parse_topology(topo.name)
+  host = topology(f"{chip.generation}:"
+                  + "x".join(map(str, host_bounds(dims)[:len(dims)])))
+  mesh = parallel.make_mesh(host.devices)
   fn = embed.make_embed_fn(retriever, mesh)
   _, params = functional.abstract_init(lambda r: Retriever(
       dataclasses.replace(retriever, null_score="embedding"), rngs=r))
