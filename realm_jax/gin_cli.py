@@ -27,17 +27,8 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from realm_jax.core import io_utils, logs, outputs
+from realm_jax.core import gin_text, io_utils, logs, outputs
 from realm_jax.core import progress
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-# A source checkout keeps the gin files beside the package; a wheel carries
-# them inside it (setup.py maps gin_configs/ to realm_jax/gin_configs).
-GIN_CONFIGS = next(
-    (d for d in (os.path.join(os.path.dirname(_PACKAGE), "gin_configs"),
-                 os.path.join(_PACKAGE, "gin_configs")) if os.path.isdir(d)),
-    os.path.join(_PACKAGE, "gin_configs"))
-
 
 # jax 0.10.2's XLA:CPU fuses dots into YNNPACK kernels that run on one
 # thread on 2-core machines; an empty fusion-type set turns that off: BERT
@@ -162,7 +153,7 @@ class _NoGinProbeErrors(logging.Filter):
 def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
   """Parses gin files and bindings (gin_configs/ is on the search path)."""
   import gin  # pylint: disable=g-import-not-at-top
-  gin.add_config_file_search_path(GIN_CONFIGS)
+  gin.add_config_file_search_path(gin_text.GIN_CONFIGS)
   gin.add_config_file_search_path(os.getcwd())
   probe_filter = _NoGinProbeErrors()
   logger = logging.getLogger()  # gin logs through the root logger.
@@ -175,35 +166,6 @@ def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
 
 # ------------------------------------------------------- its own gin file
 
-_INCLUDE = re.compile(r"""^\s*include\s+(['"])(?P<path>.+?)\1""", re.M)
-_REQUIRED = re.compile(r"^(?P<macro>[A-Z_][A-Z0-9_]*)\s*=\s*%gin\.REQUIRED",
-                       re.M)
-
-
-def find_gin_file(name: str) -> str | None:
-  """The real path of the gin file `name` as `parse` finds it (as given,
-  then in `gin_configs/`, then in the working directory), or None."""
-  prefixes = [""] if os.path.isabs(name) else ["", GIN_CONFIGS, os.getcwd()]
-  for prefix in prefixes:
-    path = os.path.join(prefix, name)
-    if os.path.isfile(path):
-      return os.path.realpath(path)
-  return None
-
-
-def included_gin_files(gin_files: Sequence[str]) -> dict[str, str]:
-  """Real path -> text of `gin_files` and of every file they include."""
-  seen, todo = {}, list(gin_files)
-  while todo:
-    path = find_gin_file(todo.pop())
-    if path is None or path in seen:
-      continue
-    with open(path, encoding="utf-8") as f:
-      seen[path] = f.read()
-    todo.extend(m["path"] for m in _INCLUDE.finditer(seen[path]))
-  return seen
-
-
 def job_gin_files(gin_files: Sequence[str], runs_file: str,
                   config_class: str = "") -> list[str]:
   """The gin files a job parses: its own `runs_file` first (the command
@@ -211,25 +173,16 @@ def job_gin_files(gin_files: Sequence[str], runs_file: str,
   (or a file it includes) is it, or binds `config_class` (dotted or not)
   itself: the runs file's `%gin.REQUIRED` macros would then be left unset.
   """
-  own = find_gin_file(runs_file) if runs_file else None
+  own = gin_text.find_gin_file(runs_file) if runs_file else None
   if own is None:
     return list(gin_files)
-  given = included_gin_files(gin_files)
+  given = gin_text.included_gin_files(gin_files)
   name = re.escape(config_class.rpartition(".")[2])
   binds = re.compile(rf"^[ \t]*(?:[\w.]+/)?(?:[\w.]+\.)?{name}"
                      rf"(?:\.\w+[ \t]*=|[ \t]*:[ \t]*$)", re.M)
   if own in given or (name and any(binds.search(t) for t in given.values())):
     return list(gin_files)
   return [runs_file, *gin_files]
-
-
-def required_macros(runs_file: str) -> list[str]:
-  """The macros `runs_file` binds to `%gin.REQUIRED` (its "Must set")."""
-  path = find_gin_file(runs_file) if runs_file else None
-  if path is None:
-    return []
-  with open(path, encoding="utf-8") as f:
-    return [m["macro"] for m in _REQUIRED.finditer(f.read())]
 
 
 def _config_class(config_class: str):
@@ -261,7 +214,7 @@ def _help_epilog(runs_file: str, config_class: str,
   lines = [
       "", "gin flags (realm_jax.gin_cli):",
       "  --gin_file: a gin file (repeatable), looked up in the working",
-      f"    directory, then in {GIN_CONFIGS}",
+      f"    directory, then in {gin_text.GIN_CONFIGS}",
       "  --gin.A.b=V: the gin binding A.b = V (a string in both quotes:",
       "    --gin.OUTPUT_DIR=\"'/data/x'\")",
       "  --gin_bindings: 'A.b = V' bindings (repeatable)",
@@ -273,7 +226,7 @@ def _help_epilog(runs_file: str, config_class: str,
     lines += ["", f"This job's own gin file: {runs_file}, parsed before the",
               "--gin_file's (which override it) unless one of them "
               "includes it", "or binds the job's config itself."]
-    macros = required_macros(runs_file)
+    macros = gin_text.required_macros(runs_file)
     if macros:
       lines.append("Must set: " + " ".join(
           f"--gin.{m}=\"'...'\"" for m in macros))
@@ -380,22 +333,13 @@ def _suggestion(flag: str, value: str | None, runs_file: str,
                 config_class: str) -> str:
   """The gin flag that sets what `--flag` meant, or ""."""
   name = flag.lstrip("-").replace("-", "_")
-  if name.upper() in _macros(runs_file):
+  if name.upper() in dict(gin_text.macros(runs_file)):
     return f"--gin.{name.upper()}={_gin_value(value)}"
   cls = _config_class(config_class) if config_class else None
   if cls is not None and dataclasses.is_dataclass(cls) and name in {
       f.name for f in dataclasses.fields(cls) if f.init}:
     return f"--gin.{cls.__name__}.{name}={_gin_value(value)}"
   return ""
-
-
-def _macros(runs_file: str) -> list[str]:
-  """Every macro `runs_file` defines (`NAME = ...` at the top level)."""
-  path = find_gin_file(runs_file) if runs_file else None
-  if path is None:
-    return []
-  with open(path, encoding="utf-8") as f:
-    return re.findall(r"^([A-Z_][A-Z0-9_]*)\s*=", f.read(), re.M)
 
 
 def refuse_unknown_args(args: Sequence[str], runs_file: str = "",

@@ -75,7 +75,7 @@ import pytest
 import test_cli_help
 import test_cli_hints
 import test_gin_examples
-from realm_jax import gin_cli
+from realm_jax.core import gin_text
 from realm_jax.testing import timeouts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -625,7 +625,7 @@ def _check_job(command: Command, args: list[str], runner: _Runner) -> list[str]:
     source = _module_path(module).read_text(encoding="utf-8")
     if "gin_cli.run" in source:
       args = args + [f"--gin.{m}='{runner.tmp / m.lower()}'"
-                     for m in gin_cli.required_macros(_runs_file(module))
+                     for m in gin_text.required_macros(_runs_file(module))
                      if f"--gin.{m}" not in given]
   args = args + ([] if "--dry_run" in args else ["--dry_run"])
   if command.kind == "script":

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from realm_jax import gin_cli
+from realm_jax.core import gin_text
 from realm_jax.testing import timeouts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,9 +132,9 @@ def test_the_jobs_own_gin_files_exist():
   del pretrain  # (training_job names it after the module)
   for name in ("pretrain", "ict", "finetune"):
     job = gin_cli.training_job(f"realm_jax.training.{name}", "X")
-    assert gin_cli.find_gin_file(job.runs_file), job.runs_file
-  assert gin_cli.required_macros("runs/corpus.gin") == ["OUTPUT_DIR"]
-  assert gin_cli.required_macros("runs/query_cache.gin") == [
+    assert gin_text.find_gin_file(job.runs_file), job.runs_file
+  assert gin_text.required_macros("runs/corpus.gin") == ["OUTPUT_DIR"]
+  assert gin_text.required_macros("runs/query_cache.gin") == [
       "ANNOTATED", "OUTPUT_DIR"]
 
 

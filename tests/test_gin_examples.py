@@ -32,7 +32,7 @@ import sys
 
 import pytest
 
-from realm_jax import gin_cli
+from realm_jax.core import gin_text
 from realm_jax.testing import timeouts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -172,7 +172,7 @@ def _as_run(module: str, flags: list[str], refined: str,
   # that header's experiment file's.
   files = [_runs_file(module), *([refined] if refined else [])]
   argv += [f"--gin.{m}='{tmp / m.lower()}'"
-           for f in files for m in gin_cli.required_macros(f)
+           for f in files for m in gin_text.required_macros(f)
            if f"--gin.{m}" not in given]
   return [sys.executable, "-m", module, *argv, "--dry_run"]
 

@@ -56,6 +56,7 @@ from absl import logging
 from realm_jax.aot import AotConfig, topology
 from realm_jax.aot.report import Report, compile_step, format_report, gb
 from realm_jax.aot.steps import build_steps
+from realm_jax.core import gin_text
 from realm_jax.index import builder as builder_lib
 from realm_jax.model.realm import RealmConfig
 from realm_jax.training import finetune, ict, pretrain
@@ -153,7 +154,6 @@ def configured_jobs(gin_texts: Sequence[str]) -> dict[str, Any]:
 def placeholder_bindings(argv: Sequence[str]) -> list[str]:
   """Bindings for the `%gin.REQUIRED` macros of the command line's gin
   files (WORKDIR, BLOCK_STORE, ...), except TOPOLOGY."""
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   files, i = [], 0
   while i < len(argv):
     arg = argv[i]
@@ -164,8 +164,8 @@ def placeholder_bindings(argv: Sequence[str]) -> list[str]:
       i += 1
     i += 1
   macros = []
-  for path in gin_cli.included_gin_files(files):
-    macros += [m for m in gin_cli.required_macros(path)
+  for path in gin_text.included_gin_files(files):
+    macros += [m for m in gin_text.required_macros(path)
                if m != "TOPOLOGY" and m not in macros]
   return [f"{m} = '{PLACEHOLDER}'" for m in macros]
 
@@ -174,13 +174,12 @@ def job(dry_run: bool) -> None:
   """realm-aot's `job(dry_run)` (gin_cli.run): exits 1 if a step does not
   fit."""
   import gin  # pylint: disable=g-import-not-at-top
-  from realm_jax import gin_cli  # pylint: disable=g-import-not-at-top
   from realm_jax.core import gin_config  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   try:
     aot = gin_config.configured(
         AotConfig, required=f"include {RUNS_FILE} and set TOPOLOGY.")
-    texts = gin_cli.included_gin_files(flags.FLAGS.gin_file).values()
+    texts = gin_text.included_gin_files(flags.FLAGS.gin_file).values()
     configs = configured_jobs(list(texts))
     model = gin_config.configured(RealmConfig)
   except ValueError as e:  # A config's own check; gin appends its call.
