@@ -103,6 +103,17 @@ class _DrainingEventLoop(asyncio.SelectorEventLoop):
             asyncio.gather(*pending, return_exceptions=True))
     super().close()
 
+  def call_soon_threadsafe(self, callback, *args, context=None):
+    # A read whose task was cancelled above can still complete later, in
+    # TensorStore's own threads: its result has nowhere to go, and asyncio
+    # would raise (and TensorStore print) "Event loop is closed" for it.
+    try:
+      return super().call_soon_threadsafe(callback, *args, context=context)
+    except RuntimeError:
+      if self.is_closed():
+        return None
+      raise
+
 
 class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
   """`base`, except that new loops are `_DrainingEventLoop`s (the loops
