@@ -61,9 +61,9 @@ def job(dry_run: bool, bindings: Sequence[str] = ()) -> None:
                          "step": model.params_step})}
   try:
     record = calibrate.calibrate(examples, dense=model.ranker, bm25=bm25,
-                              store=store, index=model.index, config=config,
-                              source=source,
-                              batch_size=max(eval_config.batch_size, 256))
+                                 store=store, index=model.index,
+                                 config=config, source=source,
+                                 batch_size=max(eval_config.batch_size, 256))
   except ValueError as e:
     raise SystemExit(f"CalibrateConfig.questions_file="
                      f"{config.questions_file!r}: {e}") from e
